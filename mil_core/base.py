@@ -1,0 +1,158 @@
+"""Shared estimator machinery for the sparse-GP MIL models (scikit-learn conventions)."""
+
+from __future__ import annotations
+
+import copy
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import train_test_split
+from sklearn.utils import check_random_state
+from sklearn.utils.validation import check_is_fitted
+
+from ._backend import to_numpy
+from .bags import BagIndex, split_into_blocks
+from .engine import BagBlock, PartitionUpdates, SerialExecutor, SparseGP, optimise
+from .inducing import kmeans_inducing_points
+from .kernels import RBF
+from .validation import check_features, check_mil_data
+
+__all__ = ["SparseGPMILBase", "store_params", "take_bags"]
+
+
+def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
+    """scikit-learn convention: ``__init__`` stores its arguments unchanged, nothing else."""
+    for name, value in init_locals.items():
+        if name not in ("self", "__class__"):
+            setattr(estimator, name, value)
+
+
+def take_bags(X_sorted: Any, offsets: np.ndarray, bags: np.ndarray) -> tuple[Any, np.ndarray]:
+    """Rows and CSR offsets of the selected bags (indices into ``offsets``), in the given order."""
+    sizes = np.diff(offsets)[bags]
+    starts = offsets[:-1][bags]
+    new_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    rows = np.repeat(starts - new_offsets[:-1], sizes) + np.arange(new_offsets[-1])
+    return X_sorted[rows], new_offsets
+
+
+class SparseGPMILBase(BaseEstimator):
+    """Fit loop shared by the sparse-GP MIL estimators.
+
+    Subclasses declare their parameters in ``__init__`` (scikit-learn style: stored only) and
+    implement :meth:`_make_updates` (the model's partition step / global update) and
+    :meth:`_bag_proba_from_state` (bag probabilities from a fitted global state, used for
+    validation-based early stopping and prediction).
+
+    Common parameters: ``n_inducing``, ``kernel`` (:class:`~mil_core.kernels.RBF`, default
+    ``RBF(variance=1, length_scale=√D)``), ``max_iter``, ``tol`` (relative ELBO change),
+    ``early_stopping`` / ``validation_fraction`` / ``n_iter_no_change`` (bag-AUC patience on a
+    stratified hold-out of bags; the best iterate is kept, as in seed 000 Sec. 6),
+    ``block_size`` (instances per partition of whole bags for the serial executor),
+    ``random_state``.
+    """
+
+    # ---- hooks -----------------------------------------------------------------------------
+    @abstractmethod
+    def _make_updates(self, gp: SparseGP) -> PartitionUpdates: ...
+
+    @abstractmethod
+    def _bag_proba_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray) -> np.ndarray: ...
+
+    # ---- fit ---------------------------------------------------------------------------------
+    def _check_common_params(self, n_instances: int) -> None:
+        if not (isinstance(self.n_inducing, (int, np.integer)) and self.n_inducing >= 2):
+            raise ValueError(f"n_inducing must be an integer >= 2, got {self.n_inducing!r}")
+        if self.n_inducing > n_instances:
+            raise ValueError(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances})")
+        if self.max_iter < 1:
+            raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
+        if self.tol < 0:
+            raise ValueError(f"tol must be >= 0, got {self.tol}")
+        if self.early_stopping and not 0 < self.validation_fraction < 1:
+            raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
+
+    def _split_validation(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        bags = np.arange(labels.shape[0])
+        if not self.early_stopping:
+            return bags, None
+        rng = check_random_state(self.random_state)
+        train, val = train_test_split(
+            bags, test_size=self.validation_fraction, stratify=labels, random_state=rng.randint(2**31 - 1)
+        )
+        return np.sort(train), np.sort(val)
+
+    def fit(self, X: Any, bag_ids: Any, y: Any) -> SparseGPMILBase:
+        """Fit on instances ``X`` (N, D), their ``bag_ids`` (N,) and ``y`` (N,), the bag label of
+        each instance's bag (constant within a bag)."""
+        X, bags, labels = check_mil_data(X, bag_ids, y)
+        self._check_common_params(X.shape[0])
+        X_sorted = X[bags.order]
+        train, val = self._split_validation(labels)
+        X_train, offsets = take_bags(X_sorted, bags.offsets, train)
+        train_labels = labels[train]
+
+        self.n_features_in_ = X.shape[1]
+        self.classes_ = np.array([0, 1])
+        self.kernel_ = (self.kernel or RBF()).resolve(self.n_features_in_)
+        instance_labels = np.repeat(train_labels, np.diff(offsets))
+        Z = kmeans_inducing_points(
+            to_numpy(X_train), instance_labels, self.n_inducing, random_state=self.random_state
+        )
+        self.gp_ = SparseGP.build(self.kernel_, Z)
+        updates = self._make_updates(self.gp_)
+        blocks = [
+            BagBlock(X=X_train[offsets[a] : offsets[b]], offsets=offsets[a : b + 1] - offsets[a], labels=train_labels[a:b])
+            for a, b in split_into_blocks(offsets, self.block_size)
+        ]
+        executor = SerialExecutor(updates, blocks)
+        monitor = None
+        if val is not None:
+            X_val, val_offsets = take_bags(X_sorted, bags.offsets, val)
+            monitor = _EarlyStopping(
+                score=lambda glob: roc_auc_score(labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets)),
+                patience=self.n_iter_no_change,
+            )
+        trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol, monitor=monitor)
+        self.q_ = trace.glob if monitor is None else monitor.best_state
+        self.elbo_ = np.asarray(trace.objective)
+        self.n_iter_ = trace.n_iter
+        self.converged_ = trace.converged
+        if monitor is not None:
+            self.validation_auc_ = np.asarray(monitor.scores)
+            self.best_iteration_ = monitor.best_iteration
+        return self
+
+    # ---- shared prediction helpers -----------------------------------------------------------
+    def _check_predict_input(self, X: Any, bag_ids: Any | None = None) -> tuple[Any, BagIndex | None]:
+        check_is_fitted(self, "q_")
+        if bag_ids is None:
+            return check_features(X, n_features=self.n_features_in_), None
+        X = check_features(X, n_features=self.n_features_in_)
+        X, bags, _ = check_mil_data(X, bag_ids)
+        return X, bags
+
+    def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of the latent f* at each row (Eq. 30, FITC diagonal)."""
+        X, _ = self._check_predict_input(X)
+        return self.gp_.whiten(X).latent_moments(self.q_)
+
+
+class _EarlyStopping:
+    """Monitor for :func:`~mil_core.engine.optimise`: validation bag AUC with patience; keeps the
+    best global state."""
+
+    def __init__(self, score, patience: int):
+        self.score, self.patience = score, patience
+        self.scores: list[float] = []
+        self.best_state, self.best_iteration = None, 0
+
+    def __call__(self, iteration: int, glob: Any) -> bool:
+        s = float(self.score(glob))
+        self.scores.append(s)
+        if self.best_state is None or s > max(self.scores[:-1]):
+            self.best_state, self.best_iteration = copy.deepcopy(glob), iteration
+        return iteration - self.best_iteration >= self.patience

@@ -1,0 +1,255 @@
+"""The fit engine: every iteration is map (partition step) → sum (reduction) → small solve.
+
+See ``DESIGN.md`` §1. With ``Kzz = L Lᵀ`` and the whitened instance feature
+``a'ₙ = L⁻¹ k(Z, xₙ)``, q(v) = N(m', S') for ``v = L⁻¹u``; every model's global update is a
+closed-form function of statistics that are *sums over partitions of whole bags*.
+
+A model plugs into an executor through :class:`PartitionUpdates`:
+
+``prepare(block)``          raw bag block → what the step works on (e.g. whitened features);
+``init_local(block)``       the block's local variational parameters (π, ξ, …);
+``init_global()``           the starting global state (e.g. q(v) = prior);
+``partition_step(block, local, global)`` → ``(statistics, new local)``;
+``global_update(statistics, global)`` → ``(new global, objective)``.
+
+Statistics are :class:`Summable` dataclasses, so the reduction is plain ``+`` (a Python
+``sum`` here, a Dask tree reduction in ``tasks``). :class:`SerialExecutor` is the
+single-process executor; :func:`optimise` is the shared convergence loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from functools import reduce
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import scipy.linalg
+
+from ._backend import array_namespace, cholesky_with_jitter, solve_lower, to_numpy
+from .kernels import RBF
+
+__all__ = [
+    "BagBlock",
+    "SparseGP",
+    "WhitenedBlock",
+    "WhitenedBags",
+    "GaussianQ",
+    "Summable",
+    "PartitionUpdates",
+    "SerialExecutor",
+    "FitTrace",
+    "optimise",
+    "gaussian_update",
+]
+
+Block = TypeVar("Block")
+Local = TypeVar("Local")
+Global = TypeVar("Global")
+Stats = TypeVar("Stats", bound="Summable")
+
+
+@dataclass(frozen=True)
+class BagBlock:
+    """A block of whole bags: rows ``X`` (n, D), CSR ``offsets`` (b + 1) local to the block,
+    bag ``labels`` (b,) in {0, 1} (−1 for unlabelled bags at prediction time)."""
+
+    X: Any
+    offsets: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def n_instances(self) -> int:
+        return int(self.offsets[-1])
+
+
+@dataclass(frozen=True)
+class SparseGP:
+    """The fixed part of the sparse prior: kernel, inducing points Z and ``chol(Kzz + jitter·I)``."""
+
+    kernel: RBF
+    Z: np.ndarray
+    chol: np.ndarray
+    jitter: float
+
+    @classmethod
+    def build(cls, kernel: RBF, Z: np.ndarray) -> SparseGP:
+        Z = np.asarray(Z, dtype=np.float64)
+        chol, jitter = cholesky_with_jitter(kernel(Z, Z))
+        return cls(kernel=kernel, Z=Z, chol=chol, jitter=jitter)
+
+    @property
+    def n_inducing(self) -> int:
+        return int(self.Z.shape[0])
+
+    def whiten(self, X: Any) -> WhitenedBlock:
+        """``A' = K(X, Z) L⁻ᵀ`` (rows a'ₙ) and the FITC residual ``k(xₙ, xₙ) − ‖a'ₙ‖² ≥ 0``.
+
+        One GEMM for the kernel block and one triangular solve, in the namespace of ``X``.
+        """
+        xp = array_namespace(X)
+        Z, L = xp.asarray(self.Z), xp.asarray(self.chol)
+        A = solve_lower(L, self.kernel(Z, X)).T
+        resid = xp.clip(self.kernel.diag(X) - xp.sum(A * A, axis=1), 0.0, None)
+        return WhitenedBlock(A=A, resid=resid)
+
+
+@dataclass(frozen=True)
+class WhitenedBlock:
+    """Whitened features ``A'`` (n, M) and FITC residual variances (n,), in the input's namespace."""
+
+    A: Any
+    resid: Any
+
+    def latent_moments(self, q: GaussianQ) -> tuple[np.ndarray, np.ndarray]:
+        """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30)."""
+        xp = array_namespace(self.A)
+        m, S = xp.asarray(q.mean), xp.asarray(q.cov)
+        mean = self.A @ m
+        var = xp.sum((self.A @ S) * self.A, axis=1) + self.resid
+        return to_numpy(mean), np.maximum(to_numpy(var), 0.0)
+
+    def weighted_gram(self, weights: np.ndarray) -> np.ndarray:
+        """``Σ wₙ a'ₙa'ₙᵀ`` as one GEMM, returned on the host in float64."""
+        xp = array_namespace(self.A)
+        w = xp.asarray(weights)
+        return to_numpy(self.A.T @ (self.A * w[:, None]))
+
+    def project(self, values: np.ndarray) -> np.ndarray:
+        """``Σ a'ₙ vₙ`` (an M-vector) on the host."""
+        xp = array_namespace(self.A)
+        return to_numpy(self.A.T @ xp.asarray(values))
+
+
+@dataclass(frozen=True)
+class WhitenedBags:
+    """A prepared block of whole bags: whitened features plus the block's CSR offsets and labels."""
+
+    features: WhitenedBlock
+    offsets: np.ndarray
+    labels: np.ndarray
+
+    @classmethod
+    def from_block(cls, gp: SparseGP, block: BagBlock) -> WhitenedBags:
+        return cls(features=gp.whiten(block.X), offsets=block.offsets, labels=np.asarray(block.labels))
+
+    @property
+    def instance_labels(self) -> np.ndarray:
+        """Each instance's bag label."""
+        return np.repeat(self.labels, np.diff(self.offsets))
+
+
+@dataclass(frozen=True)
+class GaussianQ:
+    """Whitened q(v) = N(mean, cov)."""
+
+    mean: np.ndarray
+    cov: np.ndarray
+
+    @classmethod
+    def prior(cls, n_inducing: int) -> GaussianQ:
+        return cls(mean=np.zeros(n_inducing), cov=np.eye(n_inducing))
+
+    def kl_to_prior(self) -> float:
+        """KL(N(m', S') ‖ N(0, I)) = ½(tr S' + m'ᵀm' − M − log det S')."""
+        chol, _ = cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)
+        logdet = 2.0 * np.sum(np.log(np.diag(chol)))
+        return 0.5 * float(np.trace(self.cov) + self.mean @ self.mean - self.mean.shape[0] - logdet)
+
+
+def gaussian_update(precision: np.ndarray, shift: np.ndarray) -> GaussianQ:
+    """``S' = (I + G')⁻¹``, ``m' = S' r'`` by a Cholesky factorisation of ``I + G'``.
+
+    ``I + G'`` has eigenvalues ≥ 1, so the factorisation is well conditioned (DESIGN §1).
+    """
+    M = shift.shape[0]
+    P = np.eye(M) + 0.5 * (precision + precision.T)
+    chol, _ = cholesky_with_jitter(P, initial_relative_jitter=0.0)
+    factor = (chol, True)
+    cov = scipy.linalg.cho_solve(factor, np.eye(M), check_finite=False)
+    mean = scipy.linalg.cho_solve(factor, shift, check_finite=False)
+    return GaussianQ(mean=mean, cov=0.5 * (cov + cov.T))
+
+
+class Summable:
+    """Mixin for dataclass statistics: ``a + b`` adds every field (the reduction)."""
+
+    def __add__(self, other: Any) -> Any:
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        return type(self)(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+class PartitionUpdates(Protocol, Generic[Block, Local, Global, Stats]):
+    """What an executor needs from a model (see the module docstring)."""
+
+    def prepare(self, block: BagBlock) -> Block: ...
+
+    def init_local(self, block: Block) -> Local: ...
+
+    def init_global(self) -> Global: ...
+
+    def partition_step(self, block: Block, local: Local, glob: Global) -> tuple[Stats, Local]: ...
+
+    def global_update(self, stats: Stats, glob: Global) -> tuple[Global, float]: ...
+
+
+@dataclass
+class FitTrace:
+    """What :func:`optimise` returns: final global state, objective per iteration, stop reason."""
+
+    glob: Any
+    objective: list[float] = field(default_factory=list)
+    n_iter: int = 0
+    converged: bool = False
+
+
+def optimise(
+    sweep: Callable[[Any], Any],
+    updates: PartitionUpdates,
+    glob: Any,
+    *,
+    max_iter: int,
+    tol: float,
+    monitor: Callable[[int, Any], bool] | None = None,
+) -> FitTrace:
+    """The shared fit loop: ``stats = sweep(global)`` (map + reduce, done by an executor), then
+    ``global_update``. Stops when the relative change of the objective falls below ``tol``, after
+    ``max_iter`` iterations, or when ``monitor(iteration, global)`` returns True.
+    """
+    trace = FitTrace(glob=glob)
+    for it in range(1, max_iter + 1):
+        stats = sweep(trace.glob)
+        trace.glob, objective = updates.global_update(stats, trace.glob)
+        trace.objective.append(float(objective))
+        trace.n_iter = it
+        if not np.isfinite(objective):
+            raise FloatingPointError(f"objective became {objective} at iteration {it}")
+        if it > 1:
+            previous = trace.objective[-2]
+            if abs(objective - previous) <= tol * max(abs(previous), 1.0):
+                trace.converged = True
+        if monitor is not None and monitor(it, trace.glob):
+            break
+        if trace.converged:
+            break
+    return trace
+
+
+class SerialExecutor:
+    """Single-process executor: holds the prepared blocks and their local state in memory and
+    runs the partition step over them one after another."""
+
+    def __init__(self, updates: PartitionUpdates, blocks: Sequence[BagBlock]):
+        self.updates = updates
+        self.blocks = [updates.prepare(b) for b in blocks]
+        self.locals = [updates.init_local(b) for b in self.blocks]
+
+    def sweep(self, glob: Any) -> Any:
+        """Map the partition step over all blocks (updating their local state) and sum."""
+        stats = []
+        for i, block in enumerate(self.blocks):
+            s, self.locals[i] = self.updates.partition_step(block, self.locals[i], glob)
+            stats.append(s)
+        return reduce(lambda a, b: a + b, stats)

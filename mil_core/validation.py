@@ -1,0 +1,67 @@
+"""Input validation at the estimator boundary, with messages that name what is wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from array_api_compat import is_cupy_array
+from sklearn.utils.validation import check_array
+
+from ._backend import array_namespace
+from .bags import BagIndex
+
+__all__ = ["check_features", "check_mil_data"]
+
+
+def check_features(X: Any, *, n_features: int | None = None) -> Any:
+    """A finite 2-D float array; NumPy input goes through scikit-learn's ``check_array``,
+    CuPy input stays on the device."""
+    if is_cupy_array(X):
+        xp = array_namespace(X)
+        if X.ndim != 2:
+            raise ValueError(f"X must be 2-D (n_instances, n_features), got shape {X.shape}")
+        if not bool(xp.all(xp.isfinite(X))):
+            raise ValueError("X contains NaN or infinity")
+    else:
+        X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=True, input_name="X")
+    if n_features is not None and X.shape[1] != n_features:
+        raise ValueError(f"X has {X.shape[1]} features, but the model was fitted with {n_features}")
+    return X
+
+
+def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
+    """Validate instances, bag ids and (optionally) per-instance bag labels.
+
+    Returns ``(X, bags, bag_labels)`` where ``bag_labels`` (B,) is in {0, 1}, ordered like
+    ``bags.keys``. Raises ``ValueError`` for NaN/inf, mismatched lengths, labels other than
+    0/1, a bag whose instances carry different labels, or a single class.
+    """
+    X = check_features(X)
+    bag_ids = np.asarray(bag_ids)
+    if bag_ids.ndim != 1 or bag_ids.shape[0] != X.shape[0]:
+        raise ValueError(f"bag_ids must be 1-D with one entry per instance ({X.shape[0]}), got shape {bag_ids.shape}")
+    if bag_ids.dtype.kind == "f" and not np.all(np.isfinite(bag_ids)):
+        raise ValueError("bag_ids contains NaN or infinity")
+    bags = BagIndex.from_ids(bag_ids)
+    if y is None:
+        return X, bags, None
+    y = np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != X.shape[0]:
+        raise ValueError(f"y must be 1-D with one bag label per instance ({X.shape[0]}), got shape {y.shape}")
+    if y.dtype.kind not in "biuf" or not np.all(np.isin(y, (0, 1))):
+        bad = np.unique(y[~np.isin(y, (0, 1))]) if y.dtype.kind in "biuf" else np.unique(y)
+        raise ValueError(f"bag labels must be 0 or 1, found {bad[:5].tolist()}")
+    y_sorted = y[bags.order].astype(np.int8)
+    lo = np.minimum.reduceat(y_sorted, bags.offsets[:-1])
+    hi = np.maximum.reduceat(y_sorted, bags.offsets[:-1])
+    mixed = np.flatnonzero(lo != hi)
+    if mixed.size:
+        raise ValueError(
+            f"bag {bags.keys[mixed[0]].item()!r} has instances with different bag labels; y must repeat each "
+            f"bag's label for all of its instances ({mixed.size} such bag(s))"
+        )
+    labels = lo.astype(np.int8)
+    if np.unique(labels).size < 2:
+        raise ValueError(f"need bags of both classes to fit, all {labels.size} bags have label {labels[0]}")
+    return X, bags, labels

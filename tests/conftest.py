@@ -1,0 +1,36 @@
+"""Shared fixtures: small synthetic MIL problems with known instance labels."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def make_toy_bags(n_bags: int = 40, n_features: int = 2, seed: int = 0):
+    """Bags of 3–8 instances; negatives ~ N(0, I), positives ~ N(3·e₁, I).
+
+    Positive bags (every other bag) hold 1–3 positive instances. Returns
+    ``X, bag_ids, y (bag label per instance), instance_labels``.
+    """
+    rng = np.random.default_rng(seed)
+    X, bags, y, inst = [], [], [], []
+    for b in range(n_bags):
+        size = int(rng.integers(3, 9))
+        label = b % 2
+        n_pos = int(rng.integers(1, min(3, size) + 1)) if label else 0
+        x = rng.normal(size=(size, n_features))
+        x[:n_pos, 0] += 3.0
+        X.append(x)
+        bags += [b] * size
+        y += [label] * size
+        inst += [1] * n_pos + [0] * (size - n_pos)
+    return np.concatenate(X), np.array(bags), np.array(y), np.array(inst)
+
+
+@pytest.fixture
+def toy_bags():
+    return make_toy_bags()
