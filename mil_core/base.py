@@ -15,7 +15,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ._backend import to_numpy
 from .bags import BagIndex, split_into_blocks
-from .engine import BagBlock, PartitionUpdates, SerialExecutor, SparseGP, optimise
+from .engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from .inducing import kmeans_inducing_points
 from .kernels import RBF
 from .validation import check_features, check_mil_data
@@ -95,15 +95,7 @@ class SparseGPMILBase(BaseEstimator):
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)
         train_labels = labels[train]
 
-        self.n_features_in_ = X.shape[1]
-        self.classes_ = np.array([0, 1])
-        self.kernel_ = (self.kernel or RBF()).resolve(self.n_features_in_)
-        instance_labels = np.repeat(train_labels, np.diff(offsets))
-        Z = kmeans_inducing_points(
-            to_numpy(X_train), instance_labels, self.n_inducing, random_state=self.random_state
-        )
-        self.gp_ = SparseGP.build(self.kernel_, Z)
-        updates = self._make_updates(self.gp_)
+        updates = self._start_fit(X_train, np.repeat(train_labels, np.diff(offsets)))
         blocks = [
             BagBlock(X=X_train[offsets[a] : offsets[b]], offsets=offsets[a : b + 1] - offsets[a], labels=train_labels[a:b])
             for a, b in split_into_blocks(offsets, self.block_size)
@@ -117,6 +109,24 @@ class SparseGPMILBase(BaseEstimator):
                 patience=self.n_iter_no_change,
             )
         trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol, monitor=monitor)
+        self._finish_fit(trace, monitor)
+        return self
+
+    def _start_fit(self, X_train: Any, instance_labels: np.ndarray) -> PartitionUpdates:
+        """Set ``n_features_in_``, ``kernel_`` and ``gp_`` (k-means inducing points on
+        ``X_train``, labelled by their bag's label) and return the model's updates.
+
+        Also the entry point of executors that train outside :meth:`fit` (``tasks.training``).
+        """
+        self.n_features_in_ = X_train.shape[1]
+        self.classes_ = np.array([0, 1])
+        self.kernel_ = (self.kernel or RBF()).resolve(self.n_features_in_)
+        Z = kmeans_inducing_points(to_numpy(X_train), instance_labels, self.n_inducing, random_state=self.random_state)
+        self.gp_ = SparseGP.build(self.kernel_, Z)
+        return self._make_updates(self.gp_)
+
+    def _finish_fit(self, trace: FitTrace, monitor: _EarlyStopping | None = None) -> None:
+        """Store the fitted state of an :func:`~mil_core.engine.optimise` run."""
         self.q_ = trace.glob if monitor is None else monitor.best_state
         self.elbo_ = np.asarray(trace.objective)
         self.n_iter_ = trace.n_iter
@@ -124,7 +134,6 @@ class SparseGPMILBase(BaseEstimator):
         if monitor is not None:
             self.validation_auc_ = np.asarray(monitor.scores)
             self.best_iteration_ = monitor.best_iteration
-        return self
 
     # ---- shared prediction helpers -----------------------------------------------------------
     def _check_predict_input(self, X: Any, bag_ids: Any | None = None) -> tuple[Any, BagIndex | None]:

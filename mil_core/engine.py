@@ -213,13 +213,17 @@ def optimise(
     max_iter: int,
     tol: float,
     monitor: Callable[[int, Any], bool] | None = None,
+    resume_from: FitTrace | None = None,
 ) -> FitTrace:
     """The shared fit loop: ``stats = sweep(global)`` (map + reduce, done by an executor), then
     ``global_update``. Stops when the relative change of the objective falls below ``tol``, after
     ``max_iter`` iterations, or when ``monitor(iteration, global)`` returns True.
+
+    ``resume_from`` continues a checkpointed run (its ``glob``, objective trace and ``n_iter``;
+    ``glob`` is then ignored), so that an interrupted fit ends where an uninterrupted one would.
     """
-    trace = FitTrace(glob=glob)
-    for it in range(1, max_iter + 1):
+    trace = FitTrace(glob=glob) if resume_from is None else resume_from
+    for it in range(trace.n_iter + 1, max_iter + 1):
         stats = sweep(trace.glob)
         trace.glob, objective = updates.global_update(stats, trace.glob)
         trace.objective.append(float(objective))
