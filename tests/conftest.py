@@ -34,3 +34,12 @@ def make_toy_bags(n_bags: int = 40, n_features: int = 2, seed: int = 0):
 @pytest.fixture
 def toy_bags():
     return make_toy_bags()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real (ephemeral, SQLite) Prefect server for flow tests; its first start can take a minute."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

@@ -1,0 +1,126 @@
+"""Throughput of the Dask executor (issue 6): instance-iterations/s next to this machine's GEMM roofline.
+
+Writes synthetic feature cohorts (D features, bags of ~`--bag-size` instances, float32) into Zarr
+stores under `--workdir`, then fits VGPMIL with M inducing points for `--iterations` sweeps on a
+LocalCluster of 1 and 2 single-threaded workers, in persist and stream mode. Prints a Markdown table.
+
+    python benchmarks/bench_distributed.py                                   # N = 1e4, 1e5, 1e6 (~10 min)
+    python benchmarks/bench_distributed.py --sizes 10000 --workers 1 --iterations 3   # quick
+
+Flop counts per instance-iteration: persist mode reuses the whitened features a'ₙ, so a sweep is
+E f, Var f (2M² + 2M) and the Gram statistics (2M²): ≈ 4M². Stream mode recomputes K(x, Z) (2MD)
+and the triangular solve (M²) every sweep: ≈ 2MD + 5M². The roofline is the measured float64
+GEMM rate of one core times the number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from distributed import Client, LocalCluster
+from threadpoolctl import threadpool_limits
+
+from mil_core import VGPMIL
+from tasks.store import BagData, CohortSpec, append_bags, create_cohort
+from tasks.training import fit_cohort
+
+
+def gemm_flops_per_core(n: int = 1024, repeats: int = 5) -> float:
+    """Best-of-``repeats`` float64 GEMM rate on one thread."""
+    a, b = np.random.default_rng(0).standard_normal((2, n, n))
+    best = np.inf
+    with threadpool_limits(1):
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def write_cohort(path: Path, n_instances: int, n_features: int, bag_size: int, seed: int = 0) -> None:
+    """Bags of ``bag_size`` instances; positive bags (every other) hold 10% shifted witnesses."""
+    rng = np.random.default_rng(seed)
+    create_cohort(path, CohortSpec(name=path.stem, n_features=n_features, coords_dim=1, coords_meaning="index"))
+    n_bags = max(2, n_instances // bag_size)
+
+    def bags():
+        for b in range(n_bags):
+            X = rng.standard_normal((bag_size, n_features), dtype=np.float32)
+            label = b % 2
+            if label:
+                X[: max(1, bag_size // 10), 0] += 3.0
+            yield BagData(bag_id=f"b{b:08d}", label=label, source="synthetic", features=X,
+                          coords=np.arange(bag_size)[:, None], instance_labels=np.full(bag_size, -1))
+
+    append_bags(path, bags())
+
+
+def worker_peak_rss_mib(client: Client) -> float:
+    peaks = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return max(peaks.values()) / 1024
+
+
+def run(store: Path, n: int, workers: int, mode: str, args) -> dict:
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      memory_limit=args.memory_limit) as cluster, Client(cluster) as client:
+        stamps = []
+        model = VGPMIL(n_inducing=args.inducing, max_iter=args.iterations + 1, tol=0.0, random_state=0)
+        t0 = time.perf_counter()
+        fit_cohort(model, store, client, run=f"bench-{workers}-{mode}", resume=False, mode=mode,
+                   partition_bytes=args.partition_mib * 2**20, checkpoint_every=10**6,
+                   on_iteration=lambda i, _: stamps.append(time.perf_counter()))
+        total = time.perf_counter() - t0
+        per_iter = (stamps[-1] - stamps[0]) / (len(stamps) - 1)  # first sweep includes loading
+        return {"seconds_per_iteration": per_iter, "first_iteration": stamps[0] - t0, "total": total,
+                "peak_rss_mib": worker_peak_rss_mib(client)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["persist", "stream"])
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--inducing", type=int, default=200)
+    parser.add_argument("--bag-size", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--partition-mib", type=int, default=64)
+    parser.add_argument("--memory-limit", default="auto")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+
+    roof = gemm_flops_per_core()
+    M, D = args.inducing, args.features
+    flops = {"persist": 4 * M * M + 2 * M, "stream": 2 * M * D + 5 * M * M}
+    print(f"machine: {platform.machine()}, {platform.processor() or ''} python {platform.python_version()}; "
+          f"float64 GEMM, one core: {roof / 1e9:.1f} GFLOP/s; D={D}, M={M}, bags of {args.bag_size}, "
+          f"partitions of {args.partition_mib} MiB\n")
+    print("| N | workers | mode | s / iteration | instance-iterations / s | GFLOP/s | fraction of roofline | first iteration s | peak worker RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpmil-bench-"))
+    try:
+        for n in args.sizes:
+            store = workdir / f"cohort-{n}.zarr"
+            if not store.exists():
+                write_cohort(store, n, D, args.bag_size)
+            for workers in args.workers:
+                for mode in args.modes:
+                    r = run(store, n, workers, mode, args)
+                    rate = n / r["seconds_per_iteration"]
+                    gflops = rate * flops[mode] / 1e9
+                    print(f"| {n:.0e} | {workers} | {mode} | {r['seconds_per_iteration']:.3f} | {rate:.3g} | {gflops:.1f} | "
+                          f"{gflops * 1e9 / (roof * workers):.2f} | {r['first_iteration']:.1f} | {r['peak_rss_mib']:.0f} |", flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

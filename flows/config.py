@@ -1,0 +1,166 @@
+"""The pipeline configuration: YAML → validated pydantic model, before any work starts.
+
+A bad value fails with the dotted field path and the reason (``model.params.n_inducing: …``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["PipelineConfig", "ConfigError", "load_config", "MODEL_CLASSES", "make_model"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the file and the field."""
+
+
+def _model_classes() -> dict[str, type]:
+    import mil_core
+
+    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP"]
+    return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
+
+
+MODEL_CLASSES = _model_classes()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IngestConfig(_Strict):
+    """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
+    ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
+    (the store already exists)."""
+
+    kind: Literal["wsi", "ct", "features", "none"] = "none"
+    source: Path | None = None
+    labels: Path | None = None
+    tile_size: int = Field(256, gt=0)
+    level: int = Field(0, ge=0)
+    min_tissue_fraction: float = Field(0.5, gt=0, le=1)
+    extractor: str | None = None
+    extractor_params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _source_needed(self) -> IngestConfig:
+        if self.kind != "none" and self.source is None:
+            raise ValueError(f"ingest.source is required for ingest.kind={self.kind!r}")
+        return self
+
+
+class ModelConfig(_Strict):
+    """``name``: one of the estimators of :mod:`mil_core`; ``params``: its constructor arguments."""
+
+    name: str = "VGPMIL"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in MODEL_CLASSES:
+            raise ValueError(f"unknown model {name!r}; available: {', '.join(sorted(MODEL_CLASSES))}")
+        return name
+
+    @model_validator(mode="after")
+    def _params_accepted(self) -> ModelConfig:
+        estimator = MODEL_CLASSES[self.name]()
+        unknown = sorted(set(self.params) - set(estimator.get_params()))
+        if unknown:
+            raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(estimator.get_params()))}")
+        return self
+
+
+class TrainingConfig(_Strict):
+    partition_mib: float = Field(128, gt=0)
+    checkpoint_every: int = Field(5, ge=1)
+    mode: Literal["auto", "persist", "stream"] = "auto"
+    device: Literal["auto", "cpu", "gpu"] = "auto"
+
+
+class PredictionConfig(_Strict):
+    """``store``: cohort to predict (default: the training store); the MIL ``rule`` and instance
+    probability ``method`` apply to the logistic family."""
+
+    store: Path | None = None
+    method: Literal["probit", "mc"] = "probit"
+    rule: Literal["noisy_or", "max"] = "max"
+    threshold: float = Field(0.5, gt=0, lt=1)
+    top_k: int = Field(3, ge=1)
+    n_uncertain: int = Field(10, ge=0)
+    n_heatmaps: int = Field(4, ge=0)
+
+
+class DaskConfig(_Strict):
+    scheduler_address: str | None = None
+    n_workers: int | None = Field(None, ge=1)
+    threads_per_worker: int | None = Field(None, ge=1)
+    processes: bool = True
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline: ingest → train → predict → evaluate."""
+
+    name: str = Field("gpmil", pattern=r"^[A-Za-z0-9_.-]+$")
+    store: Path
+    output_dir: Path
+    ingest: IngestConfig = IngestConfig()
+    model: ModelConfig = ModelConfig()
+    training: TrainingConfig = TrainingConfig()
+    prediction: PredictionConfig = PredictionConfig()
+    dask: DaskConfig = DaskConfig()
+
+    def model_key(self, cohort_fingerprint: str) -> str:
+        """Content key of a trained model: training cohort + model + training settings that change
+        the result (partitioning and device do not)."""
+        return _digest({"cohort": cohort_fingerprint, "model": self.model.model_dump(mode="json")})
+
+    def prediction_key(self, model_key: str, cohort_fingerprint: str) -> str:
+        settings = self.prediction.model_dump(mode="json", include={"method", "rule"})
+        return _digest({"model": model_key, "cohort": cohort_fingerprint, "prediction": settings})
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_model(config: ModelConfig):
+    """A fresh estimator from the configuration."""
+    return MODEL_CLASSES[config.name](**config.params)
+
+
+def load_config(path: str | Path, **overrides: Any) -> PipelineConfig:
+    """Read and validate a YAML configuration; relative paths are taken from the file's folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file not found") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw |= overrides
+    try:
+        config = PipelineConfig.model_validate(raw)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors())
+        raise ConfigError(f"{path}: {problems}") from None
+    return _resolve_paths(config, path.parent)
+
+
+def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
+    def resolve(p: Path | None) -> Path | None:
+        return None if p is None or p.is_absolute() else (base / p).resolve()
+
+    ingest = config.ingest.model_copy(update={"source": resolve(config.ingest.source) or config.ingest.source,
+                                              "labels": resolve(config.ingest.labels) or config.ingest.labels})
+    prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
+    return config.model_copy(update={"store": resolve(config.store) or config.store, "output_dir": resolve(config.output_dir) or config.output_dir,
+                                     "ingest": ingest, "prediction": prediction})

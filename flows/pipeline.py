@@ -1,0 +1,101 @@
+"""Prefect flows: ``ingest_cohort``, ``train_model``, ``predict_cohort``, ``evaluate_run`` and
+``pipeline`` (all four), each parameterised by a YAML configuration (:mod:`flows.config`).
+
+One Dask cluster per flow run: the flow starts a ``LocalCluster`` (or connects to
+``dask.scheduler_address``) and hands its address to the tasks, whose clients attach to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.config import PipelineConfig, load_config
+from tasks import prefect_tasks as t
+from tasks.cluster import dask_client
+
+__all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline"]
+
+
+@contextmanager
+def _cluster(config: PipelineConfig, scheduler_address: str | None = None) -> Iterator[str]:
+    """The scheduler address of the run's one cluster (given, configured, or a new LocalCluster)."""
+    if scheduler_address:
+        yield scheduler_address
+        return
+    d = config.dask
+    with dask_client(d.scheduler_address, n_workers=d.n_workers, threads_per_worker=d.threads_per_worker, processes=d.processes) as client:
+        yield client.scheduler.address
+
+
+def _config(config: str | PipelineConfig, **overrides: Any) -> PipelineConfig:
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(config, PipelineConfig):
+        return config.model_copy(update=overrides) if overrides else config
+    return load_config(config, **overrides)
+
+
+@flow(name="ingest-cohort", log_prints=True)
+def ingest_cohort(config: str, store: str | None = None, source: str | None = None, scheduler_address: str | None = None) -> dict[str, Any]:
+    """Tile + featurise new slides/scans (or load a feature table) into the cohort store; slides
+    already in the store are skipped."""
+    cfg = _config(config, store=store)
+    if source is not None:
+        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
+    with _cluster(cfg, scheduler_address) as address:
+        return t.ingest(cfg, address)
+
+
+@flow(name="train-model", log_prints=True)
+def train_model(config: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
+    """Train the configured model on the store (reusing a model trained on the same content)."""
+    cfg = _config(config, store=store)
+    with _cluster(cfg, scheduler_address) as address:
+        fingerprint = t.fingerprint_cohort(str(cfg.store))
+        return t.train(cfg, str(cfg.store), cfg.model_key(fingerprint), address)
+
+
+@flow(name="predict-cohort", log_prints=True)
+def predict_cohort(config: str, model_dir: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
+    """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model."""
+    cfg = _config(config)
+    target = str(store or cfg.prediction.store or cfg.store)
+    with _cluster(cfg, scheduler_address) as address:
+        key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
+        return t.predict(cfg, target, model_dir, key, address)
+
+
+@flow(name="evaluate-run", log_prints=True)
+def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | None = None) -> t.StageResult:
+    """Tables, metrics, figures and the report of one prediction run."""
+    cfg = _config(config)
+    target = str(store or cfg.prediction.store or cfg.store)
+    return t.write_report(cfg, target, model_dir, prediction_key)
+
+
+@flow(name="gpmil-pipeline", log_prints=True)
+def pipeline(config: str | PipelineConfig, store: str | None = None, source: str | None = None) -> dict[str, t.StageResult]:
+    """Ingest → train → predict → evaluate on one cluster. Reruns skip what is done: slides
+    already ingested, a model trained on the same cohort content and configuration, complete
+    predictions; a changed configuration recomputes only the stages it affects."""
+    logger = get_run_logger()
+    cfg = _config(config, store=store)
+    if source is not None:
+        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
+    results: dict[str, t.StageResult] = {}
+    with _cluster(cfg) as address:
+        if cfg.ingest.kind != "none":
+            results["ingest"] = t.ingest(cfg, address)
+        training_store = str(cfg.store)
+        trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
+        results["train"] = trained
+        target = str(cfg.prediction.store or cfg.store)
+        key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
+        results["predict"] = t.predict(cfg, target, trained.path, key, address)
+    results["report"] = t.write_report(cfg, target, trained.path, key)
+    logger.info("report: %s", results["report"].path)
+    return results

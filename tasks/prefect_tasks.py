@@ -1,0 +1,202 @@
+"""Prefect tasks: thin wrappers of the store, training, prediction and report functions.
+
+Results are keyed on content and persisted next to the data (model files under
+``<output_dir>/models/<key>/``, predictions in the store under ``predictions/<key>``), so a task
+whose result exists returns it without recomputing (``reused=True`` in its result); Prefect's own
+result caching is therefore off. I/O tasks retry with back-off.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from distributed import Client
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import PipelineConfig, make_model
+from tasks import report
+from tasks.store import open_cohort
+from tasks.training import fit_cohort, predict_cohort, read_predictions
+
+IO_RETRIES = dict(retries=2, retry_delay_seconds=[2, 10])
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage produced and whether it was reused from an earlier run."""
+
+    key: str
+    path: str
+    reused: bool
+    info: dict[str, Any]
+
+
+def _artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    text = "-".join(parts).lower()
+    return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
+
+
+def _atomic_write_bytes(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+        tmp.write(payload)
+    os.replace(tmp.name, path)
+
+
+@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **IO_RETRIES)
+def fingerprint_cohort(store: str) -> str:
+    """Content fingerprint of a store: bag ids, labels, offsets and the feature extractor."""
+    cohort = open_cohort(store)
+    digest = hashlib.sha256()
+    for array in (np.asarray(cohort.bag_ids, dtype=str), np.asarray(cohort.bag_labels), np.asarray(cohort.offsets)):
+        digest.update(array.tobytes())
+    digest.update(json.dumps(cohort.attrs.get("feature_extractor"), sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+@task(name="train-model", task_run_name="train {config.model.name} on {store}", cache_policy=NO_CACHE)
+def train(config: PipelineConfig, store: str, model_key: str, scheduler_address: str) -> StageResult:
+    """Fit the configured model on the store's labelled bags on the Dask cluster (resuming a
+    checkpointed run with the same key), or reuse the model saved under that key."""
+    logger = get_run_logger()
+    model_dir = Path(config.output_dir) / "models" / model_key
+    if (model_dir / "model.pkl").exists():
+        logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
+        return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
+    model = make_model(config.model)
+    progress = create_progress_artifact(0.0, key=_artifact_key("training", config.name), description=f"{config.model.name} iterations")
+
+    def on_iteration(iteration: int, objective: float) -> None:
+        update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
+        logger.info("iteration %d: ELBO %.4f", iteration, objective)
+
+    with Client(scheduler_address) as client:
+        summary = fit_cohort(
+            model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
+            mode=config.training.mode, device=config.training.device, checkpoint_every=config.training.checkpoint_every,
+            on_iteration=on_iteration,
+        )
+    update_progress_artifact(progress, 100.0)
+    info = {
+        "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
+        "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in model.elbo_],
+        "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
+        "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
+    }
+    _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
+    report.plot_elbo(model.elbo_, model_dir / "elbo.png")
+    _atomic_write_bytes(model_dir / "model.pkl", pickle.dumps(model))  # written last: marks the model complete
+    logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
+    return StageResult(model_key, str(model_dir), False, info)
+
+
+def load_model(model_dir: str | Path):
+    return pickle.loads((Path(model_dir) / "model.pkl").read_bytes())
+
+
+@task(name="predict-cohort", task_run_name="predict {store} with {model_dir}", cache_policy=NO_CACHE)
+def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, scheduler_address: str) -> StageResult:
+    """Instance and bag probabilities with std for every bag of ``store``, written to the store
+    under ``predictions/<key>``; reused when that group is complete."""
+    logger = get_run_logger()
+    root = zarr.open_group(store, mode="r")
+    name = f"predictions/{prediction_key}"
+    if name in root and root[name].attrs.get("complete"):
+        logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
+        return StageResult(prediction_key, f"{store}/{name}", True, {})
+    model = load_model(model_dir)
+    logistic = hasattr(model, "emax")
+    instance_kwargs = {"method": config.prediction.method} if logistic else {}
+    bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
+    with Client(scheduler_address) as client:
+        path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
+                              device=config.training.device, instance_kwargs=instance_kwargs, bag_kwargs=bag_kwargs)
+    return StageResult(prediction_key, path, False, {})
+
+
+def _png_markdown(path: Path, alt: str) -> str:
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+
+
+@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **IO_RETRIES)
+def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
+    """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
+    Markdown report, and the matching Prefect artifacts."""
+    logger = get_run_logger()
+    out = Path(config.output_dir) / "predictions" / prediction_key
+    settings = json.dumps({"model_dir": str(model_dir), **config.prediction.model_dump(mode="json")}, sort_keys=True)
+    if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
+        logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
+        metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+        return StageResult(prediction_key, str(out / "report.md"), True, metrics)
+    (out / "report-settings.json").unlink(missing_ok=True)
+    table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
+    report.write_tables(table, out)
+    predictions = read_predictions(store, prediction_key)
+    cohort = open_cohort(store)
+    instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
+    coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
+
+    sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
+                f"model `{model_dir}`.", ""]
+    metrics: dict[str, Any] = {}
+    figures: list[Path] = []
+    if (table["label"] >= 0).any() and table.loc[table["label"] >= 0, "label"].nunique() == 2:
+        evaluation = report.evaluate(table, threshold=config.prediction.threshold, instance_labels=instance_labels,
+                                     instance_proba=predictions["instances/proba"])
+        metrics = evaluation.metrics
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        evaluation.calibration.to_csv(out / "calibration.csv", index=False)
+        figures.append(report.plot_roc(evaluation, out / "roc.png"))
+        sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
+                     f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
+        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=_artifact_key("metrics", config.name),
+                              description="Bag (and instance) metrics")
+    else:
+        sections += ["No labelled bags of both classes: no evaluation.", ""]
+    if (Path(model_dir) / "elbo.png").exists():
+        figures.insert(0, Path(model_dir) / "elbo.png")
+
+    uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
+    uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
+    sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[["bag_id", "probability", "std", "label"]]), ""]
+
+    top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
+    for b in top.index:
+        rows = cohort.bag_slice(int(b))
+        bag_id = table.at[b, "bag_id"]
+        if coords.shape[1] >= 2:
+            figures.append(report.plot_wsi_heatmap(coords[rows], predictions["instances/proba"][rows], out / "heatmaps" / f"{bag_id}.png",
+                                                   title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
+        else:
+            figures.append(report.plot_ct_slices(coords[rows, 0], predictions["instances/proba"][rows], predictions["instances/std"][rows],
+                                                 out / "slices" / f"{bag_id}.png", instance_labels=instance_labels[rows],
+                                                 title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
+    sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
+    markdown = "\n".join(sections)
+    (out / "report.md").write_text(markdown)
+    (out / "report-settings.json").write_text(settings)  # last: marks the report complete
+    create_markdown_artifact(markdown, key=_artifact_key("report", config.name), description="Evaluation report with figures")
+    create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
+                          key=_artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
+    logger.info("report written to %s", out / "report.md")
+    return StageResult(prediction_key, str(out / "report.md"), False, metrics)
+
+
+def _metrics_frame(metrics: dict[str, Any]):
+    import pandas as pd
+
+    return pd.DataFrame({"metric": list(metrics), "value": [float(v) for v in metrics.values()]})

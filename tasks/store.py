@@ -1,0 +1,605 @@
+"""Zarr 3 cohort store: ragged MIL bags in CSR layout, its writers and its read API.
+
+Layout (see ``docs/STORE.md`` for dtypes, chunks and codecs)::
+
+    <cohort>.zarr/
+      instances/features (N, D) float32   instances/bag (N,) int32
+      instances/coords   (N, k) int32     instances/label (N,) int8   (-1 = unknown)
+      bags/offsets (B+1,) int64   bags/id (B,) str   bags/label (B,) int8   bags/source (B,) str
+      bags/done (B,) bool
+      staging/<key>/{features,coords,label}   (per-bag work area of the parallel ingest)
+
+Instances of bag ``b`` are rows ``offsets[b]:offsets[b+1]``. Bags are appended by one writer
+(:func:`append_bags`): instance rows first, then the bag arrays, then ``bags/done`` last, so a bag is
+visible to readers only once all of it is written. A crash leaves trailing rows or bags with
+``done == False``; readers ignore them and :func:`repair` (run by every append) truncates them.
+Parallel ingest never writes the CSR arrays concurrently: each worker writes one bag into its own
+``staging/<key>`` group (:class:`StagingWriter`), and the driver appends finished bags in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+
+from tasks.ingest.errors import DuplicateIdError, FeatureDimensionError, IngestError, StoreMismatchError
+
+SCHEMA_VERSION = 1
+FEATURE_DTYPE = np.dtype(np.float32)
+BAG_INDEX_DTYPE = np.dtype(np.int32)
+COORD_DTYPE = np.dtype(np.int32)
+LABEL_DTYPE = np.dtype(np.int8)
+OFFSET_DTYPE = np.dtype(np.int64)
+UNKNOWN_LABEL = -1
+BAG_CHUNK = 16384
+TARGET_CHUNK_BYTES = 4 * 2**20
+
+_NUMERIC_CODEC = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+_INSTANCE_ARRAYS = ("features", "bag", "coords", "label")
+_BAG_ARRAYS = ("id", "label", "source", "offsets", "done")
+# Attributes that must agree between an existing store and a new ingest into it.
+_COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extractor", "tiling")
+
+
+# --------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class CohortSpec:
+    """What a store is: fixed when it is created, checked when more bags are added.
+
+    ``feature_extractor`` is ``{"name", "version", "params"}``; ``tiling`` holds tile size, level,
+    magnification etc. for slide cohorts and ``None`` otherwise. ``coords_meaning`` names the
+    columns of ``instances/coords`` (e.g. ``"tile_row,tile_col"``, ``"slice_index"``).
+    """
+
+    name: str
+    n_features: int
+    coords_dim: int
+    coords_meaning: str
+    feature_extractor: dict[str, Any] = field(default_factory=lambda: {"name": "precomputed"})
+    tiling: dict[str, Any] | None = None
+    chunk_rows: int | None = None
+
+    def resolved_chunk_rows(self) -> int:
+        """Rows per chunk: about 4 MiB of features, a power of two in [1024, 262144]."""
+        if self.chunk_rows is not None:
+            return int(self.chunk_rows)
+        rows = TARGET_CHUNK_BYTES / (FEATURE_DTYPE.itemsize * max(self.n_features, 1))
+        return int(np.clip(2 ** round(math.log2(rows)), 1024, 262144))
+
+
+@dataclass(frozen=True)
+class BagData:
+    """One bag in memory: ``features`` (n, D), ``coords`` (n, k), ``instance_labels`` (n,)."""
+
+    bag_id: str
+    label: int
+    source: str
+    features: np.ndarray
+    coords: np.ndarray
+    instance_labels: np.ndarray
+
+    @property
+    def n_instances(self) -> int:
+        return int(self.features.shape[0])
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A block of whole bags: bags ``[bag_start, bag_stop)`` = rows ``[row_start, row_stop)``."""
+
+    index: int
+    bag_start: int
+    bag_stop: int
+    row_start: int
+    row_stop: int
+
+    @property
+    def n_bags(self) -> int:
+        return self.bag_stop - self.bag_start
+
+    @property
+    def n_rows(self) -> int:
+        return self.row_stop - self.row_start
+
+
+@dataclass(frozen=True)
+class StoredBags:
+    """Whole bags ``[bag_start, bag_stop)`` read into memory.
+
+    ``bag`` is the global bag index of each row; ``offsets`` are local (``offsets[0] == 0``).
+    """
+
+    bag_start: int
+    bag_stop: int
+    features: np.ndarray
+    bag: np.ndarray
+    coords: np.ndarray
+    instance_labels: np.ndarray
+    bag_ids: np.ndarray
+    bag_labels: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def n_bags(self) -> int:
+        return self.bag_stop - self.bag_start
+
+
+# -------------------------------------------------------------------------------------- create
+def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False) -> zarr.Group:
+    """Create an empty cohort store at ``path`` (``overwrite`` replaces an existing one)."""
+    root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="w" if overwrite else "w-")
+    chunk_rows = spec.resolved_chunk_rows()
+    instances = root.create_group("instances")
+    numeric = {"compressors": _NUMERIC_CODEC}
+    instances.create_array("features", shape=(0, spec.n_features), chunks=(chunk_rows, spec.n_features),
+                           dtype=FEATURE_DTYPE, fill_value=0.0, **numeric)
+    instances.create_array("bag", shape=(0,), chunks=(chunk_rows,), dtype=BAG_INDEX_DTYPE,
+                           fill_value=-1, **numeric)
+    instances.create_array("coords", shape=(0, spec.coords_dim), chunks=(chunk_rows, spec.coords_dim),
+                           dtype=COORD_DTYPE, fill_value=0, **numeric)
+    instances.create_array("label", shape=(0,), chunks=(chunk_rows,), dtype=LABEL_DTYPE,
+                           fill_value=UNKNOWN_LABEL, **numeric)
+    bags = root.create_group("bags")
+    offsets = bags.create_array("offsets", shape=(1,), chunks=(BAG_CHUNK,), dtype=OFFSET_DTYPE,
+                                fill_value=0, **numeric)
+    offsets[:] = 0
+    bags.create_array("id", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
+    bags.create_array("source", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
+    bags.create_array("label", shape=(0,), chunks=(BAG_CHUNK,), dtype=LABEL_DTYPE,
+                      fill_value=UNKNOWN_LABEL, **numeric)
+    bags.create_array("done", shape=(0,), chunks=(BAG_CHUNK,), dtype=bool, fill_value=False)
+    root.create_group("staging")
+    root.attrs.update({
+        "schema_version": SCHEMA_VERSION,
+        "cohort_name": spec.name,
+        "n_features": spec.n_features,
+        "coords_dim": spec.coords_dim,
+        "coords_meaning": spec.coords_meaning,
+        "feature_extractor": spec.feature_extractor,
+        "tiling": spec.tiling,
+        "chunk_rows": chunk_rows,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    })
+    return root
+
+
+def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
+    """Open the store at ``path`` for appending (checking it matches ``spec``) or create it."""
+    if not (Path(path) / "zarr.json").exists():
+        return create_cohort(path, spec)
+    root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+")
+    check_compatible(root, spec, path=str(path))
+    return root
+
+
+def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = None) -> None:
+    """Raise if ``spec`` disagrees with the store's schema, feature dimension or settings."""
+    attrs = dict(root.attrs)
+    if attrs.get("schema_version") != SCHEMA_VERSION:
+        raise StoreMismatchError(
+            f"store schema version {attrs.get('schema_version')} != supported {SCHEMA_VERSION}", path=path)
+    wanted = _as_json({
+        "n_features": spec.n_features, "coords_dim": spec.coords_dim,
+        "coords_meaning": spec.coords_meaning, "feature_extractor": spec.feature_extractor,
+        "tiling": spec.tiling,
+    })
+    for key in _COMPATIBLE_ATTRS:
+        if attrs.get(key) != wanted[key]:
+            error = FeatureDimensionError if key == "n_features" else StoreMismatchError
+            raise error(f"store has {key}={attrs.get(key)!r}, this ingest has {wanted[key]!r}", path=path)
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from the group attributes (tuples become lists, ...)."""
+    return json.loads(json.dumps(value))
+
+
+def _open_root(target: str | Path | zarr.Group, mode: str) -> zarr.Group:
+    if isinstance(target, zarr.Group):
+        return target
+    return zarr.open_group(zarr.storage.LocalStore(str(target), read_only=mode == "r"), mode=mode)
+
+
+# --------------------------------------------------------------------------------------- write
+def committed_bag_count(root: zarr.Group) -> int:
+    """Number of leading bags with ``done == True``: the bags readers see."""
+    done = root["bags/done"][:]
+    not_done = np.flatnonzero(~done)
+    return int(not_done[0]) if not_done.size else int(done.size)
+
+
+def committed_bag_ids(target: str | Path | zarr.Group) -> np.ndarray:
+    """Ids of the committed bags, in store order."""
+    root = _open_root(target, "r")
+    return np.asarray(root["bags/id"][: committed_bag_count(root)], dtype=object)
+
+
+def repair(target: str | Path | zarr.Group) -> int:
+    """Drop rows and bags left by an interrupted append; return the number of rows dropped."""
+    root = _open_root(target, "r+")
+    n_bags = committed_bag_count(root)
+    n_rows = int(root["bags/offsets"][n_bags])
+    dropped = root["instances/bag"].shape[0] - n_rows
+    for name in _INSTANCE_ARRAYS:
+        array = root[f"instances/{name}"]
+        array.resize((n_rows, *array.shape[1:]))
+    for name in _BAG_ARRAYS:
+        array = root[f"bags/{name}"]
+        array.resize((n_bags + (name == "offsets"),))
+    return dropped
+
+
+class _RowWriter:
+    """Append instance rows in whole, chunk-aligned blocks (the buffer holds at most one chunk)."""
+
+    def __init__(self, root: zarr.Group, start_row: int):
+        self._arrays = {name: root[f"instances/{name}"] for name in _INSTANCE_ARRAYS}
+        self._chunk = self._arrays["features"].chunks[0]
+        self._next_row = start_row  # first row not yet written
+        self._buffer: dict[str, list[np.ndarray]] = {name: [] for name in _INSTANCE_ARRAYS}
+        self._buffered = 0
+
+    def add(self, block: dict[str, np.ndarray]) -> None:
+        n = len(block["bag"])
+        start = 0
+        while start < n:
+            room = self._chunk - (self._next_row + self._buffered) % self._chunk
+            stop = min(n, start + room)
+            for name in _INSTANCE_ARRAYS:
+                self._buffer[name].append(block[name][start:stop])
+            self._buffered += stop - start
+            if (self._next_row + self._buffered) % self._chunk == 0:
+                self.flush()
+            start = stop
+
+    def flush(self) -> None:
+        if not self._buffered:
+            return
+        stop = self._next_row + self._buffered
+        for name, array in self._arrays.items():
+            array.resize((stop, *array.shape[1:]))
+            array[self._next_row:stop] = np.concatenate(self._buffer[name])
+            self._buffer[name] = []
+        self._next_row, self._buffered = stop, 0
+
+
+def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int:
+    """Append bags to the store (one writer at a time); return the number appended.
+
+    Bags are streamed: memory holds one bag and one chunk of rows. Raises
+    :class:`DuplicateIdError` for an id already committed or repeated, and
+    :class:`FeatureDimensionError` for a bag whose feature or coordinate width differs from the
+    store's; in both cases nothing of this call is committed.
+    """
+    root = _open_root(target, "r+")
+    repair(root)
+    n_features, coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
+    first_bag = committed_bag_count(root)
+    seen = set(committed_bag_ids(root))
+    offsets = [int(root["bags/offsets"][first_bag])]
+    ids, labels, sources = [], [], []
+    writer = _RowWriter(root, offsets[0])
+    for bag in bags:
+        if bag.bag_id in seen:
+            raise DuplicateIdError("bag id already in the store or repeated", path=bag.source, bag_id=bag.bag_id)
+        if bag.features.ndim != 2 or bag.features.shape[1] != n_features or bag.coords.shape != (
+                bag.n_instances, coords_dim) or bag.instance_labels.shape != (bag.n_instances,):
+            raise FeatureDimensionError(
+                f"features {bag.features.shape}, coords {bag.coords.shape}, labels "
+                f"{bag.instance_labels.shape} do not fit the store's (n, {n_features}) / (n, {coords_dim})",
+                path=bag.source, bag_id=bag.bag_id)
+        if bag.n_instances == 0:
+            raise IngestError("bag has no instances", path=bag.source, bag_id=bag.bag_id)
+        if bag.label not in (UNKNOWN_LABEL, 0, 1):
+            raise IngestError(f"bag label {bag.label!r} is not 0, 1 or {UNKNOWN_LABEL} (unlabelled)",
+                              path=bag.source, bag_id=bag.bag_id)
+        seen.add(bag.bag_id)
+        writer.add({
+            "features": np.asarray(bag.features, dtype=FEATURE_DTYPE),
+            "bag": np.full(bag.n_instances, first_bag + len(ids), dtype=BAG_INDEX_DTYPE),
+            "coords": np.asarray(bag.coords, dtype=COORD_DTYPE),
+            "label": np.asarray(bag.instance_labels, dtype=LABEL_DTYPE),
+        })
+        ids.append(bag.bag_id)
+        labels.append(bag.label)
+        sources.append(bag.source)
+        offsets.append(offsets[-1] + bag.n_instances)
+    writer.flush()
+    if ids:
+        _write_bag_arrays(root, first_bag, ids, labels, sources, offsets)
+    return len(ids)
+
+
+def _write_bag_arrays(root: zarr.Group, first: int, ids: list[str], labels: list[int],
+                      sources: list[str], offsets: list[int]) -> None:
+    stop = first + len(ids)
+    columns = {
+        "id": np.asarray(ids, dtype=np.dtypes.StringDType()),
+        "source": np.asarray(sources, dtype=np.dtypes.StringDType()),
+        "label": np.asarray(labels, dtype=LABEL_DTYPE),
+    }
+    for name, values in columns.items():
+        root[f"bags/{name}"].resize((stop,))
+        root[f"bags/{name}"][first:stop] = values
+    root["bags/offsets"].resize((stop + 1,))
+    root["bags/offsets"][first:stop + 1] = np.asarray(offsets, dtype=OFFSET_DTYPE)
+    done = root["bags/done"]
+    done.resize((stop,))
+    done[first:stop] = True  # the commit point: written last
+
+
+def write_cohort_from_arrays(
+    path: str | Path,
+    X: np.ndarray,
+    bag_ids: np.ndarray,
+    bag_labels_per_instance: np.ndarray,
+    *,
+    coords: np.ndarray | None = None,
+    instance_labels: np.ndarray | None = None,
+    name: str = "cohort",
+    chunk_rows: int | None = None,
+    feature_extractor: dict[str, Any] | None = None,
+    source: str = "arrays",
+    overwrite: bool = False,
+) -> Cohort:
+    """Write a new store from instance-level arrays (the MIL table layout) and open it.
+
+    ``X`` (N, D) may be a ``np.memmap``; rows are copied one chunk at a time, so memory holds the
+    (N,) index arrays and one chunk of features, never a second copy of ``X``. Bags keep the order
+    of their first row; rows of a bag keep their order (a stable sort when bags are interleaved).
+    ``bag_labels_per_instance`` must be constant within each bag (0, 1, or -1 for unlabelled).
+    ``coords`` defaults to the row's index within its bag (``coords_meaning="instance_index"``);
+    ``instance_labels`` defaults to -1 (unknown).
+    """
+    import pandas as pd
+
+    n = X.shape[0]
+    if X.ndim != 2:
+        raise ValueError(f"X must be 2-D (instances x features), got shape {X.shape}")
+    codes, unique_ids = pd.factorize(np.asarray(bag_ids), sort=False)
+    labels = np.asarray(bag_labels_per_instance)
+    for what, array in (("bag_ids", codes), ("bag_labels_per_instance", labels)):
+        if array.shape != (n,):
+            raise ValueError(f"{what} must have shape ({n},), got {array.shape}")
+    order = None if np.all(codes[1:] >= codes[:-1]) else np.argsort(codes, kind="stable")
+    sorted_codes = codes if order is None else codes[order]
+    sizes = np.bincount(codes, minlength=len(unique_ids))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(OFFSET_DTYPE)
+    sorted_labels = (labels if order is None else labels[order]).astype(np.int64)
+    bag_labels = np.minimum.reduceat(sorted_labels, offsets[:-1]) if n else sorted_labels
+    if n and np.any(np.maximum.reduceat(sorted_labels, offsets[:-1]) != bag_labels):
+        raise ValueError("bag_labels_per_instance differs within a bag")
+    if not np.isin(bag_labels, (UNKNOWN_LABEL, 0, 1)).all():
+        raise ValueError(f"bag labels must be 0, 1 or {UNKNOWN_LABEL}, got {np.unique(bag_labels)}")
+    if coords is None:
+        coords_dim, coords_meaning = 1, "instance_index"
+    else:
+        coords = np.asarray(coords).reshape(n, -1)
+        coords_dim, coords_meaning = coords.shape[1], "given"
+    spec = CohortSpec(name=name, n_features=int(X.shape[1]), coords_dim=coords_dim,
+                      coords_meaning=coords_meaning,
+                      feature_extractor=feature_extractor or {"name": "precomputed"}, chunk_rows=chunk_rows)
+    root = create_cohort(path, spec, overwrite=overwrite)
+    writer = _RowWriter(root, 0)
+    step = root.attrs["chunk_rows"]
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = slice(start, stop) if order is None else order[start:stop]
+        bag = sorted_codes[start:stop]
+        writer.add({
+            "features": np.asarray(X[rows], dtype=FEATURE_DTYPE),
+            "bag": bag.astype(BAG_INDEX_DTYPE),
+            "coords": (np.arange(start, stop) - offsets[bag])[:, None] if coords is None else coords[rows],
+            "label": (np.full(stop - start, UNKNOWN_LABEL) if instance_labels is None
+                      else np.asarray(instance_labels)[rows]).astype(LABEL_DTYPE),
+        })
+    writer.flush()
+    if len(unique_ids):
+        _write_bag_arrays(root, 0, [str(b) for b in unique_ids], bag_labels.tolist(),
+                          [source] * len(unique_ids), offsets.tolist())
+    return open_cohort(path)
+
+
+# ------------------------------------------------------------------------------------- staging
+def staging_key(bag_id: str) -> str:
+    """Name of a bag's staging group: a hash, so any bag id is a safe path component."""
+    return hashlib.sha1(bag_id.encode()).hexdigest()[:24]
+
+
+def staged_status(root: zarr.Group, bag_id: str) -> str:
+    """``"complete"``, ``"incomplete"`` (an interrupted write) or ``"absent"``."""
+    try:
+        group = root[f"staging/{staging_key(bag_id)}"]
+    except KeyError:
+        return "absent"
+    return "complete" if group.attrs.get("complete") else "incomplete"
+
+
+class StagingWriter:
+    """Write one bag into its own ``staging/<key>`` group, batch by batch.
+
+    Only this writer touches the group, so any number of them run in parallel. The ``complete``
+    attribute is set by :meth:`finish` after all data is written.
+    """
+
+    def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str):
+        root = _open_root(store_path, "r+")
+        self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
+        self._chunk_rows = root.attrs["chunk_rows"]
+        self._group = root["staging"].create_group(staging_key(bag_id), overwrite=True)
+        self._group.attrs.update({"bag_id": bag_id, "label": int(label), "source": source, "complete": False})
+        self._arrays = {
+            "features": self._create("features", (0, self._n_features), FEATURE_DTYPE),
+            "coords": self._create("coords", (0, self._coords_dim), COORD_DTYPE),
+            "label": self._create("label", (0,), LABEL_DTYPE),
+        }
+        self.bag_id, self.source, self.n_instances = bag_id, source, 0
+
+    def _create(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> zarr.Array:
+        chunks = (self._chunk_rows, *shape[1:])
+        return self._group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_NUMERIC_CODEC)
+
+    def write(self, features: np.ndarray, coords: np.ndarray, instance_labels: np.ndarray) -> None:
+        """Append a batch of rows (checked against the store's feature dimension)."""
+        n = features.shape[0]
+        if features.ndim != 2 or features.shape[1] != self._n_features:
+            raise FeatureDimensionError(
+                f"features of shape {features.shape}; the store has {self._n_features} features",
+                path=self.source, bag_id=self.bag_id)
+        if coords.shape != (n, self._coords_dim) or instance_labels.shape != (n,):
+            raise FeatureDimensionError(
+                f"coords {coords.shape} / labels {instance_labels.shape} for {n} rows; the store has "
+                f"{self._coords_dim} coordinate columns", path=self.source, bag_id=self.bag_id)
+        stop = self.n_instances + n
+        for name, values in (("features", features), ("coords", coords), ("label", instance_labels)):
+            array = self._arrays[name]
+            array.resize((stop, *array.shape[1:]))
+            array[self.n_instances:stop] = values
+        self.n_instances = stop
+
+    def finish(self) -> int:
+        """Mark the staged bag complete; return its number of instances."""
+        self._group.attrs.update({"n_instances": self.n_instances, "complete": True})
+        return self.n_instances
+
+
+def read_staged(root: zarr.Group, bag_id: str) -> BagData:
+    """Load a complete staged bag."""
+    group = root[f"staging/{staging_key(bag_id)}"]
+    attrs = dict(group.attrs)
+    if not attrs.get("complete"):
+        raise RuntimeError(f"staged bag {bag_id!r} is incomplete")
+    return BagData(bag_id=attrs["bag_id"], label=attrs["label"], source=attrs["source"],
+                   features=group["features"][:], coords=group["coords"][:],
+                   instance_labels=group["label"][:])
+
+
+def drop_staged(root: zarr.Group, bag_ids: Iterable[str]) -> None:
+    """Delete staging groups (after their bags are committed)."""
+    staging = root["staging"]
+    for bag_id in bag_ids:
+        key = staging_key(bag_id)
+        if key in staging:
+            del staging[key]
+
+
+# ---------------------------------------------------------------------------------------- read
+class Cohort:
+    """Read access to a cohort store (only committed bags are visible).
+
+    Bag-level arrays (ids, labels, offsets, sources) are loaded at open; instance arrays are read
+    on demand, a range of whole bags at a time.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._root = _open_root(self.path, "r")
+        self.attrs: dict[str, Any] = dict(self._root.attrs)
+        if self.attrs.get("schema_version") != SCHEMA_VERSION:
+            raise StoreMismatchError(
+                f"store schema version {self.attrs.get('schema_version')} != supported {SCHEMA_VERSION}",
+                path=str(path))
+        n_bags = committed_bag_count(self._root)
+        bags = self._root["bags"]
+        self.offsets: np.ndarray = bags["offsets"][: n_bags + 1]
+        self.bag_ids: np.ndarray = np.asarray(bags["id"][:n_bags], dtype=object)
+        self.bag_labels: np.ndarray = bags["label"][:n_bags]
+        self.sources: np.ndarray = np.asarray(bags["source"][:n_bags], dtype=object)
+        self._instances = {name: self._root[f"instances/{name}"] for name in _INSTANCE_ARRAYS}
+
+    def __repr__(self) -> str:
+        return (f"Cohort({str(self.path)!r}, name={self.name!r}, n_bags={self.n_bags}, "
+                f"n_instances={self.n_instances}, n_features={self.n_features})")
+
+    @property
+    def name(self) -> str:
+        return self.attrs["cohort_name"]
+
+    @property
+    def n_bags(self) -> int:
+        return int(self.bag_ids.size)
+
+    @property
+    def n_instances(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def n_features(self) -> int:
+        return int(self.attrs["n_features"])
+
+    @property
+    def coords_dim(self) -> int:
+        return int(self.attrs["coords_dim"])
+
+    @property
+    def bytes_per_instance(self) -> int:
+        """Bytes of one row across the four instance arrays, uncompressed."""
+        return (FEATURE_DTYPE.itemsize * self.n_features + BAG_INDEX_DTYPE.itemsize
+                + COORD_DTYPE.itemsize * self.coords_dim + LABEL_DTYPE.itemsize)
+
+    def bag_slice(self, bag: int) -> slice:
+        """Rows of bag ``bag``."""
+        if not 0 <= bag < self.n_bags:
+            raise IndexError(f"bag {bag} out of range [0, {self.n_bags})")
+        return slice(int(self.offsets[bag]), int(self.offsets[bag + 1]))
+
+    def read_bags(self, start: int, stop: int) -> StoredBags:
+        """Read bags ``[start, stop)`` (whole bags) into memory."""
+        if not 0 <= start <= stop <= self.n_bags:
+            raise IndexError(f"bag range [{start}, {stop}) not within [0, {self.n_bags}]")
+        row_start, row_stop = int(self.offsets[start]), int(self.offsets[stop])
+        rows = slice(row_start, row_stop)
+        return StoredBags(
+            bag_start=start, bag_stop=stop,
+            features=self._instances["features"][rows],
+            bag=self._instances["bag"][rows].astype(np.int64),
+            coords=self._instances["coords"][rows],
+            instance_labels=self._instances["label"][rows],
+            bag_ids=self.bag_ids[start:stop], bag_labels=self.bag_labels[start:stop],
+            offsets=self.offsets[start:stop + 1] - row_start,
+        )
+
+    def read_partition(self, partition: Partition) -> StoredBags:
+        """Read the bags of ``partition``."""
+        return self.read_bags(partition.bag_start, partition.bag_stop)
+
+    def partitions(self, target_bytes: int = 128 * 2**20) -> tuple[Partition, ...]:
+        """Split the cohort into bag-aligned partitions of about ``target_bytes`` each.
+
+        A partition starts at the first bag starting at or after each multiple of
+        ``target_bytes // bytes_per_instance`` rows, so partitions hold roughly the target (one
+        bag more at most) and a bag larger than the target is a partition of its own. Depends only
+        on the offsets and ``target_bytes``: the same store gives the same partitions.
+        """
+        if target_bytes <= 0:
+            raise ValueError("target_bytes must be positive")
+        if self.n_bags == 0:
+            return ()
+        target_rows = max(1, target_bytes // self.bytes_per_instance)
+        marks = np.arange(0, self.n_instances, target_rows)
+        starts = np.unique(np.searchsorted(self.offsets[:-1], marks, side="left"))
+        bounds = np.append(starts[starts < self.n_bags], self.n_bags)
+        bounds[0] = 0
+        return tuple(
+            Partition(index=i, bag_start=int(b0), bag_stop=int(b1),
+                      row_start=int(self.offsets[b0]), row_stop=int(self.offsets[b1]))
+            for i, (b0, b1) in enumerate(zip(bounds[:-1], bounds[1:]))
+        )
+
+
+def open_cohort(path: str | Path) -> Cohort:
+    """Open a cohort store for reading."""
+    if not (Path(path) / "zarr.json").exists():
+        raise FileNotFoundError(f"no cohort store at {path}")
+    return Cohort(path)
+

@@ -1,0 +1,169 @@
+"""The Dask executor: a fit over store partitions on a real LocalCluster equals ``model.fit``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import zarr
+from distributed import Client, LocalCluster
+
+from mil_core import GVGPMIL, VGPMIL
+from tasks.store import BagData, CohortSpec, append_bags, create_cohort
+from tasks.training import fit_cohort, predict_cohort, read_predictions
+
+pytestmark = pytest.mark.timeout(300)
+
+PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as client:
+        yield client
+
+
+def write_store(path, X, bags, y, unlabelled=()):
+    """Bags in the order of their (zero-padded) ids, as ``model.fit`` sorts them."""
+    create_cohort(path, CohortSpec(name="toy", n_features=X.shape[1], coords_dim=1, coords_meaning="index"))
+    records = []
+    for b in np.unique(bags):
+        rows = np.flatnonzero(bags == b)
+        label = -1 if b in unlabelled else int(y[rows[0]])
+        records.append(BagData(bag_id=f"bag{b:04d}", label=label, source="memory", features=X[rows],
+                               coords=np.arange(rows.size)[:, None], instance_labels=np.full(rows.size, -1)))
+    append_bags(path, records)
+    return str(path)
+
+
+@pytest.fixture
+def toy_store(tmp_path, toy_bags):
+    X, bags, y, _ = toy_bags
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
+    return write_store(tmp_path / "toy.zarr", X, bags, y), (X, bags, y)
+
+
+def assert_same_fit(distributed, serial):
+    np.testing.assert_allclose(distributed.gp_.Z, serial.gp_.Z, rtol=1e-12)
+    np.testing.assert_allclose(distributed.q_.mean, serial.q_.mean, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(distributed.q_.cov, serial.q_.cov, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(distributed.elbo_, serial.elbo_, rtol=1e-8)
+
+
+@pytest.mark.parametrize("partition_bytes", [200, 2_000, 10**9])
+@pytest.mark.parametrize("mode", ["persist", "stream"])
+def test_distributed_fit_equals_serial_fit_for_any_partitioning(client, toy_store, partition_bytes, mode):
+    path, (X, bags, y) = toy_store
+    serial = VGPMIL(**PARAMS).fit(X, bags, y)
+    model = VGPMIL(**PARAMS)
+    summary = fit_cohort(model, path, client, partition_bytes=partition_bytes, mode=mode, resume=False)
+    assert summary.mode == mode and summary.n_iter == PARAMS["max_iter"]
+    assert_same_fit(model, serial)
+
+
+@pytest.mark.parametrize("n_workers", [1, 4])
+def test_distributed_fit_does_not_depend_on_the_number_of_workers(tmp_path, toy_store, n_workers):
+    path, (X, bags, y) = toy_store
+    serial = GVGPMIL(**PARAMS).fit(X, bags, y)
+    with LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        model = GVGPMIL(**PARAMS)
+        fit_cohort(model, path, client, partition_bytes=3_000, resume=False)
+    assert_same_fit(model, serial)
+
+
+def test_unlabelled_bags_are_left_out_of_training(tmp_path, toy_bags, client):
+    X, bags, y, _ = toy_bags
+    X = X.astype(np.float32).astype(np.float64)
+    unlabelled = {1, 4}
+    path = write_store(tmp_path / "partial.zarr", X, bags, y, unlabelled=unlabelled)
+    keep = ~np.isin(bags, list(unlabelled))
+    serial = VGPMIL(**PARAMS).fit(X[keep], bags[keep], y[keep])
+    model = VGPMIL(**PARAMS)
+    fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert_same_fit(model, serial)
+
+
+def test_early_stopping_matches_serial_fit(client, toy_store):
+    path, (X, bags, y) = toy_store
+    params = {**PARAMS, "max_iter": 30, "early_stopping": True, "n_iter_no_change": 3}
+    serial = VGPMIL(**params).fit(X, bags, y)
+    model = VGPMIL(**params)
+    fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    np.testing.assert_allclose(model.validation_auc_, serial.validation_auc_, rtol=1e-10)
+    assert model.best_iteration_ == serial.best_iteration_
+    assert_same_fit(model, serial)
+
+
+def test_a_killed_worker_does_not_change_the_result(client, toy_store):
+    path, (X, bags, y) = toy_store
+    serial = VGPMIL(**PARAMS).fit(X, bags, y)
+    killed = []
+
+    def kill_one_worker(iteration, objective):
+        if iteration == 4 and not killed:
+            pid = next(iter(client.run(os.getpid).values()))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    model = VGPMIL(**PARAMS)
+    fit_cohort(model, path, client, partition_bytes=2_000, mode="persist", checkpoint_every=100, resume=False, on_iteration=kill_one_worker)
+    assert killed
+    assert_same_fit(model, serial)
+
+
+class ClientDied(Exception):
+    pass
+
+
+def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store):
+    path, (X, bags, y) = toy_store
+    uninterrupted = VGPMIL(**PARAMS)
+    fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
+
+    def die(iteration, objective):
+        if iteration == 8:
+            raise ClientDied
+
+    with pytest.raises(ClientDied):
+        fit_cohort(VGPMIL(**PARAMS), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    assert zarr.open_group(path, mode="r")["training/crashy"].attrs["latest"] == 6
+
+    resumed = VGPMIL(**PARAMS)
+    summary = fit_cohort(resumed, path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3)
+    assert summary.resumed_from == 6
+    assert_same_fit(resumed, uninterrupted)
+
+
+def test_resuming_with_another_configuration_is_refused(client, toy_store):
+    path, _ = toy_store
+    fit_cohort(VGPMIL(**PARAMS), path, client, run="r", partition_bytes=2_000)
+    with pytest.raises(ValueError, match="n_inducing"):
+        fit_cohort(VGPMIL(**{**PARAMS, "n_inducing": 8}), path, client, run="r", partition_bytes=2_000)
+
+
+def test_distributed_predictions_equal_the_model_predictions(client, toy_store):
+    path, (X, bags, y) = toy_store
+    model = VGPMIL(**PARAMS).fit(X, bags, y)
+    predict_cohort(model, path, client, run="p", partition_bytes=2_000,
+                   instance_kwargs={"method": "probit"}, bag_kwargs={"method": "probit", "rule": "max"})
+    out = read_predictions(path, "p")
+    order = np.argsort(bags, kind="stable")
+    np.testing.assert_allclose(out["instances/proba"], model.predict_instance_proba(X[order], method="probit"), rtol=1e-10)
+    _, p_bag = model.predict_bag_proba(X, bags, method="probit", rule="max")
+    np.testing.assert_allclose(out["bags/proba"], p_bag, rtol=1e-10)
+    assert np.all(np.isfinite(out["instances/std"])) and np.all(np.isfinite(out["bags/std"]))
+
+
+def test_a_cohort_without_both_classes_cannot_be_trained(tmp_path, toy_bags, client):
+    X, bags, y, _ = toy_bags
+    path = write_store(tmp_path / "neg.zarr", X, bags, np.zeros_like(y))
+    with pytest.raises(ValueError, match="both classes"):
+        fit_cohort(VGPMIL(**PARAMS), path, client)
