@@ -9,6 +9,10 @@ from .engine import BagBlock, GaussianQ, SerialExecutor, SparseGP, optimise
 from .kernels import RBF
 from .likelihoods import GammaMixture, HyperbolicSecant, Psi, ThetaFunction
 from .vgpmil import GVGPMIL, VGPMIL, PsiVGPMIL
+from .probit import VGPMILPR, VGPMILPRI
+from .gibbs import VGPMILPRGibbs
+from .vwsgp import VWSGP
+from .absmil import AbSMIL
 
 __all__ = [
     "RBF",
@@ -19,6 +23,11 @@ __all__ = [
     "VGPMIL",
     "GVGPMIL",
     "PsiVGPMIL",
+    "VGPMILPR",
+    "VGPMILPRI",
+    "VGPMILPRGibbs",
+    "VWSGP",
+    "AbSMIL",
     "BagBlock",
     "GaussianQ",
     "SparseGP",

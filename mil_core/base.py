@@ -85,32 +85,50 @@ class SparseGPMILBase(BaseEstimator):
         )
         return np.sort(train), np.sort(val)
 
-    def fit(self, X: Any, bag_ids: Any, y: Any) -> SparseGPMILBase:
+    def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> SparseGPMILBase:
         """Fit on instances ``X`` (N, D), their ``bag_ids`` (N,) and ``y`` (N,), the bag label of
-        each instance's bag (constant within a bag)."""
+        each instance's bag (constant within a bag). ``coords`` (instance grid positions) only
+        for models that use them (see :meth:`_check_coords`)."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
+        coords_sorted = self._check_coords(coords, bags)
         X_sorted = X[bags.order]
         train, val = self._split_validation(labels)
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)
+        coords_train = None if coords_sorted is None else take_bags(coords_sorted, bags.offsets, train)[0]
         train_labels = labels[train]
 
         updates = self._start_fit(X_train, np.repeat(train_labels, np.diff(offsets)))
         blocks = [
-            BagBlock(X=X_train[offsets[a] : offsets[b]], offsets=offsets[a : b + 1] - offsets[a], labels=train_labels[a:b])
+            BagBlock(
+                X=X_train[offsets[a] : offsets[b]],
+                offsets=offsets[a : b + 1] - offsets[a],
+                labels=train_labels[a:b],
+                coords=None if coords_train is None else coords_train[offsets[a] : offsets[b]],
+            )
             for a, b in split_into_blocks(offsets, self.block_size)
         ]
         executor = SerialExecutor(updates, blocks)
         monitor = None
         if val is not None:
             X_val, val_offsets = take_bags(X_sorted, bags.offsets, val)
+            val_coords = {} if coords_sorted is None else {"coords": take_bags(coords_sorted, bags.offsets, val)[0]}
             monitor = _EarlyStopping(
-                score=lambda glob: roc_auc_score(labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets)),
+                score=lambda glob: roc_auc_score(
+                    labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets, **val_coords)
+                ),
                 patience=self.n_iter_no_change,
             )
         trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol, monitor=monitor)
         self._finish_fit(trace, monitor)
         return self
+
+    def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
+        """Instance coordinates in bag order (passed to the blocks and, as ``coords=``, to
+        :meth:`_bag_proba_from_state`). Models that use them override this; the others reject them."""
+        if coords is not None:
+            raise ValueError(f"{type(self).__name__} does not use instance coordinates; fit without coords")
+        return None
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray) -> PartitionUpdates:
         """Set ``n_features_in_``, ``kernel_`` and ``gp_`` (k-means inducing points on

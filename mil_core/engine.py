@@ -53,11 +53,13 @@ Stats = TypeVar("Stats", bound="Summable")
 @dataclass(frozen=True)
 class BagBlock:
     """A block of whole bags: rows ``X`` (n, D), CSR ``offsets`` (b + 1) local to the block,
-    bag ``labels`` (b,) in {0, 1} (−1 for unlabelled bags at prediction time)."""
+    bag ``labels`` (b,) in {0, 1} (−1 for unlabelled bags at prediction time), and optionally
+    integer instance ``coords`` (n, d) in the same row order (used by VGPMIL-PR-I's neighbour graph)."""
 
     X: Any
     offsets: np.ndarray
     labels: np.ndarray
+    coords: np.ndarray | None = None
 
     @property
     def n_instances(self) -> int:
@@ -221,8 +223,13 @@ def optimise(
 
     ``resume_from`` continues a checkpointed run (its ``glob``, objective trace and ``n_iter``;
     ``glob`` is then ignored), so that an interrupted fit ends where an uninterrupted one would.
+
+    Updates may define the optional ``hyper_step(sweep, iteration, glob) → glob``: a step on
+    hyper-parameters run after each global update, which may call ``sweep`` itself (seed 000,
+    Algorithm 1, step 8; :mod:`mil_core.hyper`).
     """
     trace = FitTrace(glob=glob) if resume_from is None else resume_from
+    hyper_step = getattr(updates, "hyper_step", None)
     for it in range(trace.n_iter + 1, max_iter + 1):
         stats = sweep(trace.glob)
         trace.glob, objective = updates.global_update(stats, trace.glob)
@@ -230,6 +237,8 @@ def optimise(
         trace.n_iter = it
         if not np.isfinite(objective):
             raise FloatingPointError(f"objective became {objective} at iteration {it}")
+        if hyper_step is not None:
+            trace.glob = hyper_step(sweep, it, trace.glob)
         if it > 1:
             previous = trace.objective[-2]
             if abs(objective - previous) <= tol * max(abs(previous), 1.0):

@@ -156,7 +156,7 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     figures: list[Path] = []
     if (table["label"] >= 0).any() and table.loc[table["label"] >= 0, "label"].nunique() == 2:
         evaluation = report.evaluate(table, threshold=config.prediction.threshold, instance_labels=instance_labels,
-                                     instance_proba=predictions["instances/proba"])
+                                     instance_proba=predictions.get("instances/proba"))
         metrics = evaluation.metrics
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
         evaluation.calibration.to_csv(out / "calibration.csv", index=False)
@@ -179,10 +179,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
-            figures.append(report.plot_wsi_heatmap(coords[rows], predictions["instances/proba"][rows], out / "heatmaps" / f"{bag_id}.png",
+            figures.append(report.plot_wsi_heatmap(coords[rows], report.instance_scores(predictions)[rows], out / "heatmaps" / f"{bag_id}.png",
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
-            figures.append(report.plot_ct_slices(coords[rows, 0], predictions["instances/proba"][rows], predictions["instances/std"][rows],
+            figures.append(report.plot_ct_slices(coords[rows, 0], report.instance_scores(predictions)[rows], predictions["instances/std"][rows],
                                                  out / "slices" / f"{bag_id}.png", instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
     sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]

@@ -48,7 +48,7 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     ``top_k`` most suspicious instances (row, coordinates, probability) as JSON."""
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
-    p_inst = pred["instances/proba"]
+    p_inst = instance_scores(pred)
     coords = zarr.open_group(str(store), mode="r")["instances/coords"][: cohort.n_instances]
     suspicious = []
     for b in range(cohort.n_bags):
@@ -67,6 +67,11 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     table["predicted_label"] = (table["probability"] >= threshold).astype(int)
     table["most_suspicious"] = suspicious
     return table
+
+
+def instance_scores(predictions: dict[str, np.ndarray]) -> np.ndarray:
+    """Instance probabilities, or the evidences of models that have no instance probability."""
+    return predictions["instances/proba"] if "instances/proba" in predictions else predictions["instances/evidence"]
 
 
 @dataclass(frozen=True)

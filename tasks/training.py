@@ -50,19 +50,28 @@ DEFAULT_PARTITION_BYTES = 128 * 2**20
 
 
 # ------------------------------------------------------------------------------ partition tasks
-def load_block(path: str, partition: Partition, device: str, exclude_bags: np.ndarray | None = None) -> BagBlock:
+def load_block(path: str, partition: Partition, device: str, exclude_bags: np.ndarray | None = None,
+               with_coords: bool = False) -> BagBlock:
     """The labelled bags of ``partition`` as an engine block (float64; on the GPU for ``device="gpu"``).
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
-    hold-out) are left out.
+    hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour graph).
     """
     stored = open_cohort(path).read_partition(partition)
     labels = np.asarray(stored.bag_labels)
     keep = labels >= 0
     if exclude_bags is not None and exclude_bags.size:
         keep &= ~np.isin(np.arange(partition.bag_start, partition.bag_stop), exclude_bags)
-    X, offsets = take_bags(np.asarray(stored.features, dtype=np.float64), np.asarray(stored.offsets), np.flatnonzero(keep))
-    return BagBlock(X=_to_device(X, device), offsets=offsets, labels=labels[keep].astype(np.int8))
+    kept = np.flatnonzero(keep)
+    offsets = np.asarray(stored.offsets)
+    X, new_offsets = take_bags(np.asarray(stored.features, dtype=np.float64), offsets, kept)
+    coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
+    return BagBlock(X=_to_device(X, device), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
+
+
+def uses_coords(model: SparseGPMILBase) -> bool:
+    """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
+    return type(model)._check_coords is not SparseGPMILBase._check_coords
 
 
 def _to_device(X: np.ndarray, device: str) -> Any:
@@ -73,16 +82,18 @@ def _to_device(X: np.ndarray, device: str) -> Any:
     return X
 
 
-def _prepare(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None) -> Any:
-    return updates.prepare(load_block(path, partition, device, exclude))
+def _prepare(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
+             with_coords: bool) -> Any:
+    return updates.prepare(load_block(path, partition, device, exclude, with_coords))
 
 
 def _init_local(updates: PartitionUpdates, block: Any) -> Any:
     return updates.init_local(block)
 
 
-def _stream_init_local(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None) -> Any:
-    return updates.init_local(_prepare(updates, path, partition, device, exclude))
+def _stream_init_local(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
+                       with_coords: bool) -> Any:
+    return updates.init_local(_prepare(updates, path, partition, device, exclude, with_coords))
 
 
 def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any) -> tuple[Any, Any]:
@@ -90,9 +101,10 @@ def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any
 
 
 def _stream_partition_step(
-    updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None, local: Any, glob: Any
+    updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None, with_coords: bool,
+    local: Any, glob: Any,
 ) -> tuple[Any, Any]:
-    return updates.partition_step(_prepare(updates, path, partition, device, exclude), local, glob)
+    return updates.partition_step(_prepare(updates, path, partition, device, exclude, with_coords), local, glob)
 
 
 def _sum_statistics(*stats: Any) -> Any:
@@ -103,9 +115,10 @@ def _value(x: Any) -> Any:
     return x
 
 
-def _bag_scores(model: SparseGPMILBase, block: Any, glob: Any) -> np.ndarray:
+def _bag_scores(model: SparseGPMILBase, block: BagBlock, glob: Any) -> np.ndarray:
     """Validation bag probabilities of one partition's hold-out block under ``glob``."""
-    return model._bag_proba_from_state(model.gp_, glob, block.X, block.offsets)
+    coords = {} if block.coords is None else {"coords": block.coords}
+    return model._bag_proba_from_state(model.gp_, glob, block.X, block.offsets, **coords)
 
 
 # --------------------------------------------------------------------------------- checkpoints
@@ -210,12 +223,13 @@ class DaskExecutor:
         exclude_bags: np.ndarray | None = None,
         locals_from: Checkpoint | None = None,
         locals_iteration: int | None = None,
+        with_coords: bool = False,
     ):
         if split_every < 2:
             raise ValueError(f"split_every must be >= 2, got {split_every}")
         self.client, self.store, self.partitions = client, store, list(partitions)
         self.mode, self.device, self.split_every = mode, device, split_every
-        self.exclude = exclude_bags
+        self.exclude, self.with_coords = exclude_bags, with_coords
         self.token = uuid.uuid4().hex[:8]
         self.resources = {"GPU": 1} if device == "gpu" else None
         self.iteration = locals_iteration or 0
@@ -223,7 +237,7 @@ class DaskExecutor:
         self.updates = self._submit(_value, updates, key=f"model-updates-{self.token}")
         if mode == "persist":
             self.blocks = [
-                self._submit(_prepare, self.updates, store, p, device, self.exclude, key=f"load-partition-{p.index}-{self.token}")
+                self._submit(_prepare, self.updates, store, p, device, self.exclude, with_coords, key=f"load-partition-{p.index}-{self.token}")
                 for p in self.partitions
             ]
         if locals_from is not None:
@@ -235,7 +249,7 @@ class DaskExecutor:
             ]
         else:
             self.locals = [
-                self._submit(_stream_init_local, self.updates, store, p, device, self.exclude, key=f"init-local-{p.index}-{self.token}")
+                self._submit(_stream_init_local, self.updates, store, p, device, self.exclude, with_coords, key=f"init-local-{p.index}-{self.token}")
                 for p in self.partitions
             ]
 
@@ -261,7 +275,9 @@ class DaskExecutor:
                 results.append(self._submit(_partition_step, self.updates, self.blocks[i], self.locals[i], q, key=key))
             else:
                 results.append(
-                    self._submit(_stream_partition_step, self.updates, self.store, p, self.device, self.exclude, self.locals[i], q, key=key)
+                    self._submit(
+                        _stream_partition_step, self.updates, self.store, p, self.device, self.exclude, self.with_coords, self.locals[i], q, key=key
+                    )
                 )
         stats = [self.client.submit(operator.getitem, r, 0, key=f"statistics-{it}-{i}-{token}") for i, r in enumerate(results)]
         self.locals = [self.client.submit(operator.getitem, r, 1, key=f"local-{it}-{i}-{token}") for i, r in enumerate(results)]
@@ -367,7 +383,7 @@ def fit_cohort(
     log.info("training %s on %s: %d partitions, mode=%s, device=%s", type(model).__name__, store, len(partitions), mode, device)
     executor = DaskExecutor(
         client, updates, store, partitions, mode=mode, device=device, split_every=split_every, exclude_bags=validation,
-        locals_from=checkpoint if latest is not None else None, locals_iteration=latest,
+        locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
     )
     trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
     early = _DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device) if validation.size else None
@@ -424,7 +440,7 @@ class _DistributedEarlyStopping:
             held_out = validation[(validation >= p.bag_start) & (validation < p.bag_stop)]
             if held_out.size:
                 others = np.setdiff1d(np.arange(p.bag_start, p.bag_stop), held_out)
-                self.blocks.append(client.submit(load_block, store, p, device, others, pure=False))
+                self.blocks.append(client.submit(load_block, store, p, device, others, uses_coords(model), pure=False))
                 order.append(held_out)
         truth = labels[np.concatenate(order)]
         self.stopping = _EarlyStopping(score=lambda glob: roc_auc_score(truth, self._scores(glob)), patience=model.n_iter_no_change)
@@ -487,8 +503,10 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     stored = open_cohort(store).read_partition(partition)
     X = _to_device(np.asarray(stored.features, dtype=np.float64), device)
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
-    p_inst, sd_inst = model.predict_instance_proba(X, return_std=True, **instance_kwargs)
-    _, p_bag, sd_bag = model.predict_bag_proba(X, bag_of_row, return_std=True, **bag_kwargs)
+    coords = {"coords": np.asarray(stored.coords)} if uses_coords(model) else {}
+    instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
+    p_inst, sd_inst = instance_scores(X, return_std=True, **instance_kwargs)
+    _, p_bag, sd_bag = model.predict_bag_proba(X, bag_of_row, return_std=True, **bag_kwargs, **coords)
     return partition, p_inst, sd_inst, p_bag, sd_bag
 
 
@@ -506,6 +524,9 @@ def predict_cohort(
     """Predict every bag of the store on the cluster and write ``predictions/<run>/`` (instance
     and bag probability and std; the ``complete`` attribute is set last). Returns the group path.
 
+    Models without instance probabilities (VWSGP, whose per-instance evidences are not instance
+    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
+
     Each partition is predicted by one task; the client writes the results (one writer, so
     partitions that share a Zarr chunk cannot race).
     """
@@ -519,8 +540,10 @@ def predict_cohort(
         del root[name]
     group = root.require_group(name)
     group.attrs.update({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params())})
+    instance_name = "instances/proba" if hasattr(model, "predict_instance_proba") else "instances/evidence"
+    group.attrs["instance_scores"] = instance_name.split("/")[1]
     arrays = {
-        "instances/proba": cohort.n_instances,
+        instance_name: cohort.n_instances,
         "instances/std": cohort.n_instances,
         "bags/proba": cohort.n_bags,
         "bags/std": cohort.n_bags,
@@ -540,18 +563,20 @@ def predict_cohort(
     for future in as_completed(futures):
         p, p_inst, sd_inst, p_bag, sd_bag = future.result()
         rows, bags = slice(p.row_start, p.row_stop), slice(p.bag_start, p.bag_stop)
-        out["instances/proba"][rows], out["instances/std"][rows] = p_inst, sd_inst
+        out[instance_name][rows], out["instances/std"][rows] = p_inst, sd_inst
         out["bags/proba"][bags], out["bags/std"][bags] = p_bag, sd_bag
     group.attrs["complete"] = True
     return f"{store}/{name}"
 
 
 def read_predictions(store: str | Path, run: str = "default") -> dict[str, np.ndarray]:
-    """The predictions of ``run`` as arrays; raises if that prediction did not complete."""
+    """The predictions of ``run`` as arrays (``instances/proba`` or ``instances/evidence``,
+    ``instances/std``, ``bags/proba``, ``bags/std``); raises if that prediction did not complete."""
     group = zarr.open_group(str(store), mode="r")[f"predictions/{run}"]
     if not group.attrs.get("complete"):
         raise RuntimeError(f"predictions/{run} in {store} is incomplete (the prediction was interrupted); predict again")
-    return {k: group[k][:] for k in ("instances/proba", "instances/std", "bags/proba", "bags/std")}
+    names = ("instances/proba", "instances/evidence", "instances/std", "bags/proba", "bags/std")
+    return {k: group[k][:] for k in names if k in group}
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:

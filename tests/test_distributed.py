@@ -167,3 +167,50 @@ def test_a_cohort_without_both_classes_cannot_be_trained(tmp_path, toy_bags, cli
     path = write_store(tmp_path / "neg.zarr", X, bags, np.zeros_like(y))
     with pytest.raises(ValueError, match="both classes"):
         fit_cohort(VGPMIL(**PARAMS), path, client)
+
+
+def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_store):
+    from mil_core import VGPMILPRI
+
+    path, (X, bags, y) = toy_store
+    coords = np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]
+    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0)
+    serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
+    model = VGPMILPRI(**params)
+    fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert_same_fit(model, serial)
+
+
+def test_vwsgp_trains_and_predicts_on_the_cluster(client, toy_store):
+    from mil_core import VWSGP
+
+    path, (X, bags, y) = toy_store
+    params = dict(n_inducing=8, max_iter=6, tol=0.0, random_state=0)
+    serial = VWSGP(**params).fit(X, bags, y)
+    model = VWSGP(**params)
+    fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert_same_fit(model, serial)
+    predict_cohort(model, path, client, run="vwsgp", partition_bytes=2_000, bag_kwargs={"method": "probit"})
+    out = read_predictions(path, "vwsgp")
+    assert "instances/proba" not in out  # evidences are not instance probabilities (seed 001, §3)
+    order = np.argsort(bags, kind="stable")
+    np.testing.assert_allclose(out["instances/evidence"], model.predict_instance_evidence(X[order]), rtol=1e-10)
+
+
+def test_absmil_gradient_solver_runs_unchanged_on_the_dask_executor(client, toy_store):
+    from mil_core import AbSMIL
+    from mil_core.bags import BagIndex
+    from mil_core.engine import BagBlock, SerialExecutor, optimise
+    from tasks.store import open_cohort
+    from tasks.training import DaskExecutor
+
+    path, (X, bags, y) = toy_store
+    index = BagIndex.from_ids(bags)
+    X_sorted, labels = X[index.order], y[index.order][index.offsets[:-1]]
+    updates = AbSMIL(n_attributes=2, n_max=2)._start_fit(X_sorted, np.random.RandomState(0))
+    blocks = [BagBlock(X=X_sorted, offsets=index.offsets, labels=labels)]
+    serial = optimise(SerialExecutor(updates, blocks).sweep, updates, updates.init_global(), max_iter=15, tol=0.0)
+    executor = DaskExecutor(client, updates, path, open_cohort(path).partitions(2_000), mode="stream")
+    distributed = optimise(executor.sweep, updates, updates.init_global(), max_iter=15, tol=0.0)
+    np.testing.assert_allclose(distributed.objective, serial.objective, rtol=1e-8)
+    np.testing.assert_allclose(distributed.glob.solution, serial.glob.solution, rtol=1e-8, atol=1e-12)

@@ -108,3 +108,14 @@ def test_predicting_a_cohort_with_other_features_fails_clearly_and_keeps_the_mod
     with pytest.raises(ValueError, match=r"other.zarr has 5 features per instance, but the model was trained on 2"):
         predict_cohort(write_config(tmp_path, cohort), trained.path, store=other)
     assert (tmp_path / "out" / "models" / trained.key / "model.pkl").exists()
+
+
+def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(tmp_path, cohort, capsys):
+    from flows.cli import main
+
+    assert main(["run", write_config(tmp_path, cohort)]) == 0
+    out = capsys.readouterr().out
+    assert "report" in out and "report.md" in out
+    bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
+    assert main(["train", bad]) == 2
+    assert "training.mode" in capsys.readouterr().err

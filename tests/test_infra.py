@@ -31,3 +31,16 @@ def test_default_client_is_a_local_cluster_sized_to_the_machine():
         info = client.scheduler_info(n_workers=-1)["workers"]
         assert len(info) == workers
         assert all(w["nthreads"] == threads for w in info.values())
+
+
+def test_prefect_deployments_point_at_flows_with_those_parameters():
+    import importlib
+    import inspect
+
+    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        path, name = deployment["entrypoint"].split(":")
+        module = path.removesuffix(".py").replace("/", ".")
+        flow = getattr(importlib.import_module(module), name)
+        accepted = set(inspect.signature(flow.fn).parameters)
+        assert set(deployment["parameters"]) <= accepted, deployment["name"]

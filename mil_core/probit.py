@@ -1,0 +1,419 @@
+"""VGPMIL-PR and VGPMIL-PR-I: probit GP-MIL with augmented variables and the Ising/CAR coupling.
+
+Model (seed 002, Sec. 2.2.2–2.3): ``m_b | f_b ~ N(Σ_b f_b, Σ_b)``, ``Σ_b = (λC_b + I)⁻¹`` (Eq. 12;
+``Σ_b = I`` is VGPMIL-PR, Eq. 6), ``h_i = 1[m_i > 0]``, hard MIL bag likelihood (Eq. 1, 7).
+Mean-field ``q(v) q(m)`` (Eq. 13–18), whitened (DESIGN §1):
+
+* ``G' = Σ_b A'_bᵀ Σ_b A'_b`` — constant, computed once per partition in :meth:`prepare` (Eq. 16);
+* per iteration ``μ^{m_b} = Σ_b A'_b m'`` (one sparse solve per partition, Eq. 18), ``E[m_b]`` from
+  the truncated Gaussian ``q(m_b) ∝ N(m_b; μ^{m_b}, Σ_b) p(y_b | m_b)`` (Eq. 15), and
+  ``r' = Σ_b A'_bᵀ E[m_b]`` (Eq. 17);
+* client: ``S' = (I + G')⁻¹``, ``m' = S' r'``.
+
+``E[m_b]`` (``moments=``):
+
+* ``"diagonal"`` (the paper's choice, Eq. 19–20): ``N(μ, diag Σ_b)`` instead of ``N(μ, Σ_b)``,
+  univariate truncated moments and the positive-bag normaliser ``Z = 1 − Π Φ(−μ_i/σ_i)``;
+* ``"mean_field"``: the optimal *factorised* ``q(m_b) = Π q(m_i)`` for the exact truncated
+  ``N(μ, Σ_b)`` on the negative orthant (coordinate ascent: ``q(m_i)`` is ``N(μ_i + (λ/P_ii)
+  Σ_{j~i}(E m_j − μ_j), 1/P_ii)`` truncated to ``m_i < 0``, run to a fixed point over the parity
+  colour classes), with ``log p₀`` (orthant probability) by its mean-field lower bound. A
+  positive bag's ``q`` is ``N(μ, Σ_b)`` restricted to "not all negative", whose mean is exactly
+  ``(μ − p₀ E_neg[m]) / (1 − p₀)``; it is evaluated with those two approximations. It keeps the
+  correlation between neighbours that the diagonal approximation drops (``docs/BENCHMARKS.md``,
+  "Probit family", measures both against the exact moments).
+
+For λ = 0 (or a bag without contiguous instances) both are exact and identical. The tracked
+objective is the ELBO ``Σ_b log Z_b − ½ tr(S'G') − ½ Σ_i (Σ_b)_ii Var_FITC,i − KL(q(v) ‖ p(v))``
+with ``log Z_b`` the log normaliser of ``q(m_b)`` under the chosen moment approximation; for
+λ = 0 it is the exact ELBO and never decreases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from scipy.special import log_ndtr, ndtr, owens_t
+
+from ._backend import array_namespace, to_numpy
+from .bags import BagIndex, segment_sum
+from .base import SparseGPMILBase, store_params
+from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
+from .ising import CARCoupling, Neighbourhood, check_coords
+from .kernels import RBF
+from .orthant import log_orthant_probability_exact, mean_field_negative_orthant, orthant_probability_importance
+from .truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
+
+__all__ = ["ProbitBags", "ProbitStats", "ProbitMILUpdates", "VGPMILPR", "VGPMILPRI"]
+
+Moments = Literal["diagonal", "mean_field"]
+
+
+@dataclass(frozen=True)
+class ProbitBags:
+    """A prepared partition: whitened features, bag structure, the coupling ``Σ`` and what does
+    not change across iterations (``diag Σ``, ``log det P_b``, ``G'_p``)."""
+
+    features: WhitenedBlock
+    offsets: np.ndarray
+    labels: np.ndarray
+    coupling: CARCoupling
+    marginal_var: np.ndarray
+    logdet_precision: np.ndarray
+    gram: np.ndarray
+    fitc_trace: float
+
+    @property
+    def instance_labels(self) -> np.ndarray:
+        return np.repeat(self.labels, np.diff(self.offsets))
+
+
+@dataclass(frozen=True)
+class ProbitStats(Summable):
+    """A partition's contribution: ``G'_p`` (constant), ``r'_p = Σ A'ᵀE[m]``, ELBO data terms."""
+
+    precision: np.ndarray
+    shift: np.ndarray
+    elbo: float
+    n_instances: int
+
+
+@dataclass(frozen=True)
+class ProbitMILUpdates:
+    """Partition step and global update of VGPMIL-PR(-I). The local state of a partition is the
+    mean-field ``E[m]`` on the negative orthant (the warm start of ``moments="mean_field"``)."""
+
+    gp: SparseGP
+    lam: float = 0.0
+    neighbourhood: Neighbourhood = 4
+    moments: Moments = "diagonal"
+    exact_diag_max: int = 2000
+    diag_tol: float = 1e-6
+    mean_field_tol: float = 1e-12
+    mean_field_max_sweeps: int = 500
+
+    def prepare(self, block: BagBlock) -> ProbitBags:
+        if self.lam > 0 and block.coords is None:
+            raise ValueError("VGPMIL-PR-I with lam > 0 needs instance coords (fit(X, bag_ids, y, coords=...))")
+        features = self.gp.whiten(block.X)
+        coupling = CARCoupling.from_coords(block.coords, np.asarray(block.offsets), self.lam, self.neighbourhood)
+        marginal_var, _, logdet = coupling.diagonal(self.exact_diag_max, self.diag_tol)
+        if coupling.identity:
+            gram = features.weighted_gram(np.ones(block.n_instances))
+        else:
+            A = to_numpy(features.A)
+            gram = A.T @ coupling.solve(A)
+        return ProbitBags(
+            features=features,
+            offsets=np.asarray(block.offsets),
+            labels=np.asarray(block.labels),
+            coupling=coupling,
+            marginal_var=marginal_var,
+            logdet_precision=logdet,
+            gram=0.5 * (gram + gram.T),
+            fitc_trace=float(np.sum(marginal_var * np.asarray(features.resid))),
+        )
+
+    def init_local(self, block: ProbitBags) -> np.ndarray:
+        return np.zeros(int(block.offsets[-1]))
+
+    def init_global(self) -> GaussianQ:
+        return GaussianQ.prior(self.gp.n_inducing)
+
+    def partition_step(self, block: ProbitBags, warm: np.ndarray, q: GaussianQ) -> tuple[ProbitStats, np.ndarray]:
+        mu = block.coupling.solve(_rows(block.features, q.mean))  # Eq. 18
+        expected_m, log_z, warm = self.truncated_means(block, mu, warm)
+        elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
+        stats = ProbitStats(
+            precision=block.gram,
+            shift=block.features.project(expected_m),
+            elbo=float(elbo),
+            n_instances=int(mu.shape[0]),
+        )
+        return stats, warm
+
+    def truncated_means(self, block: ProbitBags, mu: np.ndarray, warm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``E[m]`` of ``q(m_b)`` (Eq. 15, 19–20), ``log Z_b`` per bag and the new warm start."""
+        offsets, labels = block.offsets, block.labels
+        positive = np.repeat(labels == 1, np.diff(offsets))
+        if self.moments == "diagonal" or block.coupling.identity:
+            sd = np.sqrt(block.marginal_var)
+            neg_mean, _ = upper_truncated_moments(mu, sd)
+            pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets)
+            log_z_neg = segment_sum(log_ndtr(-mu / sd), offsets)
+            return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_z_neg), neg_mean
+        neg_mean, log_p0 = mean_field_negative_orthant(
+            block.coupling, mu, warm, block.logdet_precision, self.mean_field_tol, self.mean_field_max_sweeps
+        )
+        log_z_pos = log1mexp(np.log(np.maximum(-log_p0, 1e-300)))
+        ratio = np.repeat(np.exp(log_p0 - log_z_pos), np.diff(offsets))
+        pos_mean = mu + ratio * (mu - neg_mean)
+        return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_p0), neg_mean
+
+    def global_update(self, stats: ProbitStats, q: GaussianQ) -> tuple[GaussianQ, float]:
+        """New q(v) (Eq. 16–17, whitened) and the ELBO of the state the statistics came from."""
+        return gaussian_update(stats.precision, stats.shift), stats.elbo - q.kl_to_prior()
+
+
+def _rows(features: WhitenedBlock, mean: np.ndarray) -> np.ndarray:
+    """``A' m'`` on the host."""
+    xp = array_namespace(features.A)
+    return to_numpy(features.A @ xp.asarray(mean))
+
+
+# ------------------------------------------------------------------------------------ estimators
+def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``E[Φ(X)]`` and ``sd[Φ(X)]`` for ``X ~ N(mean, var)`` in closed form:
+    ``E Φ(X) = Φ(h)``, ``E Φ(X)² = Φ₂(h, h; ρ) = Φ(h) − 2T(h, 1/√(1 + 2var))`` (Owen's T),
+    ``h = mean/√(1 + var)``."""
+    h = mean / np.sqrt(1.0 + var)
+    p = ndtr(h)
+    second = p - 2.0 * owens_t(h, 1.0 / np.sqrt(1.0 + 2.0 * var))
+    return p, np.sqrt(np.clip(second - p**2, 0.0, None))
+
+
+class _ProbitGPMIL(SparseGPMILBase):
+    """Fit plumbing and predictions (seed 002 Sec. 2.5, Eq. 21–26) of the probit family."""
+
+    def _lam(self) -> float:
+        return 0.0
+
+    def _updates_options(self) -> dict[str, Any]:
+        return {}
+
+    def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates:
+        return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
+
+    def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None) -> CARCoupling:
+        return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else self._lam(), self._neighbourhood())
+
+    def _neighbourhood(self) -> Neighbourhood:
+        return 4
+
+    def _bag_proba_from_state(
+        self, gp: SparseGP, glob: GaussianQ, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None
+    ) -> np.ndarray:
+        mean, var = gp.whiten(X_sorted).latent_moments(glob)
+        return self._bag_proba(mean, var, offsets, coords, return_std=False)[0]
+
+    def predict_instance_proba(self, X: Any, *, return_std: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Instance probability ``p(h* = 1) = p(m* > 0) = Φ(μ*/√(1 + σ*²))`` (Eq. 25 with
+        ``Σ* = 1``: a single instance has no neighbours); ``return_std``: the posterior spread of
+        ``Φ(f*)``, in closed form (Owen's T)."""
+        X, _ = self._check_predict_input(X)
+        mean, var = self.gp_.whiten(X).latent_moments(self.q_)
+        p, sd = _phi_and_spread(mean, var)
+        return (p, sd) if return_std else p
+
+    def predict_bag_proba(self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None):
+        """Bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26): ``keys, p`` or ``keys, p, std``.
+
+        As in the logistic family (DESIGN §3), the latent ``f*`` are taken independent across
+        instances (FITC-diagonal predictive), so ``m* ~ N(Σ*μ*, Σ* + Σ* diag(σ*²) Σ*)``.
+        Without coupling (VGPMIL-PR, or no coords) that is ``1 − Π Φ(−μ*/√(1 + σ*²))``, exact,
+        in log space. With coupling (``coords`` given to VGPMIL-PR-I) the orthant probability is
+        computed exactly (scipy) for bags of ≤ ``exact_orthant_max`` instances and by importance
+        sampling with a standard error for larger bags (:mod:`mil_core.orthant`); the standard
+        errors of the last call are in ``orthant_std_error_``.
+
+        ``std`` is the posterior spread of the bag probability over ``f*`` (Monte Carlo,
+        ``n_mc_samples`` draws, seeded by ``random_state``).
+        """
+        X, bags = self._check_predict_input(X, bag_ids)
+        coords_sorted = None if coords is None else check_coords(coords, bags)
+        mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
+        out = self._bag_proba(mean, var, bags.offsets, coords_sorted, return_std=return_std)
+        return (bags.keys, out[0], out[1]) if return_std else (bags.keys, out[0])
+
+    def _bag_proba(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, *, return_std: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        coupling = self._coupling(offsets, coords)
+        n_bags = offsets.shape[0] - 1
+        sizes = np.diff(offsets)
+        independent = coupling.edge_count == 0
+        log_p0 = segment_sum(log_ndtr(-mean / np.sqrt(1.0 + var)), offsets)
+        std = np.zeros(n_bags) if return_std else None
+        self.orthant_std_error_ = np.zeros(n_bags)
+        rng = np.random.default_rng(self.random_state)
+        if return_std and np.any(independent):
+            std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
+        for b in np.flatnonzero(~independent):
+            rows = slice(offsets[b], offsets[b + 1])
+            P = coupling.bag_precision(b)
+            bag_coords = coords[rows]
+            exact = sizes[b] <= self.exact_orthant_max
+            if exact:
+                Sigma = np.linalg.inv(P.toarray())
+                cov = Sigma + Sigma @ np.diag(var[rows]) @ Sigma
+                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
+            if return_std or not exact:
+                estimate = orthant_probability_importance(
+                    mean[rows], var[rows], self._coupling(np.array([0, sizes[b]]), bag_coords), n_draws=self.n_mc_samples, rng=rng
+                )
+                if not exact:
+                    log_p0[b], self.orthant_std_error_[b] = estimate.log_p, estimate.std_error
+                if return_std:
+                    std[b] = estimate.spread
+        return -np.expm1(log_p0), std
+
+    def _independent_spread(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, bags: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Monte Carlo spread of ``1 − Π Φ(−f*_i)`` over ``f* ~ N(mean, var)`` for the given bags."""
+        L = self.n_mc_samples
+        values = []
+        for b in bags:
+            rows = slice(offsets[b], offsets[b + 1])
+            chunk = max(1, (1 << 22) // max(offsets[b + 1] - offsets[b], 1))
+            draws = []
+            for start in range(0, L, chunk):
+                k = min(chunk, L - start)
+                f = mean[rows, None] + np.sqrt(var[rows, None]) * rng.standard_normal((offsets[b + 1] - offsets[b], k))
+                draws.append(-np.expm1(np.sum(log_ndtr(-f), axis=0)))
+            values.append(np.concatenate(draws).std())
+        return np.asarray(values)
+
+
+_COMMON_PARAMS = """
+    n_inducing : int, default=100
+        Number of inducing points M (k-means, half from each bag class).
+    kernel : RBF or None
+        Kernel; ``None`` is ``RBF(variance=1, length_scale=√D)``.
+    max_iter, tol
+        Closed-form sweeps and relative ELBO tolerance.
+    early_stopping, validation_fraction, n_iter_no_change
+        Validation bag-AUC early stopping with patience; the best iterate is kept.
+    block_size
+        Instances per partition of whole bags (results do not depend on it).
+    n_mc_samples
+        Monte Carlo draws for prediction spreads (and orthant importance sampling).
+    random_state
+        Seed for k-means, the validation split and Monte Carlo.
+
+    Attributes
+    ----------
+    gp_ : SparseGP
+        Kernel, inducing points ``gp_.Z`` and ``chol(Kzz)``.
+    q_ : GaussianQ
+        Whitened q(v) = N(m', S'); u = L v.
+    elbo_ : ndarray
+        Objective per iteration (module docstring of :mod:`mil_core.probit`).
+    n_iter_, converged_, kernel_, n_features_in_, classes_
+    validation_auc_, best_iteration_
+        When ``early_stopping``.
+"""
+
+
+class VGPMILPR(_ProbitGPMIL):
+    __doc__ = (
+        """VGPMIL-PR: probit GP-MIL with augmented ``m_i ~ N(f_i, 1)`` and the hard MIL bag
+    likelihood; closed-form ``q(v)``, ``q(m)`` updates (seed 002 Sec. 2.2.2; seed 003 Eq. 7–12).
+
+    Parameters
+    ----------"""
+        + _COMMON_PARAMS
+    )
+
+    exact_orthant_max = 0
+
+    def __init__(
+        self,
+        *,
+        n_inducing: int = 100,
+        kernel: RBF | None = None,
+        max_iter: int = 200,
+        tol: float = 1e-6,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.2,
+        n_iter_no_change: int = 10,
+        block_size: int = 65536,
+        n_mc_samples: int = 500,
+        random_state: int | None = None,
+    ):
+        store_params(self, locals())
+
+    def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
+        """VGPMIL-PR ignores neighbours; coords are accepted (validated) and unused."""
+        if coords is not None:
+            check_coords(coords, bags)
+        return None
+
+
+class VGPMILPRI(_ProbitGPMIL):
+    __doc__ = (
+        """VGPMIL-PR-I: VGPMIL-PR with the Ising/CAR coupling of contiguous instances,
+    ``p(m_b | f_b) = N(Σ_b f_b, Σ_b)``, ``Σ_b = (λC_b + I)⁻¹`` (seed 002 Sec. 2.3–2.5, Algorithm 1).
+
+    ``fit(X, bag_ids, y, coords)``: ``coords`` are integer grid positions of the instances,
+    (N, 2) ``(row, col)`` for tiles or (N,) slice indices (a chain); see :mod:`mil_core.ising`.
+    λ → 0 gives VGPMIL-PR.
+
+    Parameters
+    ----------
+    lam : float, default=0.5
+        Coupling strength λ ≥ 0 (the paper's best on SICAPv2 is 0.5).
+    neighbourhood : {4, 8}, default=4
+        Grid neighbourhood for 2-D coords (4 reproduces the paper's Eq. 9–10).
+    moments : {"diagonal", "mean_field"}, default="diagonal"
+        ``E[m_b]`` under the paper's diagonal approximation or the within-bag mean-field
+        approximation of the exact truncated ``N(μ, Σ_b)`` (:mod:`mil_core.probit`).
+    exact_diag_max, diag_tol
+        ``diag(Σ_b)`` exactly for bags up to this size, by probing with error ≤ ``diag_tol``
+        above (:mod:`mil_core.ising`).
+    exact_orthant_max : int, default=12
+        Bags up to this size get the exact (scipy) orthant probability at prediction; larger
+        ones importance sampling (:mod:`mil_core.orthant`)."""
+        + _COMMON_PARAMS
+    )
+
+    def __init__(
+        self,
+        *,
+        lam: float = 0.5,
+        neighbourhood: Neighbourhood = 4,
+        moments: Moments = "diagonal",
+        n_inducing: int = 100,
+        kernel: RBF | None = None,
+        max_iter: int = 200,
+        tol: float = 1e-6,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.2,
+        n_iter_no_change: int = 10,
+        block_size: int = 65536,
+        exact_diag_max: int = 2000,
+        diag_tol: float = 1e-6,
+        exact_orthant_max: int = 12,
+        n_mc_samples: int = 500,
+        random_state: int | None = None,
+    ):
+        store_params(self, locals())
+
+    def _lam(self) -> float:
+        if not (np.isfinite(self.lam) and self.lam >= 0):
+            raise ValueError(f"lam must be a finite number >= 0, got {self.lam!r}")
+        return float(self.lam)
+
+    def _neighbourhood(self) -> Neighbourhood:
+        if self.neighbourhood not in (4, 8):
+            raise ValueError(f"neighbourhood must be 4 or 8, got {self.neighbourhood!r}")
+        return self.neighbourhood
+
+    def _updates_options(self) -> dict[str, Any]:
+        if self.moments not in ("diagonal", "mean_field"):
+            raise ValueError(f"moments must be 'diagonal' or 'mean_field', got {self.moments!r}")
+        return dict(
+            neighbourhood=self._neighbourhood(),
+            moments=self.moments,
+            exact_diag_max=self.exact_diag_max,
+            diag_tol=self.diag_tol,
+        )
+
+    def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
+        if coords is None:
+            if self._lam() > 0:
+                raise ValueError("VGPMILPRI needs instance coords (grid positions) to build the neighbour graph; pass coords=")
+            return None
+        return check_coords(coords, bags)
