@@ -1,4 +1,10 @@
-"""Bag-aware cross-validation: folds hold whole bags, stratified by bag label (seed 000, Sec. 6)."""
+"""Bag-aware model selection: folds hold whole bags, stratified by bag label (seed 000, Sec. 6).
+
+:class:`StratifiedBagKFold` and :func:`cross_validate_bags` for direct use; :class:`BagwiseClassifier`,
+:func:`with_bag_ids` and :func:`bag_scorers` to drive the estimators from scikit-learn's
+``GridSearchCV`` / ``cross_validate`` (with ``groups``); :func:`grid_search_bags` for the papers'
+protocol (grid, CV, selection by bag accuracy).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from sklearn.base import clone
+from sklearn.base import BaseEstimator, ClassifierMixin, MetaEstimatorMixin, clone
 from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
-from sklearn.model_selection import StratifiedKFold
+from sklearn.model_selection import ParameterGrid, StratifiedKFold
 from sklearn.preprocessing import StandardScaler
 
 from .validation import check_mil_data
 
-__all__ = ["StratifiedBagKFold", "cross_validate_bags"]
+__all__ = [
+    "StratifiedBagKFold",
+    "cross_validate_bags",
+    "BagwiseClassifier",
+    "with_bag_ids",
+    "bag_scorers",
+    "grid_search_bags",
+]
 
 
 class StratifiedBagKFold:
@@ -87,3 +100,112 @@ def cross_validate_bags(
             fold.update(_binary_metrics("instance", instance_labels[test], model.predict_instance_proba(X_test, **method)))
         results.append(fold)
     return results
+
+
+# ------------------------------------------------------------------ scikit-learn search tools
+class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
+    """Adapter that lets scikit-learn's ``GridSearchCV`` / ``cross_validate`` drive an MIL estimator.
+
+    scikit-learn's ``fit(X, y)`` has no room for bag ids, so the adapter's ``X`` carries them in its
+    first column: build it with :func:`with_bag_ids`. Pass the same ids as ``groups`` so that
+    :class:`StratifiedBagKFold` keeps bags whole, and score with :func:`bag_scorers` (metrics per
+    bag, not per instance). With ``standardize`` the features are standardised with the training
+    rows' statistics inside ``fit`` (the first column excluded). Parameters of the wrapped model are
+    searched as ``estimator__<name>``.
+    """
+
+    def __init__(self, estimator: Any, *, standardize: bool = True, predict_kwargs: dict[str, Any] | None = None):
+        self.estimator = estimator
+        self.standardize = standardize
+        self.predict_kwargs = predict_kwargs
+
+    @staticmethod
+    def _columns(X: Any) -> tuple[np.ndarray, np.ndarray]:
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 2 or X.shape[1] < 2:
+            raise ValueError("BagwiseClassifier expects X = with_bag_ids(features, bag_ids): bag ids in column 0")
+        return X[:, 1:], X[:, 0]
+
+    def _split(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        features, bag_ids = self._columns(X)
+        return (self.scaler_.transform(features) if self.standardize else features), bag_ids
+
+    def fit(self, X: Any, y: Any) -> BagwiseClassifier:
+        if self.standardize:
+            self.scaler_ = StandardScaler().fit(self._columns(X)[0])
+        features, bag_ids = self._split(X)
+        self.estimator_ = clone(self.estimator).fit(features, bag_ids, y)
+        self.classes_ = self.estimator_.classes_
+        return self
+
+    def predict_bag_proba(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``keys, p``: the wrapped model's bag probabilities for the bags in ``X``."""
+        features, bag_ids = self._split(X)
+        return self.estimator_.predict_bag_proba(features, bag_ids, **(self.predict_kwargs or {}))
+
+    def predict_proba(self, X: Any) -> np.ndarray:
+        """Each row gets its bag's probability (so row-wise tools see bag-level predictions)."""
+        keys, p = self.predict_bag_proba(X)
+        p_row = p[np.searchsorted(keys, self._split(X)[1])]
+        return np.column_stack([1.0 - p_row, p_row])
+
+    def predict(self, X: Any) -> np.ndarray:
+        return (self.predict_proba(X)[:, 1] >= 0.5).astype(int)
+
+
+def with_bag_ids(X: Any, bag_ids: Any) -> np.ndarray:
+    """``[bag_id | features]``: the ``X`` of :class:`BagwiseClassifier` (bag ids must be numeric)."""
+    return np.column_stack([np.asarray(bag_ids, dtype=np.float64), np.asarray(X, dtype=np.float64)])
+
+
+def _bag_metric(metric: str):
+    def score(estimator: BagwiseClassifier, X: Any, y: Any) -> float:
+        keys, p = estimator.predict_bag_proba(X)
+        bag_ids = np.asarray(X, dtype=np.float64)[:, 0]
+        truth = np.asarray(y)[np.unique(bag_ids, return_index=True)[1]]
+        return _binary_metrics("bag", truth, p)[f"bag_{metric}"]
+
+    return score
+
+
+def bag_scorers() -> dict[str, Any]:
+    """Scorers ``bag_auc``, ``bag_accuracy``, ``bag_f1`` for ``GridSearchCV(scoring=…)`` /
+    ``cross_validate``: one value per bag, threshold 0.5."""
+    return {f"bag_{m}": _bag_metric(m) for m in ("auc", "accuracy", "f1")}
+
+
+def grid_search_bags(
+    estimator: Any,
+    param_grid: dict[str, list[Any]],
+    X: np.ndarray,
+    bag_ids: np.ndarray,
+    y: np.ndarray,
+    *,
+    n_splits: int = 5,
+    select: str = "bag_accuracy",
+    random_state: int | None = 0,
+    predict_kwargs: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The papers' protocol (seed 000, Sec. 6): every configuration of ``param_grid`` is scored by
+    stratified ``n_splits``-fold CV over bags (:func:`cross_validate_bags`, with the estimator's own
+    validation-AUC early stopping if it is switched on), and the configuration with the best mean
+    ``select`` metric is reported with its CV metrics.
+
+    The same folds serve for selection and report, as in the paper, so the reported numbers of the
+    selected configuration are optimistic; for an unbiased estimate nest a ``GridSearchCV`` over
+    :class:`BagwiseClassifier` inside ``cross_validate``. Returns ``(best_row, all_rows)``, each row
+    the parameters plus ``mean_<metric>`` / ``std_<metric>``.
+    """
+    rows = []
+    for params in ParameterGrid(param_grid):
+        folds = cross_validate_bags(
+            clone(estimator).set_params(**params), X, bag_ids, y,
+            n_splits=n_splits, random_state=random_state, predict_kwargs=predict_kwargs,
+        )
+        row: dict[str, Any] = dict(params)
+        for key in folds[0]:
+            values = np.array([f[key] for f in folds])
+            row[f"mean_{key}"], row[f"std_{key}"] = float(values.mean()), float(values.std())
+        rows.append(row)
+    best = max(rows, key=lambda r: r[f"mean_{select}"])
+    return best, rows

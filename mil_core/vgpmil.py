@@ -25,7 +25,8 @@ from sklearn.utils import check_random_state
 
 from .bags import EmaxRule, expected_max_of_others, log_prob_all_negative, segment_sum
 from .base import SparseGPMILBase, store_params
-from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBags, WhitenedBlock, gaussian_update
+from .engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, WhitenedBlock, gaussian_update
+from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
 from .kernels import RBF
 from .likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
 
@@ -101,16 +102,23 @@ class _LogisticGPMIL(SparseGPMILBase):
     @abstractmethod
     def _psi(self) -> Psi: ...
 
-    def _make_updates(self, gp: SparseGP) -> PsiMILUpdates:
+    def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.H <= 1:
             raise ValueError(f"H must be > 1 (the bag-likelihood odds), got {self.H}")
         if self.emax not in ("exact", "max"):
             raise ValueError(f"emax must be 'exact' or 'max', got {self.emax!r}")
-        return PsiMILUpdates(gp=gp, psi=self._psi(), log_h=float(np.log(self.H)), emax=self.emax)
+        updates = PsiMILUpdates(gp=gp, psi=self._psi(), log_h=float(np.log(self.H)), emax=self.emax)
+        return hyper_updates(self, updates)
 
-    def _bag_proba_from_state(self, gp: SparseGP, glob: GaussianQ, X_sorted: Any, offsets: np.ndarray) -> np.ndarray:
+    def _bag_proba_from_state(self, gp: SparseGP, glob: GaussianQ | HyperState, X_sorted: Any, offsets: np.ndarray) -> np.ndarray:
+        if isinstance(glob, HyperState):
+            gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
         return -np.expm1(log_prob_all_negative(-_softplus(_probit_scale(mean, var)), offsets))
+
+    def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
+        super()._finish_fit(trace, monitor)
+        unwrap_hyper_state(self)
 
     def _instance_moments(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.gp_.whiten(X).latent_moments(self.q_)
@@ -229,6 +237,11 @@ _COMMON_PARAMS = """
         Monte Carlo draws for predictions (Eq. 32–37).
     random_state
         Seed for k-means, the validation split and Monte Carlo.
+    learn_kernel, learn_inducing, hyper_every, hyper_steps
+        Learn the RBF variance and length-scale (ARD when ``kernel.length_scale`` is a vector),
+        and the inducing points, by maximising the ELBO (Eq. 29; Algorithm 1, step 8): after every
+        ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations (one sweep each); J never
+        decreases across a step. Defaults: off (fixed kernel). See :mod:`mil_core.hyper`.
 
     Attributes
     ----------
@@ -241,6 +254,9 @@ _COMMON_PARAMS = """
     n_iter_, converged_, kernel_, n_features_in_, classes_
     validation_auc_, best_iteration_
         When ``early_stopping``.
+    hyper_objective_, psi_
+        With hyper-parameter learning: ``(J before, J after)`` of each hyper-parameter step
+        (n_steps, 2), and the ψ used at the end (learnt α, β for G-VGPMIL with ``learn_psi``).
 """
 
 
@@ -252,7 +268,9 @@ class PsiVGPMIL(_LogisticGPMIL):
     ----------
     psi : Psi, callable or None
         A :class:`~mil_core.likelihoods.Psi` or a bare ``θ(c)`` callable; ``None`` is the
-        hyperbolic secant, which makes this model VGPMIL."""
+        hyperbolic secant, which makes this model VGPMIL.
+    log_normaliser : {"quadrature", "mc_rff"}
+        ``log Z`` of Eq. 29 when learning the kernel (:mod:`mil_core.hyper`)."""
         + _COMMON_PARAMS
     )
 
@@ -272,6 +290,11 @@ class PsiVGPMIL(_LogisticGPMIL):
         block_size: int = 65536,
         n_mc_samples: int = 500,
         random_state: int | None = None,
+        learn_kernel: bool = False,
+        learn_inducing: bool = False,
+        hyper_every: int = 1,
+        hyper_steps: int = 5,
+        log_normaliser: LogNormaliserName = "quadrature",
     ):
         store_params(self, locals())
 
@@ -304,6 +327,10 @@ class VGPMIL(_LogisticGPMIL):
         block_size: int = 65536,
         n_mc_samples: int = 500,
         random_state: int | None = None,
+        learn_kernel: bool = False,
+        learn_inducing: bool = False,
+        hyper_every: int = 1,
+        hyper_steps: int = 5,
     ):
         store_params(self, locals())
 
@@ -319,7 +346,14 @@ class GVGPMIL(_LogisticGPMIL):
     Parameters
     ----------
     alpha, beta : float, default=1.0, 2.5
-        The Gamma parameters (the paper's grid: α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}).
+        The Gamma parameters (the paper's grid: α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}); initial values
+        when ``learn_psi``.
+    learn_psi : bool, default=False
+        Learn α, β by maximising the same bound as the kernel (needs ``learn_kernel``-style steps;
+        they run whenever ``learn_psi`` or ``learn_kernel`` is set). The fallback is validation-based
+        selection over the grid (:func:`mil_core.model_selection.grid_search_bags`).
+    log_normaliser : {"quadrature", "mc_rff"}
+        ``log Z`` of Eq. 29 (:mod:`mil_core.hyper`); it is what keeps v, α, β finite.
 
     Notes
     -----
@@ -348,6 +382,12 @@ class GVGPMIL(_LogisticGPMIL):
         block_size: int = 65536,
         n_mc_samples: int = 500,
         random_state: int | None = None,
+        learn_kernel: bool = False,
+        learn_inducing: bool = False,
+        hyper_every: int = 1,
+        hyper_steps: int = 5,
+        learn_psi: bool = False,
+        log_normaliser: LogNormaliserName = "quadrature",
     ):
         store_params(self, locals())
 

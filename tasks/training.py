@@ -37,7 +37,7 @@ import zarr
 from distributed import Client, Future, as_completed, wait
 
 from mil_core.base import SparseGPMILBase, take_bags
-from mil_core.engine import BagBlock, FitTrace, GaussianQ, PartitionUpdates, optimise
+from mil_core.engine import BagBlock, FitTrace, PartitionUpdates, optimise
 from tasks.store import Partition, open_cohort
 
 __all__ = ["DaskExecutor", "TrainingSummary", "fit_cohort", "predict_cohort", "read_predictions"]
@@ -124,8 +124,9 @@ def _bag_scores(model: SparseGPMILBase, block: BagBlock, glob: Any) -> np.ndarra
 # --------------------------------------------------------------------------------- checkpoints
 class Checkpoint:
     """``<store>/training/<run>/``: ``model`` (the estimator with its kernel and inducing points,
-    pickled), ``it<k>/{q_mean, q_cov, objective, local/<partition>}``; the attribute ``latest``
-    is written last, so a checkpoint is visible only once complete."""
+    pickled), ``it<k>/{state, objective, local/<partition>}``; the attribute ``latest`` is
+    written last, so a checkpoint is visible only once complete. Pickles are read back only from
+    the store the run itself wrote."""
 
     def __init__(self, store: str, run: str):
         self.store, self.run = store, run
@@ -168,11 +169,12 @@ class Checkpoint:
         return pickle.loads(_read_bytes(group, str(index)))
 
     def commit(self, trace: FitTrace) -> None:
-        """Client side: q and the objective trace, then ``latest`` (the commit), then old iterations go."""
+        """Client side: the global state (q, and the learnt kernel when hyper-parameters are learnt)
+        and the objective trace, then ``latest`` (the commit), then old iterations go."""
         group = self._group()
         it = group.require_group(f"it{trace.n_iter}")
-        for name, value in (("q_mean", trace.glob.mean), ("q_cov", trace.glob.cov), ("objective", np.asarray(trace.objective))):
-            it.create_array(name, data=np.asarray(value, dtype=np.float64), overwrite=True)
+        _write_bytes(it, "state", pickle.dumps(trace.glob))
+        it.create_array("objective", data=np.asarray(trace.objective, dtype=np.float64), overwrite=True)
         it.attrs["converged"] = bool(trace.converged)
         previous = group.attrs.get("latest")
         group.attrs["latest"] = trace.n_iter
@@ -181,8 +183,8 @@ class Checkpoint:
 
     def load_trace(self, iteration: int) -> FitTrace:
         it = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}"]
-        q = GaussianQ(mean=it["q_mean"][:], cov=it["q_cov"][:])
-        return FitTrace(glob=q, objective=list(it["objective"][:]), n_iter=iteration, converged=bool(it.attrs["converged"]))
+        return FitTrace(glob=pickle.loads(_read_bytes(it, "state")), objective=list(it["objective"][:]), n_iter=iteration,
+                        converged=bool(it.attrs["converged"]))
 
 
 def _write_bytes(group: zarr.Group, name: str, payload: bytes) -> None:

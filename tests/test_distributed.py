@@ -214,3 +214,20 @@ def test_absmil_gradient_solver_runs_unchanged_on_the_dask_executor(client, toy_
     distributed = optimise(executor.sweep, updates, updates.init_global(), max_iter=15, tol=0.0)
     np.testing.assert_allclose(distributed.objective, serial.objective, rtol=1e-8)
     np.testing.assert_allclose(distributed.glob.solution, serial.glob.solution, rtol=1e-8, atol=1e-12)
+
+
+def test_a_fit_that_learns_the_kernel_resumes_with_the_learnt_kernel(client, toy_store):
+    path, (X, bags, y) = toy_store
+    params = {**PARAMS, "learn_kernel": True, "hyper_steps": 2, "max_iter": 6}
+    serial = VGPMIL(**params).fit(X, bags, y)
+
+    def die(iteration, objective):
+        if iteration == 5:
+            raise ClientDied
+
+    with pytest.raises(ClientDied):
+        fit_cohort(VGPMIL(**params), path, client, run="hyper", partition_bytes=2_000, checkpoint_every=2, on_iteration=die)
+    resumed = VGPMIL(**params)
+    fit_cohort(resumed, path, client, run="hyper", partition_bytes=2_000, checkpoint_every=2)
+    np.testing.assert_allclose(resumed.kernel_.variance, serial.kernel_.variance, rtol=1e-6)
+    np.testing.assert_allclose(resumed.q_.mean, serial.q_.mean, rtol=1e-6, atol=1e-8)
