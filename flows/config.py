@@ -44,9 +44,19 @@ class IngestConfig(_Strict):
     labels: Path | None = None
     tile_size: int = Field(256, gt=0)
     level: int = Field(0, ge=0)
+    magnification: float | None = Field(None, gt=0)
     min_tissue_fraction: float = Field(0.5, gt=0, le=1)
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("extractor")
+    @classmethod
+    def _registered(cls, name: str | None) -> str | None:
+        from tasks.ingest.features import _REGISTRY
+
+        if name is not None and name not in _REGISTRY:
+            raise ValueError(f"no feature extractor registered as {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+        return name
 
     @model_validator(mode="after")
     def _source_needed(self) -> IngestConfig:
@@ -78,6 +88,10 @@ class ModelConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
+    """``standardize``: learn per-feature mean/std on the training bags and apply them to every
+    cohort the model predicts (recommended: handcrafted features differ in scale)."""
+
+    standardize: bool = True
     partition_mib: float = Field(128, gt=0)
     checkpoint_every: int = Field(5, ge=1)
     mode: Literal["auto", "persist", "stream"] = "auto"
@@ -119,7 +133,8 @@ class PipelineConfig(_Strict):
     def model_key(self, cohort_fingerprint: str) -> str:
         """Content key of a trained model: training cohort + model + training settings that change
         the result (partitioning and device do not)."""
-        return _digest({"cohort": cohort_fingerprint, "model": self.model.model_dump(mode="json")})
+        return _digest({"cohort": cohort_fingerprint, "model": self.model.model_dump(mode="json"),
+                        "standardize": self.training.standardize})
 
     def prediction_key(self, model_key: str, cohort_fingerprint: str) -> str:
         settings = self.prediction.model_dump(mode="json", include={"method", "rule"})

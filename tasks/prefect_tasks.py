@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import PipelineConfig, make_model
 from tasks import report
 from tasks.store import open_cohort
-from tasks.training import fit_cohort, predict_cohort, read_predictions
+from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
 IO_RETRIES = dict(retries=2, retry_delay_seconds=[2, 10])
 
@@ -87,7 +87,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         summary = fit_cohort(
             model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
             mode=config.training.mode, device=config.training.device, checkpoint_every=config.training.checkpoint_every,
-            on_iteration=on_iteration,
+            standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
     info = {
@@ -98,12 +98,59 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     }
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
-    _atomic_write_bytes(model_dir / "model.pkl", pickle.dumps(model))  # written last: marks the model complete
+    _atomic_write_bytes(model_dir / "model.pkl", pickle.dumps(TrainedModel(model, summary.scaling)))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
 
-def load_model(model_dir: str | Path):
+@task(name="ingest-cohort", task_run_name="ingest {config.ingest.kind} from {config.ingest.source}", cache_policy=NO_CACHE)
+def ingest(config: PipelineConfig, scheduler_address: str) -> StageResult:
+    """Tile + featurise the slides/scans (one Dask task each) or load the feature table into the
+    store; bags already in the store are skipped, bad files are reported and skipped."""
+    from tasks.ingest.cohort import ingest_ct, ingest_slides, ingest_table
+    from tasks.ingest.features import make_extractor
+    from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
+    from tasks.ingest.wsi import TilingParams
+
+    logger = get_run_logger()
+    ing, store = config.ingest, str(config.store)
+    extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
+    with Client(scheduler_address) as client:
+        if ing.kind == "wsi":
+            tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification,
+                                  min_tissue=ing.min_tissue_fraction)
+            result = ingest_slides(store, ing.source, labels_csv=ing.labels, params=tiling, extractor=extractor,
+                                   qc_dir=Path(config.output_dir) / "qc", name=config.name, client=client)
+        elif ing.kind == "ct":
+            result = ingest_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name, client=client)
+        else:
+            readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
+            if ing.source.suffix not in readers:
+                raise ValueError(f"ingest.source {ing.source}: feature tables must be .csv, .parquet or .npz")
+            result = ingest_table(store, readers[ing.source.suffix](ing.source), name=config.name)
+    info = result.to_json()
+    if result.skipped:
+        create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
+                              description="Inputs left out of the cohort, and why")
+        for s in result.skipped:
+            logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
+    create_progress_artifact(100.0, key=_artifact_key("ingest", config.name),
+                             description=f"{len(result.added)} bags added, {len(result.already_done)} already in the store, "
+                                         f"{len(result.skipped)} skipped")
+    logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(result.added),
+                result.n_instances_added, len(result.already_done), len(result.skipped))
+    return StageResult(key=config.name, path=store, reused=not result.added, info=info)
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """What ``model.pkl`` holds: the fitted estimator and the feature scaling it was trained with."""
+
+    estimator: Any
+    scaling: FeatureScaling | None
+
+
+def load_model(model_dir: str | Path) -> TrainedModel:
     return pickle.loads((Path(model_dir) / "model.pkl").read_bytes())
 
 
@@ -117,13 +164,15 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
         return StageResult(prediction_key, f"{store}/{name}", True, {})
-    model = load_model(model_dir)
+    trained = load_model(model_dir)
+    model = trained.estimator
     logistic = hasattr(model, "emax")
     instance_kwargs = {"method": config.prediction.method} if logistic else {}
     bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
     with Client(scheduler_address) as client:
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
-                              device=config.training.device, instance_kwargs=instance_kwargs, bag_kwargs=bag_kwargs)
+                              device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
+                              bag_kwargs=bag_kwargs)
     return StageResult(prediction_key, path, False, {})
 
 
@@ -150,8 +199,13 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
     coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
 
+    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"]
+    in_sample = Path(trained_on).resolve() == Path(store).resolve()
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
                 f"model `{model_dir}`.", ""]
+    if in_sample:
+        sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
+                     "(optimistic). Predict a held-out cohort (`prediction.store`) for an honest estimate.**", ""]
     metrics: dict[str, Any] = {}
     figures: list[Path] = []
     if (table["label"] >= 0).any() and table.loc[table["label"] >= 0, "label"].nunique() == 2:

@@ -8,6 +8,7 @@ Layout (see ``docs/STORE.md`` for dtypes, chunks and codecs)::
       bags/offsets (B+1,) int64   bags/id (B,) str   bags/label (B,) int8   bags/source (B,) str
       bags/done (B,) bool
       staging/<key>/{features,coords,label}   (per-bag work area of the parallel ingest)
+      predictions/<run>/...                  (written by ``tasks.training.predict_cohort``)
 
 Instances of bag ``b`` are rows ``offsets[b]:offsets[b+1]``. Bags are appended by one writer
 (:func:`append_bags`): instance rows first, then the bag arrays, then ``bags/done`` last, so a bag is
@@ -15,6 +16,10 @@ visible to readers only once all of it is written. A crash leaves trailing rows 
 ``done == False``; readers ignore them and :func:`repair` (run by every append) truncates them.
 Parallel ingest never writes the CSR arrays concurrently: each worker writes one bag into its own
 ``staging/<key>`` group (:class:`StagingWriter`), and the driver appends finished bags in order.
+
+Read with :func:`open_cohort` (:class:`Cohort`: bag arrays, bag-aligned :class:`Partition` s,
+:class:`StoredBags` blocks of whole bags). :func:`write_cohort_from_arrays` writes a store from
+instance-level arrays in one pass.
 """
 
 from __future__ import annotations

@@ -50,12 +50,47 @@ DEFAULT_PARTITION_BYTES = 128 * 2**20
 
 
 # ------------------------------------------------------------------------------ partition tasks
+@dataclass(frozen=True)
+class FeatureScaling:
+    """Per-feature standardisation ``(x − mean) / scale`` learnt on a training cohort and applied
+    to every cohort the model sees (handcrafted features differ in scale by orders of magnitude;
+    an isotropic RBF kernel needs them comparable)."""
+
+    mean: np.ndarray
+    scale: np.ndarray
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        return (X - self.mean) / self.scale
+
+
+def _read_features(stored: Any, scaling: FeatureScaling | None) -> np.ndarray:
+    X = np.asarray(stored.features, dtype=np.float64)
+    return X if scaling is None else scaling(X)
+
+
+def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray) -> np.ndarray:
+    """``[n, Σx, Σx²]`` over the labelled, non-excluded bags of one partition."""
+    X = load_block(path, partition, "cpu", exclude_bags).X
+    return np.concatenate([[X.shape[0]], X.sum(axis=0), (X * X).sum(axis=0)])
+
+
+def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], exclude_bags: np.ndarray) -> FeatureScaling:
+    """Mean and std of every feature over the training bags, as a map over partitions and a sum
+    (features whose std is 0 keep scale 1)."""
+    sums = client.submit(_sum_statistics, *[client.submit(_feature_sums, path, p, exclude_bags, pure=False) for p in partitions]).result()
+    n, D = sums[0], (sums.shape[0] - 1) // 2
+    mean = sums[1 : D + 1] / n
+    std = np.sqrt(np.maximum(sums[D + 1 :] / n - mean**2, 0.0))
+    return FeatureScaling(mean=mean, scale=np.where(std > 1e-12 * np.maximum(np.abs(mean), 1.0), std, 1.0))
+
+
 def load_block(path: str, partition: Partition, device: str, exclude_bags: np.ndarray | None = None,
-               with_coords: bool = False) -> BagBlock:
+               with_coords: bool = False, scaling: FeatureScaling | None = None) -> BagBlock:
     """The labelled bags of ``partition`` as an engine block (float64; on the GPU for ``device="gpu"``).
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
-    hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour graph).
+    hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
+    graph); ``scaling`` standardises the features.
     """
     stored = open_cohort(path).read_partition(partition)
     labels = np.asarray(stored.bag_labels)
@@ -64,7 +99,7 @@ def load_block(path: str, partition: Partition, device: str, exclude_bags: np.nd
         keep &= ~np.isin(np.arange(partition.bag_start, partition.bag_stop), exclude_bags)
     kept = np.flatnonzero(keep)
     offsets = np.asarray(stored.offsets)
-    X, new_offsets = take_bags(np.asarray(stored.features, dtype=np.float64), offsets, kept)
+    X, new_offsets = take_bags(_read_features(stored, scaling), offsets, kept)
     coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
     return BagBlock(X=_to_device(X, device), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
 
@@ -83,8 +118,8 @@ def _to_device(X: np.ndarray, device: str) -> Any:
 
 
 def _prepare(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
-             with_coords: bool) -> Any:
-    return updates.prepare(load_block(path, partition, device, exclude, with_coords))
+             with_coords: bool, scaling: FeatureScaling | None) -> Any:
+    return updates.prepare(load_block(path, partition, device, exclude, with_coords, scaling))
 
 
 def _init_local(updates: PartitionUpdates, block: Any) -> Any:
@@ -92,8 +127,8 @@ def _init_local(updates: PartitionUpdates, block: Any) -> Any:
 
 
 def _stream_init_local(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
-                       with_coords: bool) -> Any:
-    return updates.init_local(_prepare(updates, path, partition, device, exclude, with_coords))
+                       with_coords: bool, scaling: FeatureScaling | None) -> Any:
+    return updates.init_local(_prepare(updates, path, partition, device, exclude, with_coords, scaling))
 
 
 def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any) -> tuple[Any, Any]:
@@ -102,9 +137,9 @@ def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any
 
 def _stream_partition_step(
     updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None, with_coords: bool,
-    local: Any, glob: Any,
+    scaling: FeatureScaling | None, local: Any, glob: Any,
 ) -> tuple[Any, Any]:
-    return updates.partition_step(_prepare(updates, path, partition, device, exclude, with_coords), local, glob)
+    return updates.partition_step(_prepare(updates, path, partition, device, exclude, with_coords, scaling), local, glob)
 
 
 def _sum_statistics(*stats: Any) -> Any:
@@ -139,12 +174,12 @@ class Checkpoint:
         name = f"training/{self.run}"
         return root[name].attrs.get("latest") if name in root else None
 
-    def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition]) -> None:
+    def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition], scaling: FeatureScaling | None) -> None:
         group = self._group()
-        _write_bytes(group, "model", pickle.dumps(model))
+        _write_bytes(group, "model", pickle.dumps((model, scaling)))
         group.attrs.update({"partitions": [[p.bag_start, p.bag_stop] for p in partitions], "latest": None})
 
-    def load_model(self, partitions: Sequence[Partition]) -> SparseGPMILBase:
+    def load_model(self, partitions: Sequence[Partition]) -> tuple[SparseGPMILBase, FeatureScaling | None]:
         group = self._group()
         saved = [tuple(b) for b in group.attrs["partitions"]]
         if saved != [(p.bag_start, p.bag_stop) for p in partitions]:
@@ -226,12 +261,13 @@ class DaskExecutor:
         locals_from: Checkpoint | None = None,
         locals_iteration: int | None = None,
         with_coords: bool = False,
+        scaling: FeatureScaling | None = None,
     ):
         if split_every < 2:
             raise ValueError(f"split_every must be >= 2, got {split_every}")
         self.client, self.store, self.partitions = client, store, list(partitions)
         self.mode, self.device, self.split_every = mode, device, split_every
-        self.exclude, self.with_coords = exclude_bags, with_coords
+        self.exclude, self.with_coords, self.scaling = exclude_bags, with_coords, scaling
         self.token = uuid.uuid4().hex[:8]
         self.resources = {"GPU": 1} if device == "gpu" else None
         self.iteration = locals_iteration or 0
@@ -239,7 +275,7 @@ class DaskExecutor:
         self.updates = self._submit(_value, updates, key=f"model-updates-{self.token}")
         if mode == "persist":
             self.blocks = [
-                self._submit(_prepare, self.updates, store, p, device, self.exclude, with_coords, key=f"load-partition-{p.index}-{self.token}")
+                self._submit(_prepare, self.updates, store, p, device, self.exclude, with_coords, scaling, key=f"load-partition-{p.index}-{self.token}")
                 for p in self.partitions
             ]
         if locals_from is not None:
@@ -251,7 +287,7 @@ class DaskExecutor:
             ]
         else:
             self.locals = [
-                self._submit(_stream_init_local, self.updates, store, p, device, self.exclude, with_coords, key=f"init-local-{p.index}-{self.token}")
+                self._submit(_stream_init_local, self.updates, store, p, device, self.exclude, with_coords, scaling, key=f"init-local-{p.index}-{self.token}")
                 for p in self.partitions
             ]
 
@@ -278,7 +314,8 @@ class DaskExecutor:
             else:
                 results.append(
                     self._submit(
-                        _stream_partition_step, self.updates, self.store, p, self.device, self.exclude, self.with_coords, self.locals[i], q, key=key
+                        _stream_partition_step, self.updates, self.store, p, self.device, self.exclude, self.with_coords, self.scaling,
+                        self.locals[i], q, key=key,
                     )
                 )
         stats = [self.client.submit(operator.getitem, r, 0, key=f"statistics-{it}-{i}-{token}") for i, r in enumerate(results)]
@@ -322,6 +359,7 @@ class TrainingSummary:
     device: str
     n_iter: int
     resumed_from: int | None
+    scaling: FeatureScaling | None = None
 
 
 def fit_cohort(
@@ -338,6 +376,7 @@ def fit_cohort(
     split_every: int = 8,
     max_kmeans_sample: int = 200_000,
     memory_fraction: float = 0.5,
+    standardize: bool = False,
     on_iteration: Callable[[int, float], None] | None = None,
 ) -> TrainingSummary:
     """Fit ``model`` (any :class:`~mil_core.base.SparseGPMILBase` estimator) on the labelled bags
@@ -347,7 +386,9 @@ def fit_cohort(
     points come from k-means on all training instances when there are at most
     ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
     prepared partitions in worker memory when they take less than ``memory_fraction`` of the
-    cluster's memory, else streams them from Zarr every iteration. With ``resume`` a run that
+    cluster's memory, else streams them from Zarr every iteration. ``standardize`` learns a
+    :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
+    :func:`predict_cohort`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
     ``on_iteration(i, objective)`` is called after each iteration (progress reporting).
     """
@@ -370,15 +411,20 @@ def fit_cohort(
     checkpoint = Checkpoint(store, run)
     latest = checkpoint.latest() if resume else None
     if latest is not None:
-        _restore_fitted_state(model, checkpoint.load_model(partitions), f"{store}/training/{run}")
+        fitted, scaling = checkpoint.load_model(partitions)
+        _restore_fitted_state(model, fitted, f"{store}/training/{run}")
         _check_feature_dimension(model, cohort)
+        if (scaling is not None) != standardize:
+            raise ValueError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; use a new run name")
         updates = model._make_updates(model.gp_)
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
-        X_sample, sample_labels = _kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state)
+        excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
+        scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
+        X_sample, sample_labels = _kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, scaling)
         updates = model._start_fit(X_sample, sample_labels)
-        checkpoint.save_model(model, partitions)
+        checkpoint.save_model(model, partitions, scaling)
 
     device = _resolve_device(client, device)
     mode = _resolve_mode(client, cohort, model, mode, memory_fraction)
@@ -386,9 +432,11 @@ def fit_cohort(
     executor = DaskExecutor(
         client, updates, store, partitions, mode=mode, device=device, split_every=split_every, exclude_bags=validation,
         locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
+        scaling=scaling,
     )
     trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
-    early = _DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device) if validation.size else None
+    early = (_DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device, scaling)
+             if validation.size else None)
 
     def monitor(iteration: int, glob: Any) -> bool:
         if on_iteration is not None:
@@ -401,7 +449,7 @@ def fit_cohort(
     model._finish_fit(trace, early.stopping if early is not None else None)
     return TrainingSummary(
         store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),
-        mode=mode, device=device, n_iter=trace.n_iter, resumed_from=latest,
+        mode=mode, device=device, n_iter=trace.n_iter, resumed_from=latest, scaling=scaling,
     )
 
 
@@ -430,7 +478,7 @@ class _DistributedEarlyStopping:
     workers where they are kept."""
 
     def __init__(self, client: Client, model: SparseGPMILBase, store: str, cohort, labels: np.ndarray,
-                 validation: np.ndarray, partition_bytes: int, device: str):
+                 validation: np.ndarray, partition_bytes: int, device: str, scaling: FeatureScaling | None):
         from sklearn.metrics import roc_auc_score
 
         from mil_core.base import _EarlyStopping
@@ -442,7 +490,7 @@ class _DistributedEarlyStopping:
             held_out = validation[(validation >= p.bag_start) & (validation < p.bag_stop)]
             if held_out.size:
                 others = np.setdiff1d(np.arange(p.bag_start, p.bag_stop), held_out)
-                self.blocks.append(client.submit(load_block, store, p, device, others, uses_coords(model), pure=False))
+                self.blocks.append(client.submit(load_block, store, p, device, others, uses_coords(model), scaling, pure=False))
                 order.append(held_out)
         truth = labels[np.concatenate(order)]
         self.stopping = _EarlyStopping(score=lambda glob: roc_auc_score(truth, self._scores(glob)), patience=model.n_iter_no_change)
@@ -455,7 +503,8 @@ class _DistributedEarlyStopping:
         return self.stopping(iteration, glob)
 
 
-def _kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state) -> tuple[np.ndarray, np.ndarray]:
+def _kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
+                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray]:
     """Instances (labelled by their bag's label) for k-means: every training instance, in store
     order, when there are at most ``cap``; else a seeded sample of whole training bags."""
     sizes = np.diff(cohort.offsets)
@@ -469,7 +518,7 @@ def _kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, r
         local = chosen[(chosen >= p.bag_start) & (chosen < p.bag_stop)] - p.bag_start
         if local.size:
             stored = cohort.read_partition(p)
-            rows, offsets = take_bags(np.asarray(stored.features, dtype=np.float64), np.asarray(stored.offsets), local)
+            rows, offsets = take_bags(_read_features(stored, scaling), np.asarray(stored.offsets), local)
             X.append(rows)
             y.append(np.repeat(labels[local + p.bag_start], np.diff(offsets)))
     return np.concatenate(X), np.concatenate(y)
@@ -501,9 +550,10 @@ def _resolve_mode(client: Client, cohort, model: SparseGPMILBase, mode: Mode, me
 
 
 # ---------------------------------------------------------------------------------- prediction
-def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, instance_kwargs: dict, bag_kwargs: dict):
+def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, scaling: FeatureScaling | None,
+                       instance_kwargs: dict, bag_kwargs: dict):
     stored = open_cohort(store).read_partition(partition)
-    X = _to_device(np.asarray(stored.features, dtype=np.float64), device)
+    X = _to_device(_read_features(stored, scaling), device)
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
     coords = {"coords": np.asarray(stored.coords)} if uses_coords(model) else {}
     instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
@@ -520,6 +570,7 @@ def predict_cohort(
     run: str = "default",
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     device: Device = "auto",
+    scaling: FeatureScaling | None = None,
     instance_kwargs: dict | None = None,
     bag_kwargs: dict | None = None,
 ) -> str:
@@ -530,7 +581,8 @@ def predict_cohort(
     labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
 
     Each partition is predicted by one task; the client writes the results (one writer, so
-    partitions that share a Zarr chunk cannot race).
+    partitions that share a Zarr chunk cannot race). ``scaling``: the training cohort's
+    :class:`FeatureScaling` when the model was trained with ``standardize=True``.
     """
     store = str(store)
     cohort = open_cohort(store)
@@ -557,7 +609,7 @@ def predict_cohort(
     model_future = client.submit(_value, model, pure=False)
     futures = [
         client.submit(
-            _predict_partition, model_future, store, p, device, instance_kwargs or {}, bag_kwargs or {},
+            _predict_partition, model_future, store, p, device, scaling, instance_kwargs or {}, bag_kwargs or {},
             key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources={"GPU": 1} if device == "gpu" else None,
         )
         for p in cohort.partitions(partition_bytes)

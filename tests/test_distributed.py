@@ -231,3 +231,19 @@ def test_a_fit_that_learns_the_kernel_resumes_with_the_learnt_kernel(client, toy
     fit_cohort(resumed, path, client, run="hyper", partition_bytes=2_000, checkpoint_every=2)
     np.testing.assert_allclose(resumed.kernel_.variance, serial.kernel_.variance, rtol=1e-6)
     np.testing.assert_allclose(resumed.q_.mean, serial.q_.mean, rtol=1e-6, atol=1e-8)
+
+
+def test_standardised_training_equals_a_fit_on_standardised_features(client, tmp_path, toy_bags):
+    X, bags, y, _ = toy_bags
+    X = (X * [1.0, 1000.0] + [0.0, 5e4]).astype(np.float32).astype(np.float64)  # features on wildly different scales
+    path = write_store(tmp_path / "scaled.zarr", X, bags, y)
+    model = VGPMIL(**PARAMS)
+    summary = fit_cohort(model, path, client, partition_bytes=2_000, standardize=True, resume=False)
+    np.testing.assert_allclose(summary.scaling.mean, X.mean(axis=0), rtol=1e-10)
+    np.testing.assert_allclose(summary.scaling.scale, X.std(axis=0), rtol=1e-8)
+    serial = VGPMIL(**PARAMS).fit(summary.scaling(X), bags, y)
+    assert_same_fit(model, serial)
+    predict_cohort(model, path, client, run="scaled", scaling=summary.scaling, instance_kwargs={"method": "probit"})
+    order = np.argsort(bags, kind="stable")
+    np.testing.assert_allclose(read_predictions(path, "scaled")["instances/proba"],
+                               serial.predict_instance_proba(summary.scaling(X[order]), method="probit"), rtol=1e-8)

@@ -96,7 +96,7 @@ def test_an_interrupted_training_resumes_when_the_flow_is_rerun(tmp_path, cohort
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         with pytest.raises(KeyboardInterrupt):
-            fit_cohort(make_model(config.model), cohort, client, run=key, checkpoint_every=3, on_iteration=crash)
+            fit_cohort(make_model(config.model), cohort, client, run=key, checkpoint_every=3, standardize=True, on_iteration=crash)
     result = train_model(write_config(tmp_path, cohort, training={"checkpoint_every": 3}))
     assert result.key == key and result.info["resumed_from"] == 3 and result.info["n_iter"] == 8
 
@@ -119,3 +119,23 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
     assert main(["train", bad]) == 2
     assert "training.mode" in capsys.readouterr().err
+
+
+def test_demo_pipeline_on_generated_slides_and_ct_scans_skips_a_corrupt_slide_and_reruns_for_free(tmp_path):
+    from flows.demo import write_demo_configs
+
+    configs = write_demo_configs(tmp_path, n_slides=6, n_scans=6, n_corrupt=1, max_iter=10)
+    wsi = pipeline(str(configs["wsi"]))
+    skipped = wsi["ingest"].info["skipped"]
+    assert [s["bag_id"] for s in skipped] == ["corrupt_00000"] and skipped[0]["path"].endswith("corrupt_00000.tiff")
+    assert len(wsi["ingest"].info["added"]) == 6
+    out = tmp_path / "runs" / "wsi" / "predictions" / wsi["predict"].key
+    assert len(list((out / "heatmaps").glob("*.png"))) == 4 and (out / "report.md").read_text().count("data:image/png") >= 5
+
+    ct = pipeline(str(configs["ct"]))
+    assert len(ct["ingest"].info["added"]) == 6
+    assert (tmp_path / "runs" / "ct" / "predictions" / ct["predict"].key / "slices").is_dir()
+    assert "instance_auc" in ct["report"].info  # slice labels from the RSNA-style CSV
+
+    again = pipeline(str(configs["ct"]))
+    assert all(r.reused for r in again.values())

@@ -7,5 +7,8 @@ Submodules (imported explicitly, so that reading a store never imports DICOM or 
 - :mod:`tasks.ingest.wsi`      -- tissue mask, tile grid, tile batches and QC thumbnails of slides.
 - :mod:`tasks.ingest.ct`       -- head-CT DICOM series: grouping, ordering, HU, windows.
 - :mod:`tasks.ingest.features` -- handcrafted extractors and the plug-in protocol/registry.
-- :mod:`tasks.ingest.cohort`   -- the parallel, resumable ingest driver and its report.
+- :mod:`tasks.ingest.cohort`   -- the parallel, resumable ingest driver, its report and the ``ingest_*`` entry points.
+- :mod:`tasks.ingest.synthetic` -- seeded synthetic slides, CT series and feature cohorts.
+
+The store layout and the conventions of every source are in ``docs/STORE.md``.
 """

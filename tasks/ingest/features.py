@@ -119,7 +119,12 @@ def batch_histograms(values: np.ndarray, bins: int) -> np.ndarray:
 
 
 def lbp_histograms(gray: np.ndarray) -> np.ndarray:
-    """Rotation-invariant uniform LBP (8 neighbours, radius 1) histograms, (B, H, W) → (B, 10)."""
+    """Rotation-invariant uniform LBP histograms, (B, H, W) → (B, 10).
+
+    The 8 neighbours are the square 3×3 ring (diagonals not interpolated, unlike the circular
+    sampling of ``skimage.feature.local_binary_pattern``); code ``k`` ∈ 0..8 counts neighbours
+    ``>=`` the centre for uniform patterns (≤ 2 transitions), 9 collects the others.
+    """
     centre = gray[:, 1:-1, 1:-1]
     h, w = centre.shape[1:]
     codes = np.zeros(centre.shape, dtype=np.int64)
@@ -134,7 +139,9 @@ def glcm_properties(gray: np.ndarray, levels: int = 8, distances: tuple[int, ...
 
     Grey levels are quantised to ``levels``; for each distance the symmetric, normalised matrices of
     the four directions (0, 45, 90, 135 degrees) give contrast, dissimilarity, homogeneity, energy,
-    correlation and entropy, averaged over directions: ``(B, 6 * len(distances))``.
+    correlation and entropy, averaged over directions: ``(B, 6 * len(distances))``. Distance ``d``
+    means the offsets (0, d), (-d, d), (-d, 0), (-d, -d) (for ``d = 1`` this equals
+    ``skimage.feature.graycomatrix``, which rounds the diagonal offsets of larger distances).
     """
     b = gray.shape[0]
     q = np.clip((gray * levels).astype(np.int64), 0, levels - 1)
@@ -213,7 +220,8 @@ class HandcraftedHE:
       co-occurrence matrices at distances 1 and 2, averaged over 4 directions.
     - ``hog_pca`` (``hog_components``): HOG (9 orientations, 8×8-pixel cells) of the grey image
       downscaled to 32×32, projected on its first principal components. The PCA is fitted once per
-      store on a sample of its tiles (:meth:`fit`) and stored in ``params()``.
+      store on a sample of its tiles (:meth:`fit`) and stored in ``params()``; with fewer than
+      ``hog_components + 1`` sample tiles the trailing components are zero.
     """
 
     name = "he-handcrafted"
@@ -245,13 +253,15 @@ class HandcraftedHE:
 
     def fit(self, sample: np.ndarray) -> HandcraftedHE:
         """Return a copy with the HOG PCA fitted on ``sample`` (B, H, W, 3) uint8 tiles."""
-        if len(sample) <= self.hog_components:
-            raise ValueError(f"need more than {self.hog_components} tiles to fit the HOG PCA, got {len(sample)}")
+        if len(sample) < 2:
+            raise ValueError(f"need at least 2 tiles to fit the HOG PCA, got {len(sample)}")
         hog = self._hog(_to_unit_rgb(sample, self.work_size))
         mean = hog.mean(axis=0)
         _, _, vt = np.linalg.svd(hog - mean, full_matrices=False)
-        basis = vt[: self.hog_components]
-        basis *= np.sign(basis[np.arange(len(basis)), np.abs(basis).argmax(axis=1)])[:, None]  # fixed signs
+        basis = np.zeros((self.hog_components, hog.shape[1]))
+        rank = min(self.hog_components, len(vt), len(sample) - 1)  # fewer tiles: trailing components stay 0
+        basis[:rank] = vt[:rank]
+        basis[:rank] *= np.sign(basis[np.arange(rank), np.abs(basis[:rank]).argmax(axis=1)])[:, None]  # fixed signs
         return HandcraftedHE(self.work_size, self.hog_components, mean.tolist(), basis.tolist())
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:

@@ -305,7 +305,7 @@ def make_feature_cohort(path: str | Path, n_bags: int, mean_bag_size: float, n_f
             count = min(bags_per_batch, n_bags - first)
             sizes = 1 + rng.poisson(max(mean_bag_size - 1.0, 0.0), size=count)
             positive = rng.random(count) < positive_fraction
-            X = rng.normal(size=(int(sizes.sum()), n_features)).astype(np.float32)
+            X = rng.standard_normal(size=(int(sizes.sum()), n_features), dtype=np.float32)
             witness = np.repeat(positive, sizes) & (rng.random(len(X)) < witness_rate)
             offsets = np.concatenate([[0], np.cumsum(sizes)])
             for b in np.flatnonzero(positive & ~np.add.reduceat(witness, offsets[:-1]).astype(bool)):

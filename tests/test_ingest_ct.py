@@ -1,0 +1,137 @@
+"""Head CT: HU and windows against hand-computed values, slice ordering, RSNA labels, bad inputs, plug-in extractors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pydicom
+import pytest
+from pydicom.data import get_testdata_file
+
+from tasks.ingest.cohort import ingest_ct
+from tasks.ingest.ct import load_windowed_slices, order_slices, scan_dicom_dir, to_hu, windowed_channels
+from tasks.ingest.features import HandcraftedCT, extractor_spec, make_extractor, register_extractor
+from tasks.ingest.synthetic import make_ct_cohort, write_ct_series
+from tasks.store import open_cohort
+
+
+def test_bundled_ct_small_is_rescaled_to_hu_before_windowing():
+    ds = pydicom.dcmread(get_testdata_file("CT_small.dcm"))
+    assert (ds.RescaleSlope, ds.RescaleIntercept) == (1, -1024)
+    hu = to_hu(ds)
+    assert hu[0, 0] == 175 - 1024 and hu[0, 49] == 1053 - 1024  # stored values 175 and 1053
+    windows = windowed_channels(hu)
+    np.testing.assert_allclose(windows[0, 0], [0.0, 0.0, 0.0])  # -849 HU: below every window
+    # 29 HU: brain (29 - 0) / 80, blood (29 + 20) / 200, soft tissue (29 + 150) / 380
+    np.testing.assert_allclose(windows[0, 49], [29 / 80, 49 / 200, 179 / 380], rtol=1e-6)
+    assert windows[64, 64].tolist() == [1.0, 1.0, 1.0]  # 904 HU (bone): above every window
+
+
+def test_slope_and_intercept_are_applied_and_windows_clip(tmp_path):
+    hu = np.array([[[40.0, 80.0], [-1000.0, 3000.0]]])
+    _, _, paths = write_ct_series(tmp_path, hu, series_key="k", rescale_intercept=-1000.0, rescale_slope=2.0)
+    ds = pydicom.dcmread(paths[0])
+    assert ds.pixel_array[0, 0] == 520  # (40 + 1000) / 2
+    np.testing.assert_array_equal(to_hu(ds), hu[0])
+    windows = load_windowed_slices([str(paths[0])])[0]
+    np.testing.assert_allclose(windows[0, 0], [0.5, 0.3, 0.5])
+    np.testing.assert_allclose(windows[0, 1], [1.0, 0.5, 230 / 380], rtol=1e-6)
+    np.testing.assert_allclose(windows[1], [[0, 0, 0], [1, 1, 1]])
+
+
+def test_slices_are_ordered_along_the_slice_normal_not_by_name_or_instance_number(tmp_path):
+    scans = make_ct_cohort(tmp_path, 2, n_slices=7, size=16, seed=1)
+    series, errors = scan_dicom_dir(tmp_path)
+    assert not errors
+    by_uid = {s.series_uid: s for s in series}
+    for scan in scans:
+        assert by_uid[scan.series_uid].sop_uids == scan.sop_uids
+    # Column cosine (0, -1, 0) flips the normal to -z: the slice at the highest z comes first.
+    headers = [pydicom.Dataset() for _ in range(3)]
+    for header, z in zip(headers, (5.0, -5.0, 0.0)):
+        header.ImageOrientationPatient = [1, 0, 0, 0, -1, 0]
+        header.ImagePositionPatient = [0, 0, z]
+    assert order_slices(headers) == [0, 2, 1]
+
+
+def test_ct_ingest_takes_rsna_labels_and_reports_bad_files(tmp_path):
+    scans = make_ct_cohort(tmp_path / "dicom", 4, n_slices=8, size=32, positive_fraction=0.5, seed=2)
+    (tmp_path / "dicom" / "patient_00000" / "garbage.dcm").write_bytes(b"not a dicom file at all")
+    negative = next(s for s in scans if s.label == 0)
+    positive = next(s for s in scans if s.label == 1)
+    clean_slices = np.flatnonzero(positive.slice_labels == 0)[:2]
+    dropped = {*negative.sop_uids[:2], *(positive.sop_uids[k] for k in clean_slices)}
+    labels = pd.read_csv(tmp_path / "dicom" / "labels.csv")
+    labels = labels[~labels["ID"].str.slice(3).str.rsplit("_", n=1).str[0].isin(dropped)]
+    labels.to_csv(tmp_path / "labels.csv", index=False)
+
+    report = ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
+
+    problems = {(s.error, Path(s.path).name) for s in report.skipped}
+    assert problems == {("UnreadableFileError", "garbage.dcm"),
+                        ("MissingLabelError", Path(negative.paths[0]).parent.name)}
+    cohort = open_cohort(tmp_path / "ct.zarr")
+    expected = {s.series_uid: s for s in scans if s is not negative}
+    assert set(cohort.bag_ids) == set(expected)
+    assert cohort.n_features == HandcraftedCT().n_features and cohort.attrs["coords_meaning"] == "slice_index"
+    for b, uid in enumerate(cohort.bag_ids):
+        block = cohort.read_bags(b, b + 1)
+        truth = expected[uid].slice_labels.copy()
+        if uid == positive.series_uid:
+            truth[clean_slices] = -1  # their labels were removed; the bag is still positive
+        np.testing.assert_array_equal(block.instance_labels, truth)
+        np.testing.assert_array_equal(block.coords[:, 0], np.arange(len(truth)))
+        assert cohort.bag_labels[b] == expected[uid].label
+
+
+@register_extractor("window-means")
+class WindowMeans:
+    """A user's own extractor (stands for a local torch model): mean of each window."""
+
+    name, version, n_features = "window-means", "1", 3
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        return batch.mean(axis=(1, 2)).astype(np.float32)
+
+
+def test_a_registered_plug_in_extractor_is_used_and_recorded(tmp_path):
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=5, size=16, seed=3)
+    ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", extractor=WindowMeans())
+    cohort = open_cohort(tmp_path / "ct.zarr")
+    assert cohort.attrs["feature_extractor"] == extractor_spec(make_extractor("window-means"))
+    assert (cohort.bag_labels == -1).all()  # no labels CSV: a cohort to predict
+    for b, uid in enumerate(cohort.bag_ids):
+        scan = next(s for s in scans if s.series_uid == uid)
+        expected = load_windowed_slices([str(p) for p in scan.paths]).mean(axis=(1, 2))
+        np.testing.assert_allclose(cohort.read_bags(b, b + 1).features, expected, rtol=1e-6)
+
+
+def test_handcrafted_ct_features_have_the_documented_blocks():
+    rng = np.random.default_rng(4)
+    batch = rng.random((3, 64, 64, 3)).astype(np.float32)
+    extractor = HandcraftedCT(work_size=32, bins=8)
+    features = extractor(batch)
+    assert features.shape == (3, extractor.n_features) == (3, sum(w for _, w in extractor.blocks()))
+    hist = features[:, :24].reshape(3, 3, 8)
+    np.testing.assert_allclose(hist.sum(axis=2), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(features[0], extractor(batch[:1])[0], rtol=1e-6)  # batch-independent
+    with pytest.raises(KeyError, match="no feature extractor registered"):
+        make_extractor("absent")
+
+
+@pytest.mark.slow
+def test_process_workers_give_the_same_store_as_the_inline_ingest(tmp_path):
+    make_ct_cohort(tmp_path / "dicom", 3, n_slices=6, size=32, seed=5)
+    labels = tmp_path / "dicom" / "labels.csv"
+    ingest_ct(tmp_path / "inline.zarr", tmp_path / "dicom", labels_csv=labels)
+    report = ingest_ct(tmp_path / "pool.zarr", tmp_path / "dicom", labels_csv=labels, max_workers=2)
+    assert len(report.added) == 3 and not report.skipped
+    a, b = open_cohort(tmp_path / "inline.zarr"), open_cohort(tmp_path / "pool.zarr")
+    assert list(a.bag_ids) == list(b.bag_ids)
+    np.testing.assert_array_equal(a.read_bags(0, 3).features, b.read_bags(0, 3).features)

@@ -1,0 +1,138 @@
+"""Feature-table sources: MUSK CSV, Parquet, NumPy, CLAM/TRIDENT .h5, torchmil per-bag files → store → arrays."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+
+from tasks.ingest.cohort import ingest_bag_files, ingest_h5_features, ingest_table
+from tasks.ingest.tables import FeatureTable, read_mil_csv, read_npz_table, read_parquet_table
+from tasks.store import open_cohort
+
+MUSK1 = Path("/work/shared/data/musk1.csv")
+
+
+def assert_store_holds_table(store: Path, X: np.ndarray, bag_ids: np.ndarray, labels: np.ndarray) -> None:
+    cohort = open_cohort(store)
+    block = cohort.read_bags(0, cohort.n_bags)
+    assert list(cohort.bag_ids) == list(dict.fromkeys(bag_ids))
+    for b, bag_id in enumerate(cohort.bag_ids):
+        rows = np.flatnonzero(bag_ids == bag_id)
+        np.testing.assert_array_equal(block.features[block.offsets[b]:block.offsets[b + 1]], X[rows].astype(np.float32))
+        assert cohort.bag_labels[b] == labels[rows[0]]
+
+
+@pytest.mark.skipif(not MUSK1.exists(), reason="MUSK data not present")
+def test_musk_csv_round_trips_and_a_rerun_adds_nothing(tmp_path):
+    raw = np.loadtxt(MUSK1, delimiter=",", dtype=str)
+    report = ingest_table(tmp_path / "musk.zarr", read_mil_csv(MUSK1))
+    assert len(report.added) == 92 and report.n_instances_added == 476 and not report.skipped
+    assert_store_holds_table(tmp_path / "musk.zarr", raw[:, 2:].astype(float), raw[:, 1], raw[:, 0].astype(int))
+    again = ingest_table(tmp_path / "musk.zarr", read_mil_csv(MUSK1))
+    assert again.added == () and len(again.already_done) == 92
+    assert open_cohort(tmp_path / "musk.zarr").n_instances == 476
+
+
+def test_parquet_and_npz_tables_round_trip_with_instance_labels(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 200
+    bag = rng.integers(0, 15, size=n).astype(str).astype(object)
+    label = (np.char.count(bag.astype(str), "1") > 0).astype(int)
+    X = rng.normal(size=(n, 4))
+    inst = rng.integers(0, 2, size=n)
+    frame = pd.DataFrame(X, columns=[f"f{i}" for i in range(4)]).assign(bag_id=bag, label=label, inst=inst)
+    frame.to_parquet(tmp_path / "t.parquet")
+    ingest_table(tmp_path / "p.zarr", read_parquet_table(tmp_path / "t.parquet", instance_label_column="inst"))
+    assert_store_holds_table(tmp_path / "p.zarr", X, bag, label)
+    np.savez(tmp_path / "t.npz", X=X, bag_ids=bag.astype(str), labels=label, instance_labels=inst)
+    ingest_table(tmp_path / "n.zarr", read_npz_table(tmp_path / "t.npz"))
+    assert_store_holds_table(tmp_path / "n.zarr", X, bag, label)
+    for store in ("p.zarr", "n.zarr"):
+        cohort = open_cohort(tmp_path / store)
+        block = cohort.read_bags(0, cohort.n_bags)
+        order = np.concatenate([np.flatnonzero(bag == b) for b in cohort.bag_ids])
+        np.testing.assert_array_equal(block.instance_labels, inst[order])
+
+
+def test_a_table_bag_with_conflicting_labels_is_skipped_and_the_rest_ingested(tmp_path):
+    table = FeatureTable(X=np.arange(12.0).reshape(6, 2), bag_ids=np.array(["a", "a", "b", "b", "c", "c"], dtype=object),
+                         labels=np.array([1, 1, 0, 1, 0, 0]), source="table.csv")
+    report = ingest_table(tmp_path / "t.zarr", table)
+    assert report.added == ("a", "c")
+    assert [(s.bag_id, s.error, s.path) for s in report.skipped] == [("b", "MissingLabelError", "table.csv")]
+    assert json.loads(Path(report.report_path).read_text())["skipped"][0]["bag_id"] == "b"
+
+
+def test_a_table_of_another_feature_dimension_is_refused_naming_the_store(tmp_path):
+    first = FeatureTable(np.zeros((2, 3)), np.array(["a", "b"], dtype=object), np.array([0, 1]), "one.csv")
+    other = FeatureTable(np.zeros((2, 4)), np.array(["c", "d"], dtype=object), np.array([0, 1]), "two.csv")
+    ingest_table(tmp_path / "t.zarr", first)
+    with pytest.raises(ValueError, match="n_features.*two.csv"):
+        ingest_table(tmp_path / "t.zarr", other)
+
+
+def write_h5(path: Path, features: np.ndarray, coords: np.ndarray, trident: bool = False) -> None:
+    with h5py.File(path, "w") as handle:
+        handle["features"] = features[None] if trident else features
+        handle["coords"] = coords
+
+
+def test_clam_and_trident_h5_files_round_trip_and_bad_files_are_reported(tmp_path):
+    rng = np.random.default_rng(1)
+    slides = tmp_path / "h5"
+    slides.mkdir()
+    truth = {}
+    for i in range(4):
+        n = int(rng.integers(3, 30))
+        truth[f"s{i}"] = (rng.normal(size=(n, 6)).astype(np.float32), rng.integers(0, 5000, size=(n, 2)))
+        write_h5(slides / f"s{i}.h5", *truth[f"s{i}"], trident=i % 2 == 1)
+    write_h5(slides / "wide.h5", np.zeros((3, 7), np.float32), np.zeros((3, 2)))
+    (slides / "broken.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 40)
+    write_h5(slides / "unlabelled.h5", np.zeros((3, 6), np.float32), np.zeros((3, 2)))
+    pd.DataFrame({"slide_id": ["s0", "s1", "s2", "s3", "wide", "broken"],
+                  "label": ["tumor", "normal", "normal", "tumor", "tumor", "normal"]}).to_csv(tmp_path / "labels.csv", index=False)
+
+    report = ingest_h5_features(tmp_path / "h5.zarr", slides, tmp_path / "labels.csv", positive=["tumor"])
+
+    assert sorted(report.added) == ["s0", "s1", "s2", "s3"]
+    problems = {s.bag_id: (s.error, Path(s.path).name) for s in report.skipped}
+    assert problems == {"wide": ("FeatureDimensionError", "wide.h5"), "broken": ("UnreadableFileError", "broken.h5"),
+                        "unlabelled": ("MissingLabelError", "unlabelled.h5")}
+    cohort = open_cohort(tmp_path / "h5.zarr")
+    assert dict(zip(cohort.bag_ids, cohort.bag_labels)) == {"s0": 1, "s1": 0, "s2": 0, "s3": 1}
+    for b, bag_id in enumerate(cohort.bag_ids):
+        block = cohort.read_bags(b, b + 1)
+        np.testing.assert_array_equal(block.features, truth[bag_id][0])
+        np.testing.assert_array_equal(block.coords, truth[bag_id][1])
+    assert not any(Path(tmp_path / "h5.zarr" / "staging").glob("*/zarr.json"))
+
+
+def test_torchmil_per_bag_files_round_trip_with_instance_labels_and_coords(tmp_path):
+    rng = np.random.default_rng(2)
+    for folder in ("features", "labels", "inst_labels", "coords"):
+        (tmp_path / folder).mkdir()
+    truth = {}
+    for i in range(3):
+        n = int(rng.integers(2, 20))
+        inst = rng.integers(0, 2, size=n)
+        truth[f"bag{i}"] = (rng.normal(size=(n, 5)).astype(np.float32), inst, rng.integers(0, 99, size=(n, 2)))
+        np.save(tmp_path / "features" / f"bag{i}.npy", truth[f"bag{i}"][0])
+        np.save(tmp_path / "labels" / f"bag{i}.npy", np.array(int(inst.max())))
+        np.save(tmp_path / "inst_labels" / f"bag{i}.npy", inst)
+        np.save(tmp_path / "coords" / f"bag{i}.npy", truth[f"bag{i}"][2])
+    report = ingest_bag_files(tmp_path / "t.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                              inst_labels_dir=tmp_path / "inst_labels", coords_dir=tmp_path / "coords")
+    assert report.added == ("bag0", "bag1", "bag2") and not report.skipped
+    cohort = open_cohort(tmp_path / "t.zarr")
+    for b, bag_id in enumerate(cohort.bag_ids):
+        block = cohort.read_bags(b, b + 1)
+        features, inst, coords = truth[bag_id]
+        np.testing.assert_array_equal(block.features, features)
+        np.testing.assert_array_equal(block.instance_labels, inst)
+        np.testing.assert_array_equal(block.coords, coords)
+        assert cohort.bag_labels[b] == inst.max()

@@ -1,0 +1,140 @@
+"""Slides: tissue detection on generated slides of known tissue area, bad inputs, resume after a crash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tasks.ingest.cohort import ingest_slides, plan_slides, run_ingest
+from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
+from tasks.ingest.wsi import Slide, TilingParams, tile_grid
+from tasks.store import open_cohort
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory) -> tuple[Path, list]:
+    folder = tmp_path_factory.mktemp("slides")
+    generated = make_slide_cohort(folder, 4, seed=3, n_corrupt=1)
+    return folder, generated
+
+
+def test_tissue_mask_and_tile_fractions_match_the_rendered_tissue(slides):
+    folder, generated = slides
+    for slide in generated:
+        with Slide(slide.path) as opened:
+            grid = tile_grid(opened, TilingParams(tile_size=256, min_tissue=0.5))
+        assert abs(grid.mask.mean() - slide.tissue_fraction) < 0.01
+        cells = 256 // MAP_DOWNSAMPLE  # label-map cells per tile side
+        rows, cols = slide.label_map.shape[0] // cells, slide.label_map.shape[1] // cells
+        true_fraction = (slide.label_map != BACKGROUND).reshape(rows, cells, cols, cells).mean(axis=(1, 3))
+        kept = np.zeros((rows, cols), dtype=bool)
+        kept[grid.coords[:, 0], grid.coords[:, 1]] = True
+        clear_cut = np.abs(true_fraction - 0.5) > 0.05
+        np.testing.assert_array_equal(kept[clear_cut], true_fraction[clear_cut] >= 0.5)
+        np.testing.assert_allclose(grid.tissue, true_fraction[kept], atol=0.05)
+
+
+def test_magnification_picks_the_matching_pyramid_level(slides):
+    _, generated = slides
+    with Slide(generated[0].path) as slide:
+        assert slide.magnification == 20.0 and slide.downsamples == [1.0, 4.0]
+        assert slide.choose_level(TilingParams(magnification=5.0)) == 1
+        assert slide.choose_level(TilingParams(magnification=20.0)) == 0
+        grid = tile_grid(slide, TilingParams(tile_size=64, magnification=5.0, min_tissue=0.5))
+    assert grid.level == 1 and grid.shape == (4, 6)
+
+
+def test_slide_ingest_reports_bad_inputs_and_ingests_the_others(slides, tmp_path):
+    folder, generated = slides
+    work = tmp_path / "slides"
+    shutil.copytree(folder, work)
+    write_slide(work / "blank.tiff", np.zeros((32, 48), dtype=np.uint8), seed=1)
+    write_slide(work / "nolabel.tiff", generated[0].label_map, seed=2)
+    labels = pd.read_csv(work / "labels.csv")
+    extra = pd.DataFrame({"image_id": ["blank", "slide_00001"], "data_provider": "x", "isup_grade": [0, 3],
+                          "gleason_score": ["0+0", "4+3"]})
+    pd.concat([labels, extra]).to_csv(work / "labels.csv", index=False)  # slide_00001 now listed twice
+
+    report = ingest_slides(tmp_path / "s.zarr", work, labels_csv=work / "labels.csv", qc_dir=tmp_path / "qc")
+
+    problems = {s.bag_id: s.error for s in report.skipped}
+    assert problems == {"corrupt_00000": "UnreadableFileError", "blank": "NoTissueError",
+                        "nolabel": "MissingLabelError", "slide_00001": "DuplicateIdError"}
+    assert all(s.path.endswith(".tiff") or s.path.endswith("labels.csv") for s in report.skipped)
+    written = json.loads(Path(report.report_path).read_text())
+    assert {s["bag_id"] for s in written["skipped"]} == set(problems)
+    cohort = open_cohort(tmp_path / "s.zarr")
+    expected = [s for s in generated if s.image_id != "slide_00001"]
+    assert list(cohort.bag_ids) == [s.image_id for s in expected]
+    assert list(cohort.bag_labels) == [s.label for s in expected]
+    assert cohort.n_features == 77 and cohort.attrs["tiling"]["tile_size"] == 256
+    assert sorted(p.stem for p in (tmp_path / "qc").glob("*.png")) == [s.image_id for s in expected]
+    block = cohort.read_bags(0, cohort.n_bags)
+    assert np.isfinite(block.features).all() and (block.instance_labels == -1).all()
+
+
+class Crash(BaseException):
+    """Stands for a killed worker process (not an Exception, so nothing catches it)."""
+
+
+def crash_on(bag_id: str, bag_writer):
+    def writer(item, staging):
+        if item.bag_id != bag_id:
+            return bag_writer(item, staging)
+
+        class Dying:  # passes the first batch on, then the process "dies"
+            def write(self, *rows):
+                staging.write(*rows)
+                raise Crash
+
+        bag_writer(item, Dying())
+    return writer
+
+
+def test_an_interrupted_ingest_resumes_to_the_same_store_and_a_rerun_adds_only_new_slides(slides, tmp_path):
+    generated = slides[1]
+    folder = tmp_path / "slides"
+    shutil.copytree(slides[0], folder)
+    crashed, fresh = tmp_path / "crashed.zarr", tmp_path / "fresh.zarr"
+    plan = plan_slides(crashed, folder, labels_csv=folder / "labels.csv", batch_size=2)
+    with pytest.raises(Crash):
+        run_ingest(crashed, plan.spec, plan.items, crash_on("slide_00003", plan.bag_writer), commit_every=2)
+    partial = open_cohort(crashed)
+    assert list(partial.bag_ids) == ["slide_00000", "slide_00001"]  # slide 2 staged, slide 3 half-written
+
+    resumed = ingest_slides(crashed, folder, labels_csv=folder / "labels.csv", batch_size=2)
+    assert resumed.already_done == ("slide_00000", "slide_00001")
+    assert resumed.added == ("slide_00002", "slide_00003")
+    ingest_slides(fresh, folder, labels_csv=folder / "labels.csv")
+    a, b = open_cohort(crashed), open_cohort(fresh)
+    assert list(a.bag_ids) == list(b.bag_ids)
+    np.testing.assert_array_equal(a.offsets, b.offsets)
+    np.testing.assert_array_equal(a.read_bags(0, a.n_bags).features, b.read_bags(0, b.n_bags).features)
+    assert not list((crashed / "staging").glob("*/zarr.json"))
+
+    label_map = generated[1].label_map.copy()
+    label_map[label_map == TISSUE] = TUMOUR
+    write_slide(folder / "late_arrival.tiff", label_map, seed=9)
+    labels = pd.read_csv(folder / "labels.csv")
+    labels.loc[len(labels)] = ["late_arrival", "synthetic", 4, "4+4"]
+    labels.to_csv(folder / "labels.csv", index=False)
+    extended = ingest_slides(crashed, folder, labels_csv=folder / "labels.csv")
+    assert extended.added == ("late_arrival",) and len(extended.already_done) == 4
+    assert open_cohort(crashed).bag_labels[-1] == 1
+
+
+def test_a_dask_client_gives_the_same_store_as_the_serial_ingest(slides, tmp_path):
+    distributed = pytest.importorskip("distributed")
+    folder, _ = slides
+    ingest_slides(tmp_path / "serial.zarr", folder, labels_csv=folder / "labels.csv")
+    with distributed.Client(processes=False, n_workers=2, threads_per_worker=1, dashboard_address=None) as client:
+        report = ingest_slides(tmp_path / "dask.zarr", folder, labels_csv=folder / "labels.csv", client=client)
+    assert len(report.added) == 4 and [s.bag_id for s in report.skipped] == ["corrupt_00000"]
+    a, b = open_cohort(tmp_path / "serial.zarr"), open_cohort(tmp_path / "dask.zarr")
+    assert list(a.bag_ids) == list(b.bag_ids)
+    np.testing.assert_array_equal(a.read_bags(0, a.n_bags).features, b.read_bags(0, b.n_bags).features)

@@ -1,0 +1,185 @@
+"""The Zarr cohort store: CSR round trips, bag-aligned partitions, crash safety, synthetic feature cohorts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tasks.ingest.errors import DuplicateIdError, FeatureDimensionError
+from tasks.ingest.synthetic import make_feature_cohort
+from tasks.store import (
+    BagData,
+    CohortSpec,
+    Partition,
+    StagingWriter,
+    StoredBags,
+    _open_root,
+    append_bags,
+    create_cohort,
+    open_cohort,
+    repair,
+    write_cohort_from_arrays,
+)
+
+
+def random_bags(rng: np.random.Generator, n_bags: int, n_features: int = 5, prefix: str = "bag") -> list[BagData]:
+    bags = []
+    for b in range(n_bags):
+        n = int(rng.integers(1, 9))
+        bags.append(BagData(bag_id=f"{prefix}{b}", label=int(rng.integers(-1, 2)), source=f"/data/{prefix}{b}",
+                            features=rng.normal(size=(n, n_features)).astype(np.float32),
+                            coords=rng.integers(0, 100, size=(n, 2)), instance_labels=rng.integers(-1, 2, size=n)))
+    return bags
+
+
+@pytest.fixture
+def spec() -> CohortSpec:
+    return CohortSpec(name="toy", n_features=5, coords_dim=2, coords_meaning="tile_row,tile_col", chunk_rows=8)
+
+
+def test_appended_bags_read_back_exactly_in_csr_layout(tmp_path, spec):
+    bags = random_bags(np.random.default_rng(0), 12)
+    create_cohort(tmp_path / "c.zarr", spec)
+    append_bags(tmp_path / "c.zarr", bags[:5])
+    append_bags(tmp_path / "c.zarr", bags[5:])
+    cohort = open_cohort(tmp_path / "c.zarr")
+
+    assert (cohort.n_bags, cohort.n_features) == (12, 5)
+    assert cohort.n_instances == sum(b.n_instances for b in bags)
+    assert cohort.offsets.dtype == np.int64 and cohort.bag_labels.dtype == np.int8
+    assert cohort.bag_ids.dtype == object and list(cohort.bag_ids) == [b.bag_id for b in bags]
+    assert list(cohort.bag_labels) == [b.label for b in bags]
+    assert cohort.attrs["cohort_name"] == "toy" and cohort.attrs["schema_version"] == 1
+    block = cohort.read_bags(3, 9)
+    assert isinstance(block, StoredBags)
+    assert block.offsets[0] == 0 and len(block.offsets) == 7
+    for local, bag in enumerate(bags[3:9]):
+        rows = slice(block.offsets[local], block.offsets[local + 1])
+        np.testing.assert_array_equal(block.features[rows], bag.features)
+        np.testing.assert_array_equal(block.coords[rows], bag.coords)
+        np.testing.assert_array_equal(block.instance_labels[rows], bag.instance_labels)
+        assert cohort.bag_slice(3 + local) == slice(cohort.offsets[3 + local], cohort.offsets[4 + local])
+    assert list(block.bag_ids) == [b.bag_id for b in bags[3:9]] and (block.bag_start, block.bag_stop) == (3, 9)
+
+
+@pytest.mark.parametrize("target_bytes", [1, 200, 1000, 10**9])
+def test_partitions_are_bag_aligned_cover_the_cohort_and_hold_about_the_target(tmp_path, spec, target_bytes):
+    bags = random_bags(np.random.default_rng(1), 40)
+    create_cohort(tmp_path / "c.zarr", spec)
+    append_bags(tmp_path / "c.zarr", bags)
+    cohort = open_cohort(tmp_path / "c.zarr")
+    parts = cohort.partitions(target_bytes)
+
+    assert all(isinstance(p, Partition) for p in parts)
+    assert [p.index for p in parts] == list(range(len(parts)))
+    assert parts[0].bag_start == 0 and parts[-1].bag_stop == cohort.n_bags
+    assert all(a.bag_stop == b.bag_start for a, b in zip(parts, parts[1:]))
+    assert all(p.row_start == cohort.offsets[p.bag_start] and p.row_stop == cohort.offsets[p.bag_stop] for p in parts)
+    target_rows = max(1, target_bytes // cohort.bytes_per_instance)
+    largest_bag = int(np.diff(cohort.offsets).max())
+    assert all(p.n_rows < target_rows + largest_bag for p in parts)
+    block = cohort.read_partition(parts[-1])
+    np.testing.assert_array_equal(block.features, np.concatenate([b.features for b in bags[parts[-1].bag_start:]]))
+
+
+def test_write_cohort_from_arrays_groups_interleaved_bags_chunk_by_chunk(tmp_path):
+    rng = np.random.default_rng(2)
+    n = 1000
+    bag_of_row = rng.integers(0, 37, size=n)  # interleaved rows
+    bag_label = rng.integers(0, 2, size=37)
+    X = np.lib.format.open_memmap(tmp_path / "X.npy", mode="w+", dtype=np.float64, shape=(n, 3))
+    X[:] = rng.normal(size=(n, 3))
+    inst = rng.integers(-1, 2, size=n)
+    cohort = write_cohort_from_arrays(tmp_path / "a.zarr", X, np.char.add("b", bag_of_row.astype(str)),
+                                      bag_label[bag_of_row], instance_labels=inst, chunk_rows=64)
+
+    first_seen = list(dict.fromkeys(bag_of_row))
+    assert list(cohort.bag_ids) == [f"b{b}" for b in first_seen]
+    assert list(cohort.bag_labels) == [bag_label[b] for b in first_seen]
+    block = cohort.read_bags(0, cohort.n_bags)
+    for local, b in enumerate(first_seen):
+        rows = np.flatnonzero(bag_of_row == b)
+        stored = slice(block.offsets[local], block.offsets[local + 1])
+        np.testing.assert_allclose(block.features[stored], X[rows], rtol=1e-6)
+        np.testing.assert_array_equal(block.instance_labels[stored], inst[rows])
+        np.testing.assert_array_equal(block.coords[stored, 0], np.arange(len(rows)))
+
+
+def test_write_cohort_from_arrays_rejects_labels_that_differ_within_a_bag(tmp_path):
+    with pytest.raises(ValueError, match="differs within a bag"):
+        write_cohort_from_arrays(tmp_path / "a.zarr", np.zeros((3, 2)), np.array(["a", "a", "b"]), np.array([0, 1, 1]))
+
+
+def test_duplicate_ids_and_wrong_dimensions_commit_nothing(tmp_path, spec):
+    rng = np.random.default_rng(3)
+    create_cohort(tmp_path / "c.zarr", spec)
+    append_bags(tmp_path / "c.zarr", random_bags(rng, 3))
+    with pytest.raises(DuplicateIdError, match="bag0"):
+        append_bags(tmp_path / "c.zarr", random_bags(rng, 3, prefix="new") + random_bags(rng, 2))
+    wide = random_bags(rng, 1, n_features=6, prefix="wide")
+    with pytest.raises(FeatureDimensionError, match="/data/wide0"):
+        append_bags(tmp_path / "c.zarr", random_bags(rng, 2, prefix="ok") + wide)
+    cohort = open_cohort(tmp_path / "c.zarr")
+    assert list(cohort.bag_ids) == ["bag0", "bag1", "bag2"]
+    assert repair(tmp_path / "c.zarr") > 0  # the rejected calls left rows behind, now dropped
+    assert _open_root(tmp_path / "c.zarr", "r")["instances/features"].shape[0] == cohort.n_instances
+
+
+class Crash(BaseException):
+    """Stands for a killed process (not an Exception: nothing catches it)."""
+
+
+def test_an_interrupted_append_leaves_no_visible_bag_and_the_next_append_repairs(tmp_path, spec):
+    rng = np.random.default_rng(4)
+    bags = random_bags(rng, 20)
+    create_cohort(tmp_path / "c.zarr", spec)
+    append_bags(tmp_path / "c.zarr", bags[:4])
+
+    def crashing():
+        yield from bags[4:15]
+        raise Crash
+
+    with pytest.raises(Crash):
+        append_bags(tmp_path / "c.zarr", crashing())
+    assert open_cohort(tmp_path / "c.zarr").n_bags == 4
+    assert _open_root(tmp_path / "c.zarr", "r")["instances/features"].shape[0] > open_cohort(tmp_path / "c.zarr").n_instances
+
+    # A crash after the bag arrays but before `done`: bags with done == False are not visible.
+    root = _open_root(tmp_path / "c.zarr", "r+")
+    for name in ("id", "label", "source", "done"):
+        root[f"bags/{name}"].resize((6,))
+    assert open_cohort(tmp_path / "c.zarr").n_bags == 4
+
+    append_bags(tmp_path / "c.zarr", bags[4:])
+    cohort = open_cohort(tmp_path / "c.zarr")
+    assert list(cohort.bag_ids) == [b.bag_id for b in bags]
+    np.testing.assert_array_equal(cohort.read_bags(0, 20).features, np.concatenate([b.features for b in bags]))
+
+
+def test_staging_writer_rejects_a_feature_dimension_that_does_not_match_the_store(tmp_path, spec):
+    create_cohort(tmp_path / "c.zarr", spec)
+    writer = StagingWriter(tmp_path / "c.zarr", "slide-7", 1, "/slides/7.tiff")
+    writer.write(np.zeros((3, 5)), np.zeros((3, 2)), np.zeros(3))
+    with pytest.raises(FeatureDimensionError, match="/slides/7.tiff"):
+        writer.write(np.zeros((3, 4)), np.zeros((3, 2)), np.zeros(3))
+
+
+def test_open_cohort_on_a_missing_path_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no cohort store"):
+        open_cohort(tmp_path / "absent.zarr")
+
+
+def test_synthetic_feature_cohort_has_witnesses_exactly_in_positive_bags(tmp_path):
+    cohort = make_feature_cohort(tmp_path / "f.zarr", n_bags=300, mean_bag_size=12, n_features=8,
+                                 witness_rate=0.2, seed=5, bags_per_batch=64)
+    block = cohort.read_bags(0, cohort.n_bags)
+    witnesses_per_bag = np.add.reduceat(block.instance_labels.astype(int), block.offsets[:-1])
+    assert cohort.n_bags == 300 and abs(cohort.n_instances / 300 - 12) < 1.5
+    assert np.all((witnesses_per_bag > 0) == (cohort.bag_labels == 1))
+    positive_rows = np.repeat(cohort.bag_labels == 1, np.diff(block.offsets))
+    assert abs(block.instance_labels[positive_rows].mean() - 0.2) < 0.05
+    # Witnesses are shifted by `separation` along one direction: their mean lies ~3 from the others'.
+    shift = block.features[block.instance_labels == 1].mean(0) - block.features[block.instance_labels == 0].mean(0)
+    assert abs(np.linalg.norm(shift) - 3.0) < 0.5
+    again = make_feature_cohort(tmp_path / "g.zarr", 300, 12, 8, 0.2, 5, bags_per_batch=64)
+    np.testing.assert_array_equal(again.read_bags(0, 300).features, block.features)
