@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for chatty in ("httpx", "distributed", "prefect.server"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     from flows.config import ConfigError
 
     try:
