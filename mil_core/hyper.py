@@ -423,17 +423,23 @@ class HyperMILUpdates:
 
 
 # --------------------------------------------------------------------- estimator plumbing
+def check_hyper_schedule(estimator: Any) -> tuple[int, int]:
+    """The validated ``(hyper_every, hyper_steps)`` of an estimator that learns hyper-parameters."""
+    every, steps = estimator.hyper_every, estimator.hyper_steps
+    if not (isinstance(every, (int, np.integer)) and every >= 1):
+        raise ValueError(f"hyper_every must be an integer >= 1, got {every!r}")
+    if not (isinstance(steps, (int, np.integer)) and steps >= 0):
+        raise ValueError(f"hyper_steps must be an integer >= 0, got {steps!r}")
+    return int(every), int(steps)
+
+
 def hyper_updates(estimator: Any, updates: Any) -> Any:
     """Wrap a ψ-VGPMIL estimator's updates in :class:`HyperMILUpdates` when it learns anything
     (``learn_kernel``, ``learn_inducing``, ``learn_psi``); otherwise return them unchanged."""
     learn = {name: bool(getattr(estimator, name, False)) for name in ("learn_kernel", "learn_inducing", "learn_psi")}
     if not any(learn.values()):
         return updates
-    every, steps = estimator.hyper_every, estimator.hyper_steps
-    if not (isinstance(every, (int, np.integer)) and every >= 1):
-        raise ValueError(f"hyper_every must be an integer >= 1, got {every!r}")
-    if not (isinstance(steps, (int, np.integer)) and steps >= 0):
-        raise ValueError(f"hyper_steps must be an integer >= 0, got {steps!r}")
+    every, steps = check_hyper_schedule(estimator)
     if learn["learn_psi"] and not isinstance(updates.psi, GammaMixture):
         raise ValueError("learn_psi needs the Gamma ψ of G-VGPMIL")
     gp = updates.gp

@@ -42,6 +42,7 @@ from .bags import BagIndex, segment_sum
 from .base import SparseGPMILBase, store_params
 from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
 from .ising import CARCoupling, Neighbourhood, check_coords
+from .ising_hyper import IsingLamUpdates, LamState, ising_lam_updates, unwrap_lam_state
 from .kernels import RBF
 from .orthant import log_orthant_probability_exact, mean_field_negative_orthant, orthant_probability_importance
 from .truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
@@ -365,7 +366,12 @@ class VGPMILPRI(_ProbitGPMIL):
         above (:mod:`mil_core.ising`).
     exact_orthant_max : int, default=12
         Bags up to this size get the exact (scipy) orthant probability at prediction; larger
-        ones importance sampling (:mod:`mil_core.orthant`)."""
+        ones importance sampling (:mod:`mil_core.orthant`).
+    learn_lam, hyper_every, hyper_steps
+        Learn λ (``lam`` is then the starting value) by maximising the ELBO in ``log λ`` between
+        sweeps: after every ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations (one sweep
+        each); the learnt value is ``lam_`` (:mod:`mil_core.ising_hyper`, which also has the
+        validation-grid fallback ``select_lam_by_validation``)."""
         + _COMMON_PARAMS
     )
 
@@ -388,8 +394,27 @@ class VGPMILPRI(_ProbitGPMIL):
         exact_orthant_max: int = 12,
         n_mc_samples: int = 500,
         random_state: int | None = None,
+        learn_lam: bool = False,
+        hyper_every: int = 1,
+        hyper_steps: int = 5,
     ):
         store_params(self, locals())
+
+    def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates | IsingLamUpdates:
+        return ising_lam_updates(self, super()._make_updates(gp))
+
+    def _bag_proba_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None) -> np.ndarray:
+        if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
+            self.lam_, glob = glob.lam, glob.q
+        return super()._bag_proba_from_state(gp, glob, X_sorted, offsets, coords)
+
+    def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None) -> CARCoupling:
+        lam = self.lam_ if getattr(self, "learn_lam", False) and hasattr(self, "lam_") else self._lam()
+        return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else lam, self._neighbourhood())
+
+    def _finish_fit(self, trace: Any, monitor: Any = None) -> None:
+        super()._finish_fit(trace, monitor)
+        unwrap_lam_state(self)
 
     def _lam(self) -> float:
         if not (np.isfinite(self.lam) and self.lam >= 0):

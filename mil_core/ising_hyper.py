@@ -1,0 +1,341 @@
+"""Learning the Ising/CAR strength λ of VGPMIL-PR-I (seed 002, Sec. 2.3–2.4; its Sec. 4 leaves λ
+to future work: "it remains a hyperparameter that has to be found empirically using the
+validation set").
+
+**The objective.** With ``q(v)`` fixed and ``q(m_b)`` the optimal truncated Gaussian of Eq. 15,
+the ELBO collapsed over ``q(m)`` is, per bag (``P_b = λC_b + I = Σ_b⁻¹``, ``μ_b = Σ_b A'_b m'``,
+Eq. 18):
+
+    J_b(λ) = log Z_b(μ_b, Σ_b) − ½ tr(Σ_b A'_b S' A'_bᵀ) − ½ Σ_i (Σ_b)_ii r_i
+
+with ``r_i`` the FITC residual. It is exactly the data part of the ELBO that
+:class:`~mil_core.probit.ProbitMILUpdates` tracks; ``KL(q(v) ‖ p(v))`` does not depend on λ.
+Writing ``E log p(m_b | f_b)`` out gives ``½ log det P_b`` and the quadratic term
+``−½ E[(m − Σf)ᵀP(m − Σf)]``; for the optimal ``q(m_b)`` they combine with its entropy into
+``log Z_b`` (the normaliser of ``N(μ_b, Σ_b)`` on the bag's region), which is why no explicit
+log-determinant appears. ``log Z_b`` is taken under the paper's diagonal approximation (Eq. 19–20:
+``N(μ_b, diag Σ_b)``), the one the fit uses with ``moments="diagonal"``.
+
+**Spectral form.** ``C_b = U_b diag(d_b) U_bᵀ`` (the graph Laplacian's eigendecomposition) does not
+depend on λ, so with ``g_k = 1/(1 + λ d_k)``:
+
+    Σ_b = U diag(g) Uᵀ,  μ_b = U (g ∘ Uᵀa),  diag Σ_b = (U∘U) g,
+    tr(Σ_b A' S' A'ᵀ) = Σ_k g_k (B S' Bᵀ)_kk,  B = Uᵀ A'_b,
+
+and ``∂g/∂λ = −d g²`` gives the exact gradient of every term. ``U_b``, ``d_b`` and ``B_b`` are
+computed once per partition; a bag of ``n`` instances costs ``O(n³)`` once and ``O(n² + nM)`` per
+evaluation, so bags are limited to ``exact_diag_max`` instances (dense, like ``diag Σ_b``).
+
+**Map → sum → small step.** ``J`` and ``dJ/d log λ`` are sums over bags, so a partition returns a
+:class:`LamStats` (the reduction is ``+``). :class:`IsingLamUpdates` wraps the model's
+:class:`~mil_core.probit.ProbitMILUpdates`; its global state :class:`LamState` carries ``(q, λ)``;
+a :class:`LamProbe` state makes the same partition step return :class:`LamStats` and leave the
+local state untouched, so any executor's ``sweep`` evaluates ``J`` and its gradient.
+:meth:`IsingLamUpdates.hyper_step` (called by :func:`~mil_core.engine.optimise` after each global
+update) runs a few L-BFGS-B evaluations in ``log λ`` — positivity by construction — within
+``[LAM_MIN, LAM_MAX]``, and keeps the best point seen, so **J never decreases across a λ step**.
+
+**Fallback.** :func:`select_lam_by_validation`: the paper's protocol made explicit — fit a fixed
+grid of λ on a stratified split of the bags and keep the λ with the best validation bag AUC
+(instance AUC when instance labels are known).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import scipy.optimize
+from scipy.special import log_ndtr
+from sklearn.base import clone
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import train_test_split
+
+from ._backend import to_numpy
+from .bags import BagIndex
+from .engine import BagBlock, GaussianQ, Summable
+from .hyper import check_hyper_schedule
+from .ising import laplacian, neighbour_edges
+from .truncnorm import log_inverse_mills, positive_bag_log_normaliser
+
+if TYPE_CHECKING:  # probit imports this module
+    from .probit import ProbitBags, ProbitMILUpdates
+
+__all__ = [
+    "LAM_MIN",
+    "LAM_MAX",
+    "LamState",
+    "LamProbe",
+    "LamStats",
+    "SpectralBags",
+    "IsingLamUpdates",
+    "ising_lam_updates",
+    "unwrap_lam_state",
+    "LamSelection",
+    "select_lam_by_validation",
+]
+
+LAM_MIN, LAM_MAX = 1e-3, 1e3
+
+
+@dataclass(frozen=True)
+class LamState:
+    """Global state with a learnt λ: whitened ``q(v)`` and λ; ``history`` holds ``(J before,
+    J after, λ after)`` of every λ step."""
+
+    q: GaussianQ
+    lam: float
+    history: tuple[tuple[float, float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class LamProbe:
+    """Asks every partition for ``J(λ)`` and ``dJ/d log λ`` with ``q`` fixed."""
+
+    q: GaussianQ
+    lam: float
+
+
+@dataclass(frozen=True)
+class LamStats(Summable):
+    """A partition's ``J`` terms and their derivative in ``log λ``."""
+
+    value: float
+    grad: float
+    n_instances: int
+
+
+@dataclass(frozen=True)
+class SpectralBags:
+    """A prepared partition: the raw block, its whitened features and, per bag, the Laplacian's
+    eigenvectors ``U`` and eigenvalues ``d`` and the projected features ``B = Uᵀ A'_b``."""
+
+    block: BagBlock
+    offsets: np.ndarray
+    labels: np.ndarray
+    resid: np.ndarray
+    eigvecs: tuple[np.ndarray, ...]
+    eigvals: tuple[np.ndarray, ...]
+    projected: tuple[np.ndarray, ...]
+
+
+@dataclass
+class LamLocal:
+    """A partition's local state: the inner model's warm start and its prepared block at the λ
+    it was built for (rebuilt when λ changes)."""
+
+    warm: np.ndarray
+    bags: ProbitBags | None = None
+
+
+@dataclass(frozen=True)
+class IsingLamUpdates:
+    """VGPMIL-PR-I updates (``inner``) with λ learnt between closed-form sweeps (module docstring).
+
+    ``hyper_steps``: objective evaluations (one sweep each) per λ step, after every
+    ``hyper_every``-th global update.
+    """
+
+    inner: ProbitMILUpdates
+    hyper_every: int = 1
+    hyper_steps: int = 5
+
+    # ---- PartitionUpdates protocol ------------------------------------------------------
+    def prepare(self, block: BagBlock) -> SpectralBags:
+        if block.coords is None:
+            raise ValueError("learning lam needs instance coords (fit(X, bag_ids, y, coords=...))")
+        offsets = np.asarray(block.offsets)
+        sizes = np.diff(offsets)
+        if sizes.size and sizes.max() > self.inner.exact_diag_max:
+            raise ValueError(
+                f"learn_lam uses a dense eigendecomposition per bag; a bag has {sizes.max()} instances "
+                f"> exact_diag_max={self.inner.exact_diag_max} (raise exact_diag_max, or select lam with "
+                "mil_core.ising_hyper.select_lam_by_validation)"
+            )
+        features = self.inner.gp.whiten(block.X)
+        A = np.asarray(to_numpy(features.A), dtype=np.float64)
+        C = laplacian(neighbour_edges(np.asarray(block.coords, dtype=np.int64), offsets, self.inner.neighbourhood), int(offsets[-1]))
+        eigvecs, eigvals, projected = [], [], []
+        for a, z in zip(offsets[:-1], offsets[1:]):
+            d, U = np.linalg.eigh(C[a:z, a:z].toarray())
+            eigvals.append(np.clip(d, 0.0, None))  # a Laplacian is PSD; clip round-off below 0
+            eigvecs.append(U)
+            projected.append(U.T @ A[a:z])
+        return SpectralBags(
+            block=block,
+            offsets=offsets,
+            labels=np.asarray(block.labels),
+            resid=np.asarray(to_numpy(features.resid), dtype=np.float64),
+            eigvecs=tuple(eigvecs),
+            eigvals=tuple(eigvals),
+            projected=tuple(projected),
+        )
+
+    def init_local(self, block: SpectralBags) -> LamLocal:
+        return LamLocal(warm=np.zeros(int(block.offsets[-1])))
+
+    def init_global(self) -> LamState:
+        return LamState(q=self.inner.init_global(), lam=float(self.inner.lam))
+
+    def partition_step(self, block: SpectralBags, local: LamLocal, glob: LamState | LamProbe) -> tuple[Any, LamLocal]:
+        if isinstance(glob, LamProbe):
+            return self.lam_terms(block, glob.q, glob.lam), local
+        bags = local.bags
+        if bags is None or bags.coupling.lam != glob.lam:
+            bags = replace(self.inner, lam=glob.lam).prepare(block.block)
+        stats, warm = replace(self.inner, lam=glob.lam).partition_step(bags, local.warm, glob.q)
+        return stats, LamLocal(warm=warm, bags=bags)
+
+    def global_update(self, stats: Any, glob: LamState) -> tuple[LamState, float]:
+        q, objective = self.inner.global_update(stats, glob.q)
+        return replace(glob, q=q), objective
+
+    # ---- J(λ) and dJ/d log λ -------------------------------------------------------------
+    def lam_terms(self, block: SpectralBags, q: GaussianQ, lam: float) -> LamStats:
+        """One partition's ``Σ_b J_b(λ)`` and ``λ Σ_b dJ_b/dλ`` (module docstring)."""
+        value = grad = 0.0
+        for b, (a, z) in enumerate(zip(block.offsets[:-1], block.offsets[1:])):
+            U, d, B = block.eigvecs[b], block.eigvals[b], block.projected[b]
+            g = 1.0 / (1.0 + lam * d)
+            dg = -d * g * g
+            coef = B @ q.mean
+            mu, dmu = U @ (g * coef), U @ (dg * coef)
+            U2 = U * U
+            var, dvar = U2 @ g, U2 @ dg
+            sd = np.sqrt(var)
+            alpha = mu / sd
+            dalpha = (dmu - 0.5 * alpha * dvar / sd) / sd
+            mills = np.exp(log_inverse_mills(alpha))  # −d log Φ(−α)/dα
+            if block.labels[b] == 1:
+                log_p0, log_z = positive_bag_log_normaliser(alpha, np.array([0, z - a]))
+                log_z, dlog_z = float(log_z[0]), float(np.exp(log_p0[0] - log_z[0]) * (mills @ dalpha))
+            else:
+                log_z, dlog_z = float(np.sum(log_ndtr(-alpha))), -float(mills @ dalpha)
+            spread = np.sum((B @ q.cov) * B, axis=1)  # (B S' Bᵀ)_kk
+            resid = block.resid[a:z]
+            value += log_z - 0.5 * float(g @ spread) - 0.5 * float(var @ resid)
+            grad += lam * (dlog_z - 0.5 * float(dg @ spread) - 0.5 * float(dvar @ resid))
+        return LamStats(value=value, grad=grad, n_instances=int(block.offsets[-1]))
+
+    def evaluate(self, sweep: Callable[[Any], LamStats], q: GaussianQ, log_lam: float) -> tuple[float, float]:
+        """``J`` and ``dJ/d log λ`` at ``λ = exp(log_lam)`` with ``q`` and the data fixed."""
+        stats = sweep(LamProbe(q=q, lam=float(np.exp(log_lam))))
+        return stats.value, stats.grad
+
+    def hyper_step(self, sweep: Callable[[Any], Any], iteration: int, state: LamState) -> LamState:
+        """A few L-BFGS-B evaluations on ``−J/N`` in ``log λ``; the best point seen is kept
+        (the starting point is evaluated first, so J never decreases)."""
+        if iteration % self.hyper_every or self.hyper_steps < 1:
+            return state
+        seen: list[tuple[float, float]] = []  # (J, log λ)
+        scale: list[float] = []
+
+        def negative(x: np.ndarray) -> tuple[float, np.ndarray]:
+            if len(seen) >= self.hyper_steps + 1:  # budget spent: a flat answer ends the line search
+                return np.inf, np.zeros(1)
+            value, grad = self.evaluate(sweep, state.q, float(x[0]))
+            if not (np.isfinite(value) and np.isfinite(grad)):
+                value, grad = -np.inf, 0.0
+            seen.append((value, float(x[0])))
+            if not scale:
+                scale.append(max(abs(value), 1.0) if np.isfinite(value) else 1.0)
+            return (-value / scale[0] if np.isfinite(value) else np.inf), np.array([-grad / scale[0]])
+
+        start = float(np.clip(np.log(state.lam), np.log(LAM_MIN), np.log(LAM_MAX)))
+        scipy.optimize.minimize(
+            negative, np.array([start]), jac=True, method="L-BFGS-B", bounds=[(np.log(LAM_MIN), np.log(LAM_MAX))],
+            options={"maxfun": self.hyper_steps + 1, "maxiter": self.hyper_steps},
+        )
+        best_value, best_log_lam = max(seen, key=lambda item: item[0])
+        lam = float(np.exp(best_log_lam)) if best_log_lam != start else state.lam
+        return replace(state, lam=lam, history=state.history + ((seen[0][0], best_value, lam),))
+
+
+# --------------------------------------------------------------------- estimator plumbing
+def ising_lam_updates(estimator: Any, updates: ProbitMILUpdates) -> ProbitMILUpdates | IsingLamUpdates:
+    """Wrap VGPMIL-PR-I's updates in :class:`IsingLamUpdates` when ``learn_lam``; otherwise
+    return them unchanged."""
+    if not getattr(estimator, "learn_lam", False):  # subclasses without the parameter (Gibbs)
+        return updates
+    every, steps = check_hyper_schedule(estimator)
+    if not LAM_MIN <= updates.lam <= LAM_MAX:
+        raise ValueError(f"with learn_lam, lam is the starting value and must lie in [{LAM_MIN}, {LAM_MAX}], got {updates.lam!r}")
+    if updates.moments != "diagonal":
+        raise ValueError("learn_lam needs moments='diagonal' (the bound's log Z_b is the paper's Eq. 19-20)")
+    return IsingLamUpdates(updates, hyper_every=int(every), hyper_steps=int(steps))
+
+
+def unwrap_lam_state(estimator: Any) -> None:
+    """After a fit: ``q_`` from the final :class:`LamState`, the learnt ``lam_`` and
+    ``lam_history_`` ((J before, J after, λ) per step); ``lam_ = lam`` when λ is fixed."""
+    state = estimator.q_
+    if isinstance(state, LamState):
+        estimator.q_, estimator.lam_ = state.q, state.lam
+        estimator.lam_history_ = np.asarray(state.history).reshape(-1, 3)
+    else:
+        estimator.lam_ = float(estimator.lam)
+
+
+# ------------------------------------------------------------------ validation fallback
+@dataclass(frozen=True)
+class LamSelection:
+    """Result of :func:`select_lam_by_validation`: the selected λ, the validation score of every
+    grid value, the metric used, and the estimator refitted on all bags with the selected λ."""
+
+    lam: float
+    grid: tuple[float, ...]
+    scores: tuple[float, ...]
+    metric: str
+    estimator: Any
+
+
+def select_lam_by_validation(
+    estimator: Any,
+    X: Any,
+    bag_ids: Any,
+    y: Any,
+    coords: Any,
+    *,
+    grid: Sequence[float] = (0.0, 0.5, 1.0, 2.0),
+    instance_labels: Any | None = None,
+    validation_fraction: float = 0.25,
+    random_state: int | None = 0,
+) -> LamSelection:
+    """Choose λ from ``grid`` by validation AUC on a stratified hold-out of whole bags, then refit
+    on all bags (the documented fallback to learning λ by the bound).
+
+    The metric is the instance AUC when ``instance_labels`` (per row of ``X``) are given, the bag
+    AUC otherwise; ties go to the smaller λ. ``estimator`` is a VGPMIL-PR-I (cloned, with
+    ``learn_lam=False``).
+    """
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    grid = tuple(float(v) for v in grid)
+    if not grid or any(not (np.isfinite(v) and v >= 0) for v in grid):
+        raise ValueError(f"grid must be a non-empty sequence of finite lam >= 0, got {grid!r}")
+    X, bag_ids, y, coords = np.asarray(X), np.asarray(bag_ids), np.asarray(y), np.asarray(coords)
+    bags = BagIndex.from_ids(bag_ids)
+    bag_of_row = np.empty(bag_ids.shape[0], dtype=np.int64)
+    bag_of_row[bags.order] = bags.instance_bag()
+    bag_labels = np.zeros(bags.keys.shape[0], dtype=np.int64)
+    bag_labels[bag_of_row] = y
+    train_bags, val_bags = train_test_split(
+        np.arange(bag_labels.shape[0]), test_size=validation_fraction, stratify=bag_labels, random_state=random_state
+    )
+    train, val = np.isin(bag_of_row, train_bags), np.isin(bag_of_row, val_bags)
+    metric = "bag_auc" if instance_labels is None else "instance_auc"
+    scores = []
+    for lam in grid:
+        model = clone(estimator).set_params(lam=lam, learn_lam=False)
+        model.fit(X[train], bag_ids[train], y[train], coords=coords[train])
+        if instance_labels is None:
+            keys, proba = model.predict_bag_proba(X[val], bag_ids[val], coords=coords[val])
+            truth = bag_labels[np.searchsorted(bags.keys, keys)]
+        else:
+            proba, truth = model.predict_instance_proba(X[val]), np.asarray(instance_labels)[val]
+        scores.append(float(roc_auc_score(truth, proba)))
+    best = int(np.argmax(scores))
+    final = clone(estimator).set_params(lam=grid[best], learn_lam=False).fit(X, bag_ids, y, coords=coords)
+    return LamSelection(lam=grid[best], grid=grid, scores=tuple(scores), metric=metric, estimator=final)
