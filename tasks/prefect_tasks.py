@@ -49,6 +49,12 @@ def _artifact_key(*parts: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
 
 
+def progress_bar(done: int, total: int, width: int = 24) -> str:
+    """A text progress bar for logs (they reach the console and the Prefect UI): ``[#####.....] 5/10``."""
+    filled = int(round(width * done / max(total, 1)))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
 def _atomic_write_bytes(path: Path, payload: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
@@ -81,7 +87,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
 
     def on_iteration(iteration: int, objective: float) -> None:
         update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
-        logger.info("iteration %d: ELBO %.4f", iteration, objective)
+        logger.info("training %s ELBO %.4f", progress_bar(iteration, model.max_iter), objective)
 
     with Client(scheduler_address) as client:
         summary = fit_cohort(
@@ -115,14 +121,21 @@ def ingest(config: PipelineConfig, scheduler_address: str) -> StageResult:
     logger = get_run_logger()
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
+    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{ing.kind} items ingested")
+
+    def on_progress(done: int, total: int, bag_id: str, failure) -> None:
+        update_progress_artifact(progress, 100.0 * done / max(total, 1))
+        logger.info("ingest %s %s%s", progress_bar(done, total), bag_id, f" skipped: {failure.reason}" if failure else "")
+
     with Client(scheduler_address) as client:
         if ing.kind == "wsi":
             tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification,
                                   min_tissue=ing.min_tissue_fraction)
             result = ingest_slides(store, ing.source, labels_csv=ing.labels, params=tiling, extractor=extractor,
-                                   qc_dir=Path(config.output_dir) / "qc", name=config.name, client=client)
+                                   qc_dir=Path(config.output_dir) / "qc", name=config.name, client=client, on_progress=on_progress)
         elif ing.kind == "ct":
-            result = ingest_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name, client=client)
+            result = ingest_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name, client=client,
+                               on_progress=on_progress)
         else:
             readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
             if ing.source.suffix not in readers:
@@ -134,9 +147,8 @@ def ingest(config: PipelineConfig, scheduler_address: str) -> StageResult:
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
-    create_progress_artifact(100.0, key=_artifact_key("ingest", config.name),
-                             description=f"{len(result.added)} bags added, {len(result.already_done)} already in the store, "
-                                         f"{len(result.skipped)} skipped")
+    update_progress_artifact(progress, 100.0, description=f"{len(result.added)} bags added, {len(result.already_done)} already "
+                                                          f"in the store, {len(result.skipped)} skipped")
     logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(result.added),
                 result.n_instances_added, len(result.already_done), len(result.skipped))
     return StageResult(key=config.name, path=store, reused=not result.added, info=info)

@@ -139,3 +139,11 @@ def test_demo_pipeline_on_generated_slides_and_ct_scans_skips_a_corrupt_slide_an
 
     again = pipeline(str(configs["ct"]))
     assert all(r.reused for r in again.values())
+
+
+def test_progress_bars_say_how_far_a_stage_is():
+    from tasks.prefect_tasks import progress_bar
+
+    assert progress_bar(0, 4, width=8) == "[........] 0/4"
+    assert progress_bar(3, 4, width=8) == "[######..] 3/4"
+    assert progress_bar(0, 0, width=4) == "[....] 0/0"

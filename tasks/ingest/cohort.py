@@ -139,11 +139,13 @@ def _run_items(store: str, items: Sequence[IngestItem], bag_writer: BagWriter, c
 
 def run_ingest(store: str | Path, spec: CohortSpec, items: Sequence[IngestItem], bag_writer: BagWriter, *,
                skipped: Iterable[Skipped] = (), client: Any = None, max_workers: int = 1,
-               commit_every: int = 16, report_path: str | Path | None = None) -> IngestReport:
+               commit_every: int = 16, report_path: str | Path | None = None,
+               on_progress: Callable[[int, int, str, Skipped | None], None] | None = None) -> IngestReport:
     """Ingest ``items`` into the store at ``store`` (created from ``spec`` if absent).
 
     ``skipped`` are inputs the caller already rejected (unreadable, unlabelled): they go into the
     report. Raises only for a store that does not match ``spec`` (whole-run problems).
+    ``on_progress(done, total, bag_id, failure)`` is called as each item finishes.
     """
     started = time.perf_counter()
     store = str(store)
@@ -184,8 +186,10 @@ def run_ingest(store: str | Path, spec: CohortSpec, items: Sequence[IngestItem],
             n_rows += sum(bag.n_instances for bag in bags)
             batch.clear()
 
-    for i, _, failure in _run_items(store, to_run, bag_writer, client, max_workers):
+    for done, (i, _, failure) in enumerate(_run_items(store, to_run, bag_writer, client, max_workers), start=1):
         item = to_run[i]
+        if on_progress is not None:
+            on_progress(done, len(to_run), item.bag_id, failure)
         finished[index_of[item.bag_id]] = failure is None
         if failure is not None:
             skipped.append(failure)
@@ -424,7 +428,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
                   labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                   qc_dir: str | Path | None = None, name: str | None = None, client: Any = None,
                   max_workers: int = 1, fit_tiles: int = 512, seed: int = 0,
-                  report_path: str | Path | None = None) -> IngestReport:
+                  report_path: str | Path | None = None, on_progress=None) -> IngestReport:
     """Tile slides (a folder or a list; bag id = file stem = PANDA ``image_id``) into the store.
 
     ``params`` is a :class:`tasks.ingest.wsi.TilingParams`; ``extractor`` defaults to
@@ -435,7 +439,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
     plan = plan_slides(store, slides, labels_csv=labels_csv, params=params, extractor=extractor,
                        batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed)
     return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
-                      max_workers=max_workers, report_path=report_path)
+                      max_workers=max_workers, report_path=report_path, on_progress=on_progress)
 
 
 @dataclass(frozen=True)
@@ -500,7 +504,7 @@ def _fit_sample(items: Sequence[IngestItem], params, n_tiles: int, seed: int, sa
 # ------------------------------------------------------------------------------------- CT
 def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
               extractor=None, batch_size: int = 32, name: str | None = None, client: Any = None,
-              max_workers: int = 1, report_path: str | Path | None = None) -> IngestReport:
+              max_workers: int = 1, report_path: str | Path | None = None, on_progress=None) -> IngestReport:
     """Ingest every DICOM CT series under ``dicom_root`` (bag id = SeriesInstanceUID).
 
     With an RSNA-style ``labels_csv``, slice labels come from its ``_any`` rows and the bag label is
@@ -538,4 +542,4 @@ def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Pa
                       tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]})
     writer = functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size)
     return run_ingest(store, spec, items, writer, skipped=skipped, client=client, max_workers=max_workers,
-                      report_path=report_path)
+                      report_path=report_path, on_progress=on_progress)
