@@ -3,17 +3,19 @@
 
 * :func:`log_orthant_probability_exact` — small bags: scipy's ``multivariate_normal.cdf``
   (Genz's quasi-Monte-Carlo integration, absolute error ≤ ``abseps``) on the dense covariance.
-* :func:`orthant_probability_importance` — any bag size, linear cost in the number of instances.
-  The predictive ``m* = Σ f* + η`` with ``f* ~ N(μ_f, diag σ_f²)`` and ``η ~ N(0, Σ)``, so
-  ``P(m* < 0) = E_f[P(m* < 0 | f*)]`` where ``m* | f* ~ N(Σ f*, Σ)`` has the *sparse* precision
-  ``P = I + λC``. For each draw ``f_l`` the within-bag mean-field fit ``q_l = Π_i TN`` of that
-  truncated Gaussian (:func:`mean_field_negative_orthant`) is the proposal: draw
-  ``m ~ q_l`` (supported on the orthant), weight ``w = N(m; Σf_l, Σ) / q_l(m)``. ``E[w] = P(m*<0)``
-  exactly, so the mean weight is unbiased; its standard error comes from the spread of the
-  per-draw means (``n_inner`` weights per draw), and the variance decomposition
-  ``Var(w̄_l) − E[Var_k(w)]/n_inner`` estimates the posterior spread of ``P(m* < 0 | f*)``. Weight
-  evaluation costs one sparse product with ``P``; ``log det P`` comes from a sparse LU. All sums
-  are in log space.
+* :func:`orthant_probability_importance` — any bag size, cost linear in the nonzeros of a sparse
+  Cholesky factor. The predictive ``m* = Σ f* + η`` with ``f* ~ N(μ_f, diag σ_f²)`` and
+  ``η ~ N(0, Σ)``, so ``P(m* < 0) = E_f[P(m* < 0 | f*)]`` where ``m* | f* ~ N(Σ f*, Σ)`` has the
+  *sparse* precision ``P = I + λC = L Lᵀ``. For each draw ``f_l``, ``P(m* < 0 | f_l)`` is
+  estimated by the GHK simulator (Geweke–Hajivassiliou–Keane) run on ``Lᵀ``: instances are drawn
+  one at a time, each from its conditional truncated to ``m_i < 0``, and the weight is the product
+  of the conditional probabilities ``Φ(c_i)``. The weight is unbiased for ``P(m* < 0)`` (``n_inner``
+  weights per draw); its standard error comes from the spread of the per-draw means, and the
+  variance decomposition ``Var(w̄_l) − E[Var_k(w)]/n_inner`` estimates the posterior spread of
+  ``P(m* < 0 | f*)``. All products are in log space. (An earlier version used the mean-field fit
+  as an importance proposal; on a 30×30 grid with λ = 1 it was wrong by ~25 nats, GHK by < 10⁻³.)
+* :func:`mean_field_negative_orthant` — the factorised fit used during training, with its lower
+  bound on ``log P(m < 0)``; :func:`mean_field_gap` is the bound's error in the certain limit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from .bags import segment_sum
 from .ising import CARCoupling, sparse_lu
 from .truncnorm import sample_upper_truncated, upper_truncated_entropy, upper_truncated_moments
 
-__all__ = ["log_orthant_probability_exact", "mean_field_negative_orthant", "OrthantEstimate", "orthant_probability_importance"]
+__all__ = [
+    "log_orthant_probability_exact",
+    "mean_field_gap",
+    "mean_field_negative_orthant",
+    "OrthantEstimate",
+    "orthant_probability_importance",
+]
 
 _LOG_2PI = np.log(2.0 * np.pi)
 
@@ -90,6 +98,17 @@ def mean_field_negative_orthant(
     return e, segment_sum(per_instance, offsets) + 0.5 * logdet_precision.reshape(shape)
 
 
+def mean_field_gap(coupling: CARCoupling, logdet_precision: np.ndarray) -> np.ndarray:
+    """Per bag ``½(Σ_i log P_ii − log det P) ≥ 0`` (Hadamard): ``KL(Π_i N(μ_i, 1/P_ii) ‖ N(μ, P⁻¹))``.
+
+    When the orthant is certain (``μ → −∞``) the truncation vanishes, the mean-field fit becomes
+    that untruncated product and its bound tends to ``log p₀ = −gap`` instead of 0. Adding the gap
+    back (and clipping at 0) is exact in that limit and no longer a bound elsewhere; on a 4×4 grid
+    at λ = 3 it cut the largest error in ``p₀`` from 0.82 to 0.20 (``tests/test_probit_numerics.py``).
+    """
+    log_pdiag = np.log(coupling.precision.diagonal())
+    return 0.5 * (segment_sum(log_pdiag, coupling.offsets) - np.asarray(logdet_precision))
+
 
 @dataclass(frozen=True)
 class OrthantEstimate:
@@ -102,6 +121,13 @@ class OrthantEstimate:
     ess: float
 
 
+def sparse_cholesky(precision: sp.spmatrix) -> tuple[sp.csc_matrix, np.ndarray]:
+    """``(L, order)`` with ``P[order][:, order] = L Lᵀ``, ``L`` sparse lower triangular, from the
+    SuperLU factor of the SPD ``P`` (symmetric ordering, no pivoting: ``U = D L̂ᵀ``, ``L = L̂ D^½``)."""
+    lu = sparse_lu(precision)
+    return (lu.L @ sp.diags(np.sqrt(lu.U.diagonal()))).tocsc(), np.argsort(lu.perm_c)
+
+
 def orthant_probability_importance(
     mean_f: np.ndarray,
     var_f: np.ndarray,
@@ -111,28 +137,12 @@ def orthant_probability_importance(
     n_inner: int = 4,
     rng: np.random.Generator,
 ) -> OrthantEstimate:
-    """Importance-sampling estimate of ``P(m* < 0)`` for one bag whose coupling is ``coupling``
-    (module docstring)."""
+    """GHK estimate of ``P(m* < 0)`` for one bag whose coupling is ``coupling`` (module docstring)."""
     n = mean_f.shape[0]
-    precision = coupling.precision
-    lu = sparse_lu(precision)
-    logdet = float(np.sum(np.log(np.abs(lu.U.diagonal()))))
+    chol, order = sparse_cholesky(coupling.precision)
     f = mean_f[:, None] + np.sqrt(var_f)[:, None] * rng.standard_normal((n, n_draws))
-    mu = lu.solve(f)
-    e, _ = mean_field_negative_orthant(coupling, mu, np.zeros(n), np.array([logdet]))
-    # the proposal's factors at the fixed point: q_i = N(cond_i, 1/P_ii) truncated to m_i < 0
-    pdiag = precision.diagonal()
-    off = (sp.diags(pdiag) - precision).tocsr()
-    cond = mu + (off @ (e - mu)) / pdiag[:, None]
-    sd = (1.0 / np.sqrt(pdiag))[:, None]
-    cond = np.repeat(cond, n_inner, axis=1)
-    mu = np.repeat(mu, n_inner, axis=1)
-    m = sample_upper_truncated(cond, np.broadcast_to(sd, cond.shape), rng)
-    d = m - mu
-    log_target = -0.5 * np.sum(d * (precision @ d), axis=0) + 0.5 * logdet - 0.5 * n * _LOG_2PI
-    z = (m - cond) / sd
-    log_proposal = np.sum(-0.5 * z**2 - np.log(sd) - 0.5 * _LOG_2PI - log_ndtr(-cond / sd), axis=0)
-    log_w = (log_target - log_proposal).reshape(n_draws, n_inner)
+    mu = np.repeat(coupling.solve(f)[order], n_inner, axis=1)
+    log_w = _ghk_log_weights(chol, mu, rng).reshape(n_draws, n_inner)
     top = float(np.max(log_w))
     w = np.exp(log_w - top)
     per_draw = w.mean(axis=1)
@@ -145,3 +155,26 @@ def orthant_probability_importance(
     return OrthantEstimate(log_p=min(log_p, 0.0), std_error=std_error, spread=spread, ess=ess)
 
 
+def _ghk_log_weights(chol: sp.csc_matrix, mu: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Log GHK weights of ``P(m < 0)``, ``m ~ N(μ, (L Lᵀ)⁻¹)``, one per column of ``mu`` (n, K).
+
+    ``m − μ = L⁻ᵀz``, ``z ~ N(0, I)``: back-substitution from the last row gives
+    ``d_i = (z_i − s_i)/L_ii`` with ``s_i = Σ_{j>i} L_ji d_j``, so ``m_i < 0`` ⇔
+    ``z_i < c_i = s_i − L_ii μ_i``; draw ``z_i`` from ``N(0, 1)`` truncated there and multiply the
+    weight by ``Φ(c_i)``. Cost: one pass over the nonzeros of ``L`` per column.
+    """
+    n, k = mu.shape
+    indptr, indices, data = chol.indptr, chol.indices, chol.data
+    d = np.zeros((n, k))
+    log_w = np.zeros(k)
+    for i in range(n - 1, -1, -1):
+        lo, hi = indptr[i], indptr[i + 1]
+        rows, vals = indices[lo:hi], data[lo:hi]
+        below = rows > i
+        diag = vals[~below][0]
+        s = vals[below] @ d[rows[below]] if np.any(below) else np.zeros(k)
+        c = s - diag * mu[i]
+        log_w += log_ndtr(c)
+        z = c + sample_upper_truncated(-c, np.ones(k), rng)  # N(0, 1) truncated to z < c
+        d[i] = (z - s) / diag
+    return log_w

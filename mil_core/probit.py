@@ -17,7 +17,9 @@ Mean-field ``q(v) q(m)`` (Eq. 13–18), whitened (DESIGN §1):
 * ``"mean_field"``: the optimal *factorised* ``q(m_b) = Π q(m_i)`` for the exact truncated
   ``N(μ, Σ_b)`` on the negative orthant (coordinate ascent: ``q(m_i)`` is ``N(μ_i + (λ/P_ii)
   Σ_{j~i}(E m_j − μ_j), 1/P_ii)`` truncated to ``m_i < 0``, run to a fixed point over the parity
-  colour classes), with ``log p₀`` (orthant probability) by its mean-field lower bound. A
+  colour classes), with ``log p₀`` (orthant probability) by its mean-field lower bound plus the
+  bound's gap in the certain limit (:func:`~mil_core.orthant.mean_field_gap`), so that a clearly
+  negative bag gets ``p₀ → 1`` rather than the bound's ``e^{−gap}``. A
   positive bag's ``q`` is ``N(μ, Σ_b)`` restricted to "not all negative", whose mean is exactly
   ``(μ − p₀ E_neg[m]) / (1 − p₀)``; it is evaluated with those two approximations. It keeps the
   correlation between neighbours that the diagonal approximation drops (``docs/BENCHMARKS.md``,
@@ -44,7 +46,12 @@ from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaus
 from .ising import CARCoupling, Neighbourhood, check_coords
 from .ising_hyper import IsingLamUpdates, LamState, ising_lam_updates, unwrap_lam_state
 from .kernels import RBF
-from .orthant import log_orthant_probability_exact, mean_field_negative_orthant, orthant_probability_importance
+from .orthant import (
+    log_orthant_probability_exact,
+    mean_field_gap,
+    mean_field_negative_orthant,
+    orthant_probability_importance,
+)
 from .truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
 
 __all__ = ["ProbitBags", "ProbitStats", "ProbitMILUpdates", "VGPMILPR", "VGPMILPRI"]
@@ -55,7 +62,7 @@ Moments = Literal["diagonal", "mean_field"]
 @dataclass(frozen=True)
 class ProbitBags:
     """A prepared partition: whitened features, bag structure, the coupling ``Σ`` and what does
-    not change across iterations (``diag Σ``, ``log det P_b``, ``G'_p``)."""
+    not change across iterations (``diag Σ``, ``log det P_b``, the mean-field gap, ``G'_p``)."""
 
     features: WhitenedBlock
     offsets: np.ndarray
@@ -63,6 +70,7 @@ class ProbitBags:
     coupling: CARCoupling
     marginal_var: np.ndarray
     logdet_precision: np.ndarray
+    mean_field_gap: np.ndarray
     gram: np.ndarray
     fitc_trace: float
 
@@ -113,6 +121,7 @@ class ProbitMILUpdates:
             coupling=coupling,
             marginal_var=marginal_var,
             logdet_precision=logdet,
+            mean_field_gap=mean_field_gap(coupling, logdet),
             gram=0.5 * (gram + gram.T),
             fitc_trace=float(np.sum(marginal_var * np.asarray(features.resid))),
         )
@@ -145,9 +154,10 @@ class ProbitMILUpdates:
             pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets)
             log_z_neg = segment_sum(log_ndtr(-mu / sd), offsets)
             return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_z_neg), neg_mean
-        neg_mean, log_p0 = mean_field_negative_orthant(
+        neg_mean, log_p0_bound = mean_field_negative_orthant(
             block.coupling, mu, warm, block.logdet_precision, self.mean_field_tol, self.mean_field_max_sweeps
         )
+        log_p0 = np.minimum(log_p0_bound + block.mean_field_gap, 0.0)
         log_z_pos = log1mexp(np.log(np.maximum(-log_p0, 1e-300)))
         ratio = np.repeat(np.exp(log_p0 - log_z_pos), np.diff(offsets))
         pos_mean = mu + ratio * (mu - neg_mean)

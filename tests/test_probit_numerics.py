@@ -11,7 +11,12 @@ from scipy.stats import truncnorm
 
 from mil_core.bags import BagIndex
 from mil_core.ising import CARCoupling, check_coords, laplacian, neighbour_edges
-from mil_core.orthant import log_orthant_probability_exact, mean_field_negative_orthant, orthant_probability_importance
+from mil_core.orthant import (
+    log_orthant_probability_exact,
+    mean_field_gap,
+    mean_field_negative_orthant,
+    orthant_probability_importance,
+)
 from mil_core.truncnorm import positive_bag_means, positive_bag_log_normaliser, upper_truncated_moments
 
 
@@ -169,3 +174,40 @@ def test_mean_field_is_closer_than_diagonal_to_the_exact_truncated_mean():
     mean_field, log_p0 = mean_field_negative_orthant(coupling, mu, np.zeros(n), logdet)
     assert np.abs(mean_field - exact).max() < 0.5 * np.abs(diagonal - exact).max()
     assert log_p0[0] <= np.log(inside.shape[0] / draws.shape[0]) + 0.01  # a lower bound
+
+
+def _grid_coupling(side: int, lam: float) -> CARCoupling:
+    rows, cols = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+    coords = np.stack([rows.ravel(), cols.ravel()], axis=1)
+    return CARCoupling.from_coords(coords, np.array([0, side * side]), lam)
+
+
+def test_orthant_estimate_stays_accurate_on_a_strongly_coupled_grid():
+    """4×4 tiles, λ = 3: the estimate matches Genz's integration of the dense covariance."""
+    rng = np.random.default_rng(6)
+    coupling = _grid_coupling(4, 3.0)
+    Sigma = np.linalg.inv(coupling.precision.toarray())
+    mean_f, var_f = -1.0 + 0.3 * rng.normal(size=16), np.full(16, 0.05)
+    exact = log_orthant_probability_exact(Sigma @ mean_f, Sigma + Sigma @ np.diag(var_f) @ Sigma)
+    estimate = orthant_probability_importance(mean_f, var_f, coupling, n_draws=500, rng=rng)
+    assert abs(np.exp(estimate.log_p) - np.exp(exact)) < 4 * estimate.std_error + 2e-3
+
+
+def test_mean_field_gap_makes_the_certain_orthant_probability_one_and_cuts_the_worst_error():
+    coupling = _grid_coupling(4, 3.0)
+    Sigma = np.linalg.inv(coupling.precision.toarray())
+    _, _, logdet = coupling.diagonal()
+    gap = mean_field_gap(coupling, logdet)
+    assert gap[0] > 1.0  # the plain bound is far from 0 even when p₀ = 1
+    rng = np.random.default_rng(7)
+    errors_bound, errors_corrected = [], []
+    for shift in (-6.0, -3.0, -1.5, -0.5, 0.5):
+        mu = Sigma @ (shift + 0.5 * rng.normal(size=16))
+        _, bound = mean_field_negative_orthant(coupling, mu, np.zeros(16), logdet)
+        corrected = min(bound[0] + gap[0], 0.0)
+        exact = np.exp(log_orthant_probability_exact(mu, Sigma))
+        errors_bound.append(abs(np.exp(bound[0]) - exact))
+        errors_corrected.append(abs(np.exp(corrected) - exact))
+        if shift == -6.0:
+            assert corrected == pytest.approx(0.0, abs=1e-6)
+    assert max(errors_corrected) < 0.5 * max(errors_bound)
