@@ -84,6 +84,7 @@ class VGPMILPRGibbs(VGPMILPRI):
 
     # the shared parameter checks of the base class read these
     max_iter, tol, early_stopping, moments = 1, 0.0, False, "diagonal"
+    learn_lam, coupling_form = False, "ising"
 
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> VGPMILPRGibbs:
         """Sample the posterior given instances, bag ids, per-instance bag labels (and coords)."""

@@ -50,8 +50,9 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
+from scipy.special import log_ndtr, logsumexp
 
-from .bags import BagIndex
+from .bags import BagIndex, segment_sum
 
 __all__ = [
     "Neighbourhood",
@@ -61,6 +62,7 @@ __all__ = [
     "probing_period",
     "CARCoupling",
     "sparse_lu",
+    "smoothed_field_log_p0",
 ]
 
 Neighbourhood = Literal[4, 8]
@@ -198,9 +200,19 @@ class CARCoupling:
             edges = np.zeros((0, 2), dtype=np.int64)
         else:
             edges = neighbour_edges(np.asarray(coords, dtype=np.int64), offsets, neighbourhood)
-        bag = np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
-        edge_count = np.bincount(bag[edges[:, 0]], minlength=offsets.shape[0] - 1)
-        precision = (sp.identity(n, format="csr") + lam * laplacian(edges, n)).tocsr()
+        return cls.from_laplacian(laplacian(edges, n), offsets, lam, coords)
+
+    @classmethod
+    def from_laplacian(
+        cls, laplacian_matrix: sp.spmatrix, offsets: np.ndarray, lam: float, coords: np.ndarray | None = None
+    ) -> CARCoupling:
+        """The coupling for a block-diagonal Laplacian ``C`` already built (so that changing λ
+        costs no neighbour search); ``coords`` are only needed by probing and colouring."""
+        n = int(offsets[-1])
+        edge_count = np.rint(0.5 * segment_sum(laplacian_matrix.diagonal(), offsets)).astype(np.int64)
+        if lam == 0.0:
+            edge_count[:] = 0
+        precision = (sp.identity(n, format="csr") + lam * laplacian_matrix).tocsr()
         return cls(precision=precision, lam=float(lam), coords=coords, offsets=offsets, edge_count=edge_count)
 
     @property
@@ -250,6 +262,21 @@ class CARCoupling:
                 diag[a:z], bound[b], logdet[b] = _probe_diagonal(P, self.coords[a:z], self.lam, tol)
         return diag, bound, logdet
 
+    def squared_diagonal(self, exact_max_size: int = 2000) -> np.ndarray:
+        """``diag(Σ²)`` for every instance (the smoother form's weights of ``Var f``; exact, dense
+        per bag). Raises ``ValueError`` for a coupled bag above ``exact_max_size`` instances."""
+        diag = np.ones(int(self.offsets[-1]))
+        for b in np.flatnonzero(self.edge_count):
+            a, z = self.offsets[b], self.offsets[b + 1]
+            if z - a > exact_max_size:
+                raise ValueError(
+                    f"coupling_form='smoother' computes diag(Σ²) densely per bag; a bag has {z - a} instances "
+                    f"> exact_diag_max={exact_max_size} (raise exact_diag_max)"
+                )
+            Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(self.bag_precision(b).toarray()), np.eye(z - a))
+            diag[a:z] = np.sum(Sigma**2, axis=0)
+        return diag
+
     def colour_classes(self) -> list[np.ndarray]:
         """Independent sets of the neighbour graph (parity colouring of the coordinates): updating
         all members of one class at once equals updating them one after another."""
@@ -258,6 +285,21 @@ class CARCoupling:
         parity = np.mod(self.coords, 2)
         colour = parity[:, 0] * 2 + parity[:, 1] if parity.shape[1] == 2 else parity[:, 0]
         return [np.flatnonzero(colour == c) for c in np.unique(colour)]
+
+
+def smoothed_field_log_p0(
+    mean_f: np.ndarray, var_f: np.ndarray, precision: sp.spmatrix, *, n_draws: int, rng: np.random.Generator
+) -> tuple[float, float, float]:
+    """``log P(m < 0)`` for one bag of the smoother form, ``m = Σf + ε``, ``Σ = precision⁻¹``,
+    ``ε ~ N(0, I)``, with
+    independent ``f_i ~ N(mean_f_i, var_f_i)``: given ``f`` the ``m_i`` are independent, so
+    ``P(m < 0 | f) = Π Φ(−(Σf)_i)`` exactly and only ``f`` is sampled (Rao–Blackwellised Monte
+    Carlo, log-sum-exp). Returns ``(log p, standard error of p, sd of P(m < 0 | f) over f)``."""
+    draws = mean_f[:, None] + np.sqrt(var_f)[:, None] * rng.standard_normal((mean_f.shape[0], n_draws))
+    log_given_f = np.sum(log_ndtr(-sparse_lu(precision).solve(draws)), axis=0)
+    log_p = float(logsumexp(log_given_f) - np.log(n_draws))
+    spread = float(np.std(np.exp(log_given_f)))
+    return log_p, spread / np.sqrt(n_draws), spread
 
 
 def sparse_lu(P: sp.spmatrix):

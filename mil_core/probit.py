@@ -37,13 +37,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import scipy.linalg
 from scipy.special import log_ndtr, ndtr, owens_t
 
 from ._backend import array_namespace, to_numpy
 from .bags import BagIndex, segment_sum
 from .base import SparseGPMILBase, store_params
 from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
-from .ising import CARCoupling, Neighbourhood, check_coords
+from .ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from .ising_hyper import IsingLamUpdates, LamState, ising_lam_updates, unwrap_lam_state
 from .kernels import RBF
 from .orthant import (
@@ -57,6 +58,7 @@ from .truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
 __all__ = ["ProbitBags", "ProbitStats", "ProbitMILUpdates", "VGPMILPR", "VGPMILPRI"]
 
 Moments = Literal["diagonal", "mean_field"]
+CouplingForm = Literal["ising", "smoother"]
 
 
 @dataclass(frozen=True)
@@ -102,28 +104,42 @@ class ProbitMILUpdates:
     diag_tol: float = 1e-6
     mean_field_tol: float = 1e-12
     mean_field_max_sweeps: int = 500
+    coupling_form: CouplingForm = "ising"
 
     def prepare(self, block: BagBlock) -> ProbitBags:
         if self.lam > 0 and block.coords is None:
             raise ValueError("VGPMIL-PR-I with lam > 0 needs instance coords (fit(X, bag_ids, y, coords=...))")
         features = self.gp.whiten(block.X)
         coupling = CARCoupling.from_coords(block.coords, np.asarray(block.offsets), self.lam, self.neighbourhood)
-        marginal_var, _, logdet = coupling.diagonal(self.exact_diag_max, self.diag_tol)
         if coupling.identity:
-            gram = features.weighted_gram(np.ones(block.n_instances))
-        else:
-            A = to_numpy(features.A)
-            gram = A.T @ coupling.solve(A)
+            ones = np.ones(block.n_instances)
+            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), features.weighted_gram(ones), ones)
+        A = to_numpy(features.A)
+        smoothed = coupling.solve(A)
+        if self.coupling_form == "smoother":  # noise I; Var f weighted by diag Σ²; G' = (ΣA')ᵀ(ΣA')
+            ones = np.ones(block.n_instances)
+            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), smoothed.T @ smoothed,
+                                 coupling.squared_diagonal(self.exact_diag_max))
+        marginal_var, _, logdet = coupling.diagonal(self.exact_diag_max, self.diag_tol)
+        return self.assemble(features, block, coupling, marginal_var, logdet, A.T @ smoothed, marginal_var)
+
+    def assemble(
+        self, features: WhitenedBlock, block: BagBlock, coupling: CARCoupling, noise_var: np.ndarray,
+        logdet_precision: np.ndarray, gram: np.ndarray, fitc_weight: np.ndarray,
+    ) -> ProbitBags:
+        """A prepared partition from its parts: ``noise_var`` = ``diag Cov(m | f)`` (``diag Σ_b``,
+        or 1 for the smoother form), ``log det`` of the noise precision per bag, ``G'_p`` and the
+        weights of the FITC residual in the ELBO (``diag Σ_b``, or ``diag Σ_b²``)."""
         return ProbitBags(
             features=features,
             offsets=np.asarray(block.offsets),
             labels=np.asarray(block.labels),
             coupling=coupling,
-            marginal_var=marginal_var,
-            logdet_precision=logdet,
-            mean_field_gap=mean_field_gap(coupling, logdet),
+            marginal_var=noise_var,
+            logdet_precision=logdet_precision,
+            mean_field_gap=mean_field_gap(coupling, logdet_precision),
             gram=0.5 * (gram + gram.T),
-            fitc_trace=float(np.sum(marginal_var * np.asarray(features.resid))),
+            fitc_trace=float(np.sum(fitc_weight * np.asarray(features.resid))),
         )
 
     def init_local(self, block: ProbitBags) -> np.ndarray:
@@ -136,6 +152,8 @@ class ProbitMILUpdates:
         mu = block.coupling.solve(_rows(block.features, q.mean))  # Eq. 18
         expected_m, log_z, warm = self.truncated_means(block, mu, warm)
         elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
+        if self.coupling_form == "smoother":  # E[mᵀΣf] = (ΣE[m])ᵀA'v
+            expected_m = block.coupling.solve(expected_m)
         stats = ProbitStats(
             precision=block.gram,
             shift=block.features.project(expected_m),
@@ -148,7 +166,7 @@ class ProbitMILUpdates:
         """``E[m]`` of ``q(m_b)`` (Eq. 15, 19–20), ``log Z_b`` per bag and the new warm start."""
         offsets, labels = block.offsets, block.labels
         positive = np.repeat(labels == 1, np.diff(offsets))
-        if self.moments == "diagonal" or block.coupling.identity:
+        if self.moments == "diagonal" or self.coupling_form == "smoother" or block.coupling.identity:
             sd = np.sqrt(block.marginal_var)
             neg_mean, _ = upper_truncated_moments(mu, sd)
             pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets)
@@ -257,7 +275,7 @@ class _ProbitGPMIL(SparseGPMILBase):
             bag_coords = coords[rows]
             exact = sizes[b] <= self.exact_orthant_max
             if exact:
-                Sigma = np.linalg.inv(P.toarray())
+                Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(P.toarray()), np.eye(P.shape[0]))
                 cov = Sigma + Sigma @ np.diag(var[rows]) @ Sigma
                 log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
             if return_std or not exact:
@@ -381,7 +399,14 @@ class VGPMILPRI(_ProbitGPMIL):
         Learn λ (``lam`` is then the starting value) by maximising the ELBO in ``log λ`` between
         sweeps: after every ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations (one sweep
         each); the learnt value is ``lam_`` (:mod:`mil_core.ising_hyper`, which also has the
-        validation-grid fallback ``select_lam_by_validation``)."""
+        validation-grid fallback ``select_lam_by_validation``).
+    coupling_form : {"ising", "smoother"}, default="ising"
+        ``"ising"`` is the paper's ``m_b | f_b ~ N(Σ_b f_b, Σ_b)``. ``"smoother"`` keeps the
+        paper's smoothed mean and makes the noise independent, ``m_b | f_b ~ N(Σ_b f_b, I)``: λ
+        then only averages ``f`` over neighbours and no longer shrinks the noise variance, which
+        is what makes a λ learnt by the ELBO track the spatial correlation of the labels
+        (:mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ"). ``q(m_b)`` is
+        then exact (``moments`` has no effect) and λ → 0 is VGPMIL-PR again."""
         + _COMMON_PARAMS
     )
 
@@ -407,6 +432,7 @@ class VGPMILPRI(_ProbitGPMIL):
         learn_lam: bool = False,
         hyper_every: int = 1,
         hyper_steps: int = 5,
+        coupling_form: CouplingForm = "ising",
     ):
         store_params(self, locals())
 
@@ -419,7 +445,7 @@ class VGPMILPRI(_ProbitGPMIL):
         return super()._bag_proba_from_state(gp, glob, X_sorted, offsets, coords)
 
     def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None) -> CARCoupling:
-        lam = self.lam_ if getattr(self, "learn_lam", False) and hasattr(self, "lam_") else self._lam()
+        lam = self.lam_ if self.learn_lam and hasattr(self, "lam_") else self._lam()
         return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else lam, self._neighbourhood())
 
     def _finish_fit(self, trace: Any, monitor: Any = None) -> None:
@@ -439,12 +465,49 @@ class VGPMILPRI(_ProbitGPMIL):
     def _updates_options(self) -> dict[str, Any]:
         if self.moments not in ("diagonal", "mean_field"):
             raise ValueError(f"moments must be 'diagonal' or 'mean_field', got {self.moments!r}")
+        coupling_form = self.coupling_form
+        if coupling_form not in ("ising", "smoother"):
+            raise ValueError(f"coupling_form must be 'ising' or 'smoother', got {coupling_form!r}")
         return dict(
             neighbourhood=self._neighbourhood(),
             moments=self.moments,
             exact_diag_max=self.exact_diag_max,
             diag_tol=self.diag_tol,
+            coupling_form=coupling_form,
         )
+
+    def _bag_proba(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, *, return_std: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The smoother form's bag probability: ``m* = Σ*f* + ε`` with ``ε ~ N(0, I)``, exact
+        (scipy orthant, covariance ``I + Σ* diag(σ*²) Σ*``) up to ``exact_orthant_max`` instances,
+        Rao–Blackwellised Monte Carlo over ``f*`` above (:func:`~mil_core.ising.smoothed_field_log_p0`).
+        The Ising form is the shared Eq. 26 computation."""
+        if self.coupling_form != "smoother":
+            return super()._bag_proba(mean, var, offsets, coords, return_std=return_std)
+        coupling = self._coupling(offsets, coords)
+        log_p0 = segment_sum(log_ndtr(-mean / np.sqrt(1.0 + var)), offsets)
+        n_bags = offsets.shape[0] - 1
+        std = np.zeros(n_bags) if return_std else None
+        self.orthant_std_error_ = np.zeros(n_bags)
+        rng = np.random.default_rng(self.random_state)
+        independent = coupling.edge_count == 0
+        if return_std and np.any(independent):
+            std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
+        for b in np.flatnonzero(~independent):
+            rows, P = slice(offsets[b], offsets[b + 1]), coupling.bag_precision(b)
+            exact = P.shape[0] <= self.exact_orthant_max
+            if return_std or not exact:
+                log_p, error, spread = smoothed_field_log_p0(mean[rows], var[rows], P, n_draws=self.n_mc_samples, rng=rng)
+                if not exact:
+                    log_p0[b], self.orthant_std_error_[b] = log_p, error
+                if return_std:
+                    std[b] = spread
+            if exact:
+                Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(P.toarray()), np.eye(P.shape[0]))
+                cov = np.eye(P.shape[0]) + Sigma @ np.diag(var[rows]) @ Sigma
+                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
+        return -np.expm1(log_p0), std
 
     def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
         if coords is None:

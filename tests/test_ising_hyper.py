@@ -1,10 +1,11 @@
-"""Learning the Ising strength λ of VGPMIL-PR-I by the ELBO (mil_core.ising_hyper)."""
+"""Learning the Ising strength λ of VGPMIL-PR-I by the ELBO (mil_core.ising_hyper), for the
+paper's coupling (``coupling_form="ising"``) and the smoother form (``"smoother"``)."""
 
 import numpy as np
 import pytest
 from sklearn.base import clone
 
-from mil_core import RBF, VGPMILPRI
+from mil_core import RBF, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, GaussianQ, SerialExecutor, SparseGP
 from mil_core.ising_hyper import LAM_MAX, LAM_MIN, IsingLamUpdates, LamProbe, select_lam_by_validation
 from mil_core.probit import ProbitMILUpdates
@@ -27,12 +28,15 @@ def _grid_bags(n_bags=8, side=5, n_pos=5, seed=0):
     return np.concatenate(X), bags, bags % 2, np.concatenate(h).astype(int), np.tile(coords, (n_bags, 1))
 
 
-def _setup(cuts):
+FORMS = ("ising", "smoother")
+
+
+def _setup(cuts, form="ising"):
     X, bags, y, _, coords = _grid_bags()
     n = 25
     rng = np.random.default_rng(1)
     gp = SparseGP.build(RBF(1.0, 1.2), X[rng.choice(X.shape[0], 8, replace=False)])
-    updates = IsingLamUpdates(ProbitMILUpdates(gp=gp, lam=0.7))
+    updates = IsingLamUpdates(ProbitMILUpdates(gp=gp, lam=0.7, coupling_form=form))
     blocks = [BagBlock(X[a * n : b * n], np.arange(0, (b - a) * n + 1, n), y[a * n : b * n : n], coords[a * n : b * n])
               for a, b in zip(cuts[:-1], cuts[1:])]
     executor = SerialExecutor(updates, blocks)
@@ -43,34 +47,77 @@ def _setup(cuts):
     return updates, executor, q
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("lam", [0.05, 0.7, 6.0])
-def test_lam_gradient_matches_central_differences(lam):
-    updates, executor, q = _setup([0, 8])
+def test_lam_gradient_matches_central_differences(lam, form):
+    updates, executor, q = _setup([0, 8], form)
     _, grad = updates.evaluate(executor.sweep, q, np.log(lam))
     step = 1e-5
     numeric = (updates.evaluate(executor.sweep, q, np.log(lam) + step)[0] - updates.evaluate(executor.sweep, q, np.log(lam) - step)[0]) / (2 * step)
     np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
-def test_lam_objective_is_the_tracked_elbo_data_term():
+@pytest.mark.parametrize("form", FORMS)
+def test_lam_objective_is_the_tracked_elbo_data_term(form):
     """J(λ) equals the data part of the ELBO the fit tracks (ProbitMILUpdates) at the same λ and q."""
-    updates, executor, q = _setup([0, 8])
+    updates, executor, q = _setup([0, 8], form)
     for lam in (0.3, 2.0):
-        inner = ProbitMILUpdates(gp=updates.inner.gp, lam=lam)
+        inner = ProbitMILUpdates(gp=updates.inner.gp, lam=lam, coupling_form=form)
         expected = sum(inner.partition_step(inner.prepare(b.block), np.zeros(b.offsets[-1]), q)[0].elbo for b in executor.blocks)
         np.testing.assert_allclose(updates.evaluate(executor.sweep, q, np.log(lam))[0], expected, rtol=1e-10)
 
 
-def test_one_block_equals_many_blocks():
-    one, ex_one, q = _setup([0, 8])
-    many, ex_many, _ = _setup([0, 3, 5, 8])
+@pytest.mark.parametrize("form", FORMS)
+def test_one_block_equals_many_blocks(form):
+    one, ex_one, q = _setup([0, 8], form)
+    many, ex_many, _ = _setup([0, 3, 5, 8], form)
     a, b = ex_one.sweep(LamProbe(q, 1.3)), ex_many.sweep(LamProbe(q, 1.3))
     np.testing.assert_allclose([a.value, a.grad], [b.value, b.grad], rtol=1e-10)
 
 
-def test_fit_learns_a_positive_lambda_and_never_decreases_the_bound():
+@pytest.mark.parametrize("form", FORMS)
+def test_changing_lambda_rebuilds_the_partition_from_its_spectra_exactly(form):
+    """The learnt-λ fit rebuilds the inner partition from the Laplacian's spectra (no whitening or
+    Cholesky); it must equal the inner model's own prepare at that λ."""
+    updates, executor, _ = _setup([0, 3, 8], form)
+    for block in executor.blocks:
+        for lam in (0.2, 4.0):
+            fast = updates.inner_bags(block, lam)
+            slow = ProbitMILUpdates(gp=updates.inner.gp, lam=lam, coupling_form=form).prepare(block.block)
+            for name in ("gram", "marginal_var", "logdet_precision", "mean_field_gap"):
+                np.testing.assert_allclose(getattr(fast, name), getattr(slow, name), rtol=1e-9, atol=1e-12, err_msg=name)
+            np.testing.assert_allclose(fast.fitc_trace, slow.fitc_trace, rtol=1e-10)
+            assert (fast.coupling.precision != slow.coupling.precision).nnz == 0
+
+
+def test_smoother_form_is_vgpmil_pr_at_lambda_zero_and_an_exact_monotone_bound():
+    """m_b | f_b ~ N(Σ_b f_b, I): λ → 0 is VGPMIL-PR; q(m) is exact, so the ELBO never decreases."""
     X, bags, y, _, coords = _grid_bags()
-    model = VGPMILPRI(lam=0.5, learn_lam=True, n_inducing=8, max_iter=15, random_state=0).fit(X, bags, y, coords=coords)
+    plain = VGPMILPR(n_inducing=8, max_iter=20, random_state=0).fit(X, bags, y)
+    for lam in (0.0, 1e-9):
+        model = VGPMILPRI(lam=lam, coupling_form="smoother", n_inducing=8, max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
+        np.testing.assert_allclose(model.q_.mean, plain.q_.mean, atol=1e-6)
+        np.testing.assert_allclose(model.elbo_, plain.elbo_, atol=1e-5)
+    coupled = VGPMILPRI(lam=2.0, coupling_form="smoother", n_inducing=8, max_iter=30, tol=0.0, random_state=0).fit(X, bags, y, coords=coords)
+    assert np.all(np.diff(coupled.elbo_) >= -1e-9 * np.abs(coupled.elbo_[1:]))
+    assert not np.allclose(coupled.q_.mean, plain.q_.mean, atol=1e-3)
+
+
+def test_smoother_bag_probability_monte_carlo_matches_the_exact_orthant():
+    X, bags, y, _, coords = _grid_bags()
+    params = dict(lam=1.0, coupling_form="smoother", n_inducing=8, max_iter=10, random_state=0, n_mc_samples=4000)
+    exact = VGPMILPRI(exact_orthant_max=25, **params).fit(X, bags, y, coords=coords)
+    sampled = VGPMILPRI(exact_orthant_max=0, **params).fit(X, bags, y, coords=coords)
+    _, p_exact = exact.predict_bag_proba(X, bags, coords=coords)
+    _, p_sampled = sampled.predict_bag_proba(X, bags, coords=coords)
+    assert np.all(exact.orthant_std_error_ == 0) and np.all(sampled.orthant_std_error_ > 0)
+    assert np.all(np.abs(p_sampled - p_exact) <= 5 * sampled.orthant_std_error_)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_fit_learns_a_positive_lambda_and_never_decreases_the_bound(form):
+    X, bags, y, _, coords = _grid_bags()
+    model = VGPMILPRI(lam=0.5, learn_lam=True, coupling_form=form, n_inducing=8, max_iter=15, random_state=0).fit(X, bags, y, coords=coords)
     assert LAM_MIN <= model.lam_ <= LAM_MAX
     history = model.lam_history_
     assert history.shape == (model.n_iter_, 3) and np.all(history[:, 2] > 0)
@@ -87,6 +134,10 @@ def test_fixed_lambda_reports_lam_and_bad_settings_are_rejected():
         VGPMILPRI(lam=0.0, learn_lam=True, n_inducing=8, max_iter=3).fit(X, bags, y, coords=coords)
     with pytest.raises(ValueError, match="diagonal"):
         VGPMILPRI(lam=0.5, learn_lam=True, moments="mean_field", n_inducing=8, max_iter=3).fit(X, bags, y, coords=coords)
+    with pytest.raises(ValueError, match="coupling_form"):
+        VGPMILPRI(lam=0.5, coupling_form="car", n_inducing=8, max_iter=3).fit(X, bags, y, coords=coords)
+    with pytest.raises(ValueError, match="exact_diag_max"):
+        VGPMILPRI(lam=0.5, coupling_form="smoother", exact_diag_max=10, n_inducing=8, max_iter=3).fit(X, bags, y, coords=coords)
 
 
 def test_validation_fallback_picks_the_grid_value_with_the_best_validation_auc():
