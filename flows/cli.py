@@ -5,7 +5,7 @@
     gpmil predict CONFIG MODEL_DIR [--store STORE]
     gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY
     gpmil serve CONFIG [--cron "0 2 * * *"]   a long-running served deployment (Prefect UI)
-    gpmil demo [--workdir DIR]    synthetic WSI and CT cohorts through the whole pipeline
+    gpmil demo [DIR]              synthetic WSI and CT cohorts: train, then evaluate on held-out cohorts
     gpmil cv CSV                  5-fold bag cross-validation on a MIL feature table
 """
 
@@ -70,9 +70,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flows.demo import run_demo
+    from flows.demo import demo
 
-    for name, report in run_demo(args.workdir).items():
+    for name, report in demo(str(args.workdir)).items():
         print(f"{name}: report at {report}")
     return 0
 
@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store")
     p = with_config("serve", "serve the pipeline as a Prefect deployment (runs until stopped)", _serve)
     p.add_argument("--cron", default=None, help='schedule, e.g. "0 2 * * *" (default: run on demand from the UI)')
-    p = commands.add_parser("demo", help="synthetic WSI and CT cohorts through the whole pipeline (a few minutes on 2 cores)")
-    p.add_argument("--workdir", type=Path, default=Path("gpmil-demo"), help="where stores, models and reports go (default: ./gpmil-demo)")
+    p = commands.add_parser("demo", help="synthetic WSI and CT cohorts: train on one cohort, evaluate on a held-out one (about a minute on 2 cores)",
+                            description="Generate a training and a held-out cohort of synthetic slides and of synthetic head-CT "
+                                        "scans, train VGPMIL on each training cohort, predict the held-out cohort with the stored "
+                                        "model and write a report with held-out metrics. Rerun: every stage is reused.")
+    p.add_argument("workdir", type=Path, nargs="?", default=Path("gpmil-demo"), help="where raw data, stores, models and reports go (default: ./gpmil-demo)")
     p.set_defaults(handler=_demo)
     p = commands.add_parser("cv", help="5-fold bag cross-validation of VGPMIL and G-VGPMIL on a MIL CSV table")
     p.add_argument("csv", type=Path, help="MIL table: label, bag id, features… (e.g. ../shared/data/musk1.csv)")

@@ -37,7 +37,8 @@ class _Strict(BaseModel):
 class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
-    (the store already exists)."""
+    (the store already exists). ``extractor_from``: a cohort store whose fitted feature extractor a
+    new store takes (a cohort to be predicted by a model trained on that store needs its features)."""
 
     kind: Literal["wsi", "ct", "features", "none"] = "none"
     source: Path | None = None
@@ -48,6 +49,7 @@ class IngestConfig(_Strict):
     min_tissue_fraction: float = Field(0.5, gt=0, le=1)
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
+    extractor_from: Path | None = None
 
     @field_validator("extractor")
     @classmethod
@@ -175,7 +177,8 @@ def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
         return None if p is None or p.is_absolute() else (base / p).resolve()
 
     ingest = config.ingest.model_copy(update={"source": resolve(config.ingest.source) or config.ingest.source,
-                                              "labels": resolve(config.ingest.labels) or config.ingest.labels})
+                                              "labels": resolve(config.ingest.labels) or config.ingest.labels,
+                                              "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from})
     prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
     return config.model_copy(update={"store": resolve(config.store) or config.store, "output_dir": resolve(config.output_dir) or config.output_dir,
                                      "ingest": ingest, "prediction": prediction})

@@ -18,11 +18,11 @@ from flows.config import PipelineConfig, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import dask_client
 
-__all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline"]
+__all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
 
 
 @contextmanager
-def _cluster(config: PipelineConfig, scheduler_address: str | None = None) -> Iterator[str]:
+def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) -> Iterator[str]:
     """The scheduler address of the run's one cluster (given, configured, or a new LocalCluster)."""
     if scheduler_address:
         yield scheduler_address
@@ -40,21 +40,22 @@ def _config(config: str | PipelineConfig, **overrides: Any) -> PipelineConfig:
 
 
 @flow(name="ingest-cohort", log_prints=True)
-def ingest_cohort(config: str, store: str | None = None, source: str | None = None, scheduler_address: str | None = None) -> dict[str, Any]:
-    """Tile + featurise new slides/scans (or load a feature table) into the cohort store; slides
-    already in the store are skipped."""
+def ingest_cohort(config: str | PipelineConfig, store: str | None = None, source: str | None = None,
+                  scheduler_address: str | None = None) -> t.StageResult:
+    """Tile + featurise new slides/scans (one task each, on the cluster) or load a feature table
+    into the cohort store; slides already in the store are skipped."""
     cfg = _config(config, store=store)
     if source is not None:
         cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
-    with _cluster(cfg, scheduler_address) as address:
-        return t.ingest(cfg, address)
+    with run_cluster(cfg, scheduler_address) as address:
+        return t.ingest_cohort_items(cfg, address)
 
 
 @flow(name="train-model", log_prints=True)
 def train_model(config: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
     """Train the configured model on the store (reusing a model trained on the same content)."""
     cfg = _config(config, store=store)
-    with _cluster(cfg, scheduler_address) as address:
+    with run_cluster(cfg, scheduler_address) as address:
         fingerprint = t.fingerprint_cohort(str(cfg.store))
         return t.train(cfg, str(cfg.store), cfg.model_key(fingerprint), address)
 
@@ -64,7 +65,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, schedu
     """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model."""
     cfg = _config(config)
     target = str(store or cfg.prediction.store or cfg.store)
-    with _cluster(cfg, scheduler_address) as address:
+    with run_cluster(cfg, scheduler_address) as address:
         key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
         return t.predict(cfg, target, model_dir, key, address)
 
@@ -78,7 +79,8 @@ def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | 
 
 
 @flow(name="gpmil-pipeline", log_prints=True)
-def pipeline(config: str | PipelineConfig, store: str | None = None, source: str | None = None) -> dict[str, t.StageResult]:
+def pipeline(config: str | PipelineConfig, store: str | None = None, source: str | None = None,
+             scheduler_address: str | None = None) -> dict[str, t.StageResult]:
     """Ingest → train → predict → evaluate on one cluster. Reruns skip what is done: slides
     already ingested, a model trained on the same cohort content and configuration, complete
     predictions; a changed configuration recomputes only the stages it affects."""
@@ -87,9 +89,9 @@ def pipeline(config: str | PipelineConfig, store: str | None = None, source: str
     if source is not None:
         cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
     results: dict[str, t.StageResult] = {}
-    with _cluster(cfg) as address:
+    with run_cluster(cfg, scheduler_address) as address:
         if cfg.ingest.kind != "none":
-            results["ingest"] = t.ingest(cfg, address)
+            results["ingest"] = t.ingest_cohort_items(cfg, address)
         training_store = str(cfg.store)
         trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
         results["train"] = trained

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
 from tasks import report
+from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
@@ -101,6 +102,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in model.elbo_],
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
+        "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
@@ -109,49 +111,128 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     return StageResult(model_key, str(model_dir), False, info)
 
 
-@task(name="ingest-cohort", task_run_name="ingest {config.ingest.kind} from {config.ingest.source}", cache_policy=NO_CACHE)
-def ingest(config: PipelineConfig, scheduler_address: str) -> StageResult:
-    """Tile + featurise the slides/scans (one Dask task each) or load the feature table into the
-    store; bags already in the store are skipped, bad files are reported and skipped."""
-    from tasks.ingest.cohort import ingest_ct, ingest_slides, ingest_table
+def is_transient(error: BaseException | None) -> bool:
+    """Worth a retry: file-system and network errors, a lost Dask worker. Bad input (an
+    :class:`IngestError`: unreadable file, no tissue, wrong label) fails the same way every time."""
+    from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
+
+    from tasks.ingest.errors import IngestError
+
+    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, IngestError)
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    return is_transient(state.result(raise_on_failure=False))
+
+
+IO_RETRIES_IF_TRANSIENT = dict(**IO_RETRIES, retry_condition_fn=_retry_if_transient)
+
+
+@dataclass(frozen=True)
+class IngestWork:
+    """What the per-item tasks need: the open ingest (store, items to stage) and the bag writer."""
+
+    run: IngestRun
+    bag_writer: BagWriter
+
+
+@task(name="list-inputs", task_run_name="list {config.ingest.kind} inputs in {config.ingest.source}", cache_policy=NO_CACHE,
+      **IO_RETRIES_IF_TRANSIENT)
+def list_inputs(config: PipelineConfig) -> IngestWork:
+    """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
+    extractor once) and open the store: items already in it are not run again."""
+    from tasks.ingest.cohort import plan_ct, plan_slides
     from tasks.ingest.features import make_extractor
-    from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
     from tasks.ingest.wsi import TilingParams
 
-    logger = get_run_logger()
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
-    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{ing.kind} items ingested")
+    if ing.kind == "wsi":
+        tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification, min_tissue=ing.min_tissue_fraction)
+        plan = plan_slides(store, ing.source, labels_csv=ing.labels, params=tiling, extractor=extractor,
+                           qc_dir=Path(config.output_dir) / "qc", name=config.name, extractor_from=ing.extractor_from)
+    elif ing.kind == "ct":
+        plan = plan_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name)
+    else:
+        raise ValueError(f"ingest.kind={ing.kind!r} has no per-item inputs")
+    run = IngestRun(store, plan.spec, plan.items, skipped=plan.skipped)
+    get_run_logger().info("%s inputs in %s: %d to ingest (%d of them already staged), %d already in %s, %d rejected",
+                          ing.kind, ing.source, len(run.pending), len(run.pending) - len(run.to_run), len(run.already_done),
+                          store, len(run.skipped))
+    return IngestWork(run, plan.bag_writer)
 
-    def on_progress(done: int, total: int, bag_id: str, failure) -> None:
-        update_progress_artifact(progress, 100.0 * done / max(total, 1))
-        logger.info("ingest %s %s%s", progress_bar(done, total), bag_id, f" skipped: {failure.reason}" if failure else "")
 
-    with Client(scheduler_address) as client:
-        if ing.kind == "wsi":
-            tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification,
-                                  min_tissue=ing.min_tissue_fraction)
-            result = ingest_slides(store, ing.source, labels_csv=ing.labels, params=tiling, extractor=extractor,
-                                   qc_dir=Path(config.output_dir) / "qc", name=config.name, client=client, on_progress=on_progress)
-        elif ing.kind == "ct":
-            result = ingest_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name, client=client,
-                               on_progress=on_progress)
-        else:
-            readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
-            if ing.source.suffix not in readers:
-                raise ValueError(f"ingest.source {ing.source}: feature tables must be .csv, .parquet or .npz")
-            result = ingest_table(store, readers[ing.source.suffix](ing.source), name=config.name)
+@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client) -> int:
+    """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
+    number of instances. Bad input fails this task only (and is not retried)."""
+    return client.submit(stage_item, store, item, bag_writer, pure=False).result()
+
+
+@task(name="finalise-store", task_run_name="finalise {config.store}", cache_policy=NO_CACHE)
+def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str, BaseException | None]) -> StageResult:
+    """Commit the staged bags in item order (``bags/done`` last), write the ingest report, and
+    list the inputs left out, and why (table artifact). Not retried: it holds the open ingest's
+    state; if it fails, the staged bags stay and the next run commits them without recomputing."""
+    logger = get_run_logger()
+    run = work.run
+    for item in run.to_run:
+        if item.bag_id in outcomes:  # an item without an outcome stays staged or pending for a rerun
+            error = outcomes[item.bag_id]
+            run.record(item.bag_id, None if error is None else Skipped.from_error(error, item))
+    result = run.finish()
     info = result.to_json()
     if result.skipped:
         create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
-    update_progress_artifact(progress, 100.0, description=f"{len(result.added)} bags added, {len(result.already_done)} already "
-                                                          f"in the store, {len(result.skipped)} skipped")
     logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(result.added),
                 result.n_instances_added, len(result.already_done), len(result.skipped))
-    return StageResult(key=config.name, path=store, reused=not result.added, info=info)
+    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
+
+
+@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+def ingest_table(config: PipelineConfig) -> StageResult:
+    """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
+    from tasks.ingest.cohort import ingest_table as ingest_feature_table
+    from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
+
+    source = config.ingest.source
+    readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
+    if source.suffix not in readers:
+        raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name)
+    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+
+
+def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:
+    """The ingest stage, called inside a flow: ``list-inputs`` → one ``ingest <bag id>`` task per
+    slide/scan (concurrent on the flow's thread-pool task runner, each running its tiling and
+    featurisation on the flow's Dask cluster) → ``finalise-store``. A progress artifact and log
+    lines follow the items as they finish."""
+    from prefect.futures import as_completed
+
+    if config.ingest.kind == "features":
+        return ingest_table(config)
+    logger = get_run_logger()
+    work = list_inputs(config)
+    todo = work.run.to_run
+    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
+    outcomes: dict[str, BaseException | None] = {}
+    with Client(scheduler_address) as client:
+        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
+        for done, future in enumerate(as_completed(list(futures)), start=1):
+            bag_id = futures[future].bag_id
+            outcome = future.result(raise_on_failure=False)  # the instance count, or the task's exception
+            failure = outcomes[bag_id] = outcome if isinstance(outcome, BaseException) else None
+            update_progress_artifact(progress, 100.0 * done / max(len(todo), 1))
+            logger.info("ingest %s %s%s", progress_bar(done, len(todo)), bag_id, f" failed: {failure}" if failure else "")
+    result = finalise_store(config, work, outcomes)
+    update_progress_artifact(progress, 100.0, description=f"{len(result.info['added'])} bags added, {len(result.info['already_done'])} "
+                                                          f"already in the store, {len(result.info['skipped'])} skipped")
+    return result
 
 
 @dataclass(frozen=True)
@@ -176,6 +257,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
         return StageResult(prediction_key, f"{store}/{name}", True, {})
+    _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
     logistic = hasattr(model, "emax")
@@ -186,6 +268,22 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
                               device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
                               bag_kwargs=bag_kwargs)
     return StageResult(prediction_key, path, False, {})
+
+
+def _check_same_features(store: str, model_dir: str) -> None:
+    """A cohort must be featurised like the model's training cohort (same extractor, version and
+    fitted parameters), else its predictions are meaningless."""
+    trained_on = json.loads((Path(model_dir) / "model.json").read_text())
+    if "feature_extractor" not in trained_on:
+        return
+    expected, actual = trained_on["feature_extractor"], open_cohort(store).attrs.get("feature_extractor")
+    if actual != expected:
+        def describe(spec):
+            return "no recorded extractor" if spec is None else f"{spec['name']} v{spec['version']}"
+
+        detail = "fitted with other parameters" if describe(actual) == describe(expected) else f"not {describe(expected)}"
+        raise ValueError(f"{store} was featurised with {describe(actual)} ({detail}) but the model {model_dir} was trained on "
+                         f"features of {trained_on['store']}: ingest the cohort with ingest.extractor_from: {trained_on['store']}")
 
 
 def _png_markdown(path: Path, alt: str) -> str:
@@ -218,6 +316,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     if in_sample:
         sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
                      "(optimistic). Predict a held-out cohort (`prediction.store`) for an honest estimate.**", ""]
+    else:
+        sections += [f"The model was trained on `{trained_on}`; these predictions and metrics are on a held-out cohort.", ""]
     metrics: dict[str, Any] = {}
     figures: list[Path] = []
     if (table["label"] >= 0).any() and table.loc[table["label"] >= 0, "label"].nunique() == 2:
@@ -241,15 +341,16 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[["bag_id", "probability", "std", "label"]]), ""]
 
     top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
+    scores, kind = report.instance_scores(predictions)
     for b in top.index:
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
-            figures.append(report.plot_wsi_heatmap(coords[rows], report.instance_scores(predictions)[rows], out / "heatmaps" / f"{bag_id}.png",
+            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], out / "heatmaps" / f"{bag_id}.png", kind=kind,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
-            figures.append(report.plot_ct_slices(coords[rows, 0], report.instance_scores(predictions)[rows], predictions["instances/std"][rows],
-                                                 out / "slices" / f"{bag_id}.png", instance_labels=instance_labels[rows],
+            figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
+                                                 out / "slices" / f"{bag_id}.png", kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
     sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
     markdown = "\n".join(sections)

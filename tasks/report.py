@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib
 
@@ -30,6 +30,8 @@ from sklearn.metrics import (  # noqa: E402
 from tasks.store import open_cohort  # noqa: E402
 from tasks.training import read_predictions  # noqa: E402
 
+ScoreKind = Literal["probability", "evidence"]
+
 __all__ = [
     "bag_table",
     "evaluate",
@@ -38,6 +40,7 @@ __all__ = [
     "plot_roc",
     "plot_wsi_heatmap",
     "plot_ct_slices",
+    "instance_scores",
     "write_tables",
     "Evaluation",
 ]
@@ -45,17 +48,17 @@ __all__ = [
 
 def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int = 3) -> pd.DataFrame:
     """One row per bag: id, source, label (−1 unknown), probability, std, predicted label, and the
-    ``top_k`` most suspicious instances (row, coordinates, probability) as JSON."""
+    ``top_k`` most suspicious instances (row, coordinates, probability or evidence) as JSON."""
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
-    p_inst = instance_scores(pred)
+    p_inst, kind = instance_scores(pred)
     coords = zarr.open_group(str(store), mode="r")["instances/coords"][: cohort.n_instances]
     suspicious = []
     for b in range(cohort.n_bags):
         rows = cohort.bag_slice(b)
         top = rows.start + np.argsort(-p_inst[rows], kind="stable")[:top_k]
         suspicious.append(json.dumps([
-            {"row": int(r), "coords": coords[r].tolist(), "probability": round(float(p_inst[r]), 6)} for r in top
+            {"row": int(r), "coords": coords[r].tolist(), kind: round(float(p_inst[r]), 6)} for r in top
         ]))
     table = pd.DataFrame({
         "bag_id": np.asarray(cohort.bag_ids, dtype=str),
@@ -69,9 +72,12 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     return table
 
 
-def instance_scores(predictions: dict[str, np.ndarray]) -> np.ndarray:
-    """Instance probabilities, or the evidences of models that have no instance probability."""
-    return predictions["instances/proba"] if "instances/proba" in predictions else predictions["instances/evidence"]
+def instance_scores(predictions: dict[str, np.ndarray]) -> tuple[np.ndarray, ScoreKind]:
+    """Instance probabilities, or the evidences (real-valued, not probabilities: VWSGP) of models
+    that have no instance probability, and which of the two they are."""
+    if "instances/proba" in predictions:
+        return predictions["instances/proba"], "probability"
+    return predictions["instances/evidence"], "evidence"
 
 
 @dataclass(frozen=True)
@@ -164,39 +170,58 @@ def plot_roc(evaluation: Evaluation, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_wsi_heatmap(coords: np.ndarray, proba: np.ndarray, path: str | Path, *, thumbnail: np.ndarray | None = None,
-                     tile_px_on_thumbnail: float | None = None, title: str = "") -> Path:
-    """Tile probabilities painted on the tile grid (``coords`` = tile row, col), over the slide
-    thumbnail when one is given (``tile_px_on_thumbnail`` = one tile's size in thumbnail pixels)."""
+def _colour_scale(scores: np.ndarray, kind: ScoreKind) -> dict[str, Any]:
+    """Probabilities on [0, 1]; evidences on a diverging scale symmetric about 0 (their sign is
+    what says "towards positive")."""
+    if kind == "probability":
+        return dict(cmap="inferno", vmin=0.0, vmax=1.0)
+    bound = float(np.max(np.abs(scores))) or 1.0
+    return dict(cmap="RdBu_r", vmin=-bound, vmax=bound)
+
+
+SCORE_LABELS = {"probability": "p(tile positive)", "evidence": "instance evidence (not a probability)"}
+
+
+def plot_wsi_heatmap(coords: np.ndarray, scores: np.ndarray, path: str | Path, *, kind: ScoreKind = "probability",
+                     thumbnail: np.ndarray | None = None, tile_px_on_thumbnail: float | None = None, title: str = "") -> Path:
+    """Tile probabilities (or evidences, ``kind``) painted on the tile grid (``coords`` = tile
+    row, col), over the slide thumbnail when one is given (``tile_px_on_thumbnail`` = one tile's
+    size in thumbnail pixels)."""
     rows, cols = coords[:, 0], coords[:, 1]
     grid = np.full((rows.max() + 1, cols.max() + 1), np.nan)
-    grid[rows, cols] = proba
+    grid[rows, cols] = scores
     fig, ax = plt.subplots(figsize=(5, 5 * grid.shape[0] / max(grid.shape[1], 1)))
     extent = None
     if thumbnail is not None and tile_px_on_thumbnail:
         ax.imshow(thumbnail)
         extent = (0, grid.shape[1] * tile_px_on_thumbnail, grid.shape[0] * tile_px_on_thumbnail, 0)
-    image = ax.imshow(grid, cmap="inferno", vmin=0, vmax=1, alpha=0.6 if thumbnail is not None else 1.0, extent=extent,
+    image = ax.imshow(grid, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0, extent=extent,
                       interpolation="nearest")
-    fig.colorbar(image, ax=ax, fraction=0.046, label="p(tile positive)")
+    fig.colorbar(image, ax=ax, fraction=0.046, label=SCORE_LABELS[kind])
     ax.set_axis_off()
     ax.set_title(title)
     return _save(fig, path)
 
 
-def plot_ct_slices(slice_index: np.ndarray, proba: np.ndarray, std: np.ndarray, path: str | Path, *,
-                   instance_labels: np.ndarray | None = None, title: str = "") -> Path:
-    """Slice probabilities with a ±1 std band along the scan, and the known slice labels where
-    they exist (like seed 000, Fig. 10)."""
+def plot_ct_slices(slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray, path: str | Path, *,
+                   kind: ScoreKind = "probability", instance_labels: np.ndarray | None = None, title: str = "") -> Path:
+    """Slice probabilities (or evidences, ``kind``) with a ±1 std band along the scan, and the
+    known slice labels where they exist (like seed 000, Fig. 10; on the probability scale only)."""
     order = np.argsort(slice_index)
-    z, p, s = slice_index[order], proba[order], std[order]
+    z, p, s = slice_index[order], scores[order], std[order]
     fig, ax = plt.subplots(figsize=(6, 2.8))
-    ax.plot(z, p, c="C0", label="p(slice positive)")
-    ax.fill_between(z, np.clip(p - s, 0, 1), np.clip(p + s, 0, 1), color="C0", alpha=0.25, label="± 1 std")
-    if instance_labels is not None and np.any(instance_labels[order] >= 0):
+    ax.plot(z, p, c="C0", label="p(slice positive)" if kind == "probability" else "slice evidence")
+    low, high = (p - s, p + s) if kind == "evidence" else (np.clip(p - s, 0, 1), np.clip(p + s, 0, 1))
+    ax.fill_between(z, low, high, color="C0", alpha=0.25, label="± 1 std")
+    if kind == "probability" and instance_labels is not None and np.any(instance_labels[order] >= 0):
         known = instance_labels[order] >= 0
         ax.scatter(z[known], instance_labels[order][known], marker="|", c="C3", label="slice label")
-    ax.set(xlabel="slice", ylabel="probability", ylim=(-0.05, 1.05), title=title)
+    if kind == "probability":
+        ax.set(ylabel="probability", ylim=(-0.05, 1.05))
+    else:
+        ax.axhline(0.0, ls=":", c="grey")
+        ax.set(ylabel="evidence (not a probability)")
+    ax.set(xlabel="slice", title=title)
     ax.legend(loc="upper right", fontsize="small")
     return _save(fig, path)
 

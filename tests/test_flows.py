@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,6 +13,7 @@ import yaml
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.pipeline import pipeline, predict_cohort, train_model
+from tasks.store import open_cohort
 from tests.conftest import make_toy_bags
 from tests.test_distributed import write_store
 
@@ -121,24 +124,114 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     assert "training.mode" in capsys.readouterr().err
 
 
-def test_demo_pipeline_on_generated_slides_and_ct_scans_skips_a_corrupt_slide_and_reruns_for_free(tmp_path):
-    from flows.demo import write_demo_configs
+def task_runs_of(flow_run_id, n_expected: int) -> list:
+    """The task runs of a flow run as the Prefect server recorded them (task run states reach the
+    server as events, so wait until all ``n_expected`` are there and final)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    configs = write_demo_configs(tmp_path, n_slides=6, n_scans=6, n_corrupt=1, max_iter=10)
-    wsi = pipeline(str(configs["wsi"]))
-    skipped = wsi["ingest"].info["skipped"]
-    assert [s["bag_id"] for s in skipped] == ["corrupt_00000"] and skipped[0]["path"].endswith("corrupt_00000.tiff")
-    assert len(wsi["ingest"].info["added"]) == 6
-    out = tmp_path / "runs" / "wsi" / "predictions" / wsi["predict"].key
-    assert len(list((out / "heatmaps").glob("*.png"))) == 4 and (out / "report.md").read_text().count("data:image/png") >= 5
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            if len(runs) >= n_expected and all(r.state is not None and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+                return runs
 
-    ct = pipeline(str(configs["ct"]))
-    assert len(ct["ingest"].info["added"]) == 6
-    assert (tmp_path / "runs" / "ct" / "predictions" / ct["predict"].key / "slices").is_dir()
-    assert "instance_auc" in ct["report"].info  # slice labels from the RSNA-style CSV
 
+@pytest.fixture
+def slide_folder(tmp_path):
+    from tasks.ingest.synthetic import make_slide_cohort
+
+    folder = tmp_path / "slides"
+    make_slide_cohort(folder, 4, map_shape=(16, 24), seed=5, tile=128, n_corrupt=1)
+    return folder
+
+
+def test_ingest_runs_one_named_task_per_slide_a_corrupt_slide_fails_only_its_own_and_a_rerun_redoes_no_slide(tmp_path, slide_folder):
+    from flows.pipeline import ingest_cohort
+
+    config = write_config(tmp_path, tmp_path / "slides.zarr", ingest={"kind": "wsi", "source": str(slide_folder),
+                                                                      "labels": str(slide_folder / "labels.csv"), "tile_size": 128})
+    state = ingest_cohort(config, return_state=True)
+    result = state.result()
+    runs = {r.name: r for r in task_runs_of(state.state_details.flow_run_id, n_expected=7)}
+    per_slide = {name: run for name, run in runs.items() if run.task_key.startswith("ingest_item")}
+    assert sorted(per_slide) == ["ingest corrupt_00000"] + [f"ingest slide_{i:05d}" for i in range(4)]
+    assert per_slide["ingest corrupt_00000"].state.is_failed() and per_slide["ingest corrupt_00000"].run_count == 1  # bad input: no retry
+    assert all(run.state.is_completed() for name, run in per_slide.items() if name != "ingest corrupt_00000")
+    assert any(name.startswith("list wsi inputs") for name in runs) and runs[f"finalise {tmp_path / 'slides.zarr'}"].state.is_completed()
+    assert list(result.info["added"]) == [f"slide_{i:05d}" for i in range(4)]
+    assert [(s["bag_id"], s["error"]) for s in result.info["skipped"]] == [("corrupt_00000", "UnreadableFileError")]
+    assert list(open_cohort(tmp_path / "slides.zarr").bag_ids) == list(result.info["added"])
+
+    again = ingest_cohort(config, return_state=True)
+    rerun = task_runs_of(again.state_details.flow_run_id, n_expected=3)
+    assert [r.name for r in rerun if r.task_key.startswith("ingest_item")] == ["ingest corrupt_00000"]  # only the failed one is retried
+    assert again.result().reused and len(again.result().info["already_done"]) == 4
+
+
+def test_only_transient_errors_are_retried():
+    from distributed import KilledWorker
+
+    from tasks.ingest.errors import NoTissueError, UnreadableFileError
+    from tasks.prefect_tasks import is_transient
+
+    assert is_transient(OSError("stale file handle")) and is_transient(TimeoutError()) and is_transient(KilledWorker("k", "w", 3))
+    assert not is_transient(UnreadableFileError("truncated", path="a.tiff")) and not is_transient(NoTissueError("none"))
+    assert not is_transient(ValueError("a bug")) and not is_transient(None)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory, prefect_server):
+    from flows.demo import demo, write_demo_configs
+
+    workdir = tmp_path_factory.mktemp("demo")
+    sizes = dict(n_slides=6, n_scans=6, n_heldout=6, n_corrupt=1, max_iter=10)
+    reports = demo(str(workdir), **sizes)
+    return workdir, reports, write_demo_configs(workdir, **sizes)
+
+
+def test_demo_trains_on_one_cohort_and_reports_metrics_on_a_held_out_cohort(demo_run):
+    workdir, reports, _ = demo_run
+    for modality in ("wsi", "ct"):
+        report = Path(reports[modality])
+        text = report.read_text()
+        assert f"`{workdir / 'stores' / f'{modality}-heldout.zarr'}` (6 bags" in text and "held-out cohort" in text
+        assert "in-sample" not in text
+        table = pd.read_parquet(report.with_name("bag_predictions.parquet"))
+        assert len(table) == 6 and all(Path(s).is_relative_to(workdir / "raw" / f"{modality}-heldout") for s in table["source"])
+        metrics = json.loads(report.with_name("metrics.json").read_text())
+        assert metrics["n_bags"] == 6 and 0 <= metrics["bag_auc"] <= 1
+        model = json.loads((Path(text.split("model `")[1].split("`")[0]) / "model.json").read_text())
+        assert model["store"] == str(workdir / "stores" / f"{modality}.zarr") and model["n_bags"] == 6
+    assert len(list((Path(reports["wsi"]).parent / "heatmaps").glob("*.png"))) == 4 and Path(reports["wsi"]).read_text().count("data:image/png") >= 5
+    assert (Path(reports["ct"]).parent / "slices").is_dir() and "instance_auc" in json.loads(Path(reports["ct"]).with_name("metrics.json").read_text())
+    trained, held_out = open_cohort(workdir / "stores" / "wsi.zarr"), open_cohort(workdir / "stores" / "wsi-heldout.zarr")
+    assert held_out.attrs["feature_extractor"] == trained.attrs["feature_extractor"]  # the model's features, not refitted
+
+
+def test_demo_skips_a_corrupt_slide_and_a_rerun_reuses_every_stage(demo_run):
+    workdir, reports, configs = demo_run
+    ingested = json.loads((workdir / "stores" / "wsi.zarr.ingest_report.json").read_text())
+    assert [s["bag_id"] for s in ingested["skipped"]] == ["corrupt_00000"] and ingested["skipped"][0]["path"].endswith("corrupt_00000.tiff")
+    assert len(ingested["added"]) + len(ingested["already_done"]) == 6
     again = pipeline(str(configs["ct"]))
-    assert all(r.reused for r in again.values())
+    assert all(r.reused for r in again.values()) and again["report"].path == reports["ct"]
+
+
+def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, tmp_path):
+    workdir, reports, configs = demo_run
+    from flows.pipeline import ingest_cohort
+
+    config = yaml.safe_load(configs["wsi-heldout"].read_text())
+    del config["ingest"]["extractor_from"]
+    config["store"] = str(tmp_path / "refitted.zarr")
+    path = tmp_path / "refitted.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ingest_cohort(str(path))
+    model_dir = Path(reports["wsi"].split("predictions")[0]) / "models"
+    with pytest.raises(ValueError, match=r"fitted with other parameters.*ingest.extractor_from"):
+        predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
 def test_progress_bars_say_how_far_a_stage_is():

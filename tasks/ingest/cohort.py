@@ -4,8 +4,10 @@
 *bag writer* ``bag_writer(item, staging_writer)`` that streams that item's instances, a batch at a
 time, into :class:`tasks.store.StagingWriter`. Items run in parallel (a Dask ``client`` if given,
 else ``max_workers`` processes, else inline); each writes only its own staging group, so workers
-never share a Zarr chunk. The driver (the only writer of the CSR arrays) appends finished bags in
-item order, ``commit_every`` at a time, and marks them ``done`` last.
+never share a Zarr chunk. The driver (:class:`IngestRun`, the only writer of the CSR arrays) appends
+finished bags in item order, ``commit_every`` at a time, and marks them ``done`` last. The Prefect
+ingest flow uses the same pieces: a plan task opens the :class:`IngestRun`, one Prefect task per
+item runs :func:`stage_item` on the Dask cluster, and a finalise task records the outcomes.
 
 Resumption: an item whose bag id is committed with the same source is skipped; a bag staged
 completely by an interrupted run is committed without recomputing it; a half-staged bag is redone.
@@ -101,16 +103,28 @@ def default_report_path(store: str | Path) -> Path:
     return store.with_name(store.name + ".ingest_report.json")
 
 
-def _stage_one(store: str, item: IngestItem, bag_writer: BagWriter) -> tuple[int, Skipped | None]:
-    """Run ``bag_writer`` for ``item`` into its staging group; return (n_instances, skipped or None)."""
+def stage_item(store: str, item: IngestItem, bag_writer: BagWriter) -> int:
+    """Run ``bag_writer`` for ``item`` into its own staging group; return its number of instances.
+
+    On failure the half-written staging group is dropped and the error propagates (the Prefect
+    per-slide task fails with it; :func:`run_ingest` turns it into a :class:`Skipped` entry).
+    """
     try:
         writer = StagingWriter(store, item.bag_id, item.label, item.source)
         bag_writer(item, writer)
         if writer.n_instances == 0:
             raise NoTissueError("no instances were produced", path=item.source, bag_id=item.bag_id)
-        return writer.finish(), None
-    except Exception as error:  # any failure of one input is reported, the others go on
+        return writer.finish()
+    except Exception:
         drop_staged(_open_root(store, "r+"), [item.bag_id])
+        raise
+
+
+def _stage_one(store: str, item: IngestItem, bag_writer: BagWriter) -> tuple[int, Skipped | None]:
+    """:func:`stage_item`, with a failure returned as (0, skipped) instead of raised."""
+    try:
+        return stage_item(store, item, bag_writer), None
+    except Exception as error:  # any failure of one input is reported, the others go on
         return 0, Skipped.from_error(error, item)
 
 
@@ -137,6 +151,89 @@ def _run_items(store: str, items: Sequence[IngestItem], bag_writer: BagWriter, c
             yield i, *_stage_one(store, item, bag_writer)
 
 
+class IngestRun:
+    """One ingest in progress; the single writer of the store's CSR arrays.
+
+    Opening it creates the store from ``spec`` (or checks an existing store against it), repairs an
+    interrupted append and sorts ``items`` into already committed (same bag id and source), rejected
+    (duplicate ids) and pending. ``to_run`` are the pending items still to stage: a bag staged
+    completely by an interrupted run is committed without recomputing it. Staging (one item at a
+    time, in parallel, each into its own staging group: :func:`stage_item`) happens elsewhere;
+    :meth:`record` is told of each outcome and commits finished bags in item order,
+    ``commit_every`` at a time; :meth:`finish` commits the rest and writes the report.
+    """
+
+    def __init__(self, store: str | Path, spec: CohortSpec, items: Sequence[IngestItem], *,
+                 skipped: Iterable[Skipped] = (), commit_every: int = 16):
+        self.started = time.perf_counter()
+        self.store = str(store)
+        self.commit_every = commit_every
+        self.root = open_or_create_cohort(self.store, spec)
+        repair(self.root)
+        n_committed = committed_bag_count(self.root)
+        committed = dict(zip(self.root["bags/id"][:n_committed].tolist(), self.root["bags/source"][:n_committed].tolist()))
+        self.skipped = list(skipped)
+        self.already_done: list[str] = []
+        self.pending: list[IngestItem] = []
+        first_source: dict[str, str] = {}
+        for item in items:
+            if item.bag_id in first_source:
+                self.skipped.append(Skipped.from_error(DuplicateIdError(
+                    f"bag id also given by {first_source[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
+            elif item.bag_id in committed and committed[item.bag_id] == item.source:
+                self.already_done.append(item.bag_id)
+            elif item.bag_id in committed:
+                self.skipped.append(Skipped.from_error(DuplicateIdError(
+                    f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
+            else:
+                self.pending.append(item)
+            first_source.setdefault(item.bag_id, item.source)
+        self._index = {item.bag_id: i for i, item in enumerate(self.pending)}
+        self._finished: dict[int, bool] = {i: True for i, item in enumerate(self.pending)  # pending index -> staged?
+                                           if staged_status(self.root, item.bag_id) == "complete"}
+        self.to_run = [item for i, item in enumerate(self.pending) if i not in self._finished]
+        self.added: list[str] = []
+        self.n_rows = 0
+        self._batch: list[str] = []
+        self._next = 0
+
+    def record(self, bag_id: str, failure: Skipped | None) -> None:
+        """Note that the item ``bag_id`` of ``to_run`` was staged (``failure`` None) or failed, and
+        commit the bags that are now next in item order."""
+        self._finished[self._index[bag_id]] = failure is None
+        if failure is not None:
+            self.skipped.append(failure)
+        while self._next in self._finished:
+            if self._finished[self._next]:
+                self._batch.append(self.pending[self._next].bag_id)
+            self._next += 1
+            if len(self._batch) >= self.commit_every:
+                self._commit()
+
+    def _commit(self) -> None:
+        if self._batch:
+            bags = [read_staged(self.root, bag_id) for bag_id in self._batch]
+            append_bags(self.root, bags)
+            drop_staged(self.root, self._batch)
+            self.added.extend(self._batch)
+            self.n_rows += sum(bag.n_instances for bag in bags)
+            self._batch.clear()
+
+    def finish(self, report_path: str | Path | None = None) -> IngestReport:
+        """Commit the remaining staged bags and write the JSON report; items never recorded stay
+        uncommitted (a rerun stages or commits them)."""
+        self._commit()
+        report = IngestReport(store=self.store, added=tuple(self.added), already_done=tuple(self.already_done),
+                              skipped=tuple(self.skipped), n_instances_added=self.n_rows,
+                              seconds=time.perf_counter() - self.started,
+                              report_path=str(report_path or default_report_path(self.store)))
+        Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
+        self.root.attrs["last_ingest"] = {"added": len(self.added), "already_done": len(self.already_done),
+                                          "skipped": len(self.skipped), "report": report.report_path,
+                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return report
+
+
 def run_ingest(store: str | Path, spec: CohortSpec, items: Sequence[IngestItem], bag_writer: BagWriter, *,
                skipped: Iterable[Skipped] = (), client: Any = None, max_workers: int = 1,
                commit_every: int = 16, report_path: str | Path | None = None,
@@ -147,67 +244,13 @@ def run_ingest(store: str | Path, spec: CohortSpec, items: Sequence[IngestItem],
     report. Raises only for a store that does not match ``spec`` (whole-run problems).
     ``on_progress(done, total, bag_id, failure)`` is called as each item finishes.
     """
-    started = time.perf_counter()
-    store = str(store)
-    root = open_or_create_cohort(store, spec)
-    repair(root)
-    n_committed = committed_bag_count(root)
-    committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
-    skipped = list(skipped)
-    already_done, pending, first_source = [], [], {}
-    for item in items:
-        if item.bag_id in first_source:
-            skipped.append(Skipped.from_error(DuplicateIdError(
-                f"bag id also given by {first_source[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
-        elif item.bag_id in committed and committed[item.bag_id] == item.source:
-            already_done.append(item.bag_id)
-        elif item.bag_id in committed:
-            skipped.append(Skipped.from_error(DuplicateIdError(
-                f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
-        else:
-            pending.append(item)
-        first_source.setdefault(item.bag_id, item.source)
-    staged = {i for i, item in enumerate(pending) if staged_status(root, item.bag_id) == "complete"}
-    to_run = [item for i, item in enumerate(pending) if i not in staged]
-    index_of = {item.bag_id: i for i, item in enumerate(pending)}
-    finished: dict[int, bool] = dict.fromkeys(staged, True)  # pending index -> staged successfully
-    added: list[str] = []
-    n_rows = 0
-    batch: list[str] = []
-    next_index = 0
-
-    def commit() -> None:
-        nonlocal n_rows
-        if batch:
-            bags = [read_staged(root, bag_id) for bag_id in batch]
-            append_bags(root, bags)
-            drop_staged(root, batch)
-            added.extend(batch)
-            n_rows += sum(bag.n_instances for bag in bags)
-            batch.clear()
-
-    for done, (i, _, failure) in enumerate(_run_items(store, to_run, bag_writer, client, max_workers), start=1):
-        item = to_run[i]
+    run = IngestRun(store, spec, items, skipped=skipped, commit_every=commit_every)
+    for done, (i, _, failure) in enumerate(_run_items(run.store, run.to_run, bag_writer, client, max_workers), start=1):
+        item = run.to_run[i]
         if on_progress is not None:
-            on_progress(done, len(to_run), item.bag_id, failure)
-        finished[index_of[item.bag_id]] = failure is None
-        if failure is not None:
-            skipped.append(failure)
-        while next_index in finished:
-            if finished[next_index]:
-                batch.append(pending[next_index].bag_id)
-            next_index += 1
-            if len(batch) >= commit_every:
-                commit()
-    commit()
-    report = IngestReport(store=store, added=tuple(added), already_done=tuple(already_done), skipped=tuple(skipped),
-                          n_instances_added=n_rows, seconds=time.perf_counter() - started,
-                          report_path=str(report_path or default_report_path(store)))
-    Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
-    root.attrs["last_ingest"] = {"added": len(added), "already_done": len(already_done),
-                                 "skipped": len(skipped), "report": report.report_path,
-                                 "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    return report
+            on_progress(done, len(run.to_run), item.bag_id, failure)
+        run.record(item.bag_id, failure)
+    return run.finish(report_path)
 
 
 # --------------------------------------------------------------------------------- labels
@@ -427,17 +470,20 @@ def read_panda_labels(path: str | Path) -> dict[str, int | Exception]:
 def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                   labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                   qc_dir: str | Path | None = None, name: str | None = None, client: Any = None,
-                  max_workers: int = 1, fit_tiles: int = 512, seed: int = 0,
+                  max_workers: int = 1, fit_tiles: int = 512, seed: int = 0, extractor_from: str | Path | None = None,
                   report_path: str | Path | None = None, on_progress=None) -> IngestReport:
     """Tile slides (a folder or a list; bag id = file stem = PANDA ``image_id``) into the store.
 
     ``params`` is a :class:`tasks.ingest.wsi.TilingParams`; ``extractor`` defaults to
     :class:`tasks.ingest.features.HandcraftedHE`. An extractor that needs fitting is fitted once on
     up to ``fit_tiles`` tiles sampled from the first slides, or, when the store exists, taken from
-    the store's recorded parameters (so a resumed or extended ingest uses the same features).
+    the store's recorded parameters (so a resumed or extended ingest uses the same features). A new
+    store takes them from the store ``extractor_from`` if given: a new cohort gets the features of
+    the cohort a model was trained on.
     """
     plan = plan_slides(store, slides, labels_csv=labels_csv, params=params, extractor=extractor,
-                       batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed)
+                       batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed,
+                       extractor_from=extractor_from)
     return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
                       max_workers=max_workers, report_path=report_path, on_progress=on_progress)
 
@@ -455,7 +501,7 @@ class IngestPlan:
 def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                 labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                 qc_dir: str | Path | None = None, name: str | None = None, fit_tiles: int = 512,
-                seed: int = 0) -> IngestPlan:
+                seed: int = 0, extractor_from: str | Path | None = None) -> IngestPlan:
     """The plan of :func:`ingest_slides` (lists slides, reads labels, fits the extractor)."""
     from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
     from tasks.ingest.wsi import TilingParams, sample_tiles, slide_bag_writer
@@ -468,7 +514,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     items, skipped = _labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv))
     if needs_fit(extractor):
-        recorded = _open_root(store, "r").attrs["feature_extractor"] if (Path(store) / "zarr.json").exists() else None
+        recorded = _recorded_extractor(store, extractor_from)
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
         else:
@@ -479,6 +525,17 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
                                qc_dir=None if qc_dir is None else str(qc_dir))
     return IngestPlan(spec, items, skipped, writer)
+
+
+def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> dict[str, Any] | None:
+    """The extractor spec recorded in ``store`` if it exists, else in ``extractor_from`` if given."""
+    if (Path(store) / "zarr.json").exists():
+        return _open_root(store, "r").attrs["feature_extractor"]
+    if extractor_from is None:
+        return None
+    if not (Path(extractor_from) / "zarr.json").exists():
+        raise IngestError("no cohort store to take the feature extractor from", path=str(extractor_from))
+    return _open_root(extractor_from, "r").attrs["feature_extractor"]
 
 
 def _fit_sample(items: Sequence[IngestItem], params, n_tiles: int, seed: int, sample_tiles) -> np.ndarray:
@@ -511,6 +568,14 @@ def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Pa
     1 if any slice is positive, 0 if all slices are labelled negative; a series with unlabelled
     slices and no positive one is skipped (:class:`MissingLabelError`).
     """
+    plan = plan_ct(store, dicom_root, labels_csv=labels_csv, extractor=extractor, batch_size=batch_size, name=name)
+    return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
+                      max_workers=max_workers, report_path=report_path, on_progress=on_progress)
+
+
+def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
+            extractor=None, batch_size: int = 32, name: str | None = None) -> IngestPlan:
+    """The plan of :func:`ingest_ct` (finds the series, reads the slice labels)."""
     from tasks.ingest.ct import WINDOWS, ct_bag_writer, read_rsna_labels, scan_dicom_dir
     from tasks.ingest.features import HandcraftedCT, extractor_spec
 
@@ -540,6 +605,4 @@ def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Pa
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=1,
                       coords_meaning="slice_index", feature_extractor=extractor_spec(extractor),
                       tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]})
-    writer = functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size)
-    return run_ingest(store, spec, items, writer, skipped=skipped, client=client, max_workers=max_workers,
-                      report_path=report_path, on_progress=on_progress)
+    return IngestPlan(spec, items, skipped, functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size))
