@@ -290,6 +290,23 @@ def _png_markdown(path: Path, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
 
+def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
+    """The slide thumbnail under a heatmap, or none (feature-table cohorts; a slide moved or
+    unreadable since ingest: the heatmap is then drawn on the bare tile grid, and the log says why)."""
+    from tasks.ingest.errors import IngestError
+    from tasks.ingest.wsi import heatmap_background
+
+    if not tiling or "tile_size" not in tiling or not Path(source).is_file():
+        if tiling and "tile_size" in tiling:
+            logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
+        return None, None
+    try:
+        return heatmap_background(source, tiling)
+    except IngestError as error:
+        logger.warning("heatmap without the slide thumbnail: %s", error)
+        return None, None
+
+
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **IO_RETRIES)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
@@ -346,7 +363,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
+            thumbnail, tile_px = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
             figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], out / "heatmaps" / f"{bag_id}.png", kind=kind,
+                                                   thumbnail=thumbnail, tile_px_on_thumbnail=tile_px,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],

@@ -12,7 +12,7 @@ import pytest
 
 from tasks.ingest.cohort import ingest_slides, plan_slides, run_ingest
 from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
-from tasks.ingest.wsi import Slide, TilingParams, tile_grid
+from tasks.ingest.wsi import Slide, TilingParams, heatmap_background, tile_grid
 from tasks.store import open_cohort
 
 
@@ -47,6 +47,16 @@ def test_magnification_picks_the_matching_pyramid_level(slides):
         assert slide.choose_level(TilingParams(magnification=20.0)) == 0
         grid = tile_grid(slide, TilingParams(tile_size=64, magnification=5.0, min_tissue=0.5))
     assert grid.level == 1 and grid.shape == (4, 6)
+
+
+@pytest.mark.parametrize("tiling", [TilingParams(tile_size=64, magnification=5.0), TilingParams(tile_size=128, level=0)])
+def test_heatmap_background_scales_tiles_onto_the_thumbnail(slides, tiling):
+    _, generated = slides
+    with Slide(generated[0].path) as slide:
+        grid = tile_grid(slide, tiling)
+    thumbnail, tile_px = heatmap_background(generated[0].path, tiling.as_attrs(), max_side=200)
+    assert thumbnail.ndim == 3 and thumbnail.shape[2] == 3 and max(thumbnail.shape[:2]) <= 200
+    np.testing.assert_allclose(np.array(grid.shape) * tile_px, thumbnail.shape[:2], atol=tile_px)
 
 
 def test_slide_ingest_reports_bad_inputs_and_ingests_the_others(slides, tmp_path):

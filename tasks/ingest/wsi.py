@@ -223,6 +223,16 @@ def write_qc_thumbnail(path: str | Path, slide: Slide, grid: TileGrid, max_side:
     return path
 
 
+def heatmap_background(path: str | Path, tiling: dict[str, Any], max_side: int = 1024) -> tuple[np.ndarray, float]:
+    """The slide's thumbnail (RGB) and one tile's side in thumbnail pixels, for painting tile
+    scores over the tissue (``tiling`` = the store's ``tiling`` attribute)."""
+    params = TilingParams(**tiling)
+    with Slide(path) as slide:
+        thumb, thumb_downsample = slide.thumbnail(max_side)
+        level = slide.choose_level(params)
+        return thumb[..., :3], params.tile_size * slide.downsamples[level] / thumb_downsample
+
+
 def sample_tiles(path: str | Path, params: TilingParams, n: int, rng: np.random.Generator) -> np.ndarray:
     """Up to ``n`` random kept tiles of one slide (for fitting an extractor); empty if no tissue."""
     with Slide(path) as slide:
