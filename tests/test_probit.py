@@ -88,6 +88,50 @@ def test_coupling_smooths_instance_predictions_in_context(toy_bags):
     assert not np.allclose(p_independent, p, atol=1e-3)
 
 
+def test_instance_predictions_in_bag_context_are_the_marginals_of_eq_24(toy_bags):
+    """Eq. 24–25: m* = Σ*f* + η, f*_i ~ N(μ_i, σ_i²) independent, η ~ N(0, Σ*); rows in input order."""
+    from scipy.special import ndtr
+
+    X, bags, y, _ = toy_bags
+    coords = chain_coords(bags)
+    model = VGPMILPRI(lam=1.5, n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
+    order = np.random.default_rng(1).permutation(X.shape[0])
+    p, sd = model.predict_instance_proba(X[order], bag_ids=bags[order], coords=coords[order], return_std=True)
+    rng = np.random.default_rng(2)
+    rows = np.flatnonzero(bags[order] == bags[order][0])
+    chain = np.argsort(coords[order][rows])  # the bag's rows along its chain
+    rows = rows[chain]
+    mean, var = model.predict_latent(X[order][rows])
+    n = rows.size
+    Sigma = np.linalg.inv(np.eye(n) + 1.5 * (2 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1) - np.diag([1] + [0] * (n - 2) + [1])))
+    f = mean + np.sqrt(var) * rng.standard_normal((200_000, n))
+    smoothed = f @ Sigma
+    m = smoothed + rng.multivariate_normal(np.zeros(n), Sigma, size=200_000)
+    np.testing.assert_allclose(p[rows], (m > 0).mean(axis=0), atol=4e-3)
+    np.testing.assert_allclose(sd[rows], ndtr(smoothed / np.sqrt(np.diag(Sigma))).std(axis=0), atol=4e-3)
+    # alone, the same instances are predicted differently; λ = 0 in context is the plain prediction
+    assert not np.allclose(model.predict_instance_proba(X[order])[rows], p[rows], atol=1e-3)
+    plain = VGPMILPR(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
+    in_context = VGPMILPRI(lam=0.0, n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
+    np.testing.assert_allclose(in_context.predict_instance_proba(X, bag_ids=bags, coords=coords), plain.predict_instance_proba(X), atol=1e-12)
+    with pytest.raises(ValueError, match="both bag_ids and coords"):
+        model.predict_instance_proba(X, bag_ids=bags)
+
+
+def test_large_bags_use_monte_carlo_variances_close_to_the_exact_ones():
+    rng = np.random.default_rng(0)
+    side, n_bags = 12, 4
+    grid = np.array([(r, c) for r in range(side) for c in range(side)])
+    X = rng.normal(size=(n_bags * side * side, 3))
+    bags, coords = np.repeat(np.arange(n_bags), side * side), np.tile(grid, (n_bags, 1))
+    y = np.repeat(np.arange(n_bags) % 2, side * side)
+    model = VGPMILPRI(lam=1.0, n_inducing=8, max_iter=5, random_state=0, n_mc_samples=4000).fit(X, bags, y, coords=coords)
+    exact = model.predict_instance_proba(X, bag_ids=bags, coords=coords)
+    probed = clone(model).set_params(exact_diag_max=50)
+    probed.__dict__.update({k: v for k, v in model.__dict__.items() if k.endswith("_")})
+    np.testing.assert_allclose(probed.predict_instance_proba(X, bag_ids=bags, coords=coords), exact, atol=5e-3)
+
+
 def test_instance_std_matches_monte_carlo(toy_bags):
     X, bags, y, _ = toy_bags
     model = VGPMILPR(n_inducing=10, max_iter=30, random_state=0).fit(X, bags, y)
