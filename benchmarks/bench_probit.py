@@ -14,12 +14,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy.special import ndtr
 from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
 from sklearn.preprocessing import StandardScaler
 
 from mil_core import RBF, VGPMIL, VGPMILPR, VGPMILPRI
-from mil_core.ising import CARCoupling
 from mil_core.model_selection import cross_validate_bags
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -74,24 +72,9 @@ BAG_COLUMNS = {
 }
 
 
-def instance_proba_in_context(model, X: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float) -> np.ndarray:
-    """Eq. 25 with the test bag's ``Σ* = (I + λC*)⁻¹``: ``Φ((Σ*μ*)_i / √(Σ* + Σ* diag(σ*²) Σ*)_ii)``,
-    dense per bag (the library's ``predict_instance_proba`` takes ``Σ* = I``; for ``λ = 0`` the two
-    agree). ``X``, ``coords``: instances sorted by bag, bag ``b`` in rows ``offsets[b]:offsets[b+1]``."""
-    mean, var = model.gp_.whiten(X).latent_moments(model.q_)
-    coupling = CARCoupling.from_coords(coords, offsets, lam)
-    mean_m, var_m = mean.copy(), 1.0 + var
-    for b in np.flatnonzero(coupling.edge_count):
-        rows = slice(offsets[b], offsets[b + 1])
-        Sigma = np.linalg.inv(coupling.bag_precision(b).toarray())
-        mean_m[rows] = Sigma @ mean[rows]
-        var_m[rows] = np.diag(Sigma) + Sigma**2 @ var[rows]
-    return ndtr(mean_m / np.sqrt(var_m))
-
-
 def tissue_run(model, data: tuple, test: tuple, lam: float | None) -> dict[str, float]:
     """Fit on ``data`` (VGPMILPR if ``lam`` is None), score on ``test``: AUCs and metrics at 0.5.
-    ``ctx_*``: instance metrics with Eq. 25 in bag context (:func:`instance_proba_in_context`);
+    ``ctx_*``: instance metrics with Eq. 25 in bag context (``predict_instance_proba(..., coords=)``);
     ``*_indep``: bag predictions of the same fit with ``Σ* = I`` (test coords withheld), to separate
     what the coupling does in training from what it does in the bag probability (Eq. 26)."""
     X, bags, y, _, coords = data
@@ -105,8 +88,7 @@ def tissue_run(model, data: tuple, test: tuple, lam: float | None) -> dict[str, 
     p_inst = model.predict_instance_proba(Xt)
     predict_s = time.perf_counter() - start
     truth = keys % 2
-    offsets = np.searchsorted(bags_t, np.append(keys, keys[-1] + 1))  # test bags are contiguous and sorted
-    p_ctx = instance_proba_in_context(model, Xt, offsets, coords_t, lam or 0.0)
+    p_ctx = model.predict_instance_proba(Xt, bag_ids=bags_t, coords=coords_t) if coupled else p_inst
     p_bag_indep = model.predict_bag_proba(Xt, bags_t)[1] if coupled else p_bag
     hat_inst, hat_ctx, hat_bag = p_inst > 0.5, p_ctx > 0.5, p_bag > 0.5
     return dict(
