@@ -240,6 +240,11 @@ class CARCoupling:
         a, z = self.offsets[b], self.offsets[b + 1]
         return self.precision[a:z, a:z]
 
+    def bag_covariance(self, b: int) -> np.ndarray:
+        """Dense ``Σ_b = P_b⁻¹`` by Cholesky solves (for bags small enough to hold densely)."""
+        P = self.bag_precision(b).toarray()
+        return scipy.linalg.cho_solve(scipy.linalg.cho_factor(P), np.eye(P.shape[0]))
+
     def diagonal(self, exact_max_size: int = 2000, tol: float = 1e-6) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``diag(Σ)`` for every instance, and per bag a bound on its absolute error (0 where
         exact) and ``log det P_b``.
@@ -282,16 +287,14 @@ class CARCoupling:
         diag, std_error = var.copy(), np.zeros(self.offsets.shape[0] - 1)
         for b in np.flatnonzero(self.edge_count):
             a, z = self.offsets[b], self.offsets[b + 1]
-            P = self.bag_precision(b)
             if z - a <= exact_max_size:
-                Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(P.toarray()), np.eye(z - a))
-                diag[a:z] = Sigma**2 @ var[a:z]
+                diag[a:z] = self.bag_covariance(b) ** 2 @ var[a:z]
                 continue
             if n_probes is None:
                 raise ValueError(f"diag(Σ diag(var) Σ) is computed densely per bag; a bag has {z - a} instances "
                                  f"> exact_diag_max={exact_max_size} (raise exact_diag_max)")
             rng = rng if rng is not None else np.random.default_rng(0)
-            probes = sparse_lu(P).solve(np.sqrt(var[a:z])[:, None] * rng.standard_normal((z - a, n_probes)))
+            probes = sparse_lu(self.bag_precision(b)).solve(np.sqrt(var[a:z])[:, None] * rng.standard_normal((z - a, n_probes)))
             squares = probes**2
             diag[a:z] = squares.mean(axis=1)
             std_error[b] = float(np.max(squares.std(axis=1, ddof=1))) / np.sqrt(n_probes)

@@ -93,10 +93,6 @@ from .truncnorm import log_inverse_mills, positive_bag_log_normaliser
 if TYPE_CHECKING:  # probit imports this module
     from .probit import ProbitBags, ProbitMILUpdates
 
-
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0)
-
 __all__ = [
     "LAM_MIN",
     "LAM_MAX",
@@ -110,6 +106,11 @@ __all__ = [
     "LamSelection",
     "select_lam_by_validation",
 ]
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0)
+
 
 LAM_MIN, LAM_MAX = 1e-3, 1e3
 

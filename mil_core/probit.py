@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import scipy.linalg
 from scipy.special import log_ndtr, ndtr, owens_t
 
 from ._backend import array_namespace, to_numpy
@@ -271,22 +270,31 @@ class _ProbitGPMIL(SparseGPMILBase):
             std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
         for b in np.flatnonzero(~independent):
             rows = slice(offsets[b], offsets[b + 1])
-            P = coupling.bag_precision(b)
-            bag_coords = coords[rows]
             exact = sizes[b] <= self.exact_orthant_max
             if exact:
-                Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(P.toarray()), np.eye(P.shape[0]))
-                cov = Sigma + Sigma @ np.diag(var[rows]) @ Sigma
+                Sigma = coupling.bag_covariance(b)
+                cov = self._noise_covariance(Sigma) + Sigma @ np.diag(var[rows]) @ Sigma
                 log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
             if return_std or not exact:
-                estimate = orthant_probability_importance(
-                    mean[rows], var[rows], self._coupling(np.array([0, sizes[b]]), bag_coords), n_draws=self.n_mc_samples, rng=rng
-                )
+                log_p, std_error, spread = self._sampled_log_p0(mean[rows], var[rows], coupling, b, coords[rows], rng)
                 if not exact:
-                    log_p0[b], self.orthant_std_error_[b] = estimate.log_p, estimate.std_error
+                    log_p0[b], self.orthant_std_error_[b] = log_p, std_error
                 if return_std:
-                    std[b] = estimate.spread
+                    std[b] = spread
         return -np.expm1(log_p0), std
+
+    def _noise_covariance(self, Sigma: np.ndarray) -> np.ndarray:
+        """``Cov(m_b | f_b)`` of a coupled bag: ``Σ_b`` in the paper's form (Eq. 12)."""
+        return Sigma
+
+    def _sampled_log_p0(
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, b: int, coords: np.ndarray, rng: np.random.Generator
+    ) -> tuple[float, float, float]:
+        """``log P(m_b < 0)``, its standard error and its spread over ``f*`` for one coupled bag
+        (GHK, :func:`~mil_core.orthant.orthant_probability_importance`)."""
+        bag_coupling = self._coupling(np.array([0, mean.shape[0]]), coords)
+        estimate = orthant_probability_importance(mean, var, bag_coupling, n_draws=self.n_mc_samples, rng=rng)
+        return estimate.log_p, estimate.std_error, estimate.spread
 
     def _independent_spread(
         self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, bags: np.ndarray, rng: np.random.Generator
@@ -403,9 +411,9 @@ class VGPMILPRI(_ProbitGPMIL):
     coupling_form : {"ising", "smoother"}, default="ising"
         ``"ising"`` is the paper's ``m_b | f_b ~ N(Σ_b f_b, Σ_b)``. ``"smoother"`` keeps the
         paper's smoothed mean and makes the noise independent, ``m_b | f_b ~ N(Σ_b f_b, I)``: λ
-        then only averages ``f`` over neighbours and no longer shrinks the noise variance, which
-        is what makes a λ learnt by the ELBO track the spatial correlation of the labels
-        (:mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ"). ``q(m_b)`` is
+        then only averages ``f`` over neighbours and no longer shrinks the noise variance. (Measured:
+        a λ learnt by the ELBO still does not track the spatial correlation of the labels;
+        :mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ".) ``q(m_b)`` is
         then exact (``moments`` has no effect) and λ → 0 is VGPMIL-PR again."""
         + _COMMON_PARAMS
     )
@@ -465,15 +473,14 @@ class VGPMILPRI(_ProbitGPMIL):
     def _updates_options(self) -> dict[str, Any]:
         if self.moments not in ("diagonal", "mean_field"):
             raise ValueError(f"moments must be 'diagonal' or 'mean_field', got {self.moments!r}")
-        coupling_form = self.coupling_form
-        if coupling_form not in ("ising", "smoother"):
-            raise ValueError(f"coupling_form must be 'ising' or 'smoother', got {coupling_form!r}")
+        if self.coupling_form not in ("ising", "smoother"):
+            raise ValueError(f"coupling_form must be 'ising' or 'smoother', got {self.coupling_form!r}")
         return dict(
             neighbourhood=self._neighbourhood(),
             moments=self.moments,
             exact_diag_max=self.exact_diag_max,
             diag_tol=self.diag_tol,
-            coupling_form=coupling_form,
+            coupling_form=self.coupling_form,
         )
 
     def predict_instance_proba(
@@ -496,10 +503,7 @@ class VGPMILPRI(_ProbitGPMIL):
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags))
         mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
-        if self.coupling_form == "smoother":
-            noise = np.ones_like(mean)
-        else:
-            noise = coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
+        noise = np.ones_like(mean) if self.coupling_form == "smoother" else coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
         smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples,
                                                       rng=np.random.default_rng(self.random_state))
         p_sorted, sd_sorted = _phi_and_spread(coupling.solve(mean) / np.sqrt(noise), smoothed_var / noise)
@@ -507,38 +511,18 @@ class VGPMILPRI(_ProbitGPMIL):
         p[bags.order], sd[bags.order] = p_sorted, sd_sorted
         return (p, sd) if return_std else p
 
-    def _bag_proba(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, *, return_std: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The smoother form's bag probability: ``m* = Σ*f* + ε`` with ``ε ~ N(0, I)``, exact
-        (scipy orthant, covariance ``I + Σ* diag(σ*²) Σ*``) up to ``exact_orthant_max`` instances,
-        Rao–Blackwellised Monte Carlo over ``f*`` above (:func:`~mil_core.ising.smoothed_field_log_p0`).
-        The Ising form is the shared Eq. 26 computation."""
+    def _noise_covariance(self, Sigma: np.ndarray) -> np.ndarray:
+        """The smoother form's noise is ``I`` (``m* = Σ*f* + ε``, ``ε ~ N(0, I)``)."""
+        return np.eye(Sigma.shape[0]) if self.coupling_form == "smoother" else Sigma
+
+    def _sampled_log_p0(
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, b: int, coords: np.ndarray, rng: np.random.Generator
+    ) -> tuple[float, float, float]:
+        """The smoother form: Rao–Blackwellised Monte Carlo over ``f*`` (given ``f*`` the ``m*_i``
+        are independent; :func:`~mil_core.ising.smoothed_field_log_p0`)."""
         if self.coupling_form != "smoother":
-            return super()._bag_proba(mean, var, offsets, coords, return_std=return_std)
-        coupling = self._coupling(offsets, coords)
-        log_p0 = segment_sum(log_ndtr(-mean / np.sqrt(1.0 + var)), offsets)
-        n_bags = offsets.shape[0] - 1
-        std = np.zeros(n_bags) if return_std else None
-        self.orthant_std_error_ = np.zeros(n_bags)
-        rng = np.random.default_rng(self.random_state)
-        independent = coupling.edge_count == 0
-        if return_std and np.any(independent):
-            std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
-        for b in np.flatnonzero(~independent):
-            rows, P = slice(offsets[b], offsets[b + 1]), coupling.bag_precision(b)
-            exact = P.shape[0] <= self.exact_orthant_max
-            if return_std or not exact:
-                log_p, error, spread = smoothed_field_log_p0(mean[rows], var[rows], P, n_draws=self.n_mc_samples, rng=rng)
-                if not exact:
-                    log_p0[b], self.orthant_std_error_[b] = log_p, error
-                if return_std:
-                    std[b] = spread
-            if exact:
-                Sigma = scipy.linalg.cho_solve(scipy.linalg.cho_factor(P.toarray()), np.eye(P.shape[0]))
-                cov = np.eye(P.shape[0]) + Sigma @ np.diag(var[rows]) @ Sigma
-                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
-        return -np.expm1(log_p0), std
+            return super()._sampled_log_p0(mean, var, coupling, b, coords, rng)
+        return smoothed_field_log_p0(mean, var, coupling.bag_precision(b), n_draws=self.n_mc_samples, rng=rng)
 
     def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
         if coords is None:

@@ -296,9 +296,10 @@ def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -
     from tasks.ingest.errors import IngestError
     from tasks.ingest.wsi import heatmap_background
 
-    if not tiling or "tile_size" not in tiling or not Path(source).is_file():
-        if tiling and "tile_size" in tiling:
-            logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
+    if not tiling or "tile_size" not in tiling:
+        return None, None
+    if not Path(source).is_file():
+        logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
         return None, None
     try:
         return heatmap_background(source, tiling)

@@ -210,15 +210,16 @@ def plot_ct_slices(slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray,
     order = np.argsort(slice_index)
     z, p, s = slice_index[order], scores[order], std[order]
     fig, ax = plt.subplots(figsize=(6, 2.8))
-    ax.plot(z, p, c="C0", label="p(slice positive)" if kind == "probability" else "slice evidence")
-    low, high = (p - s, p + s) if kind == "evidence" else (np.clip(p - s, 0, 1), np.clip(p + s, 0, 1))
-    ax.fill_between(z, low, high, color="C0", alpha=0.25, label="± 1 std")
-    if kind == "probability" and instance_labels is not None and np.any(instance_labels[order] >= 0):
-        known = instance_labels[order] >= 0
-        ax.scatter(z[known], instance_labels[order][known], marker="|", c="C3", label="slice label")
     if kind == "probability":
+        ax.plot(z, p, c="C0", label="p(slice positive)")
+        ax.fill_between(z, np.clip(p - s, 0, 1), np.clip(p + s, 0, 1), color="C0", alpha=0.25, label="± 1 std")
+        if instance_labels is not None and np.any(instance_labels[order] >= 0):
+            known = instance_labels[order] >= 0
+            ax.scatter(z[known], instance_labels[order][known], marker="|", c="C3", label="slice label")
         ax.set(ylabel="probability", ylim=(-0.05, 1.05))
     else:
+        ax.plot(z, p, c="C0", label="slice evidence")
+        ax.fill_between(z, p - s, p + s, color="C0", alpha=0.25, label="± 1 std")
         ax.axhline(0.0, ls=":", c="grey")
         ax.set(ylabel="evidence (not a probability)")
     ax.set(xlabel="slice", title=title)
