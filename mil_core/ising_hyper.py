@@ -2,9 +2,37 @@
 to future work: "it remains a hyperparameter that has to be found empirically using the
 validation set").
 
-**The objective.** With ``q(v)`` fixed and ``q(m_b)`` the optimal truncated Gaussian of Eq. 15,
-the ELBO collapsed over ``q(m)`` is, per bag (``P_b = λC_b + I = Σ_b⁻¹``, ``μ_b = Σ_b A'_b m'``,
-Eq. 18):
+Two objectives, chosen by ``lam_objective``; both are maximised in ``log λ`` between closed-form
+sweeps, as sums over bags (map → sum → small step).
+
+**"field" (default): type-II maximum likelihood of the coupling on the latent field.** The
+coupling is a prior that says neighbouring tiles have similar latent values, with precision
+``P_b = I + λC_b`` (the paper's ``Σ_b⁻¹``, Eq. 9–12). Its strength is estimated where the data
+carry it: from the spatial structure of the instances' posterior latent field
+``z_b = E[f_b] = A'_b m'``, taken as a draw from the proper CAR (Gaussian Markov random field)
+``z_b ~ N(c_b 1, τ⁻¹ P_b⁻¹)`` with a free level ``c_b`` per bag (restricted likelihood: the
+Laplacian's constant modes, one per connected component, are left out) and a common precision
+``τ`` profiled out. With ``C_b = U diag(d) Uᵀ`` and ``w = Uᵀ z_b`` over the ``n`` non-constant
+modes of all bags:
+
+    ℓ(λ) = ½ Σ_k log(1 + λ d_k) − (n/2) log((S₀ + λ S₁)/n) − (n/2)(1 + log 2π),
+    S₀ = Σ_k w_k² (the field's spread about each bag's level),
+    S₁ = Σ_k d_k w_k² = Σ_b z_bᵀ C_b z_b (its squared differences across neighbour edges).
+
+The data enter through ``S₀`` and ``S₁`` only; ``dℓ/dλ`` at 0 is positive exactly when the
+field's energy sits in the smooth (low-``d``) modes more than a white field's would. This is the
+classical maximum-likelihood estimate of a CAR dependence parameter, on the field the GP infers.
+``E[f]`` is a function of the features alone (``f`` is a GP in feature space), so the coupling
+cannot create the correlation it measures (the posterior ``E[m]`` would: it is smoothed by
+``Σ_b``); alternated with the sweeps, the estimate settles instead of running away. It does not
+maximise the ELBO: the ELBO may decrease across a λ step.
+Measured on lesions of known layout (``docs/BENCHMARKS.md``, "Ising strength λ") it moves the
+right way: larger on compact lesions than on scattered ones. Its size is that of the *inferred*
+field, which is shrunk towards white noise by the feature noise, so it is conservative (smaller
+than the best λ for accuracy on the paper's grid).
+
+**"bound": the ELBO.** With ``q(v)`` fixed and ``q(m_b)`` the optimal truncated Gaussian of
+Eq. 15, the ELBO collapsed over ``q(m)`` is, per bag (``μ_b = Σ_b A'_b m'``, Eq. 18):
 
     J_b(λ) = log Z_b(μ_b, Σ_b) − ½ tr(Σ_b A'_b S' A'_bᵀ) − ½ Σ_i (Σ_b)_ii r_i
 
@@ -14,40 +42,31 @@ Writing ``E log p(m_b | f_b)`` out gives ``½ log det P_b`` and the quadratic te
 ``−½ E[(m − Σf)ᵀP(m − Σf)]``; for the optimal ``q(m_b)`` they combine with its entropy into
 ``log Z_b`` (the normaliser of ``N(μ_b, Σ_b)`` on the bag's region), which is why no explicit
 log-determinant appears. ``log Z_b`` is taken under the paper's diagonal approximation (Eq. 19–20:
-``N(μ_b, diag Σ_b)``), the one the fit uses with ``moments="diagonal"``.
-
-**Spectral form.** ``C_b = U_b diag(d_b) U_bᵀ`` (the graph Laplacian's eigendecomposition) does not
-depend on λ, so with ``g_k = 1/(1 + λ d_k)``:
+``N(μ_b, diag Σ_b)``), the one the fit uses with ``moments="diagonal"``. In spectral form, with
+``g_k = 1/(1 + λ d_k)``:
 
     Σ_b = U diag(g) Uᵀ,  μ_b = U (g ∘ Uᵀa),  diag Σ_b = (U∘U) g,
     tr(Σ_b A' S' A'ᵀ) = Σ_k g_k (B S' Bᵀ)_kk,  B = Uᵀ A'_b,
 
-and ``∂g/∂λ = −d g²`` gives the exact gradient of every term. ``U_b``, ``d_b`` and ``B_b`` are
-computed once per partition; a bag of ``n`` instances costs ``O(n³)`` once and ``O(n² + nM)`` per
-evaluation, so bags are limited to ``exact_diag_max`` instances (dense, like ``diag Σ_b``).
-
-**The smoother form** (``coupling_form="smoother"``): ``m_b | f_b ~ N(Σ_b f_b, I)``. It keeps the
-paper's smoothed mean (``Σ_b`` is a positive averaging operator: rows sum to 1 because ``C_b1 = 0``,
-entries ≥ 0 because ``P_b`` is an M-matrix) and makes the noise independent with unit variance, so
-λ can no longer shrink the noise (in the paper's form ``(Σ_b)_ii`` falls from 1 towards ``1/|b|``
-and the bound rewards that on every layout). ``q(m_b)`` is then exact (no Eq. 19–20
-approximation), the ELBO is a true, monotone bound, and λ = 0 is VGPMIL-PR. Collapsed as above:
+and ``∂g/∂λ = −d g²`` gives the exact gradient of every term. For the smoother form
+(``coupling_form="smoother"``, ``m_b | f_b ~ N(Σ_b f_b, I)``, ``q(m_b)`` exact):
 
     J_b(λ) = log Z_b(Σ_b A'_b m', I) − ½ tr(Σ_b² A'_b S' A'_bᵀ) − ½ Σ_i (Σ_b²)_ii r_i,
 
-``G' = Σ_b (Σ_bA'_b)ᵀ(Σ_bA'_b)``, ``r' = Σ_b A'_bᵀ Σ_b E[m_b]``; in the spectral form ``g`` becomes
-``g²`` in the two trace terms and the variance is 1. **Measured, it does not make λ track spatial
-correlation either** (``docs/BENCHMARKS.md``, "Ising strength λ"): averaging ``f`` over neighbours
-also averages its posterior variance, above all the FITC residual ``r_i`` (on the benchmark
-``−½ Σ r_i`` is −155 nats at λ = 0, −1 at λ = 100), and the negative bags — all background,
-spatially coherent whatever the lesion layout — gain ~10 nats from the denoised mean, while the
-positive bags that carry the layout change by ~1 nat. The learnt λ reaches ``LAM_MAX`` on smooth
-and scattered lesions alike. Two other forms were measured and dropped: a row-normalised smoother
-``W = diag(Σ²)^{-½}Σ`` (λ-neutral for white ``f``; the converged bound still rises by 11–16 nats
-from λ = 0 to λ ∈ [5, 50] on both layouts, indistinguishably), and a Leroux CAR residual field ``m = f + s + ε`` (the posterior residual
-``E[m] − E[f]`` of a VGPMIL-PR fit has a neighbour correlation of 0.05–0.10 on both layouts: with
-bag labels only, the labels barely move ``m`` away from ``f``, so there is no spatial residual to
-learn from).
+``g`` becoming ``g²`` in the two trace terms and the variance 1. **Measured, the bound does not
+make λ track spatial correlation, in either form** (``docs/BENCHMARKS.md``): it runs to ~500
+(paper's form) or to ``LAM_MAX`` (smoother form) on compact and scattered lesions alike. In the
+paper's form λ also shrinks the noise of ``m`` (``(Σ_b)_ii`` from 1 towards ``1/|b|``), which the
+bound rewards on every layout; in both forms averaging ``f`` over neighbours averages its
+posterior variance, above all the FITC residual (on the benchmark ``−½ Σ r_i`` is −155 nats at
+λ = 0, −1 at λ = 100), and the negative bags, all background and so spatially coherent whatever
+the lesion layout, gain ~10 nats, while the positive bags that carry the layout change by ~1 nat.
+With bag labels only, the bound's dependence on λ is dominated by layout-independent terms. J never
+decreases across a λ step (the best point seen is kept).
+
+Both objectives use the per-bag spectra ``U_b``, ``d_b`` and ``B_b``, computed once per partition;
+a bag of ``n`` instances costs ``O(n³)`` once and ``O(n² + nM)`` per evaluation, so bags are
+limited to ``exact_diag_max`` instances (dense, like ``diag Σ_b``).
 
 **Cost.** When λ changes, :meth:`IsingLamUpdates.inner_bags` rebuilds the inner model's partition
 from the spectra (``diag Σ_b``, ``G'``, ``log det P_b``) and the stored whitened features and
@@ -55,14 +74,16 @@ Laplacian: no whitening, dense Cholesky or neighbour search is redone (before, e
 ``prepare``: on the benchmark 24 dense Choleskys + triangular inverses per step, 97 % of a learnt
 fit's time; a 10-sweep fit went from 19 s to 0.5 s at the same learnt λ).
 
-**Map → sum → small step.** ``J`` and ``dJ/d log λ`` are sums over bags, so a partition returns a
-:class:`LamStats` (the reduction is ``+``). :class:`IsingLamUpdates` wraps the model's
-:class:`~mil_core.probit.ProbitMILUpdates`; its global state :class:`LamState` carries ``(q, λ)``;
-a :class:`LamProbe` state makes the same partition step return :class:`LamStats` and leave the
-local state untouched, so any executor's ``sweep`` evaluates ``J`` and its gradient.
-:meth:`IsingLamUpdates.hyper_step` (called by :func:`~mil_core.engine.optimise` after each global
-update) runs a few L-BFGS-B evaluations in ``log λ`` — positivity by construction — within
-``[LAM_MIN, LAM_MAX]``, and keeps the best point seen, so **J never decreases across a λ step**.
+**Map → sum → small step.** A partition returns the sums over its bags — :class:`FieldStats`
+(``S₀``, ``S₁``, the log-determinant and its derivative, the mode count) or :class:`LamStats`
+(``J`` and ``dJ/d log λ``); the reduction is ``+`` and ``value_and_grad`` turns the total into the
+objective. :class:`IsingLamUpdates` wraps the model's :class:`~mil_core.probit.ProbitMILUpdates`;
+its global state :class:`LamState` carries ``(q, λ)``; a :class:`LamProbe` state makes the same
+partition step return the statistics and leave the local state untouched, so any executor's
+``sweep`` evaluates the objective and its gradient. :meth:`IsingLamUpdates.hyper_step` (called by
+:func:`~mil_core.engine.optimise` after each global update) runs a few L-BFGS-B evaluations in
+``log λ`` — positivity by construction — within ``[LAM_MIN, LAM_MAX]``, and keeps the best point
+seen, so **the objective never decreases across a λ step**.
 
 **Fallback.** :func:`select_lam_by_validation`: the paper's protocol made explicit — fit a fixed
 grid of λ on a stratified split of the bags and keep the λ with the best validation bag AUC
@@ -73,7 +94,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import scipy.optimize
@@ -96,9 +117,11 @@ if TYPE_CHECKING:  # probit imports this module
 __all__ = [
     "LAM_MIN",
     "LAM_MAX",
+    "LamObjective",
     "LamState",
     "LamProbe",
     "LamStats",
+    "FieldStats",
     "SpectralBags",
     "IsingLamUpdates",
     "ising_lam_updates",
@@ -113,6 +136,7 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 
 
 LAM_MIN, LAM_MAX = 1e-3, 1e3
+LamObjective = Literal["field", "bound"]
 
 
 @dataclass(frozen=True)
@@ -135,11 +159,50 @@ class LamProbe:
 
 @dataclass(frozen=True)
 class LamStats(Summable):
-    """A partition's ``J`` terms and their derivative in ``log λ``."""
+    """A partition's ``J`` terms (the bound) and their derivative in ``log λ``."""
 
     value: float
     grad: float
     n_instances: int
+
+    def value_and_grad(self, lam: float) -> tuple[float, float]:
+        return self.value, self.grad
+
+
+@dataclass(frozen=True)
+class FieldStats(Summable):
+    """A partition's sums for the CAR likelihood of the latent field at one λ (module docstring):
+    ``Σ log(1 + λd_k)``, ``Σ d_k/(1 + λd_k)``, ``S₀``, ``S₁`` and the number of modes."""
+
+    logdet: float
+    dlogdet: float
+    spread: float
+    roughness: float
+    n_modes: int
+
+    @classmethod
+    def from_spectrum(cls, coefficients: np.ndarray, eigvals: np.ndarray, lam: float) -> FieldStats:
+        """One bag: its field's coefficients ``w = Uᵀz`` on the Laplacian's eigenvectors and the
+        eigenvalues ``d``; the constant modes (``d = 0``, one per connected component) are left out."""
+        varying = eigvals > 1e-9 * max(1.0, float(eigvals.max(initial=0.0)))
+        d, w2 = eigvals[varying], coefficients[varying] ** 2
+        return cls(
+            logdet=float(np.sum(np.log1p(lam * d))),
+            dlogdet=float(np.sum(d / (1.0 + lam * d))),
+            spread=float(np.sum(w2)),
+            roughness=float(d @ w2),
+            n_modes=int(d.size),
+        )
+
+    def value_and_grad(self, lam: float) -> tuple[float, float]:
+        """Profile log-likelihood ``ℓ(λ)`` and ``dℓ/d log λ``; ``(−∞, 0)`` for a constant field,
+        which carries no information on λ."""
+        total = self.spread + lam * self.roughness
+        n = self.n_modes
+        if not (n and total > 0):
+            return -np.inf, 0.0
+        value = 0.5 * self.logdet - 0.5 * n * np.log(total / n) - 0.5 * n * (1.0 + np.log(2.0 * np.pi))
+        return float(value), float(lam * (0.5 * self.dlogdet - 0.5 * n * self.roughness / total))
 
 
 @dataclass(frozen=True)
@@ -172,11 +235,12 @@ class LamLocal:
 class IsingLamUpdates:
     """VGPMIL-PR-I updates (``inner``) with λ learnt between closed-form sweeps (module docstring).
 
-    ``hyper_steps``: objective evaluations (one sweep each) per λ step, after every
-    ``hyper_every``-th global update.
+    ``objective``: ``"field"`` or ``"bound"``; ``hyper_steps``: objective evaluations (one sweep
+    each) per λ step, after every ``hyper_every``-th global update.
     """
 
     inner: ProbitMILUpdates
+    objective: LamObjective = "field"
     hyper_every: int = 1
     hyper_steps: int = 5
 
@@ -221,7 +285,8 @@ class IsingLamUpdates:
 
     def partition_step(self, block: SpectralBags, local: LamLocal, glob: LamState | LamProbe) -> tuple[Any, LamLocal]:
         if isinstance(glob, LamProbe):
-            return self.lam_terms(block, glob.q, glob.lam), local
+            terms = self.field_terms if self.objective == "field" else self.lam_terms
+            return terms(block, glob.q, glob.lam), local
         bags = local.bags
         if bags is None or bags.coupling.lam != glob.lam:
             bags = self.inner_bags(block, glob.lam)
@@ -250,7 +315,12 @@ class IsingLamUpdates:
         q, objective = self.inner.global_update(stats, glob.q)
         return replace(glob, q=q), objective
 
-    # ---- J(λ) and dJ/d log λ -------------------------------------------------------------
+    # ---- the objectives ------------------------------------------------------------------
+    def field_terms(self, block: SpectralBags, q: GaussianQ, lam: float) -> FieldStats:
+        """One partition's :class:`FieldStats` of the latent field ``E[f] = A'm'`` (module docstring)."""
+        stats = [FieldStats.from_spectrum(B @ q.mean, d, lam) for d, B in zip(block.eigvals, block.projected)]
+        return sum(stats[1:], stats[0]) if stats else FieldStats(0.0, 0.0, 0.0, 0.0, 0)
+
     def lam_terms(self, block: SpectralBags, q: GaussianQ, lam: float) -> LamStats:
         """One partition's ``Σ_b J_b(λ)`` and ``λ Σ_b dJ_b/dλ`` (module docstring)."""
         smoother = self.inner.coupling_form == "smoother"
@@ -283,14 +353,14 @@ class IsingLamUpdates:
             grad += lam * (dlog_z - 0.5 * float(dweight @ (spread + resid_weight)))
         return LamStats(value=value, grad=grad, n_instances=int(block.offsets[-1]))
 
-    def evaluate(self, sweep: Callable[[Any], LamStats], q: GaussianQ, log_lam: float) -> tuple[float, float]:
-        """``J`` and ``dJ/d log λ`` at ``λ = exp(log_lam)`` with ``q`` and the data fixed."""
-        stats = sweep(LamProbe(q=q, lam=float(np.exp(log_lam))))
-        return stats.value, stats.grad
+    def evaluate(self, sweep: Callable[[Any], LamStats | FieldStats], q: GaussianQ, log_lam: float) -> tuple[float, float]:
+        """The objective and its derivative in ``log λ`` at ``λ = exp(log_lam)``, ``q`` and the data fixed."""
+        lam = float(np.exp(log_lam))
+        return sweep(LamProbe(q=q, lam=lam)).value_and_grad(lam)
 
     def hyper_step(self, sweep: Callable[[Any], Any], iteration: int, state: LamState) -> LamState:
-        """A few L-BFGS-B evaluations on ``−J/N`` in ``log λ``; the best point seen is kept
-        (the starting point is evaluated first, so J never decreases)."""
+        """A few L-BFGS-B evaluations on the negated objective in ``log λ``; the best point seen is
+        kept (the starting point is evaluated first, so the objective never decreases)."""
         if iteration % self.hyper_every or self.hyper_steps < 1:
             return state
         seen: list[tuple[float, float]] = []  # (J, log λ)
@@ -326,9 +396,12 @@ def ising_lam_updates(estimator: Any, updates: ProbitMILUpdates) -> ProbitMILUpd
     every, steps = check_hyper_schedule(estimator)
     if not LAM_MIN <= updates.lam <= LAM_MAX:
         raise ValueError(f"with learn_lam, lam is the starting value and must lie in [{LAM_MIN}, {LAM_MAX}], got {updates.lam!r}")
-    if updates.moments != "diagonal" and updates.coupling_form == "ising":
-        raise ValueError("learn_lam needs moments='diagonal' (the bound's log Z_b is the paper's Eq. 19-20)")
-    return IsingLamUpdates(updates, hyper_every=int(every), hyper_steps=int(steps))
+    objective = estimator.lam_objective
+    if objective not in ("field", "bound"):
+        raise ValueError(f"lam_objective must be 'field' or 'bound', got {objective!r}")
+    if objective == "bound" and updates.moments != "diagonal" and updates.coupling_form == "ising":
+        raise ValueError("lam_objective='bound' needs moments='diagonal' (the bound's log Z_b is the paper's Eq. 19-20)")
+    return IsingLamUpdates(updates, objective=objective, hyper_every=int(every), hyper_steps=int(steps))
 
 
 def unwrap_lam_state(estimator: Any) -> None:

@@ -44,7 +44,7 @@ from .bags import BagIndex, segment_sum
 from .base import SparseGPMILBase, store_params
 from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
 from .ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
-from .ising_hyper import IsingLamUpdates, LamState, ising_lam_updates, unwrap_lam_state
+from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .kernels import RBF
 from .orthant import (
     log_orthant_probability_exact,
@@ -403,17 +403,20 @@ class VGPMILPRI(_ProbitGPMIL):
     exact_orthant_max : int, default=12
         Bags up to this size get the exact (scipy) orthant probability at prediction; larger
         ones the GHK simulator (:mod:`mil_core.orthant`).
-    learn_lam, hyper_every, hyper_steps
-        Learn λ (``lam`` is then the starting value) by maximising the ELBO in ``log λ`` between
-        sweeps: after every ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations (one sweep
-        each); the learnt value is ``lam_`` (:mod:`mil_core.ising_hyper`, which also has the
-        validation-grid fallback ``select_lam_by_validation``).
+    learn_lam, lam_objective, hyper_every, hyper_steps
+        Learn λ (``lam`` is then the starting value) between sweeps: after every
+        ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations in ``log λ`` (one sweep each);
+        the learnt value is ``lam_`` (:mod:`mil_core.ising_hyper`). ``lam_objective="field"``
+        (default) maximises the CAR likelihood of the coupling on the inferred latent field
+        ``E[f]`` (type-II ML; measured to grow with the lesions' spatial correlation);
+        ``"bound"`` maximises the ELBO (measured: it does not track the correlation). The
+        validation-grid fallback is ``select_lam_by_validation``.
     coupling_form : {"ising", "smoother"}, default="ising"
         ``"ising"`` is the paper's ``m_b | f_b ~ N(Σ_b f_b, Σ_b)``. ``"smoother"`` keeps the
         paper's smoothed mean and makes the noise independent, ``m_b | f_b ~ N(Σ_b f_b, I)``: λ
-        then only averages ``f`` over neighbours and no longer shrinks the noise variance. (Measured:
-        a λ learnt by the ELBO still does not track the spatial correlation of the labels;
-        :mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ".) ``q(m_b)`` is
+        then only averages ``f`` over neighbours and no longer shrinks the noise variance (a λ
+        learnt by the ELBO still does not track the spatial correlation of the labels;
+        :mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ"). ``q(m_b)`` is
         then exact (``moments`` has no effect) and λ → 0 is VGPMIL-PR again."""
         + _COMMON_PARAMS
     )
@@ -438,6 +441,7 @@ class VGPMILPRI(_ProbitGPMIL):
         n_mc_samples: int = 500,
         random_state: int | None = None,
         learn_lam: bool = False,
+        lam_objective: LamObjective = "field",
         hyper_every: int = 1,
         hyper_steps: int = 5,
         coupling_form: CouplingForm = "ising",
