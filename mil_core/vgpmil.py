@@ -61,7 +61,7 @@ class PsiMILUpdates:
         return WhitenedBags.from_block(self.gp, block)
 
     def init_local(self, block: WhitenedBags) -> np.ndarray:
-        """π = ½ in positive bags and 1/(H+1) in negative bags."""
+        """π = 1/(H+1) for every instance (logit −log H); the first sweep moves the positive bags'."""
         return np.full(block.instance_labels.shape, -self.log_h)
 
     def init_global(self) -> GaussianQ:

@@ -4,9 +4,17 @@ import numpy as np
 import pytest
 from conftest import make_toy_bags
 from sklearn.model_selection import GridSearchCV, cross_validate
+from sklearn.preprocessing import StandardScaler
 
 from mil_core import GVGPMIL, VGPMIL
-from mil_core.model_selection import BagwiseClassifier, StratifiedBagKFold, bag_scorers, grid_search_bags, with_bag_ids
+from mil_core.model_selection import (
+    BagwiseClassifier,
+    StratifiedBagKFold,
+    bag_scorers,
+    cross_validate_bags,
+    grid_search_bags,
+    with_bag_ids,
+)
 
 FAST = dict(n_inducing=8, max_iter=15, random_state=0)
 
@@ -61,6 +69,19 @@ def test_paper_protocol_grid_reports_the_configuration_with_the_best_bag_accurac
     assert len(rows) == 4
     assert best["mean_bag_accuracy"] == max(r["mean_bag_accuracy"] for r in rows)
     assert {"alpha", "beta", "mean_bag_auc", "std_bag_f1", "mean_fit_time"} <= set(best)
+
+
+def test_train_scores_are_the_fitted_model_scored_on_its_own_training_bags():
+    X, bags, y, _ = make_toy_bags(n_bags=30)
+    folds = cross_validate_bags(VGPMIL(**FAST), X, bags, y, n_splits=3, predict_kwargs={"method": "probit"}, return_train_score=True)
+    for fold, (train, _) in zip(folds, StratifiedBagKFold(3, random_state=0).split(X, y, bags)):
+        scaler = StandardScaler().fit(X[train])
+        keys, p = VGPMIL(**FAST).fit(scaler.transform(X[train]), bags[train], y[train]).predict_bag_proba(
+            scaler.transform(X[train]), bags[train], method="probit")
+        truth = np.array([y[bags == k][0] for k in keys])
+        assert fold["train_bag_accuracy"] == pytest.approx(np.mean((p >= 0.5) == truth))
+        assert {"bag_auc", "train_bag_auc", "train_bag_f1"} <= set(fold)
+    assert "train_bag_auc" not in cross_validate_bags(VGPMIL(**FAST), X, bags, y, n_splits=3)[0]
 
 
 def test_adapter_rejects_features_without_the_bag_id_column():
