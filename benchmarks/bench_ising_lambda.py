@@ -79,7 +79,7 @@ def main() -> None:
     print("| layout | form | λ | how | λ used (per seed) | instance AUC | instance AUC, in context | bag AUC | fit s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for layout in ("smooth", "scattered"):
-        rows: dict[str, list[tuple[float, float, float, float]]] = {}
+        rows: dict[tuple[str, str, str], list[tuple[float, ...]]] = {}  # λ, 3 AUCs, fit s
         for seed in range(args.seeds):
             X, bags, y, h, coords = grid_bags(args.bags, args.side, layout, args.n_pos, seed=2 * seed, shift=args.shift)
             Xt, bags_t, y_t, h_t, coords_t = grid_bags(args.bags, args.side, layout, args.n_pos, seed=2 * seed + 1, shift=args.shift)

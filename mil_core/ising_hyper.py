@@ -61,8 +61,7 @@ bound rewards on every layout; in both forms averaging ``f`` over neighbours ave
 posterior variance, above all the FITC residual (on the benchmark ``−½ Σ r_i`` is −155 nats at
 λ = 0, −1 at λ = 100), and the negative bags, all background and so spatially coherent whatever
 the lesion layout, gain ~10 nats, while the positive bags that carry the layout change by ~1 nat.
-With bag labels only, the bound's dependence on λ is dominated by layout-independent terms. J never
-decreases across a λ step (the best point seen is kept).
+With bag labels only, the bound's dependence on λ is dominated by layout-independent terms.
 
 Both objectives use the per-bag spectra ``U_b``, ``d_b`` and ``B_b``, computed once per partition;
 a bag of ``n`` instances costs ``O(n³)`` once and ``O(n² + nM)`` per evaluation, so bags are

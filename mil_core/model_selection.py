@@ -63,6 +63,12 @@ def _binary_metrics(prefix: str, truth: np.ndarray, proba: np.ndarray) -> dict[s
     }
 
 
+def _bag_scores(model: Any, X: np.ndarray, bag_ids: np.ndarray, y: np.ndarray, predict_kwargs: dict[str, Any]) -> dict[str, float]:
+    """Bag AUC/accuracy/F1 of a fitted MIL estimator on the bags in ``X``."""
+    _, p = model.predict_bag_proba(X, bag_ids, **predict_kwargs)
+    return _binary_metrics("bag", check_mil_data(X, bag_ids, y)[2], p)
+
+
 def cross_validate_bags(
     estimator: Any,
     X: np.ndarray,
@@ -94,14 +100,10 @@ def cross_validate_bags(
         model = clone(estimator)
         start = time.perf_counter()
         model.fit(X_train, bag_ids[train], y[train])
-        fold = {"fit_time": time.perf_counter() - start}
-        keys, p = model.predict_bag_proba(X_test, bag_ids[test], **predict_kwargs)
-        _, test_bags, bag_truth = check_mil_data(X_test, bag_ids[test], y[test])
-        fold.update(_binary_metrics("bag", bag_truth, p))
+        fold = {"fit_time": time.perf_counter() - start, **_bag_scores(model, X_test, bag_ids[test], y[test], predict_kwargs)}
         if return_train_score:
-            _, p_train = model.predict_bag_proba(X_train, bag_ids[train], **predict_kwargs)
-            train_truth = check_mil_data(X_train, bag_ids[train], y[train])[2]
-            fold.update({f"train_{k}": v for k, v in _binary_metrics("bag", train_truth, p_train).items()})
+            train_scores = _bag_scores(model, X_train, bag_ids[train], y[train], predict_kwargs)
+            fold.update({f"train_{k}": v for k, v in train_scores.items()})
         if instance_labels is not None:
             method = {"method": predict_kwargs["method"]} if "method" in predict_kwargs else {}
             fold.update(_binary_metrics("instance", instance_labels[test], model.predict_instance_proba(X_test, **method)))

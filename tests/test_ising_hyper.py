@@ -16,12 +16,16 @@ from mil_core.ising_hyper import LAM_MAX, LAM_MIN, FieldStats, IsingLamUpdates, 
 from mil_core.probit import ProbitMILUpdates
 
 
+def _grid_coords(side):
+    r, c = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+    return np.column_stack([r.ravel(), c.ravel()])
+
+
 def _grid_bags(n_bags=8, side=5, n_pos=5, seed=0, layout="compact", shift=2.0):
     """side×side tile bags; every other bag positive with n_pos lesion tiles, either one compact
     lesion (the tiles nearest a random centre) or scattered at random."""
     rng = np.random.default_rng(seed)
-    r, c = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
-    coords = np.column_stack([r.ravel(), c.ravel()])
+    coords = _grid_coords(side)
     X, h = [], []
     for b in range(n_bags):
         lesion = np.zeros(side * side, dtype=bool)
@@ -41,9 +45,7 @@ OBJECTIVES = ("field", "bound")
 
 
 def _grid_laplacian(side):
-    r, c = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
-    coords = np.column_stack([r.ravel(), c.ravel()])
-    return laplacian(neighbour_edges(coords, np.array([0, side * side])), side * side).toarray()
+    return laplacian(neighbour_edges(_grid_coords(side), np.array([0, side * side])), side * side).toarray()
 
 
 def _setup(cuts, form="ising", objective="bound"):
