@@ -39,20 +39,20 @@ from typing import Any, Literal
 import numpy as np
 from scipy.special import log_ndtr, ndtr, owens_t
 
-from ._backend import array_namespace, to_numpy
-from .bags import BagIndex, segment_sum
-from .base import SparseGPMILBase, store_params
-from .engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
-from .ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
-from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
-from .kernels import RBF
-from .orthant import (
+from .._backend import array_namespace, to_numpy
+from ..bags import BagIndex, segment_sum
+from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
+from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
+from ..kernels import RBF
+from ..orthant import (
     log_orthant_probability_exact,
     mean_field_gap,
     mean_field_negative_orthant,
     orthant_probability_importance,
 )
-from .truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
+from ..truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
+from .base import SparseGPMILBase, store_params
+from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 
 __all__ = ["ProbitBags", "ProbitStats", "ProbitMILUpdates", "VGPMILPR", "VGPMILPRI"]
 
@@ -337,7 +337,7 @@ _COMMON_PARAMS = """
     q_ : GaussianQ
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
-        Objective per iteration (module docstring of :mod:`mil_core.probit`).
+        Objective per iteration (module docstring of :mod:`mil_core.models.probit`).
     n_iter_, converged_, kernel_, n_features_in_, classes_
     validation_auc_, best_iteration_
         When ``early_stopping``.
@@ -396,7 +396,7 @@ class VGPMILPRI(_ProbitGPMIL):
         Grid neighbourhood for 2-D coords (4 reproduces the paper's Eq. 9–10).
     moments : {"diagonal", "mean_field"}, default="diagonal"
         ``E[m_b]`` under the paper's diagonal approximation or the within-bag mean-field
-        approximation of the exact truncated ``N(μ, Σ_b)`` (:mod:`mil_core.probit`).
+        approximation of the exact truncated ``N(μ, Σ_b)`` (:mod:`mil_core.models.probit`).
     exact_diag_max, diag_tol
         ``diag(Σ_b)`` exactly for bags up to this size, by probing with error ≤ ``diag_tol``
         above (:mod:`mil_core.ising`).
@@ -406,7 +406,7 @@ class VGPMILPRI(_ProbitGPMIL):
     learn_lam, lam_objective, hyper_every, hyper_steps
         Learn λ (``lam`` is then the starting value) between sweeps: after every
         ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations in ``log λ`` (one sweep each);
-        the learnt value is ``lam_`` (:mod:`mil_core.ising_hyper`). ``lam_objective="field"``
+        the learnt value is ``lam_`` (:mod:`mil_core.models.ising_hyper`). ``lam_objective="field"``
         (default) maximises the CAR likelihood of the coupling on the inferred latent field
         ``E[f]`` (type-II ML; measured to grow with the lesions' spatial correlation);
         ``"bound"`` maximises the ELBO (measured: it does not track the correlation). The
@@ -416,7 +416,7 @@ class VGPMILPRI(_ProbitGPMIL):
         paper's smoothed mean and makes the noise independent, ``m_b | f_b ~ N(Σ_b f_b, I)``: λ
         then only averages ``f`` over neighbours and no longer shrinks the noise variance (a λ
         learnt by the ELBO still does not track the spatial correlation of the labels;
-        :mod:`mil_core.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ"). ``q(m_b)`` is
+        :mod:`mil_core.models.ising_hyper`, ``docs/BENCHMARKS.md`` "Ising strength λ"). ``q(m_b)`` is
         then exact (``moments`` has no effect) and λ → 0 is VGPMIL-PR again."""
         + _COMMON_PARAMS
     )
