@@ -13,7 +13,7 @@ from mil_core import RBF, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, GaussianQ, SerialExecutor, SparseGP
 from mil_core.ising import laplacian, neighbour_edges
 from mil_core.models.ising_hyper import LAM_MAX, LAM_MIN, FieldStats, IsingLamUpdates, LamProbe, select_lam_by_validation
-from mil_core.models.probit import ProbitMILUpdates
+from mil_core.models.probit_updates import ProbitMILUpdates
 
 
 def _grid_coords(side):
