@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import PipelineConfig, make_model
 from tasks import report
 from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
@@ -365,12 +366,12 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
             thumbnail, tile_px = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
-            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], out / "heatmaps" / f"{bag_id}.png", kind=kind,
+            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
                                                    thumbnail=thumbnail, tile_px_on_thumbnail=tile_px,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
-                                                 out / "slices" / f"{bag_id}.png", kind=kind, instance_labels=instance_labels[rows],
+                                                 bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
     sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
     markdown = "\n".join(sections)
