@@ -17,8 +17,9 @@ rebuild it:
   "state": everything else in the instance ``__dict__``}`` (fitted attributes, nested fitted
   estimators, ``dict[str, ndarray]`` network weights).
 
-Types are looked up by name in :func:`allowed_types` only — the classes :mod:`mil_core` exports,
-the fit states its models checkpoint, and what a caller adds with :func:`allow_types` — never by
+Types are looked up by name in :func:`allowed_types` only — the numerics' dataclasses (q, the
+sparse GP, kernels, ψ functions, random features), the estimators and fit states that
+:mod:`mil_core.models` registers, and what a caller adds with :func:`allow_types` — never by
 importing a name read from disk. Anything else (a lambda ``psi``, an unknown class) is refused
 when saving, naming the attribute. The archive records :data:`FORMAT_VERSION`; a newer one is
 refused with a message saying so.
@@ -37,12 +38,18 @@ from typing import Any
 
 import numpy as np
 
+from .engine import GaussianQ, SparseGP
+from .kernels import RBF
+from .likelihoods import GammaMixture, HyperbolicSecant, ThetaFunction
+from .random_features import RandomFourierFeatures
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "UnsafeFileError", "allow_types", "allowed_types", "dumps", "loads", "save", "load"]
 
 FORMAT = "gpmil-arrays+json"
 FORMAT_VERSION = 1
 _META = "__gpmil__"
 _ARRAY_KINDS = set("biufcUS")  # bool, ints, floats, complex, fixed-width strings: no Python objects
+_NUMERICS_TYPES = (GaussianQ, SparseGP, RBF, HyperbolicSecant, GammaMixture, ThetaFunction, RandomFourierFeatures)
 _EXTRA_TYPES: dict[str, type] = {}
 
 
@@ -64,18 +71,9 @@ def allow_types(*classes: type) -> None:
 
 
 def allowed_types() -> dict[str, type]:
-    """Name → class of every type this format builds."""
-    import mil_core
-    from mil_core.absmil import AbSMILState
-    from mil_core.hyper import HyperState
-    from mil_core.ising_hyper import LamLocal, LamState
-    from mil_core.random_features import RandomFourierFeatures
-
-    exported = [getattr(mil_core, name) for name in mil_core.__all__]
-    states = [HyperState, LamState, LamLocal, AbSMILState, RandomFourierFeatures]
-    types = {cls.__name__: cls for cls in exported + states
-             if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or hasattr(cls, "get_params"))}
-    return types | _EXTRA_TYPES
+    """Name → class of every type this format builds: the numerics' dataclasses listed here and
+    what :func:`allow_types` added (``mil_core.models`` adds its estimators and fit states)."""
+    return {cls.__name__: cls for cls in _NUMERICS_TYPES} | _EXTRA_TYPES
 
 
 # ------------------------------------------------------------------------------------ encoding

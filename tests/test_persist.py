@@ -95,7 +95,7 @@ def test_nested_estimators_dict_of_arrays_and_nonfinite_numbers_round_trip():
 
 
 def test_a_transient_cache_field_is_not_saved():
-    from mil_core.ising_hyper import LamLocal
+    from mil_core.models.ising_hyper import LamLocal
 
     local = LamLocal(warm=np.ones(3), bags="a prepared block")
     loaded = persist.loads(persist.dumps(local))
