@@ -73,13 +73,14 @@ def start_cluster(
 
     ``cluster_class(**cluster_kwargs)`` under ``dask_config`` (set while the cluster lives, so
     ``SLURMCluster(config_name="slurm-gpu")`` finds its profile); then ``cluster.adapt(**adapt_kwargs)``,
-    or ``cluster.scale(n_workers)`` for a cluster that starts without workers. A ``LocalCluster``
-    (the default) gets one single-threaded worker process per core and single-threaded BLAS
-    unless ``cluster_kwargs`` say otherwise.
+    or ``cluster.scale(n_workers)``. A plain ``LocalCluster`` (the default; not its subclasses such
+    as dask-cuda's ``LocalCUDACluster``, which size themselves) gets ``n_workers`` or one
+    single-threaded worker process per core, and single-threaded BLAS, unless ``cluster_kwargs``
+    say otherwise.
     """
     cls = import_cluster_class(cluster_class or DEFAULT_CLUSTER_CLASS)
     kwargs = dict(cluster_kwargs or {})
-    if issubclass(cls, LocalCluster):
+    if cls is LocalCluster:
         workers, threads = local_cluster_size()
         defaults = {"n_workers": n_workers or workers, "threads_per_worker": threads, "dashboard_address": ":0"}
         if kwargs.get("processes", True):
@@ -90,7 +91,7 @@ def start_cluster(
         try:
             if adapt_kwargs:
                 cluster.adapt(**adapt_kwargs)
-            elif n_workers and not issubclass(cls, LocalCluster):
+            elif n_workers and cls is not LocalCluster:
                 cluster.scale(n_workers)
             yield cluster
         finally:

@@ -97,3 +97,33 @@ def test_prefect_deployments_point_at_flows_with_those_parameters():
         flow = getattr(importlib.import_module(module), name)
         accepted = set(inspect.signature(flow.fn).parameters)
         assert set(deployment["parameters"]) <= accepted, deployment["name"]
+
+
+def test_the_image_that_kubernetes_runs_is_built_from_files_that_exist_with_the_pinned_dependencies():
+    import fnmatch
+    import shlex
+    import tomllib
+
+    root = INFRA.parent
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    lines = [line.strip() for line in dockerfile.replace("\\\n", " ").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    copies = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ")]
+    ignore = [p for p in (root / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
+    for source in (s for sources in copies for s in sources):
+        assert (root / source).exists(), f"COPY {source}: not in the repository"
+        sent = [p[1:].rstrip("/") == source.rstrip("/") for p in ignore if p.startswith("!")]
+        assert any(sent), f"{source} is left out of the build context by .dockerignore"
+    install = next(line for line in lines if "pip install" in line)
+    assert "-c constraints.txt" in install and "COPY pyproject.toml README.md constraints.txt ./" in lines
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    default_extras = next(line.split("=", 1)[1] for line in lines if line.startswith("ARG EXTRAS="))
+    assert set(default_extras.split(",")) <= set(extras)
+    built_tag = next(word for word in dockerfile.split() if fnmatch.fnmatch(word, "*/gpmil:*"))
+    images = [c["image"] for part in ("worker", "scheduler") for c in yaml.safe_load((INFRA / "kubernetes.yaml").read_text())
+              ["spec"][part]["spec"]["containers"]]
+    assert images == [built_tag, built_tag]
+    home = next(line for line in lines if "GPMIL_HOME=" in line).split("GPMIL_HOME=")[1].split()[0]
+    workdir = next(line.split()[1] for line in lines if line.startswith("WORKDIR "))
+    assert home == workdir  # prefect.yaml's pull step runs the entrypoints from $GPMIL_HOME
+    for deployment in yaml.safe_load((INFRA / "prefect.yaml").read_text())["deployments"]:
+        assert (root / deployment["entrypoint"].split(":")[0]).is_file()
