@@ -10,6 +10,7 @@ import zarr
 from tasks.ingest.errors import NonFiniteFeaturesError
 from tasks.store import BagData, CohortSpec, StagingWriter, append_bags, create_cohort, open_cohort, read_staged
 
+
 def _store(tmp_path, n_features=3):
     path = tmp_path / "c.zarr"
     create_cohort(path, CohortSpec(name="c", n_features=n_features, coords_dim=1, coords_meaning="index"))
