@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
 from mil_core import persist
-from tasks import report
+from tasks import diagnostics, report
 from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.paths import bag_file
 from tasks.store import open_cohort
@@ -85,6 +85,10 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
+    warnings = []
+    if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
+        warnings.append(message)
+        logger.warning(message)
     progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
@@ -105,6 +109,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
+    if getattr(model, "converged_", True) is False and model.n_iter_ >= model.max_iter:
+        warnings.append(f"the fit stopped at max_iter={model.max_iter} without converging (tol={model.tol}): raise "
+                        "model.params.max_iter, or check the ELBO trace (elbo.png)")
+        logger.warning(warnings[-1])
+    info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
@@ -346,7 +355,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
     coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
 
-    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"]
+    trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
+    trained_on = trained_on_info["store"]
     in_sample = Path(trained_on).resolve() == Path(store).resolve()
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
                 f"model `{model_dir}`.", ""]
@@ -372,6 +382,12 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         sections += ["No labelled bags of both classes: no evaluation.", ""]
     if (Path(model_dir) / "elbo.png").exists():
         figures.insert(0, Path(model_dir) / "elbo.png")
+
+    warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    if warnings:
+        for message in warnings:
+            logger.warning(message)
+        sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
 
     uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
     uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
