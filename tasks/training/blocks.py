@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from mil_core.base import SparseGPMILBase, take_bags
 from mil_core.engine import BagBlock
+from mil_core.models.base import SparseGPMILBase, take_bags
 from tasks.store import Partition, open_cohort
 
 DEFAULT_PARTITION_BYTES = 128 * 2**20

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import zarr
 
-from mil_core.base import SparseGPMILBase
 from mil_core.engine import FitTrace
+from mil_core.models.base import SparseGPMILBase
 from tasks.store import Partition
 from tasks.training.blocks import FeatureScaling
 

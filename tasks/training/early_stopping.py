@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from mil_core.base import SparseGPMILBase
 from mil_core.engine import BagBlock
+from mil_core.models.base import SparseGPMILBase
 from tasks.training.blocks import FeatureScaling, load_block, uses_coords
 from tasks.training.executor import identity
 
@@ -28,7 +28,7 @@ class DistributedEarlyStopping:
                  validation: np.ndarray, partition_bytes: int, device: str, scaling: FeatureScaling | None):
         from sklearn.metrics import roc_auc_score
 
-        from mil_core.base import _EarlyStopping
+        from mil_core.models.base import _EarlyStopping
 
         self.client = client
         self.model = client.submit(identity, model, pure=False)

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from mil_core.base import SparseGPMILBase
 from mil_core.engine import FitTrace, optimise
+from mil_core.models.base import SparseGPMILBase
 from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_coords
 from tasks.training.checkpoint import Checkpoint
@@ -59,7 +59,7 @@ def fit_cohort(
     standardize: bool = False,
     on_iteration: Callable[[int, float], None] | None = None,
 ) -> TrainingSummary:
-    """Fit ``model`` (any :class:`~mil_core.base.SparseGPMILBase` estimator) on the labelled bags
+    """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
 
     The fitted attributes are those of ``model.fit`` on the same data (equal to 1e-8). Inducing

@@ -7,7 +7,7 @@ from typing import Literal
 
 from distributed import Client
 
-from mil_core.base import SparseGPMILBase
+from mil_core.models.base import SparseGPMILBase
 
 Device = Literal["auto", "cpu", "gpu"]
 Mode = Literal["auto", "persist", "stream"]

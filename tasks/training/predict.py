@@ -10,7 +10,7 @@ import numpy as np
 import zarr
 from distributed import Client, as_completed
 
-from mil_core.base import SparseGPMILBase
+from mil_core.models.base import SparseGPMILBase
 from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from distributed import Client
 
-from mil_core.base import take_bags
+from mil_core.models.base import take_bags
 from tasks.store import Partition
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
