@@ -15,7 +15,7 @@ from tasks.ingest.npy import ingest_bag_files
 from tasks.ingest.tables import FeatureTable, ingest_table, read_mil_csv, read_npz_table, read_parquet_table
 from tasks.store import open_cohort
 
-MUSK1 = Path("/work/shared/data/musk1.csv")
+MUSK1 = Path(__file__).resolve().parents[2] / "shared" / "data" / "musk1.csv"  # shared/ beside the checkout
 
 
 def assert_store_holds_table(store: Path, X: np.ndarray, bag_ids: np.ndarray, labels: np.ndarray) -> None:
