@@ -45,7 +45,7 @@ class StageResult:
     info: dict[str, Any]
 
 
-def _artifact_key(*parts: str) -> str:
+def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
@@ -89,7 +89,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
         warnings.append(message)
         logger.warning(message)
-    progress = create_progress_artifact(0.0, key=_artifact_key("training", config.name), description=f"{config.model.name} iterations")
+    progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
         update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
@@ -194,7 +194,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     result = run.finish()
     info = result.to_json()
     if result.skipped:
-        create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
+        create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
@@ -229,7 +229,7 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     logger = get_run_logger()
     work = list_inputs(config)
     todo = work.run.to_run
-    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
+    progress = create_progress_artifact(0.0, key=artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
     outcomes: dict[str, BaseException | None] = {}
     with Client(scheduler_address) as client:
         futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
@@ -376,7 +376,7 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         figures.append(report.plot_roc(evaluation, out / "roc.png"))
         sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
                      f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
-        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=_artifact_key("metrics", config.name),
+        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=artifact_key("metrics", config.name),
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
@@ -411,9 +411,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     markdown = "\n".join(sections)
     (out / "report.md").write_text(markdown)
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=_artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact(markdown, key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
-                          key=_artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
+                          key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
     return StageResult(prediction_key, str(out / "report.md"), False, metrics)
 
