@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import PipelineConfig, make_model
 from mil_core import persist
 from tasks import diagnostics, report
-from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
@@ -152,9 +152,9 @@ class IngestWork:
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
-    from tasks.ingest.cohort import plan_ct, plan_slides
+    from tasks.ingest.ct import plan_ct
     from tasks.ingest.features import make_extractor
-    from tasks.ingest.wsi import TilingParams
+    from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
@@ -206,7 +206,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
 @task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
-    from tasks.ingest.cohort import ingest_table as ingest_feature_table
+    from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
     source = config.ingest.source
