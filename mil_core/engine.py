@@ -29,7 +29,7 @@ import numpy as np
 import scipy.linalg
 from sklearn.exceptions import ConvergenceWarning
 
-from ._backend import array_namespace, cholesky_with_jitter, solve_lower, to_numpy
+from ._backend import array_namespace, cholesky_with_jitter, like, solve_lower, to_numpy
 from .kernels import RBF
 
 __all__ = [
@@ -93,7 +93,7 @@ class SparseGP:
         One GEMM for the kernel block and one triangular solve, in the namespace of ``X``.
         """
         xp = array_namespace(X)
-        Z, L = xp.asarray(self.Z), xp.asarray(self.chol)
+        Z, L = like(self.Z, X), like(self.chol, X)
         A = solve_lower(L, self.kernel(Z, X)).T
         resid = xp.clip(self.kernel.diag(X) - xp.sum(A * A, axis=1), 0.0, None)
         return WhitenedBlock(A=A, resid=resid)
@@ -109,21 +109,23 @@ class WhitenedBlock:
     def latent_moments(self, q: GaussianQ) -> tuple[np.ndarray, np.ndarray]:
         """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30)."""
         xp = array_namespace(self.A)
-        m, S = xp.asarray(q.mean), xp.asarray(q.cov)
+        m, S = like(q.mean, self.A), like(q.cov, self.A)
         mean = self.A @ m
         var = xp.sum((self.A @ S) * self.A, axis=1) + self.resid
         return to_numpy(mean), np.maximum(to_numpy(var), 0.0)
 
+    def latent_mean(self, mean: np.ndarray) -> np.ndarray:
+        """Host float64 ``A'm`` for a whitened mean ``m`` (an N-vector)."""
+        return to_numpy(self.A @ like(mean, self.A))
+
     def weighted_gram(self, weights: np.ndarray) -> np.ndarray:
         """``Σ wₙ a'ₙa'ₙᵀ`` as one GEMM, returned on the host in float64."""
-        xp = array_namespace(self.A)
-        w = xp.asarray(weights)
+        w = like(weights, self.A)
         return to_numpy(self.A.T @ (self.A * w[:, None]))
 
     def project(self, values: np.ndarray) -> np.ndarray:
         """``Σ a'ₙ vₙ`` (an M-vector) on the host."""
-        xp = array_namespace(self.A)
-        return to_numpy(self.A.T @ xp.asarray(values))
+        return to_numpy(self.A.T @ like(values, self.A))
 
 
 @dataclass(frozen=True)

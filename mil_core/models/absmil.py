@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
+from array_api_compat import device
 from scipy.special import expit, log_softmax
 from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from .._backend import array_namespace, to_numpy
+from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
@@ -292,7 +293,7 @@ class AbSMILUpdates:
         xp = array_namespace(X)
         phi = X if self.feature_map is None else self.feature_map(X)
         if self.fit_intercept:
-            phi = xp.concatenate([phi, xp.ones((phi.shape[0], 1), dtype=phi.dtype)], axis=1)
+            phi = xp.concat([phi, xp.ones((phi.shape[0], 1), dtype=phi.dtype, device=device(phi))], axis=1)
         return phi
 
     def prepare(self, block: BagBlock) -> AttributeBags:
@@ -312,8 +313,7 @@ class AbSMILUpdates:
 
     def log_attribute_proba(self, features: Any, weights: np.ndarray) -> np.ndarray:
         """``log P(z = c | x, W)`` (Eq. 1) as host float64 (n, C + 1)."""
-        xp = array_namespace(features)
-        return log_softmax(to_numpy(features @ xp.asarray(weights, dtype=features.dtype)).astype(np.float64), axis=1)
+        return log_softmax(to_numpy(features @ like(weights, features, dtype=features.dtype)).astype(np.float64), axis=1)
 
     def side_log_proba(self, log_p: np.ndarray, positive: np.ndarray | bool) -> np.ndarray:
         """``log P^+`` where ``positive`` else ``log P^−`` (Eq. 9)."""
@@ -347,7 +347,7 @@ class AbSMILUpdates:
         residual = p - post + self.lambda_e * p * (-entropy[:, None] - log_p)
         xp = array_namespace(block.features)
         stats = AttributeStats(
-            gradient=to_numpy(block.features.T @ xp.asarray(residual, dtype=block.features.dtype)).astype(np.float64),
+            gradient=to_numpy(block.features.T @ like(residual, block.features, dtype=block.features.dtype)).astype(np.float64),
             objective=float(-np.sum(log_lik) + self.lambda_e * np.sum(entropy)),
             n_bags=int(log_lik.shape[0]),
             n_instances=int(block.offsets[-1]),
@@ -495,11 +495,11 @@ class AbSMIL(BaseEstimator):
         each instance's bag."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_params()
-        X_sorted, offsets = X[bags.order], bags.offsets
+        X_sorted, offsets = take_rows(X, bags.order), bags.offsets
         rng = check_random_state(self.random_state)
         updates = self._start_fit(X_sorted, rng)
         blocks = [
-            BagBlock(X=X_sorted[offsets[a] : offsets[b]], offsets=offsets[a : b + 1] - offsets[a], labels=labels[a:b])
+            BagBlock(X=X_sorted[offsets[a] : offsets[b], ...], offsets=offsets[a : b + 1] - offsets[a], labels=labels[a:b])
             for a, b in split_into_blocks(offsets, self.block_size)
         ]
         best = None
@@ -585,7 +585,7 @@ class AbSMIL(BaseEstimator):
         X = check_features(X, n_features=self.n_features_in_)
         X, bags, _ = check_mil_data(X, bag_ids)
         updates = self._updates()
-        X_sorted = X[bags.order]
+        X_sorted = take_rows(X, bags.order)
         log_p = updates.log_attribute_proba(updates.features(X_sorted), self.weights_)
         caps = relevance_caps(bags.sizes, self.n_max)
         chains = {

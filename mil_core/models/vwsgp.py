@@ -27,7 +27,7 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
-from .._backend import array_namespace, to_numpy
+from .._backend import array_namespace, like, take_rows, to_numpy
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import HyperbolicSecant
@@ -47,11 +47,9 @@ def _bag_sums(values: Any, offsets: np.ndarray) -> np.ndarray:
     if isinstance(values, np.ndarray):
         return np.add.reduceat(values, offsets[:-1], axis=0)
     xp = array_namespace(values)
-    cumulative = xp.cumsum(values, axis=0)
-    zero = xp.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype)
-    cumulative = xp.concatenate([zero, cumulative], axis=0)
-    idx = xp.asarray(offsets)
-    return to_numpy(cumulative[idx[1:]] - cumulative[idx[:-1]])
+    cumulative = xp.cumulative_sum(values, axis=0, include_initial=True)
+    idx = like(np.asarray(offsets, dtype=np.int64), values)
+    return to_numpy(xp.take(cumulative, idx[1:], axis=0) - xp.take(cumulative, idx[:-1], axis=0))
 
 
 @dataclass(frozen=True)
@@ -220,7 +218,7 @@ class VWSGP(SparseGPMILBase):
         if method not in ("mc", "probit"):
             raise ValueError(f"method must be 'mc' or 'probit', got {method!r}")
         X, bags = self._check_predict_input(X, bag_ids)
-        mean, var = self._evidence_moments(self.gp_, self.q_, X[bags.order], bags.offsets)
+        mean, var = self._evidence_moments(self.gp_, self.q_, take_rows(X, bags.order), bags.offsets)
         p = expit(mean / np.sqrt(1.0 + np.pi * var / 8.0))
         if method == "probit" and not return_std:
             return bags.keys, p

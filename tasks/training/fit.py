@@ -20,7 +20,7 @@ from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_
 from tasks.training.checkpoint import Checkpoint
 from tasks.training.early_stopping import DistributedEarlyStopping
 from tasks.training.executor import DaskExecutor
-from tasks.training.placement import Device, Mode, resolve_device, resolve_mode
+from tasks.training.placement import Device, Mode, resolve_mode, resolve_placement
 from tasks.training.preprocess import feature_scaling, kmeans_sample
 
 log = logging.getLogger("gpmil.training")
@@ -51,6 +51,8 @@ def fit_cohort(
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     mode: Mode = "auto",
     device: Device = "auto",
+    gpu_namespace: str = "cupy",
+    device_memory: int | None = None,
     checkpoint_every: int = 5,
     resume: bool = True,
     split_every: int = 8,
@@ -66,7 +68,11 @@ def fit_cohort(
     points come from k-means on all training instances when there are at most
     ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
     prepared partitions in worker memory when they take less than ``memory_fraction`` of the
-    cluster's memory, else streams them from Zarr every iteration. ``standardize`` learns a
+    memory that holds them (device memory on GPU workers: ``device_memory`` bytes per GPU, else
+    CuPy's figure), else streams them from Zarr every iteration. ``device="gpu"`` (or ``"auto"``
+    with workers advertising a ``GPU`` resource) keeps partition arrays in the array namespace
+    ``gpu_namespace`` (:class:`~tasks.training.placement.ArrayPlacement`), every task that holds
+    them asking for the GPU resource. ``standardize`` learns a
     :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
     :func:`predict_cohort`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
@@ -106,16 +112,17 @@ def fit_cohort(
         updates = model._start_fit(X_sample, sample_labels)
         checkpoint.save_model(model, partitions, scaling)
 
-    device = resolve_device(client, device)
-    mode = resolve_mode(client, cohort, model, mode, memory_fraction)
+    placement = resolve_placement(client, device, gpu_namespace)
+    device = placement.kind
+    mode = resolve_mode(client, cohort, model, mode, memory_fraction, placement, device_memory)
     log.info("training %s on %s: %d partitions, mode=%s, device=%s", type(model).__name__, store, len(partitions), mode, device)
     executor = DaskExecutor(
-        client, updates, store, partitions, mode=mode, device=device, split_every=split_every, exclude_bags=validation,
+        client, updates, store, partitions, mode=mode, placement=placement, split_every=split_every, exclude_bags=validation,
         locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
         scaling=scaling,
     )
     trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
-    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device, scaling)
+    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, scaling)
              if validation.size else None)
 
     def monitor(iteration: int, glob: Any) -> bool:

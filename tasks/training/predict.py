@@ -16,18 +16,17 @@ from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
     FeatureScaling,
     read_features,
-    to_device,
     uses_coords,
 )
 from tasks.training.executor import identity
 from tasks.training.fit import check_feature_dimension
-from tasks.training.placement import Device, resolve_device
+from tasks.training.placement import ArrayPlacement, Device, resolve_placement
 
 
-def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, scaling: FeatureScaling | None,
+def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, placement: ArrayPlacement, scaling: FeatureScaling | None,
                        instance_kwargs: dict, bag_kwargs: dict):
     stored = open_cohort(store).read_partition(partition)
-    X = to_device(read_features(stored, scaling), device)
+    X = placement.to_device(read_features(stored, scaling))
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
     coords = {"coords": np.asarray(stored.coords)} if uses_coords(model) else {}
     instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
@@ -44,6 +43,7 @@ def predict_cohort(
     run: str = "default",
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     device: Device = "auto",
+    gpu_namespace: str = "cupy",
     scaling: FeatureScaling | None = None,
     instance_kwargs: dict | None = None,
     bag_kwargs: dict | None = None,
@@ -61,7 +61,7 @@ def predict_cohort(
     store = str(store)
     cohort = open_cohort(store)
     check_feature_dimension(model, cohort)
-    device = resolve_device(client, device)
+    placement = resolve_placement(client, device, gpu_namespace)
     root = zarr.open_group(store, mode="a")
     name = f"predictions/{run}"
     if name in root:
@@ -83,8 +83,8 @@ def predict_cohort(
     model_future = client.submit(identity, model, pure=False)
     futures = [
         client.submit(
-            _predict_partition, model_future, store, p, device, scaling, instance_kwargs or {}, bag_kwargs or {},
-            key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources={"GPU": 1} if device == "gpu" else None,
+            _predict_partition, model_future, store, p, placement, scaling, instance_kwargs or {}, bag_kwargs or {},
+            key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources=placement.resources,
         )
         for p in cohort.partitions(partition_bytes)
     ]
