@@ -250,6 +250,7 @@ class CARCoupling:
         step comes back.
         """
         xp = array_namespace(rhs)
+        rhs = xp.astype(rhs, xp.float64)
         index, weight = self._padded_rows()
         index, weight = like(index, rhs), like(weight, rhs, dtype=rhs.dtype)
         vector = rhs.ndim == 1

@@ -19,7 +19,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from mil_core import GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, VGPMILPRGibbs
 from tests.conftest import make_toy_bags
-from tests.emulated_device import NAMESPACE, count_transfers, to_emulated
+from tests.emulated_device import NAMESPACE, count_transfers, to_emulated, xp
 
 M = 8
 N_BAGS = 30
@@ -218,6 +218,44 @@ def test_persist_or_stream_is_chosen_from_device_memory(tmp_path, data, gpu_clie
     needed = 8 * (M + 4) * X.shape[0]
     assert resolve_mode(client, cohort, VGPMIL(**GP), "auto", 0.5, gpu, device_memory=4 * needed) == "persist"
     assert resolve_mode(client, cohort, VGPMIL(**GP), "auto", 0.5, gpu, device_memory=needed) == "stream"
+
+
+# ------------------------------------------------- float32 whitened features, float64 statistics
+def test_float32_whitened_features_keep_float64_statistics_and_stay_close_to_float64(data):
+    from mil_core.engine import transposed_product
+
+    X, bags, y, _ = data
+    X32 = X.astype(np.float32)
+    fit64 = VGPMIL(**{**GP, "max_iter": 10}).fit(X32.astype(np.float64), bags, y)
+    fit32 = VGPMIL(**{**GP, "max_iter": 10}).fit(X32, bags, y)
+    whitened = fit32.gp_.whiten(to_emulated(X32))
+    assert whitened.A.dtype == xp.float32 and whitened.weighted_gram(np.ones(X.shape[0])).dtype == np.float64
+    # chunked float32 products summed in float64 beat one float32 GEMM over all rows
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((20_000, 4)).astype(np.float32) + 3.0
+    exact = A.astype(np.float64).T @ A.astype(np.float64)
+    assert np.abs(transposed_product(A, A) - exact).max() <= np.abs((A.T @ A).astype(np.float64) - exact).max()
+    # the error of the fit against float64 (docs/BENCHMARKS.md has it at scale)
+    scale = np.abs(fit64.q_.mean).max()
+    assert np.abs(fit32.q_.mean - fit64.q_.mean).max() < 1e-4 * scale
+    _, p32 = fit32.predict_bag_proba(X32, bags)
+    _, p64 = fit64.predict_bag_proba(X32.astype(np.float64), bags)
+    assert np.abs(p32 - p64).max() < 1e-5
+
+
+def test_float32_on_gpu_workers(tmp_path, data, gpu_client):
+    from tasks.training import fit_cohort
+    from tests.test_distributed import write_store
+
+    client, _ = gpu_client
+    X, bags, y, _ = data
+    X = X.astype(np.float32).astype(np.float64)
+    path = write_store(tmp_path / "f32.zarr", X, bags, y)
+    serial = VGPMIL(**GP).fit(X, bags, y)
+    model = VGPMIL(**GP)
+    fit_cohort(model, path, client, partition_bytes=1_500, mode="stream", gpu_namespace=NAMESPACE, compute_dtype="float32", resume=False)
+    assert np.abs(model.q_.mean - serial.q_.mean).max() < 1e-4 * np.abs(serial.q_.mean).max()
+    np.testing.assert_allclose(model.elbo_, serial.elbo_, rtol=1e-5)
 
 
 def test_namespace_spec_is_checked():

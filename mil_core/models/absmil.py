@@ -497,7 +497,7 @@ class AbSMIL(BaseEstimator):
         self._check_params()
         X_sorted, offsets = take_rows(X, bags.order), bags.offsets
         rng = check_random_state(self.random_state)
-        updates = self._start_fit(X_sorted, rng)
+        updates = self._initial_updates(X_sorted, rng)
         blocks = [
             BagBlock(X=X_sorted[offsets[a] : offsets[b], ...], offsets=offsets[a : b + 1] - offsets[a], labels=labels[a:b])
             for a, b in split_into_blocks(offsets, self.block_size)
@@ -517,7 +517,30 @@ class AbSMIL(BaseEstimator):
         self._finish_fit(best[1])
         return self
 
-    def _start_fit(self, X_train: Any, rng: np.random.RandomState) -> AbSMILUpdates:
+    # ---- executors that train outside fit (tasks.training.fit_cohort) ---------------------------
+    def _check_common_params(self, n_instances: int) -> None:
+        """The checks of a fit outside :meth:`fit`, which runs the batch solver from one start
+        (restarts and Pegasos' bag-by-bag steps are serial)."""
+        self._check_params()
+        if self.solver != "batch" or self.n_init != 1:
+            raise ValueError("AbSMIL outside fit() runs the batch solver from one start: use solver='batch' and n_init=1 "
+                             f"(got solver={self.solver!r}, n_init={self.n_init})")
+
+    def _start_fit(self, X_sample: Any, instance_labels: np.ndarray | None = None) -> AbSMILUpdates:
+        """Fitted start state and the updates of :meth:`fit`'s first start, drawn from the same
+        seeded stream (random features, then initial weights), so a distributed fit equals ``fit``."""
+        rng = check_random_state(self.random_state)
+        updates = self._initial_updates(X_sample, rng)
+        return replace(updates, initial_weights=self.init_scale * rng.standard_normal(updates.initial_weights.shape))
+
+    def _make_updates(self, gp: Any = None) -> AbSMILUpdates:
+        """The updates of a resumed fit (the weights come from its checkpointed state)."""
+        return self._updates(np.zeros((self._feature_width() + int(self.fit_intercept), int(self.n_attributes) + 1)))
+
+    def _feature_width(self) -> int:
+        return self.n_features_in_ if self.feature_map_ is None else self.feature_map_.n_output_features
+
+    def _initial_updates(self, X_train: Any, rng: np.random.RandomState) -> AbSMILUpdates:
         """Set ``n_features_in_``, ``classes_``, ``feature_map_`` and return the updates (initial
         weights zero; :meth:`fit` draws them per restart)."""
         self.n_features_in_ = int(X_train.shape[1])
@@ -526,16 +549,7 @@ class AbSMIL(BaseEstimator):
         if self.n_random_features is not None:
             scale = 1.0 / np.sqrt(self.n_features_in_) if self.rff_scale is None else self.rff_scale
             self.feature_map_ = RandomFourierFeatures.sample(self.n_features_in_, self.n_random_features, scale, rng)
-        width = self.n_features_in_ if self.feature_map_ is None else self.feature_map_.n_output_features
-        return AbSMILUpdates(
-            n_attributes=int(self.n_attributes),
-            n_max=self.n_max,
-            lambda_q=float(self.lambda_q),
-            lambda_e=float(self.lambda_e),
-            initial_weights=np.zeros((width + int(self.fit_intercept), int(self.n_attributes) + 1)),
-            feature_map=self.feature_map_,
-            fit_intercept=bool(self.fit_intercept),
-        )
+        return self._make_updates()
 
     def _pegasos(self, updates: AbSMILUpdates, whole: AttributeBags, rng: np.random.RandomState) -> FitTrace:
         """Algorithm 1 with ``batch_size`` bags per step; one trace entry per epoch."""
@@ -560,20 +574,20 @@ class AbSMIL(BaseEstimator):
         trace.glob = AbSMILState(weights=weights)
         return trace
 
-    def _finish_fit(self, trace: FitTrace) -> None:
+    def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         self.weights_ = trace.glob.solution
         self.objective_ = np.asarray(trace.objective)
         self.n_iter_ = trace.n_iter
         self.converged_ = trace.converged
 
     # ---- prediction --------------------------------------------------------------------------
-    def _updates(self) -> AbSMILUpdates:
+    def _updates(self, weights: np.ndarray | None = None) -> AbSMILUpdates:
         return AbSMILUpdates(
             n_attributes=int(self.n_attributes),
             n_max=self.n_max,
             lambda_q=float(self.lambda_q),
             lambda_e=float(self.lambda_e),
-            initial_weights=self.weights_,
+            initial_weights=self.weights_ if weights is None else weights,
             feature_map=self.feature_map_,
             fit_intercept=bool(self.fit_intercept),
         )

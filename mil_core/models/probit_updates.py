@@ -39,9 +39,9 @@ from typing import Literal
 import numpy as np
 from scipy.special import log_ndtr
 
-from .._backend import to_numpy
+from .._backend import array_namespace, to_numpy
 from ..bags import segment_sum
-from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
+from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update, transposed_product
 from ..ising import CARCoupling, Neighbourhood
 from ..orthant import mean_field_gap, mean_field_negative_orthant
 from ..truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
@@ -105,13 +105,15 @@ class ProbitMILUpdates:
         if coupling.identity:
             ones = np.ones(block.n_instances)
             return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), features.weighted_gram(ones), ones)
-        smoothed = coupling.solve(features.A)  # Σ A' where A' lives (N × M never leaves the device)
+        xp = array_namespace(features.A)
+        A = xp.astype(features.A, xp.float64)  # the one-off G'_p in float64 also for float32 A'
+        smoothed = coupling.solve(A)  # Σ A' where A' lives (N × M never leaves the device)
         if self.coupling_form == "smoother":  # noise I; Var f weighted by diag Σ²; G' = (ΣA')ᵀ(ΣA')
             ones = np.ones(block.n_instances)
-            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), to_numpy(smoothed.T @ smoothed),
+            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), transposed_product(smoothed, smoothed),
                                  coupling.squared_diagonal(self.exact_diag_max))
         marginal_var, _, logdet = coupling.diagonal(self.exact_diag_max, self.diag_tol)
-        return self.assemble(features, block, coupling, marginal_var, logdet, to_numpy(features.A.T @ smoothed), marginal_var)
+        return self.assemble(features, block, coupling, marginal_var, logdet, transposed_product(A, smoothed), marginal_var)
 
     def assemble(
         self, features: WhitenedBlock, block: BagBlock, coupling: CARCoupling, noise_var: np.ndarray,

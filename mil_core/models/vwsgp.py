@@ -45,9 +45,9 @@ def _bag_sums(values: Any, offsets: np.ndarray) -> np.ndarray:
     the block it is in). Other namespaces: differences of a cumulative sum.
     """
     if isinstance(values, np.ndarray):
-        return np.add.reduceat(values, offsets[:-1], axis=0)
+        return np.add.reduceat(values, offsets[:-1], axis=0, dtype=np.float64)
     xp = array_namespace(values)
-    cumulative = xp.cumulative_sum(values, axis=0, include_initial=True)
+    cumulative = xp.cumulative_sum(xp.astype(values, xp.float64), axis=0, include_initial=True)
     idx = like(np.asarray(offsets, dtype=np.int64), values)
     return to_numpy(xp.take(cumulative, idx[1:], axis=0) - xp.take(cumulative, idx[:-1], axis=0))
 

@@ -57,4 +57,4 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
 
 def uses_coords(model: SparseGPMILBase) -> bool:
     """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
-    return type(model)._check_coords is not SparseGPMILBase._check_coords
+    return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords

@@ -27,14 +27,25 @@ class ArrayPlacement:
     ``"module"`` or ``"module:device"`` — ``"cupy"`` (the default: the worker's current CUDA device,
     one GPU per worker as dask-cuda starts them) or, in CI, ``"array_api_strict:device1"`` (an
     emulated device). Tasks that hold device arrays ask the scheduler for ``resources``.
+    ``dtype="float32"`` places float32 features, so the whitened features A' are float32 (half
+    the memory, float32 GEMMs) while every statistic is accumulated in float64
+    (:func:`mil_core.engine.transposed_product`); the error against float64 is measured in
+    ``tests/test_device.py`` and ``docs/BENCHMARKS.md``.
     """
 
     kind: Literal["cpu", "gpu"] = "cpu"
     namespace: str = "cupy"
+    dtype: Literal["float64", "float32"] = "float64"
+
+    def __post_init__(self):
+        if self.kind not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.kind!r}")
+        if self.dtype not in ("float64", "float32"):
+            raise ValueError(f"compute_dtype must be 'float64' or 'float32', got {self.dtype!r}")
 
     @classmethod
-    def gpu(cls, namespace: str = "cupy") -> ArrayPlacement:
-        return cls(kind="gpu", namespace=namespace)
+    def gpu(cls, namespace: str = "cupy", dtype: Literal["float64", "float32"] = "float64") -> ArrayPlacement:
+        return cls(kind="gpu", namespace=namespace, dtype=dtype)
 
     @property
     def resources(self) -> dict[str, float] | None:
@@ -42,7 +53,8 @@ class ArrayPlacement:
         return {"GPU": 1} if self.kind == "gpu" else None
 
     def to_device(self, X: np.ndarray) -> Any:
-        """Host rows → this placement (a copy on the device for ``kind="gpu"``)."""
+        """Host rows → this placement in its dtype (a copy on the device for ``kind="gpu"``)."""
+        X = np.asarray(X, dtype=self.dtype)
         if self.kind == "cpu":
             return X
         module_name, _, device_name = self.namespace.partition(":")
@@ -66,7 +78,8 @@ def worker_resources(client: Client) -> list[dict[str, float]]:
     return [w.get("resources", {}) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
 
 
-def resolve_placement(client: Client, device: Device, gpu_namespace: str = "cupy") -> ArrayPlacement:
+def resolve_placement(client: Client, device: Device, gpu_namespace: str = "cupy",
+                      compute_dtype: Literal["float64", "float32"] = "float64") -> ArrayPlacement:
     """``device="auto"``: the GPU when some worker advertises a ``GPU`` resource, else the CPU."""
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
@@ -76,7 +89,7 @@ def resolve_placement(client: Client, device: Device, gpu_namespace: str = "cupy
     if device == "gpu" and not has_gpu:
         raise ValueError("device='gpu' but no worker advertises a GPU resource (start workers with --resources GPU=1, "
                          "or dask_cuda.LocalCUDACluster / `dask cuda worker`, see infra/)")
-    return ArrayPlacement(kind=device, namespace=gpu_namespace)
+    return ArrayPlacement(kind=device, namespace=gpu_namespace, dtype=compute_dtype)
 
 
 def resolve_mode(client: Client, cohort, model: SparseGPMILBase, mode: Mode, memory_fraction: float,
@@ -89,7 +102,8 @@ def resolve_mode(client: Client, cohort, model: SparseGPMILBase, mode: Mode, mem
         if mode not in ("persist", "stream"):
             raise ValueError(f"mode must be 'auto', 'persist' or 'stream', got {mode!r}")
         return mode
-    per_instance = 8 * (getattr(model, "n_inducing", 0) + 4)  # whitened features a'ₙ, FITC residual, local state
+    width = getattr(model, "n_inducing", None) or cohort.n_features  # a'ₙ of the GP models, AbSMIL's features
+    per_instance = (4 if placement is not None and placement.dtype == "float32" else 8) * width + 32  # + FITC residual, local state
     needed = per_instance * cohort.n_instances
     workers = client.scheduler_info(n_workers=-1)["workers"]
     if placement is not None and placement.kind == "gpu":

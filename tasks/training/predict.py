@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
 from distributed import Client, as_completed
 
+from mil_core.models import AbSMIL
 from mil_core.models.base import SparseGPMILBase
 from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
@@ -30,9 +31,18 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
     coords = {"coords": np.asarray(stored.coords)} if uses_coords(model) else {}
     instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
+    if is_point_estimate(model):  # no predictive std: NaN
+        p_inst = instance_scores(X, **instance_kwargs)
+        _, p_bag = model.predict_bag_proba(X, bag_of_row, **bag_kwargs, **coords)
+        return partition, p_inst, np.full_like(p_inst, np.nan), p_bag, np.full_like(p_bag, np.nan)
     p_inst, sd_inst = instance_scores(X, return_std=True, **instance_kwargs)
     _, p_bag, sd_bag = model.predict_bag_proba(X, bag_of_row, return_std=True, **bag_kwargs, **coords)
     return partition, p_inst, sd_inst, p_bag, sd_bag
+
+
+def is_point_estimate(model: Any) -> bool:
+    """Models without a posterior, hence without a predictive std (AbSMIL: a point estimate of W)."""
+    return isinstance(model, AbSMIL)
 
 
 def predict_cohort(
@@ -44,6 +54,7 @@ def predict_cohort(
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     device: Device = "auto",
     gpu_namespace: str = "cupy",
+    compute_dtype: Literal["float64", "float32"] = "float64",
     scaling: FeatureScaling | None = None,
     instance_kwargs: dict | None = None,
     bag_kwargs: dict | None = None,
@@ -52,7 +63,8 @@ def predict_cohort(
     and bag probability and std; the ``complete`` attribute is set last). Returns the group path.
 
     Models without instance probabilities (VWSGP, whose per-instance evidences are not instance
-    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
+    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``; point
+    estimates (AbSMIL) write NaN std. ``device``/``gpu_namespace`` as for :func:`fit_cohort`.
 
     Each partition is predicted by one task; the client writes the results (one writer, so
     partitions that share a Zarr chunk cannot race). ``scaling``: the training cohort's
@@ -61,7 +73,7 @@ def predict_cohort(
     store = str(store)
     cohort = open_cohort(store)
     check_feature_dimension(model, cohort)
-    placement = resolve_placement(client, device, gpu_namespace)
+    placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
     root = zarr.open_group(store, mode="a")
     name = f"predictions/{run}"
     if name in root:
