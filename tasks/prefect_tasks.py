@@ -262,7 +262,7 @@ class TrainedModel:
 
 
 MODEL_FILE = "model.npz"
-persist.allow_types(TrainedModel, FeatureScaling)
+persist.allow_types(TrainedModel)
 
 
 def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
@@ -391,7 +391,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     if (Path(model_dir) / "elbo.png").exists():
         figures.insert(0, Path(model_dir) / "elbo.png")
 
+    not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
     if warnings:
         for message in warnings:
             logger.warning(message)

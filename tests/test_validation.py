@@ -118,3 +118,32 @@ def test_run_ingest_with_nonfinite_drop_counts_dropped_instances_per_bag(tmp_pat
     rejected = run_ingest(tmp_path / "d.zarr", spec, items, writer)
     assert rejected.added == ("s0",) and [s.bag_id for s in rejected.skipped] == ["s1", "s2"]
     assert "rows [0] of the bag" in rejected.skipped[0].reason
+
+
+def test_a_store_with_a_nan_row_predicts_every_good_bag_and_names_the_bad_one(tmp_path):
+    """A store written by another tool (or before this validation) with a NaN feature: the good
+    bags get exactly their model predictions, the bad bag NaN and a reason."""
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks.training import predict_cohort, read_predictions
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=10, seed=5)
+    X = X.astype(np.float32).astype(np.float64)
+    store = write_store(tmp_path / "c.zarr", X, bags, y)
+    model = VGPMIL(n_inducing=5, max_iter=5, random_state=0).fit(X, bags, y)
+    cohort = open_cohort(store)
+    bad_row = cohort.bag_slice(3).start + 1
+    zarr.open_group(store, mode="a")["instances/features"][bad_row, 0] = np.nan  # behind the writer's back
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        predict_cohort(model, store, client, run="p", partition_bytes=1_000,
+                       instance_kwargs={"method": "probit"}, bag_kwargs={"method": "probit", "rule": "max"})
+    out = read_predictions(store, "p")
+    _, expected = model.predict_bag_proba(X, bags, method="probit", rule="max")
+    good = np.arange(10) != 3
+    np.testing.assert_allclose(out["bags/proba"][good], expected[good], rtol=1e-10)
+    assert np.isnan(out["bags/proba"][3]) and np.isnan(out["instances/proba"][cohort.bag_slice(3)]).all()
+    reason = zarr.open_group(store, mode="r")["predictions/p"].attrs["not_predicted"]
+    assert list(reason) == [str(cohort.bag_ids[3])] and f"store row {bad_row}" in reason[str(cohort.bag_ids[3])]
