@@ -15,6 +15,7 @@ from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
+from ..predictive import sample_latent
 from .base import SparseGPMILBase, store_params
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates
@@ -138,7 +139,7 @@ class _ProbitGPMIL(SparseGPMILBase):
             draws = []
             for start in range(0, L, chunk):
                 k = min(chunk, L - start)
-                f = mean[rows, None] + np.sqrt(var[rows, None]) * rng.standard_normal((offsets[b + 1] - offsets[b], k))
+                f = sample_latent(mean[rows], var[rows], k, rng)
                 draws.append(-np.expm1(np.sum(log_ndtr(-f), axis=0)))
             values.append(np.concatenate(draws).std())
         return np.asarray(values)
