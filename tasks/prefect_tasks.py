@@ -12,7 +12,6 @@ import base64
 import hashlib
 import json
 import os
-import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,9 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
-from tasks import report
-from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from mil_core import persist
+from tasks import diagnostics, report
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
@@ -45,7 +45,7 @@ class StageResult:
     info: dict[str, Any]
 
 
-def _artifact_key(*parts: str) -> str:
+def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
@@ -81,11 +81,15 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     checkpointed run with the same key), or reuse the model saved under that key."""
     logger = get_run_logger()
     model_dir = Path(config.output_dir) / "models" / model_key
-    if (model_dir / "model.pkl").exists():
+    if (model_dir / MODEL_FILE).exists():
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
-    progress = create_progress_artifact(0.0, key=_artifact_key("training", config.name), description=f"{config.model.name} iterations")
+    warnings = []
+    if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
+        warnings.append(message)
+        logger.warning(message)
+    progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
         update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
@@ -105,9 +109,14 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
+    if getattr(model, "converged_", True) is False and model.n_iter_ >= model.max_iter:
+        warnings.append(f"the fit stopped at max_iter={model.max_iter} without converging (tol={model.tol}): raise "
+                        "model.params.max_iter, or check the ELBO trace (elbo.png)")
+        logger.warning(warnings[-1])
+    info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
-    _atomic_write_bytes(model_dir / "model.pkl", pickle.dumps(TrainedModel(model, summary.scaling)))  # last: marks it complete
+    save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
@@ -143,9 +152,9 @@ class IngestWork:
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
-    from tasks.ingest.cohort import plan_ct, plan_slides
+    from tasks.ingest.ct import plan_ct
     from tasks.ingest.features import make_extractor
-    from tasks.ingest.wsi import TilingParams
+    from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
@@ -185,7 +194,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     result = run.finish()
     info = result.to_json()
     if result.skipped:
-        create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
+        create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
@@ -197,7 +206,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
 @task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
-    from tasks.ingest.cohort import ingest_table as ingest_feature_table
+    from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
     source = config.ingest.source
@@ -220,7 +229,7 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     logger = get_run_logger()
     work = list_inputs(config)
     todo = work.run.to_run
-    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
+    progress = create_progress_artifact(0.0, key=artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
     outcomes: dict[str, BaseException | None] = {}
     with Client(scheduler_address) as client:
         futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
@@ -238,14 +247,32 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """What ``model.pkl`` holds: the fitted estimator and the feature scaling it was trained with."""
+    """What ``model.npz`` holds: the fitted estimator and the feature scaling it was trained with."""
 
     estimator: Any
     scaling: FeatureScaling | None
 
 
+MODEL_FILE = "model.npz"
+persist.allow_types(TrainedModel, FeatureScaling)
+
+
+def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
+    """Arrays + JSON (:mod:`mil_core.persist`), written atomically; never a pickle."""
+    return persist.save(trained, Path(model_dir) / MODEL_FILE)
+
+
 def load_model(model_dir: str | Path) -> TrainedModel:
-    return pickle.loads((Path(model_dir) / "model.pkl").read_bytes())
+    """The model saved by :func:`save_model`. A ``model.pkl`` of an older gpmil is refused, not
+    unpickled: a pickle runs code when loaded, and model folders are shared between teams."""
+    model_dir = Path(model_dir)
+    if not (model_dir / MODEL_FILE).exists() and (model_dir / "model.pkl").exists():
+        raise persist.UnsafeFileError(f"{model_dir / 'model.pkl'}: a pickled model from an older gpmil; pickles are never "
+                                      "loaded (they can run code). Retrain to write model.npz.")
+    trained = persist.load(model_dir / MODEL_FILE)
+    if not isinstance(trained, TrainedModel):
+        raise persist.UnsafeFileError(f"{model_dir / MODEL_FILE}: holds a {type(trained).__name__}, not a trained model")
+    return trained
 
 
 @task(name="predict-cohort", task_run_name="predict {store} with {model_dir}", cache_policy=NO_CACHE)
@@ -328,7 +355,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
     coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
 
-    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"]
+    trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
+    trained_on = trained_on_info["store"]
     in_sample = Path(trained_on).resolve() == Path(store).resolve()
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
                 f"model `{model_dir}`.", ""]
@@ -348,12 +376,18 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         figures.append(report.plot_roc(evaluation, out / "roc.png"))
         sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
                      f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
-        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=_artifact_key("metrics", config.name),
+        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=artifact_key("metrics", config.name),
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
     if (Path(model_dir) / "elbo.png").exists():
         figures.insert(0, Path(model_dir) / "elbo.png")
+
+    warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    if warnings:
+        for message in warnings:
+            logger.warning(message)
+        sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
 
     uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
     uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
@@ -377,9 +411,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     markdown = "\n".join(sections)
     (out / "report.md").write_text(markdown)
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=_artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact(markdown, key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
-                          key=_artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
+                          key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
     return StageResult(prediction_key, str(out / "report.md"), False, metrics)
 

@@ -92,7 +92,7 @@ grid of λ on a stratified split of the bags and keep the λ with the best valid
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -222,10 +222,10 @@ class SpectralBags:
 @dataclass
 class LamLocal:
     """A partition's local state: the inner model's warm start and its prepared block at the λ
-    it was built for (rebuilt when λ changes)."""
+    it was built for (rebuilt when λ changes, or when None: it is a cache, not saved in checkpoints)."""
 
     warm: np.ndarray
-    bags: ProbitBags | None = None
+    bags: ProbitBags | None = field(default=None, metadata={"transient": True})
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,7 @@ class FeatureDimensionError(IngestError):
 
 class StoreMismatchError(IngestError):
     """An existing store written with other settings (extractor, coordinates, tiling)."""
+
+
+class NonFiniteFeaturesError(IngestError):
+    """NaN or ±inf features (also values beyond float32's range, which the store keeps)."""

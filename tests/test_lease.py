@@ -1,0 +1,110 @@
+"""One writer per store: the writer lease between real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.lease import StoreLockedError, lease_path, read_lease, writer_lease
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from tasks.lease import writer_lease
+with writer_lease(sys.argv[1], "test holder"):
+    print("held", flush=True)
+    while not Path(sys.argv[2]).exists():
+        time.sleep(0.05)
+"""
+
+
+def _start_holder(store: Path, release: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(store), str(release)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_writer_process_is_refused_at_once_and_gets_the_lease_after_release(tmp_path):
+    store, release = tmp_path / "c.zarr", tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreLockedError, match=rf"being written by another run: test holder \(host .*PID {holder.pid}"):
+            with writer_lease(store, "second run"):
+                pass
+        assert time.monotonic() - started < 2.0  # immediate, no waiting
+    finally:
+        release.touch()
+        assert holder.wait(timeout=30) == 0
+    assert not lease_path(store).exists()  # released by its holder
+    with writer_lease(store, "second run"):
+        assert read_lease(store)[0].pid == os.getpid()
+
+
+def test_the_lease_of_a_killed_writer_is_taken_over(tmp_path, caplog):
+    store = tmp_path / "c.zarr"
+    holder = _start_holder(store, tmp_path / "never")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert read_lease(store)[0].pid == holder.pid  # left behind by the kill
+    with writer_lease(store, "rerun"):
+        assert read_lease(store)[0].purpose == "rerun"
+    assert "took over the writer lease" in caplog.text and f"process {holder.pid}" in caplog.text
+
+
+def _foreign_lease(store: Path, age: float) -> None:
+    path = lease_path(store)
+    path.write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None, "purpose": "run on other-node",
+                                "started": time.time() - age, "token": "x"}))
+    os.utime(path, (time.time() - age, time.time() - age))
+
+
+def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
+    store = tmp_path / "c.zarr"
+    _foreign_lease(store, age=5)
+    with pytest.raises(StoreLockedError, match="run on other-node.*host other-node"):
+        with writer_lease(store, "mine", ttl=60):
+            pass
+    _foreign_lease(store, age=120)
+    with writer_lease(store, "mine", ttl=60):
+        assert read_lease(store)[0].host == socket.gethostname()
+
+
+def test_the_lease_is_reentrant_in_one_process_and_refreshed_while_held(tmp_path):
+    store = tmp_path / "c.zarr"
+    with writer_lease(store, "flow", ttl=0.4):
+        first = lease_path(store).stat().st_mtime
+        with writer_lease(store, "library call inside the flow"):
+            assert read_lease(store)[0].purpose == "flow"
+        assert lease_path(store).exists()
+        time.sleep(0.5)
+        assert lease_path(store).stat().st_mtime > first  # the heartbeat kept it fresh (ttl 0.4 s)
+    assert not lease_path(store).exists()
+
+
+def test_readers_ignore_the_lease(tmp_path):
+    import numpy as np
+
+    from tasks.store import open_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=4, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+    release = tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        cohort = open_cohort(store)
+        assert cohort.n_bags == 4 and np.asarray(cohort.offsets)[-1] == len(X)
+    finally:
+        release.touch()
+        holder.wait(timeout=30)
