@@ -73,3 +73,48 @@ def test_a_name_from_non_utf8_bytes_is_refused_for_that_item_with_a_readable_rea
         StagingWriter(store, name, 1, str(tmp_path / f"{name}.tiff"))
     with pytest.raises(IngestError, match="source path is not valid UTF-8"):
         append_bags(store, [replace(_bag("fine", np.ones((1, 3))), source=f"/data/{name}.csv")])
+
+
+def _csv(tmp_path, rows):
+    path = tmp_path / "table.csv"
+    path.write_text("\n".join(",".join(map(str, r)) for r in rows) + "\n")
+    return path
+
+
+TABLE_ROWS = [[1, "a", 0.1, 0.2], [1, "a", 0.3, 0.4], [0, "b", 0.5, "nan"], [0, "b", 0.7, 0.8], [0, "c", 0.9, 1.0]]
+
+
+def test_a_feature_table_bag_with_nan_is_skipped_naming_the_file_row_and_the_others_are_committed(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)))
+    assert report.added == ("a", "c")
+    (skip,) = report.skipped
+    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "rows [2] of the file, columns [1]" in skip.reason
+    assert skip.path.endswith("table.csv")
+
+
+def test_with_nonfinite_drop_the_instance_is_left_out_and_counted(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)), nonfinite="drop")
+    assert report.added == ("a", "b", "c") and report.dropped_nonfinite == {"b": 1} and not report.skipped
+    cohort = open_cohort(tmp_path / "c.zarr")
+    assert np.diff(np.asarray(cohort.offsets)).tolist() == [2, 1, 1]
+
+
+def test_run_ingest_with_nonfinite_drop_counts_dropped_instances_per_bag(tmp_path):
+    from tasks.ingest.driver import IngestItem, run_ingest
+
+    def writer(item, staging):
+        X = np.ones((4, 3))
+        X[: item.payload, 0] = np.inf
+        staging.write(X, np.arange(4)[:, None], np.full(4, -1))
+
+    spec = CohortSpec(name="c", n_features=3, coords_dim=1, coords_meaning="index")
+    items = [IngestItem(f"s{k}", f"/s{k}.tiff", k % 2, k) for k in range(3)]
+    report = run_ingest(tmp_path / "c.zarr", spec, items, writer, nonfinite="drop")
+    assert report.added == ("s0", "s1", "s2") and report.dropped_nonfinite == {"s1": 1, "s2": 2}
+    rejected = run_ingest(tmp_path / "d.zarr", spec, items, writer)
+    assert rejected.added == ("s0",) and [s.bag_id for s in rejected.skipped] == ["s1", "s2"]
+    assert "rows [0] of the bag" in rejected.skipped[0].reason
