@@ -147,3 +147,53 @@ def test_a_store_with_a_nan_row_predicts_every_good_bag_and_names_the_bad_one(tm
     assert np.isnan(out["bags/proba"][3]) and np.isnan(out["instances/proba"][cohort.bag_slice(3)]).all()
     reason = zarr.open_group(store, mode="r")["predictions/p"].attrs["not_predicted"]
     assert list(reason) == [str(cohort.bag_ids[3])] and f"store row {bad_row}" in reason[str(cohort.bag_ids[3])]
+
+
+def _edit(paths, **tags):
+    import pydicom
+
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        for tag, value in tags.items():
+            if value is None:
+                delattr(ds, tag)
+            else:
+                setattr(ds, tag, value)
+        ds.save_as(path)
+
+
+def test_ct_series_that_are_not_one_complete_ct_scan_are_refused_naming_series_and_reason(tmp_path):
+    import pydicom
+
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import write_ct_series
+
+    hu = np.random.default_rng(0).normal(40.0, 30.0, size=(6, 16, 16))
+    root = tmp_path / "dicom"
+    good, _, _ = write_ct_series(root / "good", hu, series_key="good")
+    mr, _, mr_paths = write_ct_series(root / "mr", hu, series_key="mr")
+    _edit(mr_paths, Modality="MR")
+    norescale, _, nr_paths = write_ct_series(root / "norescale", hu, series_key="norescale")
+    _edit(nr_paths[2:3], RescaleIntercept=None)
+    gap, _, gap_paths = write_ct_series(root / "gap", hu, series_key="gap")
+    gap_paths[3].write_bytes(gap_paths[3].read_bytes()[:100])  # an unreadable slice in the middle
+    dup, _, dup_paths = write_ct_series(root / "dup", hu, series_key="dup")
+    _edit(dup_paths[4:5], ImagePositionPatient=[-125.0, -125.0, 15.0])  # where slice 3 is
+    first, _, _ = write_ct_series(root / "mixed", hu, series_key="mixed-a")
+    second, _, second_paths = write_ct_series(root / "mixed", hu[:4], series_key="mixed-b")
+    study = pydicom.dcmread(str(root / "good" / next(p.name for p in (root / "good").iterdir()))).StudyInstanceUID
+    first_study = next(pydicom.dcmread(p).StudyInstanceUID for p in (root / "mixed").iterdir()
+                       if pydicom.dcmread(p).SeriesInstanceUID == first)
+    _edit(second_paths, StudyInstanceUID=first_study)
+    assert study != first_study
+
+    report = ingest_ct(tmp_path / "ct.zarr", root)
+    reasons = {s.bag_id: (s.error, s.reason) for s in report.skipped if s.bag_id}
+    assert report.added == (good,)
+    assert reasons[mr] == ("InvalidSeriesError", reasons[mr][1]) and "Modality 'MR', not CT" in reasons[mr][1]
+    assert "no usable RescaleIntercept" in reasons[norescale][1] and nr_paths[2].name in reasons[norescale][1]
+    assert "gap of 10.00 mm" in reasons[gap][1] and "median spacing 5.00 mm" in reasons[gap][1]
+    assert any(s.error == "UnreadableFileError" and s.path == str(gap_paths[3]) for s in report.skipped)
+    assert "same position (15.00 mm" in reasons[dup][1]
+    assert "folder holds 2 series of one study" in reasons[first][1] and second in reasons
+    assert all(s.path for s in report.skipped)
