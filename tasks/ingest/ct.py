@@ -181,16 +181,20 @@ def _reject_mixed_folders(series: list[CTSeries], groups: dict[str, list], error
 
 def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]:
     """:func:`scan_dicom_files` over every file under ``root`` (any extension; CSVs and hidden files skipped)."""
-    files = [p for p in Path(root).rglob("*")
-             if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".csv", ".json", ".png")]
-    return scan_dicom_files(files)
+    from tasks.ingest.labels import split_undecodable
+
+    files, undecodable = split_undecodable(
+        p for p in Path(root).rglob("*")
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".csv", ".json", ".png"))
+    series, errors = scan_dicom_files(files)
+    return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
 
 def read_rsna_labels(path: str | Path) -> dict[str, int]:
     """SOPInstanceUID → 0/1 from an RSNA-style CSV (``ID_<SOPInstanceUID>_any, Label``; other subtypes ignored)."""
-    import pandas as pd
+    from tasks.ingest.labels import read_labels_csv
 
-    table = pd.read_csv(path, dtype={"ID": str})
+    table = read_labels_csv(path, dtype={"ID": str})
     if not {"ID", "Label"} <= set(table.columns):
         raise IngestError(f"labels CSV needs columns ID, Label; has {list(table.columns)}", path=str(path))
     rows = table[table["ID"].str.endswith("_any")]
