@@ -94,11 +94,16 @@ class SparseGP:
         float64. Float32 ``X`` gives float32 ``A'`` (half the memory, float32 GEMMs in the
         sweeps) whose statistics are still accumulated in float64 (:func:`transposed_product`).
         """
-        xp = array_namespace(X)
-        Z, L = like(self.Z, X), like(self.chol, X)
-        A = solve_lower(L, self.kernel(Z, X)).T
-        resid = xp.clip(self.kernel.diag(X) - xp.sum(A * A, axis=1), 0.0, None)
-        if X.dtype == xp.float32:
+        return self.whiten_cross(self.kernel(like(self.Z, X), X), self.kernel.diag(X), dtype=X.dtype)
+
+    def whiten_cross(self, Kzx: Any, diag: Any, dtype: Any = None) -> WhitenedBlock:
+        """:meth:`whiten` from an already computed ``K(Z, X)`` (M, n) and ``diag K(X, X)`` (n,),
+        for callers that also need the kernel block itself (the hyper-parameter gradient);
+        ``dtype`` float32 stores A' in float32."""
+        xp = array_namespace(Kzx)
+        A = solve_lower(like(self.chol, Kzx), Kzx).T
+        resid = xp.clip(diag - xp.sum(A * A, axis=1), 0.0, None)
+        if dtype == xp.float32:
             A = xp.astype(A, xp.float32)
         return WhitenedBlock(A=A, resid=resid)
 

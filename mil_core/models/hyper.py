@@ -49,7 +49,7 @@ import scipy.linalg
 import scipy.optimize
 from scipy.special import expit, logsumexp
 
-from .._backend import array_namespace, like, solve_lower, solve_lower_transposed, to_numpy
+from .._backend import array_namespace, like, solve_lower_transposed, to_numpy
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi
@@ -342,12 +342,12 @@ class HyperMILUpdates:
         L, m, S = like(gp.chol, X), probe.q.mean, probe.q.cov
         v = gp.kernel.variance
         Kxz = gp.kernel(X, like(gp.Z, X))
-        A = solve_lower(L, Kxz.T).T
+        features = gp.whiten_cross(Kxz.T, gp.kernel.diag(X))
+        A, resid = features.A, to_numpy(features.resid)
+        inside = resid > 0.0  # the FITC residual is clipped at 0: no gradient where it is
         AS = A @ like(S, X)
-        resid = to_numpy(v - xp.sum(A * A, axis=1))
-        inside = resid > 0.0  # SparseGP.whiten clips the FITC residual at 0
         mean = to_numpy(A @ like(m, X))
-        var = np.maximum(to_numpy(xp.sum(AS * A, axis=1)) + np.where(inside, resid, 0.0), 0.0)
+        var = np.maximum(to_numpy(xp.sum(AS * A, axis=1)) + resid, 0.0)
         c = np.sqrt(mean**2 + var)
         theta = psi.theta(c)
         pi = expit(logits)
