@@ -43,10 +43,10 @@ def synchronise(namespace: str) -> None:
         cupy.cuda.Device().synchronize()
 
 
-def resident(store: str, args) -> dict[str, float]:
+def resident(store: str, args, dtype: str) -> tuple[dict[str, float], object]:
     """All features on the device once, whitened once, then ``--iterations`` sweeps (serial executor)."""
     cohort = open_cohort(store)
-    placement = ArrayPlacement(kind="cpu" if args.namespace == "numpy" else "gpu", namespace=args.namespace, dtype=args.dtype)
+    placement = ArrayPlacement(kind="cpu" if args.namespace == "numpy" else "gpu", namespace=args.namespace, dtype=dtype)
     labels = np.asarray(cohort.bag_labels)
     training = np.flatnonzero(labels >= 0)
     model = VGPMIL(n_inducing=args.m, max_iter=args.iterations, tol=0.0, random_state=0)
@@ -70,7 +70,7 @@ def resident(store: str, args) -> dict[str, float]:
     iterations = time.perf_counter() - t
     assert trace.n_iter == args.iterations and np.isfinite(trace.objective[-1])
     return {"load s": loaded, "whiten s": whitened, f"{args.iterations} iterations s": iterations,
-            "s / iteration": iterations / args.iterations}
+            "s / iteration": iterations / args.iterations}, trace
 
 
 def from_store(store: str, args) -> dict[str, float]:
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--partition-mib", type=int, default=512)
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--skip", choices=["resident", "store"], nargs="*", default=[])
+    parser.add_argument("--compare-float64", action="store_true",
+                        help="also run the resident fit in float64 and print the float32 error against it")
     args = parser.parse_args()
 
     if not args.store.exists():
@@ -111,7 +113,15 @@ def main() -> None:
     print(f"{platform.node()} {platform.machine()}, python {platform.python_version()}; namespace {args.namespace}, "
           f"A' {args.dtype}; N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations")
     if "resident" not in args.skip:
-        print("resident:", {k: round(v, 2) for k, v in resident(str(args.store), args).items()}, flush=True)
+        times, trace = resident(str(args.store), args, args.dtype)
+        print(f"resident ({args.dtype}):", {k: round(v, 2) for k, v in times.items()}, flush=True)
+        if args.compare_float64 and args.dtype == "float32":
+            times64, trace64 = resident(str(args.store), args, "float64")
+            print("resident (float64):", {k: round(v, 2) for k, v in times64.items()}, flush=True)
+            m32, m64 = trace.glob.mean, trace64.glob.mean
+            print(f"float32 vs float64 after {args.iterations} iterations: max |m' error| / max |m'| = "
+                  f"{np.abs(m32 - m64).max() / np.abs(m64).max():.2e}, ELBO relative error = "
+                  f"{abs(trace.objective[-1] - trace64.objective[-1]) / abs(trace64.objective[-1]):.2e}", flush=True)
     if "store" not in args.skip:
         print("from the store:", {k: round(v, 2) for k, v in from_store(str(args.store), args).items()}, flush=True)
 
