@@ -33,7 +33,7 @@ from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from mil_core import GVGPMIL, VGPMIL, GammaMixture, SparseGP
-from mil_core.hyper import HyperSpace, QuadratureNormaliser, RFFNormaliser
+from mil_core.models.hyper import HyperSpace, QuadratureNormaliser, RFFNormaliser
 from mil_core.kernels import RBF
 from mil_core.model_selection import BagwiseClassifier, StratifiedBagKFold, _binary_metrics, bag_scorers, grid_search_bags, with_bag_ids
 from mil_core.validation import check_mil_data

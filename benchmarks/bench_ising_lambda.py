@@ -25,7 +25,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.preprocessing import StandardScaler
 
 from mil_core import VGPMILPRI
-from mil_core.ising_hyper import select_lam_by_validation
+from mil_core.models.ising_hyper import select_lam_by_validation
 
 GRID = (0.0, 0.1, 0.5, 1.0, 5.0)
 FORMS = ("ising", "smoother")

@@ -3,9 +3,12 @@
 
 One Dask cluster per flow run: the flow starts a ``LocalCluster`` (or connects to
 ``dask.scheduler_address``) and hands its address to the tasks, whose clients attach to it.
-"""
 
-from __future__ import annotations
+Flow parameters are JSON values (the configuration is a path), so a deployment can carry them,
+and their annotations are real objects, not ``from __future__`` strings: a served deployment
+runs the flow from a cloudpickled copy whose globals hold only what the body uses, where Prefect
+could not resolve a string annotation such as ``"PipelineConfig"``.
+"""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,15 +35,12 @@ def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) ->
         yield client.scheduler.address
 
 
-def _config(config: str | PipelineConfig, **overrides: Any) -> PipelineConfig:
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if isinstance(config, PipelineConfig):
-        return config.model_copy(update=overrides) if overrides else config
-    return load_config(config, **overrides)
+def _config(config: str, **overrides: Any) -> PipelineConfig:
+    return load_config(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
 @flow(name="ingest-cohort", log_prints=True)
-def ingest_cohort(config: str | PipelineConfig, store: str | None = None, source: str | None = None,
+def ingest_cohort(config: str, store: str | None = None, source: str | None = None,
                   scheduler_address: str | None = None) -> t.StageResult:
     """Tile + featurise new slides/scans (one task each, on the cluster) or load a feature table
     into the cohort store; slides already in the store are skipped."""
@@ -79,7 +79,7 @@ def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | 
 
 
 @flow(name="gpmil-pipeline", log_prints=True)
-def pipeline(config: str | PipelineConfig, store: str | None = None, source: str | None = None,
+def pipeline(config: str, store: str | None = None, source: str | None = None,
              scheduler_address: str | None = None) -> dict[str, t.StageResult]:
     """Ingest → train → predict → evaluate on one cluster. Reruns skip what is done: slides
     already ingested, a model trained on the same cohort content and configuration, complete

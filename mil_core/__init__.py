@@ -3,16 +3,17 @@
 Sparse Gaussian-process multiple-instance learning written as map → sum → small solve:
 partition steps over blocks of whole bags return summable statistics; a global update solves
 an M×M system. See ``mil_core.engine`` and ``DESIGN.md``.
+
+Layout: the estimators (and their partition updates and hyper-parameter steps) live in
+:mod:`mil_core.models`; the numerics they share — engine, kernels, likelihoods, bag reductions,
+truncated normals, orthant probabilities, the Ising/CAR coupling, predictive formulas — are
+modules of this package and never import a model.
 """
 
 from .engine import BagBlock, GaussianQ, SerialExecutor, SparseGP, optimise
 from .kernels import RBF
 from .likelihoods import GammaMixture, HyperbolicSecant, Psi, ThetaFunction
-from .vgpmil import GVGPMIL, VGPMIL, PsiVGPMIL
-from .probit import VGPMILPR, VGPMILPRI
-from .gibbs import VGPMILPRGibbs
-from .vwsgp import VWSGP
-from .absmil import AbSMIL
+from .models import GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL, VGPMILPRGibbs
 
 __all__ = [
     "RBF",

@@ -226,7 +226,7 @@ def optimise(
 
     Updates may define the optional ``hyper_step(sweep, iteration, glob) → glob``: a step on
     hyper-parameters run after each global update, which may call ``sweep`` itself (seed 000,
-    Algorithm 1, step 8; :mod:`mil_core.hyper`).
+    Algorithm 1, step 8; :mod:`mil_core.models.hyper`).
     """
     trace = FitTrace(glob=glob) if resume_from is None else resume_from
     hyper_step = getattr(updates, "hyper_step", None)

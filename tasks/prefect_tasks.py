@@ -12,7 +12,6 @@ import base64
 import hashlib
 import json
 import os
-import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,10 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
+from mil_core import persist
 from tasks import report
 from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
@@ -80,7 +81,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     checkpointed run with the same key), or reuse the model saved under that key."""
     logger = get_run_logger()
     model_dir = Path(config.output_dir) / "models" / model_key
-    if (model_dir / "model.pkl").exists():
+    if (model_dir / MODEL_FILE).exists():
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
@@ -106,7 +107,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     }
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
-    _atomic_write_bytes(model_dir / "model.pkl", pickle.dumps(TrainedModel(model, summary.scaling)))  # last: marks it complete
+    save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
@@ -237,14 +238,32 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """What ``model.pkl`` holds: the fitted estimator and the feature scaling it was trained with."""
+    """What ``model.npz`` holds: the fitted estimator and the feature scaling it was trained with."""
 
     estimator: Any
     scaling: FeatureScaling | None
 
 
+MODEL_FILE = "model.npz"
+persist.allow_types(TrainedModel, FeatureScaling)
+
+
+def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
+    """Arrays + JSON (:mod:`mil_core.persist`), written atomically; never a pickle."""
+    return persist.save(trained, Path(model_dir) / MODEL_FILE)
+
+
 def load_model(model_dir: str | Path) -> TrainedModel:
-    return pickle.loads((Path(model_dir) / "model.pkl").read_bytes())
+    """The model saved by :func:`save_model`. A ``model.pkl`` of an older gpmil is refused, not
+    unpickled: a pickle runs code when loaded, and model folders are shared between teams."""
+    model_dir = Path(model_dir)
+    if not (model_dir / MODEL_FILE).exists() and (model_dir / "model.pkl").exists():
+        raise persist.UnsafeFileError(f"{model_dir / 'model.pkl'}: a pickled model from an older gpmil; pickles are never "
+                                      "loaded (they can run code). Retrain to write model.npz.")
+    trained = persist.load(model_dir / MODEL_FILE)
+    if not isinstance(trained, TrainedModel):
+        raise persist.UnsafeFileError(f"{model_dir / MODEL_FILE}: holds a {type(trained).__name__}, not a trained model")
+    return trained
 
 
 @task(name="predict-cohort", task_run_name="predict {store} with {model_dir}", cache_policy=NO_CACHE)
@@ -365,12 +384,12 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
             thumbnail, tile_px = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
-            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], out / "heatmaps" / f"{bag_id}.png", kind=kind,
+            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
                                                    thumbnail=thumbnail, tile_px_on_thumbnail=tile_px,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
-                                                 out / "slices" / f"{bag_id}.png", kind=kind, instance_labels=instance_labels[rows],
+                                                 bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
     sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
     markdown = "\n".join(sections)

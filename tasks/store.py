@@ -418,7 +418,7 @@ def write_cohort_from_arrays(
 # ------------------------------------------------------------------------------------- staging
 def staging_key(bag_id: str) -> str:
     """Name of a bag's staging group: a hash, so any bag id is a safe path component."""
-    return hashlib.sha1(bag_id.encode()).hexdigest()[:24]
+    return hashlib.sha1(bag_id.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
 def staged_status(root: zarr.Group, bag_id: str) -> str:

@@ -36,7 +36,7 @@ import numpy as np
 import zarr
 from distributed import Client, Future, as_completed, wait
 
-from mil_core.base import SparseGPMILBase, take_bags
+from mil_core.models.base import SparseGPMILBase, take_bags
 from mil_core.engine import BagBlock, FitTrace, PartitionUpdates, optimise
 from tasks.store import Partition, open_cohort
 
@@ -379,7 +379,7 @@ def fit_cohort(
     standardize: bool = False,
     on_iteration: Callable[[int, float], None] | None = None,
 ) -> TrainingSummary:
-    """Fit ``model`` (any :class:`~mil_core.base.SparseGPMILBase` estimator) on the labelled bags
+    """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
 
     The fitted attributes are those of ``model.fit`` on the same data (equal to 1e-8). Inducing
@@ -481,7 +481,7 @@ class _DistributedEarlyStopping:
                  validation: np.ndarray, partition_bytes: int, device: str, scaling: FeatureScaling | None):
         from sklearn.metrics import roc_auc_score
 
-        from mil_core.base import _EarlyStopping
+        from mil_core.models.base import _EarlyStopping
 
         self.client = client
         self.model = client.submit(_value, model, pure=False)

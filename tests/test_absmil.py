@@ -9,7 +9,7 @@ from scipy.special import log_softmax
 from sklearn.base import clone
 
 from mil_core import AbSMIL
-from mil_core.absmil import AbSMILState, AbSMILUpdates, AttributeBags, count_chain, relevance_caps
+from mil_core.models.absmil import AbSMILState, AbSMILUpdates, AttributeBags, count_chain, relevance_caps
 from mil_core.random_features import RandomFourierFeatures
 
 

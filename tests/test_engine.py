@@ -7,7 +7,7 @@ from scipy.special import expit
 from mil_core import RBF, VGPMIL, GVGPMIL, GaussianQ, HyperbolicSecant, SparseGP
 from mil_core.bags import BagIndex, expected_max_of_others, split_into_blocks
 from mil_core.engine import BagBlock, gaussian_update
-from mil_core.vgpmil import PsiMILUpdates
+from mil_core.models.vgpmil import PsiMILUpdates
 
 
 @pytest.mark.parametrize("model", [VGPMIL, GVGPMIL])

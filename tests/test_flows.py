@@ -110,7 +110,7 @@ def test_predicting_a_cohort_with_other_features_fails_clearly_and_keeps_the_mod
     other = write_store(tmp_path / "other.zarr", X, bags, y)
     with pytest.raises(ValueError, match=r"other.zarr has 5 features per instance, but the model was trained on 2"):
         predict_cohort(write_config(tmp_path, cohort), trained.path, store=other)
-    assert (tmp_path / "out" / "models" / trained.key / "model.pkl").exists()
+    assert (tmp_path / "out" / "models" / trained.key / "model.npz").exists()
 
 
 def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(tmp_path, cohort, capsys):

@@ -9,9 +9,9 @@ from sklearn.base import clone
 from mil_core import GVGPMIL, RBF, VGPMIL
 from mil_core.bags import BagIndex
 from mil_core.engine import BagBlock, GaussianQ, SerialExecutor, SparseGP
-from mil_core.hyper import HyperMILUpdates, HyperSpace, HyperState, QuadratureNormaliser, RFFNormaliser, make_normaliser
+from mil_core.models.hyper import HyperMILUpdates, HyperSpace, HyperState, QuadratureNormaliser, RFFNormaliser, make_normaliser
 from mil_core.likelihoods import GammaMixture, HyperbolicSecant, ThetaFunction
-from mil_core.vgpmil import PsiMILUpdates
+from mil_core.models.vgpmil import PsiMILUpdates
 
 
 def _blocks(X, bags, y, cuts):

@@ -1,4 +1,4 @@
-"""Learning the Ising strength λ of VGPMIL-PR-I (mil_core.ising_hyper): by the CAR likelihood of
+"""Learning the Ising strength λ of VGPMIL-PR-I (mil_core.models.ising_hyper): by the CAR likelihood of
 the latent field (``lam_objective="field"``) and by the ELBO (``"bound"``), for the paper's coupling
 (``coupling_form="ising"``) and the smoother form (``"smoother"``)."""
 
@@ -12,8 +12,8 @@ from sklearn.base import clone
 from mil_core import RBF, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, GaussianQ, SerialExecutor, SparseGP
 from mil_core.ising import laplacian, neighbour_edges
-from mil_core.ising_hyper import LAM_MAX, LAM_MIN, FieldStats, IsingLamUpdates, LamProbe, select_lam_by_validation
-from mil_core.probit import ProbitMILUpdates
+from mil_core.models.ising_hyper import LAM_MAX, LAM_MIN, FieldStats, IsingLamUpdates, LamProbe, select_lam_by_validation
+from mil_core.models.probit_updates import ProbitMILUpdates
 
 
 def _grid_coords(side):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from tasks.ingest.errors import IngestError, NoTissueError, UnreadableFileError
+from tasks.paths import bag_file
 
 
 @dataclass(frozen=True)
@@ -249,13 +250,13 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
                      qc_dir: str | None = None) -> None:
     """Ingest worker for one slide: tile grid → tile batches → features → the bag's staging writer.
 
-    Raises :class:`NoTissueError` when no tile is kept. Writes ``<qc_dir>/<bag_id>.png`` if asked.
+    Raises :class:`NoTissueError` when no tile is kept. Writes ``<qc_dir>/<safe_filename(bag_id)>.png`` if asked.
     """
     with Slide(item.source) as slide:
         grid = tile_grid(slide, params)
         if not len(grid.coords):
             raise NoTissueError(f"no tile has >= {params.min_tissue:.0%} tissue", path=item.source, bag_id=item.bag_id)
         if qc_dir is not None:
-            write_qc_thumbnail(Path(qc_dir) / f"{item.bag_id}.png", slide, grid)
+            write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid)
         for tiles, coords in iter_tile_batches(slide, grid, batch_size):
             writer.write(extractor(tiles), coords, np.full(len(coords), -1, dtype=np.int8))

@@ -23,12 +23,12 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
-from .bags import EmaxRule, expected_max_of_others, log_prob_all_negative, segment_sum
+from ..bags import EmaxRule, expected_max_of_others, log_prob_all_negative, segment_sum
+from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, WhitenedBlock, gaussian_update
+from ..kernels import RBF
+from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
 from .base import SparseGPMILBase, store_params
-from .engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, WhitenedBlock, gaussian_update
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
-from .kernels import RBF
-from .likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
 
 __all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
 
@@ -241,7 +241,7 @@ _COMMON_PARAMS = """
         Learn the RBF variance and length-scale (ARD when ``kernel.length_scale`` is a vector),
         and the inducing points, by maximising the ELBO (Eq. 29; Algorithm 1, step 8): after every
         ``hyper_every``-th sweep, ``hyper_steps`` L-BFGS evaluations (one sweep each); J never
-        decreases across a step. Defaults: off (fixed kernel). See :mod:`mil_core.hyper`.
+        decreases across a step. Defaults: off (fixed kernel). See :mod:`mil_core.models.hyper`.
 
     Attributes
     ----------
@@ -270,7 +270,7 @@ class PsiVGPMIL(_LogisticGPMIL):
         A :class:`~mil_core.likelihoods.Psi` or a bare ``θ(c)`` callable; ``None`` is the
         hyperbolic secant, which makes this model VGPMIL.
     log_normaliser : {"quadrature", "mc_rff"}
-        ``log Z`` of Eq. 29 when learning the kernel (:mod:`mil_core.hyper`)."""
+        ``log Z`` of Eq. 29 when learning the kernel (:mod:`mil_core.models.hyper`)."""
         + _COMMON_PARAMS
     )
 
@@ -353,7 +353,7 @@ class GVGPMIL(_LogisticGPMIL):
         they run whenever ``learn_psi`` or ``learn_kernel`` is set). The fallback is validation-based
         selection over the grid (:func:`mil_core.model_selection.grid_search_bags`).
     log_normaliser : {"quadrature", "mc_rff"}
-        ``log Z`` of Eq. 29 (:mod:`mil_core.hyper`); it is what keeps v, α, β finite.
+        ``log Z`` of Eq. 29 (:mod:`mil_core.models.hyper`); it is what keeps v, α, β finite.
 
     Notes
     -----

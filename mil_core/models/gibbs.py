@@ -22,13 +22,13 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse
 
+from ..engine import BagBlock, GaussianQ
+from ..ising import Neighbourhood
+from ..kernels import RBF
+from ..truncnorm import sample_upper_truncated
+from ..validation import check_mil_data
 from .base import store_params
-from .engine import BagBlock, GaussianQ
-from .ising import Neighbourhood
-from .kernels import RBF
 from .probit import VGPMILPRI
-from .truncnorm import sample_upper_truncated
-from .validation import check_mil_data
 
 __all__ = ["VGPMILPRGibbs"]
 
@@ -43,7 +43,7 @@ class VGPMILPRGibbs(VGPMILPRI):
     Parameters
     ----------
     lam, neighbourhood, n_inducing, kernel, exact_diag_max, diag_tol, exact_orthant_max, n_mc_samples
-        As in :class:`~mil_core.probit.VGPMILPRI` (``lam=0`` by default here).
+        As in :class:`~mil_core.models.probit.VGPMILPRI` (``lam=0`` by default here).
     n_samples : int, default=2000
         Kept samples.
     burn_in : int, default=500

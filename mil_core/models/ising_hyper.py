@@ -37,7 +37,7 @@ Eq. 15, the ELBO collapsed over ``q(m)`` is, per bag (``μ_b = Σ_b A'_b m'``, E
     J_b(λ) = log Z_b(μ_b, Σ_b) − ½ tr(Σ_b A'_b S' A'_bᵀ) − ½ Σ_i (Σ_b)_ii r_i
 
 with ``r_i`` the FITC residual. It is exactly the data part of the ELBO that
-:class:`~mil_core.probit.ProbitMILUpdates` tracks; ``KL(q(v) ‖ p(v))`` does not depend on λ.
+:class:`~mil_core.models.probit_updates.ProbitMILUpdates` tracks; ``KL(q(v) ‖ p(v))`` does not depend on λ.
 Writing ``E log p(m_b | f_b)`` out gives ``½ log det P_b`` and the quadratic term
 ``−½ E[(m − Σf)ᵀP(m − Σf)]``; for the optimal ``q(m_b)`` they combine with its entropy into
 ``log Z_b`` (the normaliser of ``N(μ_b, Σ_b)`` on the bag's region), which is why no explicit
@@ -76,7 +76,7 @@ fit's time; a 10-sweep fit went from 19 s to 0.5 s at the same learnt λ).
 **Map → sum → small step.** A partition returns the sums over its bags — :class:`FieldStats`
 (``S₀``, ``S₁``, the log-determinant and its derivative, the mode count) or :class:`LamStats`
 (``J`` and ``dJ/d log λ``); the reduction is ``+`` and ``value_and_grad`` turns the total into the
-objective. :class:`IsingLamUpdates` wraps the model's :class:`~mil_core.probit.ProbitMILUpdates`;
+objective. :class:`IsingLamUpdates` wraps the model's :class:`~mil_core.models.probit_updates.ProbitMILUpdates`;
 its global state :class:`LamState` carries ``(q, λ)``; a :class:`LamProbe` state makes the same
 partition step return the statistics and leave the local state untouched, so any executor's
 ``sweep`` evaluates the objective and its gradient. :meth:`IsingLamUpdates.hyper_step` (called by
@@ -92,8 +92,8 @@ grid of λ on a stratified split of the bags and keep the λ with the best valid
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import numpy as np
 import scipy.optimize
@@ -103,15 +103,13 @@ from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import train_test_split
 
-from ._backend import to_numpy
-from .bags import BagIndex
-from .engine import BagBlock, GaussianQ, Summable, WhitenedBlock
+from .._backend import to_numpy
+from ..bags import BagIndex
+from ..engine import BagBlock, GaussianQ, Summable, WhitenedBlock
+from ..ising import CARCoupling, laplacian, neighbour_edges
+from ..truncnorm import log_inverse_mills, positive_bag_log_normaliser
 from .hyper import check_hyper_schedule
-from .ising import CARCoupling, laplacian, neighbour_edges
-from .truncnorm import log_inverse_mills, positive_bag_log_normaliser
-
-if TYPE_CHECKING:  # probit imports this module
-    from .probit import ProbitBags, ProbitMILUpdates
+from .probit_updates import ProbitBags, ProbitMILUpdates
 
 __all__ = [
     "LAM_MIN",
@@ -224,10 +222,10 @@ class SpectralBags:
 @dataclass
 class LamLocal:
     """A partition's local state: the inner model's warm start and its prepared block at the λ
-    it was built for (rebuilt when λ changes)."""
+    it was built for (rebuilt when λ changes, or when None: it is a cache, not saved in checkpoints)."""
 
     warm: np.ndarray
-    bags: ProbitBags | None = None
+    bags: ProbitBags | None = field(default=None, metadata={"transient": True})
 
 
 @dataclass(frozen=True)
@@ -253,7 +251,7 @@ class IsingLamUpdates:
             raise ValueError(
                 f"learn_lam uses a dense eigendecomposition per bag; a bag has {sizes.max()} instances "
                 f"> exact_diag_max={self.inner.exact_diag_max} (raise exact_diag_max, or select lam with "
-                "mil_core.ising_hyper.select_lam_by_validation)"
+                "mil_core.models.ising_hyper.select_lam_by_validation)"
             )
         features = self.inner.gp.whiten(block.X)
         A = np.asarray(to_numpy(features.A), dtype=np.float64)

@@ -49,10 +49,10 @@ import scipy.linalg
 import scipy.optimize
 from scipy.special import expit, logsumexp
 
-from ._backend import to_numpy
-from .engine import BagBlock, GaussianQ, SparseGP, Summable
-from .kernels import RBF
-from .likelihoods import GammaMixture, HyperbolicSecant, Psi
+from .._backend import to_numpy
+from ..engine import BagBlock, GaussianQ, SparseGP, Summable
+from ..kernels import RBF
+from ..likelihoods import GammaMixture, HyperbolicSecant, Psi
 
 __all__ = [
     "HyperSpace",
@@ -292,7 +292,7 @@ def make_normaliser(name: LogNormaliserName, n_features: int, ard: bool, random_
 # ----------------------------------------------------------------------------- the updates
 @dataclass(frozen=True)
 class HyperMILUpdates:
-    """A ψ-VGPMIL :class:`~mil_core.vgpmil.PsiMILUpdates` (``inner``) with learnt hyper-parameters.
+    """A ψ-VGPMIL :class:`~mil_core.models.vgpmil.PsiMILUpdates` (``inner``) with learnt hyper-parameters.
 
     Prepared blocks are the raw :class:`~mil_core.engine.BagBlock` (the whitened features change
     with λ, so each sweep whitens with the ``gp`` of the global state). With ``hyper_every`` k,

@@ -37,12 +37,12 @@ from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from ._backend import array_namespace, to_numpy
-from .bags import split_into_blocks
+from .._backend import array_namespace, to_numpy
+from ..bags import split_into_blocks
+from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
+from ..random_features import RandomFourierFeatures
+from ..validation import check_features, check_mil_data
 from .base import store_params, take_bags
-from .engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
-from .random_features import RandomFourierFeatures
-from .validation import check_features, check_mil_data
 
 __all__ = [
     "AbSMIL",

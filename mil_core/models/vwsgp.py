@@ -27,11 +27,11 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
-from ._backend import array_namespace, to_numpy
+from .._backend import array_namespace, to_numpy
+from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
+from ..kernels import RBF
+from ..likelihoods import HyperbolicSecant
 from .base import SparseGPMILBase, store_params
-from .engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
-from .kernels import RBF
-from .likelihoods import HyperbolicSecant
 
 __all__ = ["BagEvidence", "EvidenceStats", "VWSGPUpdates", "VWSGP"]
 

@@ -13,12 +13,12 @@ from sklearn.model_selection import train_test_split
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from ._backend import to_numpy
-from .bags import BagIndex, split_into_blocks
-from .engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
-from .inducing import kmeans_inducing_points
-from .kernels import RBF
-from .validation import check_features, check_mil_data
+from .._backend import to_numpy
+from ..bags import BagIndex, split_into_blocks
+from ..engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
+from ..inducing import kmeans_inducing_points
+from ..kernels import RBF
+from ..validation import check_features, check_mil_data
 
 __all__ = ["SparseGPMILBase", "store_params", "take_bags"]
 
