@@ -80,7 +80,7 @@ def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
 
 
 def test_the_lease_is_reentrant_in_one_process_and_refreshed_while_held(tmp_path):
-    store = tmp_path / "c.zarr"
+    store = tmp_path / "new" / "folder" / "c.zarr"  # a store about to be created
     with writer_lease(store, "flow", ttl=0.4):
         first = lease_path(store).stat().st_mtime
         with writer_lease(store, "library call inside the flow"):
