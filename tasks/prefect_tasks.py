@@ -3,7 +3,7 @@
 Results are keyed on content and persisted next to the data (model files under
 ``<output_dir>/models/<key>/``, predictions in the store under ``predictions/<key>``), so a task
 whose result exists returns it without recomputing (``reused=True`` in its result); Prefect's own
-result caching is therefore off. I/O tasks retry with back-off.
+result caching is therefore off. I/O tasks retry with back-off on transient errors only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
-IO_RETRIES = dict(retries=2, retry_delay_seconds=[2, 10])
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,29 @@ def _atomic_write_bytes(path: Path, payload: bytes) -> None:
     os.replace(tmp.name, path)
 
 
-@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **IO_RETRIES)
+def is_transient(error: BaseException | None) -> bool:
+    """Worth a retry: I/O and network errors (a stale NFS handle, a dropped connection), a timeout,
+    a lost Dask worker. Deterministic errors fail the same way every time and are not retried: a
+    missing file or folder, a permission, bad input (an :class:`IngestError`: unreadable file,
+    no tissue, wrong label), a validation error, a bug."""
+    from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
+
+    from tasks.ingest.errors import IngestError
+
+    deterministic = (IngestError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, deterministic)
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    return is_transient(state.result(raise_on_failure=False))
+
+
+# Prefect retries a task with these settings only when ``is_transient`` says so.
+RETRY_IF_TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_if_transient)
+
+
+@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def fingerprint_cohort(store: str) -> str:
     """Content fingerprint of a store: bag ids, labels, offsets and the feature extractor."""
     cohort = open_cohort(store)
@@ -121,22 +142,6 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     return StageResult(model_key, str(model_dir), False, info)
 
 
-def is_transient(error: BaseException | None) -> bool:
-    """Worth a retry: file-system and network errors, a lost Dask worker. Bad input (an
-    :class:`IngestError`: unreadable file, no tissue, wrong label) fails the same way every time."""
-    from distributed import KilledWorker
-    from distributed.comm.core import CommClosedError
-
-    from tasks.ingest.errors import IngestError
-
-    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, IngestError)
-
-
-def _retry_if_transient(task, task_run, state) -> bool:
-    return is_transient(state.result(raise_on_failure=False))
-
-
-IO_RETRIES_IF_TRANSIENT = dict(**IO_RETRIES, retry_condition_fn=_retry_if_transient)
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,7 @@ class IngestWork:
 
 
 @task(name="list-inputs", task_run_name="list {config.ingest.kind} inputs in {config.ingest.source}", cache_policy=NO_CACHE,
-      **IO_RETRIES_IF_TRANSIENT)
+      **RETRY_IF_TRANSIENT)
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
@@ -173,7 +178,7 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     return IngestWork(run, plan.bag_writer)
 
 
-@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client) -> int:
     """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
     number of instances. Bad input fails this task only (and is not retried)."""
@@ -203,7 +208,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
 
 
-@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
     from tasks.ingest.cohort import ingest_table as ingest_feature_table
@@ -284,7 +289,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     name = f"predictions/{prediction_key}"
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
-        return StageResult(prediction_key, f"{store}/{name}", True, {})
+        return StageResult(prediction_key, f"{store}/{name}", True, {"n_bags": open_cohort(store).n_bags})
     _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
@@ -295,7 +300,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
                               device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
                               bag_kwargs=bag_kwargs)
-    return StageResult(prediction_key, path, False, {})
+    return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 
 
 def _check_same_features(store: str, model_dir: str) -> None:
@@ -336,7 +341,7 @@ def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -
         return None, None
 
 
-@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **IO_RETRIES)
+@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
     Markdown report, and the matching Prefect artifacts."""
