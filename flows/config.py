@@ -206,6 +206,9 @@ class PipelineConfig(_Strict):
     name: str = Field("gpmil", pattern=r"^[A-Za-z0-9_.-]+$")
     store: Path
     output_dir: Path
+    # Where output_dir is served (an HTTP mirror, a bucket's web URL): the Prefect UI's image and
+    # link artifacts point there. Default: file:// URIs, which open on the machine that wrote them.
+    output_url: str | None = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://")
     ingest: IngestConfig = IngestConfig()
     model: ModelConfig = Field(default_factory=ModelConfig.model_construct)  # valid as it is; validating it imports mil_core
     training: TrainingConfig = TrainingConfig()

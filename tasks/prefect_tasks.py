@@ -8,10 +8,10 @@ result caching is therefore off. I/O tasks retry with back-off on transient erro
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,8 @@ import numpy as np
 import zarr
 from distributed import Client
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
@@ -319,8 +320,28 @@ def _check_same_features(store: str, model_dir: str) -> None:
                          f"features of {trained_on['store']}: ingest the cohort with ingest.extractor_from: {trained_on['store']}")
 
 
-def _png_markdown(path: Path, alt: str) -> str:
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+def output_url(config: PipelineConfig, path: Path) -> str:
+    """The URL of a file under ``output_dir``: below ``output_url`` where the folder is served,
+    else a ``file://`` URI."""
+    from urllib.parse import quote
+
+    if config.output_url:
+        return f"{config.output_url.rstrip('/')}/{quote(path.resolve().relative_to(Path(config.output_dir).resolve()).as_posix())}"
+    return path.resolve().as_uri()
+
+
+def _figure_artifacts(config: PipelineConfig, figures: list[Path], report_md: Path) -> list[str]:
+    """One image artifact per figure and a link artifact to the report file; the Markdown image
+    lines for the UI's report (URLs: the UI cannot read files next to the report)."""
+    lines = []
+    for figure in figures:
+        url = output_url(config, figure)
+        where = figure.relative_to(report_md.parent).with_suffix("")
+        create_image_artifact(url, key=artifact_key("figure", config.name, *where.parts), description=str(where))
+        lines.append(f"![{figure.stem}]({url})")
+    create_link_artifact(output_url(config, report_md), link_text=str(report_md), key=artifact_key("report-file", config.name),
+                         description="The report, with its tables and figures beside it")
+    return lines
 
 
 def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
@@ -350,6 +371,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     settings = json.dumps({"model_dir": str(model_dir), **config.prediction.model_dump(mode="json")}, sort_keys=True)
     if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
+        create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
+                             key=artifact_key("report-file", config.name), description="The report (reused: nothing changed since it was written)")
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
     (out / "report-settings.json").unlink(missing_ok=True)
@@ -385,8 +408,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
-    if (Path(model_dir) / "elbo.png").exists():
-        figures.insert(0, Path(model_dir) / "elbo.png")
+    if (Path(model_dir) / "elbo.png").exists():  # a copy beside the report: its links stay relative
+        shutil.copyfile(Path(model_dir) / "elbo.png", out / "elbo.png")
+        figures.insert(0, out / "elbo.png")
 
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
     if warnings:
@@ -412,11 +436,11 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
-    sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
-    markdown = "\n".join(sections)
-    (out / "report.md").write_text(markdown)
+    sections += ["## Figures", ""]
+    (out / "report.md").write_text("\n".join(sections + [f"![{f.stem}]({f.relative_to(out).as_posix()})" for f in figures]))
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact("\n".join(sections + _figure_artifacts(config, figures, out / "report.md")),
+                             key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
                           key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
