@@ -61,7 +61,9 @@ class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
     (the store already exists). ``extractor_from``: a cohort store whose fitted feature extractor a
-    new store takes (a cohort to be predicted by a model trained on that store needs its features)."""
+    new store takes (a cohort to be predicted by a model trained on that store needs its features).
+    ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
+    loses those instances, counted per bag in the ingest report (``drop``)."""
 
     kind: Literal["wsi", "ct", "features", "none"] = "none"
     source: Path | None = None
@@ -73,6 +75,7 @@ class IngestConfig(_Strict):
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
+    nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
 
     @field_validator("extractor")
     @classmethod

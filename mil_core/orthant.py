@@ -29,6 +29,7 @@ from scipy.stats import multivariate_normal
 
 from .bags import segment_sum
 from .ising import CARCoupling, sparse_lu
+from .predictive import sample_latent
 from .truncnorm import sample_upper_truncated, upper_truncated_entropy, upper_truncated_moments
 
 __all__ = [
@@ -138,9 +139,8 @@ def orthant_probability_importance(
     rng: np.random.Generator,
 ) -> OrthantEstimate:
     """GHK estimate of ``P(m* < 0)`` for one bag whose coupling is ``coupling`` (module docstring)."""
-    n = mean_f.shape[0]
     chol, order = sparse_cholesky(coupling.precision)
-    f = mean_f[:, None] + np.sqrt(var_f)[:, None] * rng.standard_normal((n, n_draws))
+    f = sample_latent(mean_f, var_f, n_draws, rng)
     mu = np.repeat(coupling.solve(f)[order], n_inner, axis=1)
     log_w = _ghk_log_weights(chol, mu, rng).reshape(n_draws, n_inner)
     top = float(np.max(log_w))

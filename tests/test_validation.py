@@ -3,6 +3,9 @@ and nothing committed before is lost."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import zarr
@@ -59,3 +62,88 @@ def test_the_staging_writer_rejects_or_drops_nonfinite_rows_by_policy(tmp_path):
     empty.write(np.full((2, 3), np.nan), np.zeros((2, 1)), np.full(2, -1))
     with pytest.raises(NonFiniteFeaturesError, match="all 2 instances have NaN"):
         empty.finish()
+
+
+def test_a_name_from_non_utf8_bytes_is_refused_for_that_item_with_a_readable_reason(tmp_path):
+    from tasks.ingest.errors import IngestError
+
+    store = _store(tmp_path)
+    name = os.fsdecode(b"slide\xff")  # what os.listdir gives for a Latin-1 file name
+    with pytest.raises(IngestError, match=r"bag id is not valid UTF-8 \(slide\\udcff\); rename the file"):
+        StagingWriter(store, name, 1, str(tmp_path / f"{name}.tiff"))
+    with pytest.raises(IngestError, match="source path is not valid UTF-8"):
+        append_bags(store, [replace(_bag("fine", np.ones((1, 3))), source=f"/data/{name}.csv")])
+
+
+def _csv(tmp_path, rows):
+    path = tmp_path / "table.csv"
+    path.write_text("\n".join(",".join(map(str, r)) for r in rows) + "\n")
+    return path
+
+
+TABLE_ROWS = [[1, "a", 0.1, 0.2], [1, "a", 0.3, 0.4], [0, "b", 0.5, "nan"], [0, "b", 0.7, 0.8], [0, "c", 0.9, 1.0]]
+
+
+def test_a_feature_table_bag_with_nan_is_skipped_naming_the_file_row_and_the_others_are_committed(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)))
+    assert report.added == ("a", "c")
+    (skip,) = report.skipped
+    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "rows [2] of the file, columns [1]" in skip.reason
+    assert skip.path.endswith("table.csv")
+
+
+def test_with_nonfinite_drop_the_instance_is_left_out_and_counted(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)), nonfinite="drop")
+    assert report.added == ("a", "b", "c") and report.dropped_nonfinite == {"b": 1} and not report.skipped
+    cohort = open_cohort(tmp_path / "c.zarr")
+    assert np.diff(np.asarray(cohort.offsets)).tolist() == [2, 1, 1]
+
+
+def test_run_ingest_with_nonfinite_drop_counts_dropped_instances_per_bag(tmp_path):
+    from tasks.ingest.driver import IngestItem, run_ingest
+
+    def writer(item, staging):
+        X = np.ones((4, 3))
+        X[: item.payload, 0] = np.inf
+        staging.write(X, np.arange(4)[:, None], np.full(4, -1))
+
+    spec = CohortSpec(name="c", n_features=3, coords_dim=1, coords_meaning="index")
+    items = [IngestItem(f"s{k}", f"/s{k}.tiff", k % 2, k) for k in range(3)]
+    report = run_ingest(tmp_path / "c.zarr", spec, items, writer, nonfinite="drop")
+    assert report.added == ("s0", "s1", "s2") and report.dropped_nonfinite == {"s1": 1, "s2": 2}
+    rejected = run_ingest(tmp_path / "d.zarr", spec, items, writer)
+    assert rejected.added == ("s0",) and [s.bag_id for s in rejected.skipped] == ["s1", "s2"]
+    assert "rows [0] of the bag" in rejected.skipped[0].reason
+
+
+def test_a_store_with_a_nan_row_predicts_every_good_bag_and_names_the_bad_one(tmp_path):
+    """A store written by another tool (or before this validation) with a NaN feature: the good
+    bags get exactly their model predictions, the bad bag NaN and a reason."""
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks.training import predict_cohort, read_predictions
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=10, seed=5)
+    X = X.astype(np.float32).astype(np.float64)
+    store = write_store(tmp_path / "c.zarr", X, bags, y)
+    model = VGPMIL(n_inducing=5, max_iter=5, random_state=0).fit(X, bags, y)
+    cohort = open_cohort(store)
+    bad_row = cohort.bag_slice(3).start + 1
+    zarr.open_group(store, mode="a")["instances/features"][bad_row, 0] = np.nan  # behind the writer's back
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        predict_cohort(model, store, client, run="p", partition_bytes=1_000,
+                       instance_kwargs={"method": "probit"}, bag_kwargs={"method": "probit", "rule": "max"})
+    out = read_predictions(store, "p")
+    _, expected = model.predict_bag_proba(X, bags, method="probit", rule="max")
+    good = np.arange(10) != 3
+    np.testing.assert_allclose(out["bags/proba"][good], expected[good], rtol=1e-10)
+    assert np.isnan(out["bags/proba"][3]) and np.isnan(out["instances/proba"][cohort.bag_slice(3)]).all()
+    reason = zarr.open_group(store, mode="r")["predictions/p"].attrs["not_predicted"]
+    assert list(reason) == [str(cohort.bag_ids[3])] and f"store row {bad_row}" in reason[str(cohort.bag_ids[3])]

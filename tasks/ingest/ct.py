@@ -1,4 +1,5 @@
-"""Head CT: DICOM series → slices in spatial order → Hounsfield units → three windows.
+"""Head CT: DICOM series → slices in spatial order → Hounsfield units → three windows;
+:func:`ingest_ct` ingests every series under a folder.
 
 - Files are grouped by ``SeriesInstanceUID`` (headers only, ``stop_before_pixels``) and ordered by
   the position of ``ImagePositionPatient`` along the slice normal (the cross product of the two
@@ -13,14 +14,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tasks.ingest.errors import IngestError, UnreadableFileError
+from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
+from tasks.ingest.errors import IngestError, MissingLabelError, UnreadableFileError
+from tasks.store import UNKNOWN_LABEL, CohortSpec
 
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
@@ -143,3 +148,52 @@ def ct_bag_writer(item, writer, *, extractor, batch_size: int = 32) -> None:
         stop = min(start + batch_size, len(files))
         windows = load_windowed_slices(files[start:stop])
         writer.write(extractor(windows), np.arange(start, stop)[:, None], labels[start:stop])
+
+
+# ----------------------------------------------------------------------------- the entry point
+def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
+              extractor=None, batch_size: int = 32, name: str | None = None, client: Any = None,
+              max_workers: int = 1, report_path: str | Path | None = None, on_progress=None) -> IngestReport:
+    """Ingest every DICOM CT series under ``dicom_root`` (bag id = SeriesInstanceUID).
+
+    With an RSNA-style ``labels_csv``, slice labels come from its ``_any`` rows and the bag label is
+    1 if any slice is positive, 0 if all slices are labelled negative; a series with unlabelled
+    slices and no positive one is skipped (:class:`MissingLabelError`).
+    """
+    plan = plan_ct(store, dicom_root, labels_csv=labels_csv, extractor=extractor, batch_size=batch_size, name=name)
+    return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
+                      max_workers=max_workers, report_path=report_path, on_progress=on_progress)
+
+
+def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
+            extractor=None, batch_size: int = 32, name: str | None = None) -> IngestPlan:
+    """The plan of :func:`ingest_ct` (finds the series, reads the slice labels)."""
+    from tasks.ingest.features import HandcraftedCT, extractor_spec
+
+    extractor = extractor or HandcraftedCT()
+    series, errors = scan_dicom_dir(dicom_root)
+    skipped = [Skipped.from_error(error) for error in errors]
+    slice_labels = None if labels_csv is None else read_rsna_labels(labels_csv)
+    items = []
+    for s in series:
+        source = str(Path(s.files[0]).parent)
+        if slice_labels is None:
+            items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
+                                    {"files": list(s.files), "instance_labels": [UNKNOWN_LABEL] * len(s.files)}))
+            continue
+        instance = np.array([slice_labels.get(uid, UNKNOWN_LABEL) for uid in s.sop_uids])
+        if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
+            skipped.append(Skipped.from_error(MissingLabelError("slice labels must be 0 or 1", path=source,
+                                                                bag_id=s.series_uid)))
+            continue
+        if not (instance == 1).any() and (instance == UNKNOWN_LABEL).any():
+            skipped.append(Skipped.from_error(MissingLabelError(
+                f"{int((instance == UNKNOWN_LABEL).sum())} of {len(instance)} slices have no label in "
+                f"{labels_csv} and none is positive", path=source, bag_id=s.series_uid)))
+            continue
+        items.append(IngestItem(s.series_uid, source, int((instance == 1).any()),
+                                {"files": list(s.files), "instance_labels": instance.tolist()}))
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=1,
+                      coords_meaning="slice_index", feature_extractor=extractor_spec(extractor),
+                      tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]})
+    return IngestPlan(spec, items, skipped, functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size))
