@@ -27,7 +27,6 @@ def _quiet_libraries(verbose: bool) -> None:
     level = "INFO" if verbose else "WARNING"
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", level.lower())
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     for chatty in ("httpx", "prefect.server", "uvicorn"):
         logging.getLogger(chatty).setLevel(logging.INFO if verbose else logging.WARNING)
 
@@ -63,7 +62,7 @@ def summary(stage: str, result: Any) -> str:
     elif stage == "predict":
         what = f"{info['n_bags']} bags" if "n_bags" in info else "predictions"
     else:
-        metrics = ", ".join(f"{k} {info[k]:.3f}" for k in ("bag_auc", "accuracy", "f1") if isinstance(info.get(k), float))
+        metrics = ", ".join(f"{k} {info[k]:.3f}" for k in ("bag_auc", "bag_accuracy", "bag_f1") if isinstance(info.get(k), float))
         what = metrics or "no labelled bags of both classes: no metrics"
     return f"{stage:8s}{state:7s} {what} -> {result.path}"
 
@@ -195,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # the flow's logs above hold the traceback; -v re-raises it here too
+        if args.verbose:
+            raise
+        print(f"gpmil {args.command} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 if __name__ == "__main__":
     sys.exit(main())

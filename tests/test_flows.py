@@ -131,7 +131,7 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     assert main(["run", write_config(tmp_path, cohort)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines] == [["train", "done"], ["predict", "done"], ["report", "done"]]
-    assert "VGPMIL on 30 bags, 8 iterations" in lines[0] and "30 bags" in lines[1] and "bag_auc" in lines[2]
+    assert "VGPMIL on 30 bags, 8 iterations" in lines[0] and "30 bags" in lines[1] and "bag_auc" in lines[2] and "bag_f1" in lines[2]
     assert lines[2].endswith("report.md") and not any("StageResult(" in line for line in lines)
     bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
     assert main(["train", bad]) == 2
