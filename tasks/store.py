@@ -288,9 +288,11 @@ def check_text(bag_id: str, source: str) -> None:
         try:
             str(text).encode("utf-8")
         except UnicodeEncodeError:
-            raise IngestError(f"the {what} is not valid UTF-8 ({str(text).encode('utf-8', 'backslashreplace').decode()}); "
-                              "rename the file", path=str(source).encode("utf-8", "backslashreplace").decode(),
-                              bag_id=str(bag_id).encode("utf-8", "backslashreplace").decode()) from None
+            def shown(name: str) -> str:  # the undecodable bytes as \xNN
+                return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+            raise IngestError(f"the {what} is not valid UTF-8 ({shown(text)}); rename the file",
+                              path=shown(source), bag_id=shown(bag_id)) from None
 
 
 def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,

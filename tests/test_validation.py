@@ -69,7 +69,7 @@ def test_a_name_from_non_utf8_bytes_is_refused_for_that_item_with_a_readable_rea
 
     store = _store(tmp_path)
     name = os.fsdecode(b"slide\xff")  # what os.listdir gives for a Latin-1 file name
-    with pytest.raises(IngestError, match=r"bag id is not valid UTF-8 \(slide\\udcff\); rename the file"):
+    with pytest.raises(IngestError, match=r"bag id is not valid UTF-8 \(slide\\xff\); rename the file"):
         StagingWriter(store, name, 1, str(tmp_path / f"{name}.tiff"))
     with pytest.raises(IngestError, match="source path is not valid UTF-8"):
         append_bags(store, [replace(_bag("fine", np.ones((1, 3))), source=f"/data/{name}.csv")])
@@ -147,3 +147,125 @@ def test_a_store_with_a_nan_row_predicts_every_good_bag_and_names_the_bad_one(tm
     assert np.isnan(out["bags/proba"][3]) and np.isnan(out["instances/proba"][cohort.bag_slice(3)]).all()
     reason = zarr.open_group(store, mode="r")["predictions/p"].attrs["not_predicted"]
     assert list(reason) == [str(cohort.bag_ids[3])] and f"store row {bad_row}" in reason[str(cohort.bag_ids[3])]
+
+
+def _edit(paths, **tags):
+    import pydicom
+
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        for tag, value in tags.items():
+            if value is None:
+                delattr(ds, tag)
+            else:
+                setattr(ds, tag, value)
+        ds.save_as(path)
+
+
+def _break_mr(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths, Modality="MR")
+    return "Modality 'MR', not CT"
+
+
+def _break_rescale(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths[2:3], RescaleIntercept=None)
+    return f"no usable RescaleIntercept in {paths[2].name}: Hounsfield units cannot be computed"
+
+
+def _break_missing_slice(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    paths[3].write_bytes(paths[3].read_bytes()[:100])  # an unreadable slice in the middle
+    return "gap of 10.00 mm between slices .* \\(median spacing 5.00 mm\\): a slice is missing or unreadable"
+
+
+def _break_duplicate_position(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths[4:5], ImagePositionPatient=[-125.0, -125.0, 15.0])  # where slice 3 is
+    return "are at the same position \\(15.00 mm along the slice normal\\)"
+
+
+def _break_mixed_folder(root, hu, write):
+    import pydicom
+
+    first, _, first_paths = write(root / "bad", hu, series_key="bad-a")
+    _, _, second_paths = write(root / "bad", hu[:4], series_key="bad-b")
+    _edit(second_paths, StudyInstanceUID=pydicom.dcmread(first_paths[0]).StudyInstanceUID)
+    return "folder holds 2 series of one study"
+
+
+@pytest.mark.parametrize("break_series", [_break_mr, _break_rescale, _break_missing_slice, _break_duplicate_position,
+                                          _break_mixed_folder], ids=lambda f: f.__name__[7:])
+def test_a_ct_series_that_is_not_one_complete_ct_scan_is_skipped_naming_series_and_reason(tmp_path, break_series):
+    import re
+
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import write_ct_series
+
+    hu = np.random.default_rng(0).normal(40.0, 30.0, size=(6, 16, 16))
+    root = tmp_path / "dicom"
+    good, _, _ = write_ct_series(root / "good", hu, series_key="good")
+    reason = break_series(root, hu, write_ct_series)
+    report = ingest_ct(tmp_path / "ct.zarr", root)
+    assert report.added == (good,)  # the good series is ingested whatever the bad one does
+    refused = [s for s in report.skipped if s.error == "InvalidSeriesError"]
+    assert refused and all(re.search(reason, s.reason) and s.bag_id and s.path.endswith("bad") for s in refused)
+
+
+def _slide_folder(tmp_path, names, labels_rows):
+    from tasks.ingest.synthetic import BACKGROUND, TISSUE, write_slide
+
+    folder = tmp_path / "slides"
+    folder.mkdir()
+    label_map = np.full((16, 16), BACKGROUND, dtype=np.uint8)
+    label_map[2:14, 2:14] = TISSUE
+    for k, name in enumerate(names):
+        write_slide(folder / os.fsdecode(name) if isinstance(name, bytes) else folder / name, label_map, seed=k, tile=64)
+    (folder / "labels.csv").write_text("image_id,data_provider,isup_grade,gleason_score\n" +
+                                       "".join(f"{i},x,{g},0+0\n" for i, g in labels_rows))
+    return folder
+
+
+def test_slides_missing_on_disk_ambiguous_stems_and_undecodable_names_are_reported_per_slide(tmp_path):
+    from tasks.ingest.wsi import TilingParams, plan_slides
+
+    folder = _slide_folder(tmp_path, ["a.tiff", "b.tif", "b.tiff", b"caf\xe9.tiff"],
+                           [("a", 0), ("b", 3), ("gone", 1)])
+    plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=64))
+    assert [i.bag_id for i in plan.items] == ["a"]
+    by_id = {s.bag_id: s for s in plan.skipped}
+    assert by_id["b"].error == "DuplicateIdError" and by_id["b"].reason == "2 files for one slide id: b.tif, b.tiff; keep one"
+    assert by_id["gone"].reason.startswith("listed in") and "no slide file gone.*" in by_id["gone"].reason
+    (undecodable,) = [s for s in plan.skipped if s.bag_id is None]
+    assert "not valid UTF-8" in undecodable.reason and undecodable.path.endswith("caf\\xe9.tiff")
+    json_safe = [str(s.path).encode("utf-8") for s in plan.skipped]  # every entry can go into the JSON report
+    assert len(json_safe) == 3
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "the labels file is empty"),
+    ("\n\n", "the labels file is empty"),
+    ("image_id,data_provider,isup_grade,gleason_score\n", "has a header .* but no rows"),
+    ("image_id,isup_grade\n\"unterminated,1\n", "cannot read the labels CSV"),
+])
+def test_an_empty_or_header_only_labels_file_is_a_clear_error_naming_it(tmp_path, content, message):
+    from tasks.ingest.errors import IngestError
+    from tasks.ingest.labels import read_panda_labels
+
+    path = tmp_path / "labels.csv"
+    path.write_text(content)
+    with pytest.raises(IngestError, match=rf"{message}.*labels\.csv"):
+        read_panda_labels(path)
+
+
+def test_an_empty_rsna_labels_file_stops_a_ct_ingest_before_anything_is_written(tmp_path):
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.errors import IngestError
+    from tasks.ingest.synthetic import make_ct_cohort
+
+    make_ct_cohort(tmp_path / "dicom", 1, n_slices=3, size=16, seed=0)
+    (tmp_path / "labels.csv").write_text("ID,Label\n")
+    with pytest.raises(IngestError, match="header .*ID, Label.* but no rows"):
+        ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
+    assert not (tmp_path / "ct.zarr").exists()

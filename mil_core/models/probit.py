@@ -118,7 +118,7 @@ class _ProbitGPMIL(SparseGPMILBase):
             if exact:
                 Sigma = coupling.bag_covariance(b)
                 cov = self._noise_covariance(Sigma) + Sigma @ np.diag(var[rows]) @ Sigma
-                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
+                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov, rng)
             if return_std or not exact:
                 log_p, std_error, spread = self._sampled_log_p0(mean[rows], var[rows], coupling, b, coords[rows], rng)
                 if not exact:

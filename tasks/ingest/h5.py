@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
-from tasks.ingest.labels import binary, label_lookup, labelled_items
+from tasks.ingest.labels import binary, label_lookup, labelled_items, read_labels_csv
 from tasks.store import CohortSpec
 
 
@@ -75,15 +75,13 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     ``positive`` (e.g. ``["tumor"]``) if given, else the column must hold 0/1. Without a CSV the
     bags are unlabelled (-1).
     """
-    import pandas as pd
-
     paths = sorted(Path(files).glob("*.h5")) if isinstance(files, (str, Path)) else [Path(f) for f in files]
     labels = None
     if labels_csv is not None:
         positives = None if positive is None else {str(v) for v in positive}
         label_of = (lambda row: binary(row[label_column])) if positives is None else (
             lambda row: int(str(row[label_column]) in positives))
-        labels = label_lookup(pd.read_csv(labels_csv, dtype={id_column: str}), id_column, label_of, str(labels_csv))
+        labels = label_lookup(read_labels_csv(labels_csv, dtype={id_column: str}), id_column, label_of, str(labels_csv))
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv))
     n_features = existing_n_features(store)
