@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +28,29 @@ def _model_classes() -> dict[str, type]:
     return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
 
 
-MODEL_CLASSES = _model_classes()
+class _ModelClasses(Mapping[str, type]):
+    """:func:`_model_classes`, imported on first use: a configuration that is wrong elsewhere is
+    reported before mil_core's (scikit-learn's, SciPy's) imports."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type] | None = None
+
+    def _load(self) -> dict[str, type]:
+        if self._classes is None:
+            self._classes = _model_classes()
+        return self._classes
+
+    def __getitem__(self, name: str) -> type:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+MODEL_CLASSES = _ModelClasses()
 
 
 class _Strict(BaseModel):
@@ -38,7 +61,9 @@ class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
     (the store already exists). ``extractor_from``: a cohort store whose fitted feature extractor a
-    new store takes (a cohort to be predicted by a model trained on that store needs its features)."""
+    new store takes (a cohort to be predicted by a model trained on that store needs its features).
+    ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
+    loses those instances, counted per bag in the ingest report (``drop``)."""
 
     kind: Literal["wsi", "ct", "features", "none"] = "none"
     source: Path | None = None
@@ -50,6 +75,7 @@ class IngestConfig(_Strict):
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
+    nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
 
     @field_validator("extractor")
     @classmethod
@@ -114,10 +140,67 @@ class PredictionConfig(_Strict):
 
 
 class DaskConfig(_Strict):
+    """Where a run's Dask workers come from (one cluster per flow run), the way prefect-dask names it:
+    ``cluster_class`` (import path; default ``distributed.LocalCluster`` sized to the machine) built
+    with ``cluster_kwargs`` and scaled with ``adapt_kwargs`` (``cluster.adapt``) or ``n_workers``;
+    or ``scheduler_address``, a scheduler that is already running. ``config_file``: a Dask
+    configuration (e.g. ``infra/slurm.yaml``) set while the cluster is built and lives.
+    ``n_workers``, ``threads_per_worker`` and ``processes`` are shortcuts for the LocalCluster;
+    ``worker_timeout_s``: how long a run waits for its first worker (batch queues can be slow)."""
+
     scheduler_address: str | None = None
+    cluster_class: str | None = None
+    cluster_kwargs: dict[str, Any] = Field(default_factory=dict)
+    adapt_kwargs: dict[str, Any] | None = None
+    config_file: Path | None = None
     n_workers: int | None = Field(None, ge=1)
     threads_per_worker: int | None = Field(None, ge=1)
-    processes: bool = True
+    processes: bool | None = None
+    worker_timeout_s: float = Field(600, gt=0)
+
+    @field_validator("cluster_class")
+    @classmethod
+    def _importable(cls, path: str | None) -> str | None:
+        from tasks.cluster import import_cluster_class
+
+        if path is not None:
+            import_cluster_class(path)  # a typo or a missing package fails now, not at the first run
+        return path
+
+    @field_validator("adapt_kwargs")
+    @classmethod
+    def _bounds(cls, adapt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if adapt is None:
+            return None
+        low, high = adapt.get("minimum", 1), adapt.get("maximum", adapt.get("minimum", 1))
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"needs integers 1 <= minimum <= maximum (got minimum={low!r}, maximum={high!r}): a run waits for "
+                             "its first worker before training, which an adaptive cluster scaled to 0 would not start")
+        return {"minimum": low, **adapt}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DaskConfig:
+        if self.scheduler_address and (self.cluster_class or self.cluster_kwargs or self.adapt_kwargs):
+            raise ValueError("give either scheduler_address (a running cluster) or cluster_class/cluster_kwargs/adapt_kwargs, not both")
+        local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
+        if self.cluster_class and any(v is not None for v in local.values()):
+            from distributed import LocalCluster
+
+            from tasks.cluster import import_cluster_class
+
+            if not issubclass(import_cluster_class(self.cluster_class), LocalCluster):
+                raise ValueError(f"threads_per_worker and processes apply to a LocalCluster; for {self.cluster_class} put "
+                                 "them in cluster_kwargs")
+        return self
+
+    def cluster_spec(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`tasks.cluster.start_cluster`."""
+        from tasks.cluster import read_dask_config
+
+        kwargs = {k: v for k, v in {"threads_per_worker": self.threads_per_worker, "processes": self.processes}.items() if v is not None}
+        return {"cluster_class": self.cluster_class, "cluster_kwargs": kwargs | self.cluster_kwargs,
+                "adapt_kwargs": self.adapt_kwargs, "n_workers": self.n_workers,
+                "dask_config": read_dask_config(self.config_file) if self.config_file else None}
 
 
 class PipelineConfig(_Strict):
@@ -126,8 +209,11 @@ class PipelineConfig(_Strict):
     name: str = Field("gpmil", pattern=r"^[A-Za-z0-9_.-]+$")
     store: Path
     output_dir: Path
+    # Where output_dir is served (an HTTP mirror, a bucket's web URL): the Prefect UI's image and
+    # link artifacts point there. Default: file:// URIs, which open on the machine that wrote them.
+    output_url: str | None = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://")
     ingest: IngestConfig = IngestConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig.model_construct)  # valid as it is; validating it imports mil_core
     training: TrainingConfig = TrainingConfig()
     prediction: PredictionConfig = PredictionConfig()
     dask: DaskConfig = DaskConfig()
@@ -152,8 +238,10 @@ def make_model(config: ModelConfig):
     return MODEL_CLASSES[config.name](**config.params)
 
 
-def load_config(path: str | Path, **overrides: Any) -> PipelineConfig:
-    """Read and validate a YAML configuration; relative paths are taken from the file's folder."""
+def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | None = None, **overrides: Any) -> PipelineConfig:
+    """Read and validate a YAML configuration; relative paths are taken from the file's folder.
+    ``preflight`` (e.g. the CLI's input-path checks) gets the configuration validated but for its
+    model section, before the model check imports mil_core."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -165,6 +253,14 @@ def load_config(path: str | Path, **overrides: Any) -> PipelineConfig:
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw |= overrides
     try:
+        # First without the model section, whose check imports mil_core: a mistake elsewhere is
+        # reported in well under a second.
+        without_model = PipelineConfig.model_validate({k: v for k, v in raw.items() if k != "model"})
+        if preflight is not None:
+            try:
+                preflight(_resolve_paths(without_model, path.parent))
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error}") from None
         config = PipelineConfig.model_validate(raw)
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors())
@@ -180,5 +276,6 @@ def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
                                               "labels": resolve(config.ingest.labels) or config.ingest.labels,
                                               "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from})
     prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
+    dask = config.dask.model_copy(update={"config_file": resolve(config.dask.config_file) or config.dask.config_file})
     return config.model_copy(update={"store": resolve(config.store) or config.store, "output_dir": resolve(config.output_dir) or config.output_dir,
-                                     "ingest": ingest, "prediction": prediction})
+                                     "ingest": ingest, "prediction": prediction, "dask": dask})

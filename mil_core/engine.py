@@ -19,6 +19,7 @@ single-process executor; :func:`optimise` is the shared convergence loop.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import reduce
@@ -26,6 +27,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import scipy.linalg
+from sklearn.exceptions import ConvergenceWarning
 
 from ._backend import array_namespace, cholesky_with_jitter, solve_lower, to_numpy
 from .kernels import RBF
@@ -91,9 +93,14 @@ class SparseGP:
         One GEMM for the kernel block and one triangular solve, in the namespace of ``X``.
         """
         xp = array_namespace(X)
-        Z, L = xp.asarray(self.Z), xp.asarray(self.chol)
-        A = solve_lower(L, self.kernel(Z, X)).T
-        resid = xp.clip(self.kernel.diag(X) - xp.sum(A * A, axis=1), 0.0, None)
+        return self.whiten_cross(self.kernel(xp.asarray(self.Z), X), self.kernel.diag(X))
+
+    def whiten_cross(self, Kzx: Any, diag: Any) -> WhitenedBlock:
+        """:meth:`whiten` from an already computed ``K(Z, X)`` (M, n) and ``diag K(X, X)`` (n,),
+        for callers that also need the kernel block itself (the hyper-parameter gradient)."""
+        xp = array_namespace(Kzx)
+        A = solve_lower(xp.asarray(self.chol), Kzx).T
+        resid = xp.clip(diag - xp.sum(A * A, axis=1), 0.0, None)
         return WhitenedBlock(A=A, resid=resid)
 
 
@@ -223,6 +230,7 @@ def optimise(
 
     ``resume_from`` continues a checkpointed run (its ``glob``, objective trace and ``n_iter``;
     ``glob`` is then ignored), so that an interrupted fit ends where an uninterrupted one would.
+    A fit that reaches ``max_iter`` unconverged emits a scikit-learn ``ConvergenceWarning``.
 
     Updates may define the optional ``hyper_step(sweep, iteration, glob) → glob``: a step on
     hyper-parameters run after each global update, which may call ``sweep`` itself (seed 000,
@@ -247,6 +255,11 @@ def optimise(
             break
         if trace.converged:
             break
+    else:
+        if not trace.converged and len(trace.objective) >= 2:
+            change = abs(trace.objective[-1] - trace.objective[-2]) / max(abs(trace.objective[-2]), 1.0)
+            warnings.warn(f"the fit stopped at max_iter={max_iter} without converging: the last relative change of the "
+                          f"objective was {change:.1e} > tol={tol:g}; raise max_iter (or tol)", ConvergenceWarning, stacklevel=2)
     return trace
 
 

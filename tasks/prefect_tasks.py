@@ -3,15 +3,15 @@
 Results are keyed on content and persisted next to the data (model files under
 ``<output_dir>/models/<key>/``, predictions in the store under ``predictions/<key>``), so a task
 whose result exists returns it without recomputing (``reused=True`` in its result); Prefect's own
-result caching is therefore off. I/O tasks retry with back-off.
+result caching is therefore off. I/O tasks retry with back-off on transient errors only.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,18 +21,19 @@ import numpy as np
 import zarr
 from distributed import Client
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
 from mil_core import persist
-from tasks import report
-from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks import diagnostics, report
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
-IO_RETRIES = dict(retries=2, retry_delay_seconds=[2, 10])
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class StageResult:
     info: dict[str, Any]
 
 
-def _artifact_key(*parts: str) -> str:
+def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
@@ -64,7 +65,29 @@ def _atomic_write_bytes(path: Path, payload: bytes) -> None:
     os.replace(tmp.name, path)
 
 
-@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **IO_RETRIES)
+def is_transient(error: BaseException | None) -> bool:
+    """Worth a retry: I/O and network errors (a stale NFS handle, a dropped connection), a timeout,
+    a lost Dask worker. Deterministic errors fail the same way every time and are not retried: a
+    missing file or folder, a permission, bad input (an :class:`IngestError`: unreadable file,
+    no tissue, wrong label), a validation error, a bug."""
+    from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
+
+    from tasks.ingest.errors import IngestError
+
+    deterministic = (IngestError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, deterministic)
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    return is_transient(state.result(raise_on_failure=False))
+
+
+# Prefect retries a task with these settings only when ``is_transient`` says so.
+RETRY_IF_TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_if_transient)
+
+
+@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def fingerprint_cohort(store: str) -> str:
     """Content fingerprint of a store: bag ids, labels, offsets and the feature extractor."""
     cohort = open_cohort(store)
@@ -85,7 +108,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
-    progress = create_progress_artifact(0.0, key=_artifact_key("training", config.name), description=f"{config.model.name} iterations")
+    warnings = []
+    if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
+        warnings.append(message)
+        logger.warning(message)
+    progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
         update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
@@ -105,6 +132,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
+    if getattr(model, "converged_", True) is False and model.n_iter_ >= model.max_iter:
+        warnings.append(f"the fit stopped at max_iter={model.max_iter} without converging (tol={model.tol}): raise "
+                        "model.params.max_iter, or check the ELBO trace (elbo.png)")
+        logger.warning(warnings[-1])
+    info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(model.elbo_, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
@@ -112,22 +144,6 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     return StageResult(model_key, str(model_dir), False, info)
 
 
-def is_transient(error: BaseException | None) -> bool:
-    """Worth a retry: file-system and network errors, a lost Dask worker. Bad input (an
-    :class:`IngestError`: unreadable file, no tissue, wrong label) fails the same way every time."""
-    from distributed import KilledWorker
-    from distributed.comm.core import CommClosedError
-
-    from tasks.ingest.errors import IngestError
-
-    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, IngestError)
-
-
-def _retry_if_transient(task, task_run, state) -> bool:
-    return is_transient(state.result(raise_on_failure=False))
-
-
-IO_RETRIES_IF_TRANSIENT = dict(**IO_RETRIES, retry_condition_fn=_retry_if_transient)
 
 
 @dataclass(frozen=True)
@@ -139,13 +155,13 @@ class IngestWork:
 
 
 @task(name="list-inputs", task_run_name="list {config.ingest.kind} inputs in {config.ingest.source}", cache_policy=NO_CACHE,
-      **IO_RETRIES_IF_TRANSIENT)
+      **RETRY_IF_TRANSIENT)
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
-    from tasks.ingest.cohort import plan_ct, plan_slides
+    from tasks.ingest.ct import plan_ct
     from tasks.ingest.features import make_extractor
-    from tasks.ingest.wsi import TilingParams
+    from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
@@ -164,11 +180,11 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     return IngestWork(run, plan.bag_writer)
 
 
-@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
-def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client) -> int:
+@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
+def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client, nonfinite: str = "reject") -> int:
     """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
     number of instances. Bad input fails this task only (and is not retried)."""
-    return client.submit(stage_item, store, item, bag_writer, pure=False).result()
+    return client.submit(stage_item, store, item, bag_writer, nonfinite, pure=False).result()
 
 
 @task(name="finalise-store", task_run_name="finalise {config.store}", cache_policy=NO_CACHE)
@@ -185,7 +201,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     result = run.finish()
     info = result.to_json()
     if result.skipped:
-        create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
+        create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
@@ -194,17 +210,18 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
 
 
-@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
-    from tasks.ingest.cohort import ingest_table as ingest_feature_table
+    from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
     source = config.ingest.source
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name)
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name,
+                                  nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 
 
@@ -212,7 +229,13 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     """The ingest stage, called inside a flow: ``list-inputs`` → one ``ingest <bag id>`` task per
     slide/scan (concurrent on the flow's thread-pool task runner, each running its tiling and
     featurisation on the flow's Dask cluster) → ``finalise-store``. A progress artifact and log
-    lines follow the items as they finish."""
+    lines follow the items as they finish. Holds the store's writer lease throughout (a second
+    run on the same store fails at once with :class:`tasks.lease.StoreLockedError`)."""
+    with writer_lease(str(config.store), f"gpmil ingest {config.name!r} ({config.ingest.kind} from {config.ingest.source})"):
+        return _ingest_cohort_items(config, scheduler_address)
+
+
+def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:
     from prefect.futures import as_completed
 
     if config.ingest.kind == "features":
@@ -220,10 +243,10 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     logger = get_run_logger()
     work = list_inputs(config)
     todo = work.run.to_run
-    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
+    progress = create_progress_artifact(0.0, key=artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
     outcomes: dict[str, BaseException | None] = {}
     with Client(scheduler_address) as client:
-        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
+        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client, config.ingest.nonfinite): item for item in todo}
         for done, future in enumerate(as_completed(list(futures)), start=1):
             bag_id = futures[future].bag_id
             outcome = future.result(raise_on_failure=False)  # the instance count, or the task's exception
@@ -245,7 +268,7 @@ class TrainedModel:
 
 
 MODEL_FILE = "model.npz"
-persist.allow_types(TrainedModel, FeatureScaling)
+persist.allow_types(TrainedModel)
 
 
 def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
@@ -275,7 +298,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     name = f"predictions/{prediction_key}"
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
-        return StageResult(prediction_key, f"{store}/{name}", True, {})
+        return StageResult(prediction_key, f"{store}/{name}", True, {"n_bags": open_cohort(store).n_bags})
     _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
@@ -286,7 +309,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
                               device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
                               bag_kwargs=bag_kwargs)
-    return StageResult(prediction_key, path, False, {})
+    return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 
 
 def _check_same_features(store: str, model_dir: str) -> None:
@@ -305,8 +328,28 @@ def _check_same_features(store: str, model_dir: str) -> None:
                          f"features of {trained_on['store']}: ingest the cohort with ingest.extractor_from: {trained_on['store']}")
 
 
-def _png_markdown(path: Path, alt: str) -> str:
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+def output_url(config: PipelineConfig, path: Path) -> str:
+    """The URL of a file under ``output_dir``: below ``output_url`` where the folder is served,
+    else a ``file://`` URI."""
+    from urllib.parse import quote
+
+    if config.output_url:
+        return f"{config.output_url.rstrip('/')}/{quote(path.resolve().relative_to(Path(config.output_dir).resolve()).as_posix())}"
+    return path.resolve().as_uri()
+
+
+def _figure_artifacts(config: PipelineConfig, figures: list[Path], report_md: Path) -> list[str]:
+    """One image artifact per figure and a link artifact to the report file; the Markdown image
+    lines for the UI's report (URLs: the UI cannot read files next to the report)."""
+    lines = []
+    for figure in figures:
+        url = output_url(config, figure)
+        where = figure.relative_to(report_md.parent).with_suffix("")
+        create_image_artifact(url, key=artifact_key("figure", config.name, *where.parts), description=str(where))
+        lines.append(f"![{figure.stem}]({url})")
+    create_link_artifact(output_url(config, report_md), link_text=str(report_md), key=artifact_key("report-file", config.name),
+                         description="The report, with its tables and figures beside it")
+    return lines
 
 
 def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
@@ -327,7 +370,7 @@ def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -
         return None, None
 
 
-@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **IO_RETRIES)
+@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
     Markdown report, and the matching Prefect artifacts."""
@@ -336,6 +379,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     settings = json.dumps({"model_dir": str(model_dir), **config.prediction.model_dump(mode="json")}, sort_keys=True)
     if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
+        create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
+                             key=artifact_key("report-file", config.name), description="The report (reused: nothing changed since it was written)")
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
     (out / "report-settings.json").unlink(missing_ok=True)
@@ -346,7 +391,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
     coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
 
-    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"]
+    trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
+    trained_on = trained_on_info["store"]
     in_sample = Path(trained_on).resolve() == Path(store).resolve()
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
                 f"model `{model_dir}`.", ""]
@@ -366,12 +412,21 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         figures.append(report.plot_roc(evaluation, out / "roc.png"))
         sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
                      f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
-        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=_artifact_key("metrics", config.name),
+        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=artifact_key("metrics", config.name),
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
-    if (Path(model_dir) / "elbo.png").exists():
-        figures.insert(0, Path(model_dir) / "elbo.png")
+    if (Path(model_dir) / "elbo.png").exists():  # a copy beside the report: its links stay relative
+        shutil.copyfile(Path(model_dir) / "elbo.png", out / "elbo.png")
+        figures.insert(0, out / "elbo.png")
+
+    not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
+    warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
+    if warnings:
+        for message in warnings:
+            logger.warning(message)
+        sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
 
     uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
     uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
@@ -391,13 +446,13 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
-    sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
-    markdown = "\n".join(sections)
-    (out / "report.md").write_text(markdown)
+    sections += ["## Figures", ""]
+    (out / "report.md").write_text("\n".join(sections + [f"![{f.stem}]({f.relative_to(out).as_posix()})" for f in figures]))
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=_artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact("\n".join(sections + _figure_artifacts(config, figures, out / "report.md")),
+                             key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
-                          key=_artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
+                          key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
     return StageResult(prediction_key, str(out / "report.md"), False, metrics)
 

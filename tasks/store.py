@@ -31,13 +31,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from tasks.ingest.errors import DuplicateIdError, FeatureDimensionError, IngestError, StoreMismatchError
+from tasks.ingest.errors import DuplicateIdError, FeatureDimensionError, IngestError, NonFiniteFeaturesError, StoreMismatchError
 
 SCHEMA_VERSION = 1
 FEATURE_DTYPE = np.dtype(np.float32)
@@ -278,13 +278,57 @@ class _RowWriter:
         self._next_row, self._buffered = stop, 0
 
 
+NonFinitePolicy = Literal["reject", "drop"]
+
+
+def check_text(bag_id: str, source: str) -> None:
+    """Bag ids and sources are stored as UTF-8: a name decoded from non-UTF-8 bytes (lone
+    surrogates, as ``os.listdir`` gives them) is refused for this item only."""
+    for what, text in (("bag id", bag_id), ("source path", source)):
+        try:
+            str(text).encode("utf-8")
+        except UnicodeEncodeError:
+            def shown(name: str) -> str:  # the undecodable bytes as \xNN
+                return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+            raise IngestError(f"the {what} is not valid UTF-8 ({shown(text)}); rename the file",
+                              path=shown(source), bag_id=shown(bag_id)) from None
+
+
+def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,
+                first_row: int = 0, file_rows: np.ndarray | None = None) -> np.ndarray | None:
+    """Rows of ``features`` (already in the store's dtype) to keep, or None when all are finite.
+
+    ``policy="reject"`` raises :class:`NonFiniteFeaturesError` naming the bag, the file, the first
+    offending rows (numbered within the bag from ``first_row``, or the rows of the input file
+    ``file_rows`` when given) and columns; ``"drop"`` returns the
+    mask of finite rows (the caller counts what it dropped and reports it).
+    """
+    finite = np.isfinite(features)
+    if finite.all():
+        return None
+    bad = np.flatnonzero(~finite.all(axis=1))
+    if policy == "drop":
+        return finite.all(axis=1)
+    if policy != "reject":
+        raise ValueError(f"nonfinite must be 'reject' or 'drop', got {policy!r}")
+    columns = np.flatnonzero(~finite.all(axis=0))
+    where = f"{(bad[:5] + first_row).tolist()}" if file_rows is None else f"{np.asarray(file_rows)[bad[:5]].tolist()}"
+    raise NonFiniteFeaturesError(
+        f"{bad.size} instance row(s) with NaN or infinite features (rows {where}"
+        f"{'…' if bad.size > 5 else ''} of the {'bag' if file_rows is None else 'file'}, columns {columns[:5].tolist()}{'…' if columns.size > 5 else ''}; "
+        "float32 overflow counts as infinite). Fix the features, or set ingest.nonfinite: drop to leave those "
+        "instances out (counted in the ingest report)", path=path, bag_id=bag_id)
+
+
 def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int:
     """Append bags to the store (one writer at a time); return the number appended.
 
     Bags are streamed: memory holds one bag and one chunk of rows. Raises
     :class:`DuplicateIdError` for an id already committed or repeated, and
     :class:`FeatureDimensionError` for a bag whose feature or coordinate width differs from the
-    store's; in both cases nothing of this call is committed.
+    store's, and :class:`NonFiniteFeaturesError` for NaN/inf features (callers that drop such
+    instances do it before: :func:`finite_rows`); in all cases nothing of this call is committed.
     """
     root = _open_root(target, "r+")
     repair(root)
@@ -295,6 +339,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     ids, labels, sources = [], [], []
     writer = _RowWriter(root, offsets[0])
     for bag in bags:
+        check_text(bag.bag_id, bag.source)
         if bag.bag_id in seen:
             raise DuplicateIdError("bag id already in the store or repeated", path=bag.source, bag_id=bag.bag_id)
         if bag.features.ndim != 2 or bag.features.shape[1] != n_features or bag.coords.shape != (
@@ -308,9 +353,12 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
         if bag.label not in (UNKNOWN_LABEL, 0, 1):
             raise IngestError(f"bag label {bag.label!r} is not 0, 1 or {UNKNOWN_LABEL} (unlabelled)",
                               path=bag.source, bag_id=bag.bag_id)
+        with np.errstate(over="ignore"):  # float32 overflow becomes inf, which finite_rows reports
+            features = np.asarray(bag.features, dtype=FEATURE_DTYPE)
+        finite_rows(features, "reject", path=bag.source, bag_id=bag.bag_id)
         seen.add(bag.bag_id)
         writer.add({
-            "features": np.asarray(bag.features, dtype=FEATURE_DTYPE),
+            "features": features,
             "bag": np.full(bag.n_instances, first_bag + len(ids), dtype=BAG_INDEX_DTYPE),
             "coords": np.asarray(bag.coords, dtype=COORD_DTYPE),
             "label": np.asarray(bag.instance_labels, dtype=LABEL_DTYPE),
@@ -421,13 +469,24 @@ def staging_key(bag_id: str) -> str:
     return hashlib.sha1(bag_id.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
-def staged_status(root: zarr.Group, bag_id: str) -> str:
-    """``"complete"``, ``"incomplete"`` (an interrupted write) or ``"absent"``."""
+def staged_status(root: zarr.Group, bag_id: str, *, source: str | None = None, label: int | None = None) -> str:
+    """``"complete"``, ``"incomplete"`` (an interrupted write, metadata a full disk left
+    unreadable, or — when ``source``/``label`` are given — staged from another file or with
+    another label: the bag is staged again) or ``"absent"``."""
     try:
-        group = root[f"staging/{staging_key(bag_id)}"]
+        attrs = dict(root[f"staging/{staging_key(bag_id)}"].attrs)
     except KeyError:
         return "absent"
-    return "complete" if group.attrs.get("complete") else "incomplete"
+    except (ValueError, OSError):
+        return "incomplete"
+    if (source is not None and attrs.get("source") != source) or (label is not None and attrs.get("label") != label):
+        return "incomplete"
+    return "complete" if attrs.get("complete") else "incomplete"
+
+
+def staged_dropped(root: zarr.Group, bag_id: str) -> int:
+    """Instances a staged bag left out for NaN/inf features (``nonfinite="drop"``)."""
+    return int(root[f"staging/{staging_key(bag_id)}"].attrs.get("n_dropped_nonfinite", 0))
 
 
 class StagingWriter:
@@ -437,7 +496,8 @@ class StagingWriter:
     attribute is set by :meth:`finish` after all data is written.
     """
 
-    def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str):
+    def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject"):
+        check_text(bag_id, source)
         root = _open_root(store_path, "r+")
         self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
         self._chunk_rows = root.attrs["chunk_rows"]
@@ -449,6 +509,7 @@ class StagingWriter:
             "label": self._create("label", (0,), LABEL_DTYPE),
         }
         self.bag_id, self.source, self.n_instances = bag_id, source, 0
+        self.nonfinite, self.n_dropped, self._n_seen = nonfinite, 0, 0
 
     def _create(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> zarr.Array:
         chunks = (self._chunk_rows, *shape[1:])
@@ -465,6 +526,14 @@ class StagingWriter:
             raise FeatureDimensionError(
                 f"coords {coords.shape} / labels {instance_labels.shape} for {n} rows; the store has "
                 f"{self._coords_dim} coordinate columns", path=self.source, bag_id=self.bag_id)
+        with np.errstate(over="ignore"):  # float32 overflow becomes inf, which finite_rows reports
+            features = np.asarray(features, dtype=FEATURE_DTYPE)
+        keep = finite_rows(features, self.nonfinite, path=self.source, bag_id=self.bag_id, first_row=self._n_seen)
+        self._n_seen += n
+        if keep is not None:
+            features, coords, instance_labels = features[keep], coords[keep], instance_labels[keep]
+            self.n_dropped += n - int(keep.sum())
+            n = features.shape[0]
         stop = self.n_instances + n
         for name, values in (("features", features), ("coords", coords), ("label", instance_labels)):
             array = self._arrays[name]
@@ -473,8 +542,12 @@ class StagingWriter:
         self.n_instances = stop
 
     def finish(self) -> int:
-        """Mark the staged bag complete; return its number of instances."""
-        self._group.attrs.update({"n_instances": self.n_instances, "complete": True})
+        """Mark the staged bag complete; return its number of instances. A bag left with no
+        instance (all dropped as non-finite) is an error, not an empty bag."""
+        if self.n_instances == 0 and self.n_dropped:
+            raise NonFiniteFeaturesError(f"all {self.n_dropped} instances have NaN or infinite features",
+                                         path=self.source, bag_id=self.bag_id)
+        self._group.attrs.update({"n_instances": self.n_instances, "n_dropped_nonfinite": self.n_dropped, "complete": True})
         return self.n_instances
 
 

@@ -40,3 +40,16 @@ class FeatureDimensionError(IngestError):
 
 class StoreMismatchError(IngestError):
     """An existing store written with other settings (extractor, coordinates, tiling)."""
+
+
+class BadValueError(IngestError):
+    """A table cell that should be a number and is not (names the file row and column)."""
+
+
+class NonFiniteFeaturesError(IngestError):
+    """NaN or ±inf features (also values beyond float32's range, which the store keeps)."""
+
+
+class InvalidSeriesError(IngestError):
+    """A DICOM series that is not one complete CT scan (modality, rescale tags, missing or
+    duplicate slices, mixed series)."""

@@ -1,0 +1,222 @@
+"""One writer per cohort store: a lease file beside the store, taken before any write.
+
+Two ``gpmil run`` on one store used to interleave their commits (dropped slides, staging groups
+marked complete without their features). Every stage that writes a store (ingest, training
+checkpoints, predictions) now holds :func:`writer_lease` for it:
+
+- The lease is the file ``<store>.writer-lease.json`` (beside the store, so Zarr never sees it),
+  created with ``O_CREAT | O_EXCL``: of two writers exactly one gets it. It records the host, PID
+  (and the process start time, so a reused PID is not mistaken for the holder), what is writing,
+  when it started, and a random token.
+- A second writer meets :class:`StoreLockedError` at once, naming the holder and what to do.
+- The holder refreshes the file's modification time every ``ttl / 4`` seconds (a daemon thread).
+  A lease is **stale**, and the next writer takes it over (logging that it did), when its holder is
+  a process on this host that no longer exists, or when it has not been refreshed for ``ttl``
+  seconds (default 15 minutes; the only test possible for a holder on another host).
+- Within one process the lease is shared (re-entrant): the flow and the library functions it
+  calls may each take it. Readers never look at it.
+- Deleting the file by hand releases a lease whose holder is known to be gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease", "holds_writer_lease",
+           "ensure_still_held"]
+
+log = logging.getLogger("gpmil.lease")
+
+DEFAULT_TTL_S = 900.0
+_UNREADABLE_GRACE_S = 30.0
+_HELD: dict[str, list] = {}  # lease path -> [token, depth, stop event] for leases this process holds
+_HELD_LOCK = threading.Lock()
+
+
+class StoreLockedError(RuntimeError):
+    """Another live process is writing the store."""
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    host: str
+    pid: int
+    pid_start: str | None
+    purpose: str
+    started: float
+    token: str
+
+
+def lease_path(store: str | Path) -> Path:
+    """``<store>.writer-lease.json``, beside the store directory."""
+    store = Path(store).resolve()
+    return store.with_name(store.name + ".writer-lease.json")
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux ``/proc``), or None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, pid_start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid_start is None or _process_start(pid) in (None, pid_start)
+
+
+def read_lease(store: str | Path) -> tuple[LeaseInfo, float] | None:
+    """The current lease of ``store`` and the seconds since it was last refreshed, or None."""
+    path = lease_path(store)
+    try:
+        age = time.time() - path.stat().st_mtime
+        info = LeaseInfo(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError):  # a half-written or foreign file: treat as refreshed at its mtime
+        info = LeaseInfo(host="?", pid=-1, pid_start=None, purpose="unreadable lease file", started=0.0, token="?")
+    return info, age
+
+
+def _stale_reason(info: LeaseInfo, age: float, ttl: float) -> str | None:
+    if info.pid == -1 and age > _UNREADABLE_GRACE_S:
+        return f"the lease file is unreadable and {age:.0f} s old (a writer killed while creating it)"
+    if info.host == socket.gethostname() and info.pid > 0 and not _alive(info.pid, info.pid_start):
+        return f"its process {info.pid} on {info.host} no longer runs"
+    if age > ttl:
+        return f"it was last refreshed {age:.0f} s ago (more than {ttl:.0f} s)"
+    return None
+
+
+def _try_create(path: Path, info: LeaseInfo) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(info), f)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
+    path = lease_path(store)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a new store's folder may not exist yet (the first ingest creates it)
+    pid = os.getpid()
+    info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
+    for _ in range(5):
+        if _try_create(path, info):
+            return info
+        current = read_lease(store)
+        if current is None:
+            continue  # released between our attempt and the read: try again
+        holder, age = current
+        reason = _stale_reason(holder, age, ttl)
+        if reason is None:
+            raise StoreLockedError(
+                f"{store} is being written by another run: {holder.purpose} (host {holder.host}, PID {holder.pid}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.started))}, refreshed {age:.0f} s ago). "
+                f"Wait for it to finish; a lease whose process is gone is taken over automatically (dead PID on this "
+                f"host, or no refresh for {ttl:.0f} s). Lease file: {path}")
+        # Move the stale lease aside (atomic; of several writers taking it over, one rename wins).
+        aside = path.with_name(f"{path.name}.stale-{info.token}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        aside.unlink(missing_ok=True)
+        log.warning("took over the writer lease of %s: %s (%s)", store, reason, holder.purpose)
+    raise StoreLockedError(f"{store}: could not take the writer lease {path} (it keeps changing hands)")
+
+
+def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> None:
+    while not stop.wait(every):
+        try:
+            if json.loads(path.read_text()).get("token") != token:
+                log.error("the writer lease %s was taken over by another process", path)
+                return
+            os.utime(path)
+        except (OSError, ValueError):
+            log.error("the writer lease %s disappeared", path)
+            return
+
+
+@contextmanager
+def writer_lease(store: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S) -> Iterator[None]:
+    """Hold the store's writer lease for the block (re-entrant within this process)."""
+    path = lease_path(store)
+    key = str(path)
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is not None:
+            held[1] += 1
+        else:
+            info = _acquire(store, purpose, ttl)
+            stop = threading.Event()
+            threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True,
+                             name=f"lease-{path.name}").start()
+            held = _HELD[key] = [info.token, 1, stop]
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            held[1] -= 1
+            if held[1] == 0:
+                del _HELD[key]
+                held[2].set()
+                current = read_lease(store)
+                if current is not None and current[0].token == held[0]:
+                    path.unlink(missing_ok=True)
+
+
+def ensure_still_held(store: str | Path) -> None:
+    """Before a commit: if this process holds the store's lease, check nobody took it over (a
+    holder frozen for longer than the ttl); raise rather than write beside another writer."""
+    path = lease_path(store)
+    with _HELD_LOCK:
+        held = _HELD.get(str(path))
+    if held is None:
+        return
+    current = read_lease(store)
+    if current is None or current[0].token != held[0]:
+        holder = "nobody" if current is None else f"{current[0].purpose} (host {current[0].host}, PID {current[0].pid})"
+        raise StoreLockedError(f"the writer lease of {store} was lost while this run held it (now: {holder}); "
+                               "stopping before the next commit. Rerun: what is staged is committed then.")
+
+
+def holds_writer_lease(purpose: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function holds the writer lease of its ``store`` argument while it runs;
+    ``purpose`` is formatted with the call's arguments (``"training run {run!r}"``)."""
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            with writer_lease(bound.arguments["store"], purpose.format(**bound.arguments)):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

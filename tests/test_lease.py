@@ -1,0 +1,160 @@
+"""One writer per store: the writer lease between real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.lease import StoreLockedError, lease_path, read_lease, writer_lease
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from tasks.lease import writer_lease
+with writer_lease(sys.argv[1], "test holder"):
+    print("held", flush=True)
+    while not Path(sys.argv[2]).exists():
+        time.sleep(0.05)
+"""
+
+
+def _start_holder(store: Path, release: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(store), str(release)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_writer_process_is_refused_at_once_and_gets_the_lease_after_release(tmp_path):
+    store, release = tmp_path / "c.zarr", tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreLockedError, match=rf"being written by another run: test holder \(host .*PID {holder.pid}"):
+            with writer_lease(store, "second run"):
+                pass
+        assert time.monotonic() - started < 2.0  # immediate, no waiting
+    finally:
+        release.touch()
+        assert holder.wait(timeout=30) == 0
+    assert not lease_path(store).exists()  # released by its holder
+    with writer_lease(store, "second run"):
+        assert read_lease(store)[0].pid == os.getpid()
+
+
+def test_the_lease_of_a_killed_writer_is_taken_over(tmp_path, caplog):
+    store = tmp_path / "c.zarr"
+    holder = _start_holder(store, tmp_path / "never")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert read_lease(store)[0].pid == holder.pid  # left behind by the kill
+    with writer_lease(store, "rerun"):
+        assert read_lease(store)[0].purpose == "rerun"
+    assert "took over the writer lease" in caplog.text and f"process {holder.pid}" in caplog.text
+
+
+def _foreign_lease(store: Path, age: float) -> None:
+    path = lease_path(store)
+    path.write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None, "purpose": "run on other-node",
+                                "started": time.time() - age, "token": "x"}))
+    os.utime(path, (time.time() - age, time.time() - age))
+
+
+def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
+    store = tmp_path / "c.zarr"
+    _foreign_lease(store, age=5)
+    with pytest.raises(StoreLockedError, match="run on other-node.*host other-node"):
+        with writer_lease(store, "mine", ttl=60):
+            pass
+    _foreign_lease(store, age=120)
+    with writer_lease(store, "mine", ttl=60):
+        assert read_lease(store)[0].host == socket.gethostname()
+
+
+def test_the_lease_is_reentrant_in_one_process_and_refreshed_while_held(tmp_path):
+    store = tmp_path / "new" / "folder" / "c.zarr"  # a store about to be created
+    with writer_lease(store, "flow", ttl=0.4):
+        first = lease_path(store).stat().st_mtime
+        with writer_lease(store, "library call inside the flow"):
+            assert read_lease(store)[0].purpose == "flow"
+        assert lease_path(store).exists()
+        time.sleep(0.5)
+        assert lease_path(store).stat().st_mtime > first  # the heartbeat kept it fresh (ttl 0.4 s)
+    assert not lease_path(store).exists()
+
+
+def test_readers_ignore_the_lease(tmp_path):
+    import numpy as np
+
+    from tasks.store import open_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=4, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+    release = tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        cohort = open_cohort(store)
+        assert cohort.n_bags == 4 and np.asarray(cohort.offsets)[-1] == len(X)
+    finally:
+        release.touch()
+        holder.wait(timeout=30)
+
+
+def test_training_and_prediction_hold_the_lease_so_a_second_process_is_refused(tmp_path):
+    """fit_cohort / predict_cohort write the store (checkpoints, predictions): a run while another
+    process holds the lease fails at once, before any write."""
+    import zarr
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks.training import fit_cohort, predict_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+    release = tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+            with pytest.raises(StoreLockedError, match="test holder"):
+                fit_cohort(VGPMIL(n_inducing=4, max_iter=2), store, client, run="r")
+            model = VGPMIL(n_inducing=4, max_iter=2, random_state=0).fit(X, bags, y)
+            with pytest.raises(StoreLockedError, match="test holder"):
+                predict_cohort(model, store, client, run="p")
+    finally:
+        release.touch()
+        holder.wait(timeout=30)
+    root = zarr.open_group(str(store), mode="r")
+    assert "training" not in root and "predictions" not in root  # nothing was written
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_commit(tmp_path):
+    import numpy as np
+
+    from tasks.ingest.driver import IngestItem, run_ingest
+    from tasks.store import CohortSpec, open_cohort
+
+    store = tmp_path / "c.zarr"
+    spec = CohortSpec(name="c", n_features=2, coords_dim=1, coords_meaning="index")
+
+    def writer(item, staging):
+        if item.bag_id == "b1":  # another process takes the lease over while this run is frozen
+            lease_path(store).write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None,
+                                                     "purpose": "run on other-node", "started": 0.0, "token": "x"}))
+        staging.write(np.ones((2, 2)), np.zeros((2, 1)), np.full(2, -1))
+
+    items = [IngestItem(f"b{k}", f"/b{k}", 0, None) for k in range(3)]
+    with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
+        run_ingest(store, spec, items, writer, commit_every=1)
+    assert list(open_cohort(store).bag_ids) == ["b0"]  # committed before the take-over; nothing after
