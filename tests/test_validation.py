@@ -269,3 +269,15 @@ def test_an_empty_rsna_labels_file_stops_a_ct_ingest_before_anything_is_written(
     with pytest.raises(IngestError, match="header .*ID, Label.* but no rows"):
         ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
     assert not (tmp_path / "ct.zarr").exists()
+
+
+def test_a_text_cell_in_a_feature_table_skips_its_bag_naming_row_column_and_value(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    rows = [[1, "a", 0.1, 0.2], [0, "b", "n/a?", 0.8], [0, "b", 0.7, 0.8], [0, "c", 0.9, 1.0]]
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, rows)))
+    assert report.added == ("a", "c")
+    (skip,) = report.skipped
+    assert skip.error == "BadValueError" and skip.reason == "row 1, column 2: 'n/a?' is not a number"
+    dropped = ingest_table(tmp_path / "d.zarr", read_mil_csv(_csv(tmp_path, rows)), nonfinite="drop")
+    assert dropped.added == ("a", "b", "c") and dropped.dropped_nonfinite == {"b": 1}
