@@ -285,6 +285,18 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
+def test_the_cli_summarises_each_stage_in_one_line():
+    from flows.cli import summary
+    from tasks.prefect_tasks import StageResult
+
+    ingest = StageResult("c", "/s.zarr", False, {"added": ["a", "b"], "n_instances_added": 40, "already_done": ["c"],
+                                                  "skipped": [{"bag_id": "d"}]})
+    assert summary("ingest", ingest) == "ingest  done    2 bags added (40 instances), 1 already in the store, 1 skipped -> /s.zarr"
+    train = StageResult("k", "/m", True, {"model": "VGPMIL", "n_bags": 9, "n_iter": 30, "converged": True})
+    assert summary("train", train) == "train   reused  VGPMIL on 9 bags, 30 iterations -> /m"
+    assert summary("report", StageResult("p", "/r.md", False, {})) == "report  done    no labelled bags of both classes: no metrics -> /r.md"
+
+
 def test_progress_bars_say_how_far_a_stage_is():
     from tasks.prefect_tasks import progress_bar
 

@@ -163,6 +163,12 @@ def test_an_archive_smuggling_a_pickled_object_array_or_an_unknown_type_is_refus
     np.savez(forged, __gpmil__=np.frombuffer(meta, dtype=np.uint8))
     with pytest.raises(UnsafeFileError, match="'Popen', which is not in the allowlist"):
         persist.loads(forged.getvalue())
+    wrong_param = meta.replace(b'"Popen", "params": {"args": "touch x"}', b'"RBF", "params": {"shell": "touch x"}')
+    wrong_param = wrong_param.replace(b'"$estimator"', b'"$dataclass"').replace(b'"params"', b'"fields"').replace(b', "state": {}', b"")
+    forged = io.BytesIO()
+    np.savez(forged, __gpmil__=np.frombuffer(wrong_param, dtype=np.uint8))
+    with pytest.raises(UnsafeFileError, match="malformed .*TypeError"):
+        persist.loads(forged.getvalue())
     newer = meta.replace(b'"version": 1', b'"version": 99')
     forged = io.BytesIO()
     np.savez(forged, __gpmil__=np.frombuffer(newer, dtype=np.uint8))
