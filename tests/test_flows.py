@@ -198,6 +198,13 @@ def test_only_transient_errors_are_retried():
         assert not is_transient(deterministic)
 
 
+def test_a_flow_run_with_a_missing_input_fails_before_any_task_or_cluster(tmp_path, cohort):
+    config = write_config(tmp_path, tmp_path / "moved.zarr")
+    state = train_model(config, return_state=True)
+    assert state.is_failed() and "store: " + str(tmp_path / "moved.zarr") + " does not exist" in state.message
+    assert task_runs_of(state.state_details.flow_run_id, n_expected=0) == []
+
+
 def test_a_deterministic_task_failure_is_not_retried(tmp_path, cohort):
     not_a_store = tmp_path / "empty.zarr"
     not_a_store.mkdir()
