@@ -319,18 +319,20 @@ def _png_markdown(path: Path, alt: str) -> str:
 
 
 def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
-    """The slide thumbnail under a heatmap, or none (feature-table cohorts; a slide moved or
-    unreadable since ingest: the heatmap is then drawn on the bare tile grid, and the log says why)."""
+    """The slide thumbnail under a heatmap and its downsample from level 0, or none (feature
+    cohorts without their slide; a slide moved or unreadable since ingest: the heatmap is then drawn
+    without it, and the log says why)."""
     from tasks.ingest.errors import IngestError
     from tasks.ingest.wsi import heatmap_background
 
-    if not tiling or "tile_size" not in tiling:
+    if not tiling:
         return None, None
     if not Path(source).is_file():
         logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
         return None, None
     try:
-        return heatmap_background(source, tiling)
+        thumbnail, downsample, _ = heatmap_background(source, tiling or {})
+        return thumbnail, downsample
     except IngestError as error:
         logger.warning("heatmap without the slide thumbnail: %s", error)
         return None, None
@@ -399,9 +401,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
-            thumbnail, tile_px = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
-            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
-                                                   thumbnail=thumbnail, tile_px_on_thumbnail=tile_px,
+            xy, side = report.level0_tiles(coords[rows], cohort.attrs.get("coords_meaning", ""))
+            thumbnail, downsample = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
+            figures.append(report.plot_wsi_heatmap(xy, side, scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
+                                                   thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],

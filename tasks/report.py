@@ -39,6 +39,8 @@ __all__ = [
     "plot_elbo",
     "plot_roc",
     "plot_wsi_heatmap",
+    "level0_tiles",
+    "heatmap_canvas",
     "plot_ct_slices",
     "instance_scores",
     "write_tables",
@@ -182,20 +184,51 @@ def _colour_scale(scores: np.ndarray, kind: ScoreKind) -> dict[str, Any]:
 SCORE_LABELS = {"probability": "p(tile positive)", "evidence": "instance evidence (not a probability)"}
 
 
-def plot_wsi_heatmap(coords: np.ndarray, scores: np.ndarray, path: str | Path, *, kind: ScoreKind = "probability",
-                     thumbnail: np.ndarray | None = None, tile_px_on_thumbnail: float | None = None, title: str = "") -> Path:
-    """Tile probabilities (or evidences, ``kind``) painted on the tile grid (``coords`` = tile
-    row, col), over the slide thumbnail when one is given (``tile_px_on_thumbnail`` = one tile's
-    size in thumbnail pixels)."""
-    rows, cols = coords[:, 0], coords[:, 1]
-    grid = np.full((rows.max() + 1, cols.max() + 1), np.nan)
-    grid[rows, cols] = scores
-    fig, ax = plt.subplots(figsize=(5, 5 * grid.shape[0] / max(grid.shape[1], 1)))
-    extent = None
-    if thumbnail is not None and tile_px_on_thumbnail:
+def level0_tiles(coords: np.ndarray, coords_meaning: str) -> tuple[np.ndarray, float]:
+    """Tile top-left corners ``(x, y)`` in level-0 pixels and the tile side there, from the stored
+    coordinates: slide stores (``tile_row,tile_col,x,y``), CLAM/TRIDENT ``.h5`` (``x,y``; the side is
+    the grid step of the coordinates), else a grid (row, col) in tile units (side 1)."""
+    coords = np.asarray(coords)
+    if coords_meaning.startswith("tile_row,tile_col,x,y"):
+        xy = coords[:, 2:4]
+    elif coords_meaning.startswith("x,y"):
+        xy = coords[:, :2]
+    else:
+        return coords[:, 1::-1][:, :2].astype(np.float64), 1.0
+    steps = [np.diff(np.unique(xy[:, axis])) for axis in (0, 1)]
+    positive = np.concatenate([s[s > 0] for s in steps])
+    return xy.astype(np.float64), float(positive.min()) if positive.size else 1.0
+
+
+def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,
+                   downsample: float | None = None, max_side: int = 1024) -> tuple[np.ndarray, float]:
+    """Tile scores painted on a canvas of thumbnail resolution (NaN where there is no tile):
+    ``shape``/``downsample`` of a slide thumbnail, else at most ``max_side`` pixels over the tiles'
+    extent. Memory is the canvas, whatever the coordinates' range."""
+    if shape is None or downsample is None:
+        extent = float(max(xy[:, 0].max(), xy[:, 1].max()) + side) if len(xy) else side
+        downsample = max(extent / max_side, 1e-9)
+        shape = (int(np.ceil((xy[:, 1].max() + side) / downsample)), int(np.ceil((xy[:, 0].max() + side) / downsample)))
+    canvas = np.full(shape, np.nan)
+    y0 = np.clip(np.floor(xy[:, 1] / downsample).astype(np.int64), 0, shape[0] - 1)
+    x0 = np.clip(np.floor(xy[:, 0] / downsample).astype(np.int64), 0, shape[1] - 1)
+    y1 = np.maximum(np.ceil((xy[:, 1] + side) / downsample).astype(np.int64), y0 + 1)
+    x1 = np.maximum(np.ceil((xy[:, 0] + side) / downsample).astype(np.int64), x0 + 1)
+    for a, b, c, d, s in zip(y0, y1, x0, x1, scores):
+        canvas[a:b, c:d] = s
+    return canvas, downsample
+
+
+def plot_wsi_heatmap(xy: np.ndarray, side: float, scores: np.ndarray, path: str | Path, *,
+                     kind: ScoreKind = "probability", thumbnail: np.ndarray | None = None,
+                     thumb_downsample: float | None = None, title: str = "") -> Path:
+    """Tile probabilities (or evidences, ``kind``) of tiles at level-0 ``xy`` with level-0 ``side``
+    (:func:`level0_tiles`), at thumbnail resolution, over the slide thumbnail when one is given."""
+    canvas, _ = heatmap_canvas(xy, side, scores, None if thumbnail is None else thumbnail.shape[:2], thumb_downsample)
+    fig, ax = plt.subplots(figsize=(5, 5 * canvas.shape[0] / max(canvas.shape[1], 1)))
+    if thumbnail is not None:
         ax.imshow(thumbnail)
-        extent = (0, grid.shape[1] * tile_px_on_thumbnail, grid.shape[0] * tile_px_on_thumbnail, 0)
-    image = ax.imshow(grid, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0, extent=extent,
+    image = ax.imshow(canvas, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0,
                       interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, label=SCORE_LABELS[kind])
     ax.set_axis_off()
