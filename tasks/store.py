@@ -281,6 +281,18 @@ class _RowWriter:
 NonFinitePolicy = Literal["reject", "drop"]
 
 
+def check_text(bag_id: str, source: str) -> None:
+    """Bag ids and sources are stored as UTF-8: a name decoded from non-UTF-8 bytes (lone
+    surrogates, as ``os.listdir`` gives them) is refused for this item only."""
+    for what, text in (("bag id", bag_id), ("source path", source)):
+        try:
+            str(text).encode("utf-8")
+        except UnicodeEncodeError:
+            raise IngestError(f"the {what} is not valid UTF-8 ({str(text).encode('utf-8', 'backslashreplace').decode()}); "
+                              "rename the file", path=str(source).encode("utf-8", "backslashreplace").decode(),
+                              bag_id=str(bag_id).encode("utf-8", "backslashreplace").decode()) from None
+
+
 def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,
                 first_row: int = 0) -> np.ndarray | None:
     """Rows of ``features`` (already in the store's dtype) to keep, or None when all are finite.
@@ -323,6 +335,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     ids, labels, sources = [], [], []
     writer = _RowWriter(root, offsets[0])
     for bag in bags:
+        check_text(bag.bag_id, bag.source)
         if bag.bag_id in seen:
             raise DuplicateIdError("bag id already in the store or repeated", path=bag.source, bag_id=bag.bag_id)
         if bag.features.ndim != 2 or bag.features.shape[1] != n_features or bag.coords.shape != (
@@ -469,6 +482,7 @@ class StagingWriter:
     """
 
     def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject"):
+        check_text(bag_id, source)
         root = _open_root(store_path, "r+")
         self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
         self._chunk_rows = root.attrs["chunk_rows"]

@@ -3,6 +3,9 @@ and nothing committed before is lost."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import zarr
@@ -59,3 +62,14 @@ def test_the_staging_writer_rejects_or_drops_nonfinite_rows_by_policy(tmp_path):
     empty.write(np.full((2, 3), np.nan), np.zeros((2, 1)), np.full(2, -1))
     with pytest.raises(NonFiniteFeaturesError, match="all 2 instances have NaN"):
         empty.finish()
+
+
+def test_a_name_from_non_utf8_bytes_is_refused_for_that_item_with_a_readable_reason(tmp_path):
+    from tasks.ingest.errors import IngestError
+
+    store = _store(tmp_path)
+    name = os.fsdecode(b"slide\xff")  # what os.listdir gives for a Latin-1 file name
+    with pytest.raises(IngestError, match=r"bag id is not valid UTF-8 \(slide\\udcff\); rename the file"):
+        StagingWriter(store, name, 1, str(tmp_path / f"{name}.tiff"))
+    with pytest.raises(IngestError, match="source path is not valid UTF-8"):
+        append_bags(store, [replace(_bag("fine", np.ones((1, 3))), source=f"/data/{name}.csv")])
