@@ -50,7 +50,7 @@ def load_block(path: str, partition: Partition, device: str, exclude_bags: np.nd
     kept = np.flatnonzero(keep)
     offsets = np.asarray(stored.offsets)
     X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
-    coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
+    coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
     return BagBlock(X=to_device(X, device), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
 
 
@@ -65,3 +65,9 @@ def to_device(X: np.ndarray, device: str) -> Any:
 
         return cupy.asarray(X)
     return X
+
+
+def grid_coords(coords) -> np.ndarray:
+    """The neighbour-graph positions of stored instance coordinates: at most the first two columns
+    (slide stores keep (tile_row, tile_col) there, the level-0 x, y beside them)."""
+    return np.asarray(coords)[:, :2]

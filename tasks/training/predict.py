@@ -15,6 +15,7 @@ from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
     FeatureScaling,
+    grid_coords,
     read_features,
     to_device,
     uses_coords,
@@ -29,7 +30,7 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     stored = open_cohort(store).read_partition(partition)
     X = to_device(read_features(stored, scaling), device)
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
-    coords = {"coords": np.asarray(stored.coords)} if uses_coords(model) else {}
+    coords = {"coords": grid_coords(stored.coords)} if uses_coords(model) else {}
     instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
     p_inst, sd_inst = instance_scores(X, return_std=True, **instance_kwargs)
     _, p_bag, sd_bag = model.predict_bag_proba(X, bag_of_row, return_std=True, **bag_kwargs, **coords)
