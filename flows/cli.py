@@ -2,7 +2,7 @@
 
     gpmil run CONFIG              ingest → train → predict → evaluate (reruns skip done work)
     gpmil ingest|train CONFIG     one stage
-    gpmil predict CONFIG MODEL_DIR [--store STORE]
+    gpmil predict CONFIG MODEL_DIR [--store STORE] [--source NEW_FOLDER [--labels FILE]]
     gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY
     gpmil serve CONFIG [--cron "0 2 * * *"]   a long-running served deployment (Prefect UI)
     gpmil demo [DIR]              synthetic WSI and CT cohorts: train, then evaluate on held-out cohorts
@@ -45,10 +45,26 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from flows.config import load_config
     from flows.pipeline import predict_cohort
+    from tasks import report
 
-    result = predict_cohort(str(args.config), str(args.model_dir), store=args.store)
-    print(f"predictions {'reused' if result.reused else 'written'}: {result.path} (key {result.key})")
+    result = predict_cohort(str(args.config), str(args.model_dir), store=args.store,
+                            source=None if args.source is None else str(args.source),
+                            labels=None if args.labels is None else str(args.labels))
+    config = load_config(args.config)
+    store = result.info.get("store") or str(args.store or config.prediction.store or config.store)
+    where = {"store": store, "predictions": f"{result.path} (key {result.key})"}
+    if "report" in result.info:
+        folder = Path(result.info["report"]).parent
+        where |= {"report": result.info["report"], "bag table": str(folder / "bag_predictions.csv"),
+                  "instance table": str(folder / "instance_predictions.parquet")}
+        if (folder / "geojson").is_dir():
+            where["QuPath GeoJSON"] = str(folder / "geojson")
+    table = report.bag_table(store, result.key, threshold=config.prediction.threshold)
+    print(report.summary_text(table, threshold=config.prediction.threshold, metrics=result.info.get("metrics"), where=where))
+    for skipped in result.info.get("skipped", []):
+        print(f"skipped {skipped['path']}: {skipped['error']}: {skipped['reason']}")
     return 0
 
 
@@ -116,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store")
     p = with_config("predict", "predict a cohort with a saved model", _predict)
     p.add_argument("model_dir", type=Path, help="a model folder written by `gpmil train` (<output_dir>/models/<key>)")
-    p.add_argument("--store", help="cohort to predict (default: prediction.store, else the training store)")
+    p.add_argument("--store", help="cohort to predict (default: prediction.store, else the training store); with "
+                                   "--source, where the new cohort's store goes")
+    p.add_argument("--source", type=Path, help="a folder of new slides/scans/feature files: ingest it with the training "
+                                               "store's extractor, predict, write the report and tables")
+    p.add_argument("--labels", type=Path, help="labels of the --source cohort (optional; for metrics)")
     p = with_config("evaluate", "tables, metrics, figures and report of a prediction run", _evaluate)
     p.add_argument("model_dir", type=Path)
     p.add_argument("prediction_key", help="the key printed by `gpmil predict`")

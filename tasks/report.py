@@ -44,6 +44,10 @@ __all__ = [
     "plot_ct_slices",
     "instance_scores",
     "write_tables",
+    "summary_text",
+    "instance_table",
+    "tile_geojson",
+    "write_geojson",
     "Evaluation",
 ]
 
@@ -72,6 +76,75 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     table["predicted_label"] = (table["probability"] >= threshold).astype(int)
     table["most_suspicious"] = suspicious
     return table
+
+
+def instance_table(store: str | Path, run: str) -> pd.DataFrame:
+    """One row per instance: ``bag_id``, ``instance`` (index in its bag), the level-0 ``x``, ``y``
+    of its tile (slide and ``.h5`` cohorts) or its ``slice_index`` (CT) or its stored coordinates,
+    the ``probability`` (or ``evidence``) and its ``std``."""
+    cohort = open_cohort(store)
+    pred = read_predictions(store, run)
+    scores, kind = instance_scores(pred)
+    n = cohort.n_instances
+    offsets = np.asarray(cohort.offsets)
+    sizes = np.diff(offsets)
+    bag_of_row = np.repeat(np.arange(cohort.n_bags), sizes)
+    coords = zarr.open_group(str(store), mode="r")["instances/coords"][:n]
+    meaning = str(cohort.attrs.get("coords_meaning", ""))
+    columns: dict[str, Any] = {"bag_id": pd.Categorical.from_codes(bag_of_row, np.asarray(cohort.bag_ids, dtype=str)),
+                               "instance": np.arange(n) - offsets[bag_of_row]}
+    if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
+        xy = coords[:, 2:4] if meaning.startswith("tile_row") else coords[:, :2]
+        columns |= {"x": xy[:, 0], "y": xy[:, 1]}
+    elif meaning == "slice_index":
+        columns["slice_index"] = coords[:, 0]
+    else:
+        columns |= {f"coord_{j}": coords[:, j] for j in range(coords.shape[1])}
+    columns |= {kind: scores[:n], "std": pred["instances/std"][:n]}
+    return pd.DataFrame(columns)
+
+
+def tile_geojson(xy: np.ndarray, side: float, scores: np.ndarray, std: np.ndarray, *,
+                 kind: ScoreKind = "probability") -> dict[str, Any]:
+    """A GeoJSON FeatureCollection QuPath imports: one square tile per instance in level-0 pixels,
+    with its score and std as measurements."""
+    features = []
+    for (x, y), score, sd in zip(np.asarray(xy, dtype=float), scores, std):
+        ring = [[x, y], [x + side, y], [x + side, y + side], [x, y + side], [x, y]]
+        features.append({"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [ring]},
+                         "properties": {"objectType": "tile", "isLocked": True,
+                                        "classification": {"name": "gpmil tile"},
+                                        "measurements": {kind: float(score), "std": float(sd)}}})
+    return {"type": "FeatureCollection", "features": features}
+
+
+def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(collection, separators=(",", ":")))
+    return path
+
+
+def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, metrics: dict[str, Any] | None = None,
+                 where: dict[str, str] | None = None) -> str:
+    """A few lines for a terminal: counts, the most likely positive bags, the least certain ones,
+    metrics where labels exist and where the outputs are."""
+    n_pos = int((table["probability"] >= threshold).sum())
+    lines = [f"{len(table)} bags predicted: {n_pos} positive, {len(table) - n_pos} negative (threshold {threshold:g})"]
+
+    def rows(frame: pd.DataFrame) -> list[str]:
+        width = max([len(str(b)) for b in frame["bag_id"]] + [6])
+        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}"
+                + ("" if r.label < 0 else f"  (label {r.label})") for r in frame.itertuples()]
+
+    lines += ["most likely positive:"] + rows(table.sort_values("probability", ascending=False).head(top))
+    lines += ["least certain (highest std):"] + rows(table.sort_values("std", ascending=False).head(min(top, 3)))
+    if metrics:
+        shown = {k: metrics[k] for k in ("bag_auc", "bag_accuracy", "bag_f1", "bag_brier", "instance_auc") if k in metrics}
+        lines.append("metrics: " + ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
+    for name, path in (where or {}).items():
+        lines.append(f"{name}: {path}")
+    return "\n".join(lines)
 
 
 def instance_scores(predictions: dict[str, np.ndarray]) -> tuple[np.ndarray, ScoreKind]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError
-from tasks.ingest.labels import labelled_items, read_panda_labels
+from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels
 from tasks.ingest.slide_io import SLIDE_PATTERNS, SlideReader, find_slides, open_slide
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
@@ -283,14 +283,17 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
 
     params = params or TilingParams()
+    recorded = _recorded_extractor(store, extractor_from)
+    if extractor is None and recorded is not None:  # the store's (or the training store's) extractor
+        extractor = extractor_from_spec(recorded)
     extractor = extractor or HandcraftedHE()
     paths, left_out = find_slides(slides, patterns, recursive)
-    labels = None if labels_csv is None else read_panda_labels(labels_csv)
+    labels = (None if labels_csv is None else labels_csv.read()[0] if isinstance(labels_csv, LabelSpec)
+              else read_panda_labels(labels_csv))
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
-                                    None if labels_csv is None else str(labels_csv))
+                                    None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv)))
     skipped = [Skipped.from_error(error) for error in left_out] + skipped
     if needs_fit(extractor):
-        recorded = _recorded_extractor(store, extractor_from)
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
         else:
