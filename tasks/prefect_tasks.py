@@ -378,6 +378,20 @@ def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, l
         return None, None
 
 
+def _ct_series_by_uid(sources: Any, logger: Any) -> dict[str, Any]:
+    """SeriesInstanceUID → its :class:`tasks.ingest.ct.CTSeries` (files and SOP UIDs in spatial
+    order), reading the headers of each source folder once; empty where the folders are gone."""
+    from tasks.ingest.ct import scan_dicom_dir
+
+    found: dict[str, Any] = {}
+    for folder in sorted(set(map(str, sources))):
+        if not Path(folder).is_dir():
+            logger.warning("CT folder %s not found: findings without SOPInstanceUIDs or slice images", folder)
+            continue
+        found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
+    return found
+
+
 def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     """Slide file by stem under a feature cohort's ``slides_dir`` (None without one)."""
     from tasks.ingest.slide_io import find_slides
@@ -446,6 +460,12 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
 
     scores, kind = report.instance_scores(predictions)
     instances = report.instance_table(store, prediction_key)
+    series = _ct_series_by_uid(table["source"], logger) if cohort.attrs.get("coords_meaning") == "slice_index" else {}
+    if series:  # CT findings by SOPInstanceUID (slices are stored in spatial order, as the series lists them)
+        uids = np.array([("" if s is None or z >= len(s.sop_uids) else s.sop_uids[z])
+                         for s, z in zip((series.get(b) for b in instances["bag_id"].astype(str)), instances["slice_index"])],
+                        dtype=object)
+        instances.insert(3, "sop_instance_uid", uids)
     instances.to_parquet(out / "instance_predictions.parquet", index=False)
     if len(instances) <= 1_000_000:
         instances.to_csv(out / "instance_predictions.csv", index=False)
@@ -473,6 +493,17 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                                                    thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
+            found = series.get(bag_id)
+            if found is not None and len(found.files) == rows.stop - rows.start:
+                from tasks.ingest.ct import load_windowed_slices
+
+                chosen = report.strip_slices(scores[rows])
+                order = np.argsort(coords[rows, 0])[chosen]
+                figures.append(report.plot_ct_strip(
+                    load_windowed_slices([found.files[int(coords[rows.start + i, 0])] for i in order]), coords[rows, 0][order],
+                    scores[rows][order], predictions["instances/std"][rows][order], bag_file(out / "strips", bag_id, ".png"),
+                    sop_uids=[found.sop_uids[int(coords[rows.start + i, 0])] for i in order], kind=kind,
+                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))

@@ -42,6 +42,7 @@ __all__ = [
     "level0_tiles",
     "heatmap_canvas",
     "plot_ct_slices",
+    "plot_ct_strip",
     "instance_scores",
     "write_tables",
     "summary_text",
@@ -331,6 +332,39 @@ def plot_ct_slices(slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray,
     ax.set(xlabel="slice", title=title)
     ax.legend(loc="upper right", fontsize="small")
     return _save(fig, path)
+
+
+def plot_ct_strip(windows: np.ndarray, slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray, path: str | Path, *,
+                  sop_uids: list[str] | None = None, kind: ScoreKind = "probability", title: str = "") -> Path:
+    """A strip of windowed CT slices (``windows`` (k, H, W, 3) in [0, 1]; the brain, blood and
+    soft-tissue windows shown as the three colour channels) each titled with its slice index,
+    score ± std and the end of its SOPInstanceUID, framed in the score's colour."""
+    k = len(windows)
+    fig, axes = plt.subplots(1, k, figsize=(1.9 * k, 2.4), squeeze=False)
+    scale = _colour_scale(scores, kind)
+    cmap = plt.get_cmap(scale["cmap"])
+    for ax, image, z, s, sd, j in zip(axes[0], windows, slice_index, scores, std, range(k)):
+        ax.imshow(np.clip(image, 0, 1))
+        ax.set_xticks([])
+        ax.set_yticks([])
+        colour = cmap((s - scale["vmin"]) / (scale["vmax"] - scale["vmin"]))
+        for spine in ax.spines.values():
+            spine.set_edgecolor(colour)
+            spine.set_linewidth(4)
+        uid = "" if sop_uids is None else f"\n…{sop_uids[j][-10:]}"
+        ax.set_title(f"slice {int(z)}\n{'p' if kind == 'probability' else 'e'} = {s:.2f} ± {sd:.2f}{uid}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def strip_slices(scores: np.ndarray, n: int = 8) -> np.ndarray:
+    """Up to ``n`` slice positions for a strip: evenly spread over the scan, always with the most
+    positive slice and its neighbours."""
+    count = len(scores)
+    top = int(np.argmax(scores))
+    chosen = set(np.linspace(0, count - 1, num=min(n, count)).round().astype(int).tolist())
+    chosen |= {i for i in (top - 1, top, top + 1) if 0 <= i < count}
+    return np.array(sorted(chosen))
 
 
 def markdown_table(frame: pd.DataFrame, float_format: str = "{:.3f}") -> str:

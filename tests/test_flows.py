@@ -230,7 +230,15 @@ def test_demo_trains_on_one_cohort_and_reports_metrics_on_a_held_out_cohort(demo
     assert len(geojson["features"]) == len(first) and ring[0] == [first["x"].iloc[0], first["y"].iloc[0]]
     assert ring[2][0] - ring[0][0] == ring[2][1] - ring[0][1] > 0  # a square tile in level-0 pixels
     assert geojson["features"][0]["properties"]["measurements"]["probability"] == pytest.approx(first["probability"].iloc[0])
-    assert "slice_index" in pd.read_parquet(ct_out / "instance_predictions.parquet").columns
+    ct_instances = pd.read_parquet(ct_out / "instance_predictions.parquet")
+    assert list(ct_instances.columns[:4]) == ["bag_id", "instance", "slice_index", "sop_instance_uid"]
+    assert ct_instances["sop_instance_uid"].str.len().min() > 10 and ct_instances["sop_instance_uid"].is_unique
+    assert len(list((ct_out / "strips").glob("*.png"))) == 4  # windowed slices with their probabilities
+    from tasks.ingest.ct import read_rsna_labels
+
+    slice_labels = read_rsna_labels(workdir / "raw" / "ct-heldout" / "labels.csv")
+    stored = open_cohort(workdir / "stores" / "ct-heldout.zarr").read_bags(0, 6).instance_labels
+    assert [slice_labels[u] for u in ct_instances["sop_instance_uid"]] == stored.tolist()  # each row is its slice
 
 
 def test_demo_skips_a_corrupt_slide_and_a_rerun_reuses_every_stage(demo_run):

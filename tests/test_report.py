@@ -50,3 +50,14 @@ def test_h5_level0_coordinates_give_a_thumbnail_sized_heatmap_with_each_tile_in_
     assert np.isnan(canvas[: int(40 * step / downsample) - 1]).all()  # nothing above the tissue
     slide_tiles = np.array([[2, 3, 768, 512]])  # (row, col, x, y) of a slide store
     np.testing.assert_array_equal(report.level0_tiles(slide_tiles, "tile_row,tile_col,x,y (...)")[0], [[768, 512]])
+
+
+def test_the_ct_strip_shows_the_most_positive_slice_with_its_neighbours_and_spreads_the_rest(tmp_path):
+    scores = np.zeros(40)
+    scores[17] = 0.9
+    chosen = report.strip_slices(scores, n=6)
+    assert {16, 17, 18} <= set(chosen.tolist()) and chosen[0] == 0 and chosen[-1] == 39 and len(chosen) <= 9
+    windows = np.random.default_rng(0).uniform(size=(len(chosen), 16, 16, 3))
+    path = report.plot_ct_strip(windows, chosen, scores[chosen], np.full(len(chosen), 0.1), tmp_path / "strip.png",
+                                sop_uids=[f"1.2.3.{i}" for i in chosen])
+    assert path.stat().st_size > 0
