@@ -83,6 +83,8 @@ class IngestConfig(_Strict):
     the kind's convention: PANDA for slides, RSNA for CT, ``slide_id,label`` 0/1 for h5) or a
     :class:`LabelsConfig` section. ``extractor_from``: a cohort store whose fitted feature extractor a
     new store takes (a cohort to be predicted by a model trained on that store needs its features).
+    ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
+    loses those instances, counted per bag in the ingest report (``drop``).
 
     Slides (``wsi``): any format OpenSlide or tifffile reads, found under ``source`` by ``patterns``
     (default: the usual slide suffixes; in sub-folders when ``recursive``). ``target_mpp`` tiles at a
@@ -107,6 +109,7 @@ class IngestConfig(_Strict):
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
+    nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
 
     @field_validator("extractor")
     @classmethod

@@ -28,6 +28,7 @@ from flows.config import PipelineConfig, make_model
 from mil_core import persist
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
@@ -177,10 +178,10 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
 
 
 @task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
-def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client) -> int:
+def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client, nonfinite: str = "reject") -> int:
     """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
     number of instances. Bad input fails this task only (and is not retried)."""
-    return client.submit(stage_item, store, item, bag_writer, pure=False).result()
+    return client.submit(stage_item, store, item, bag_writer, nonfinite, pure=False).result()
 
 
 @task(name="finalise-store", task_run_name="finalise {config.store}", cache_policy=NO_CACHE)
@@ -241,7 +242,8 @@ def ingest_table(config: PipelineConfig) -> StageResult:
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name)
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name,
+                                  nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 
 
@@ -249,7 +251,13 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     """The ingest stage, called inside a flow: ``list-inputs`` → one ``ingest <bag id>`` task per
     slide/scan (concurrent on the flow's thread-pool task runner, each running its tiling and
     featurisation on the flow's Dask cluster) → ``finalise-store``. A progress artifact and log
-    lines follow the items as they finish."""
+    lines follow the items as they finish. Holds the store's writer lease throughout (a second
+    run on the same store fails at once with :class:`tasks.lease.StoreLockedError`)."""
+    with writer_lease(str(config.store), f"gpmil ingest {config.name!r} ({config.ingest.kind} from {config.ingest.source})"):
+        return _ingest_cohort_items(config, scheduler_address)
+
+
+def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:
     from prefect.futures import as_completed
 
     if config.ingest.kind in ("features", "h5", "npy"):
@@ -260,7 +268,7 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     progress = create_progress_artifact(0.0, key=artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
     outcomes: dict[str, BaseException | None] = {}
     with Client(scheduler_address) as client:
-        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
+        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client, config.ingest.nonfinite): item for item in todo}
         for done, future in enumerate(as_completed(list(futures)), start=1):
             bag_id = futures[future].bag_id
             outcome = future.result(raise_on_failure=False)  # the instance count, or the task's exception
@@ -282,7 +290,7 @@ class TrainedModel:
 
 
 MODEL_FILE = "model.npz"
-persist.allow_types(TrainedModel, FeatureScaling)
+persist.allow_types(TrainedModel)
 
 
 def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
@@ -448,7 +456,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     if (Path(model_dir) / "elbo.png").exists():
         figures.insert(0, Path(model_dir) / "elbo.png")
 
+    not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
     if warnings:
         for message in warnings:
             logger.warning(message)

@@ -27,14 +27,16 @@ import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 from tasks.ingest.errors import DuplicateIdError, NoTissueError
+from tasks.lease import writer_lease
 from tasks.store import (
     CohortSpec,
+    NonFinitePolicy,
     StagingWriter,
     _open_root,
     append_bags,
@@ -43,6 +45,7 @@ from tasks.store import (
     open_or_create_cohort,
     read_staged,
     repair,
+    staged_dropped,
     staged_status,
 )
 
@@ -87,6 +90,7 @@ class IngestReport:
     n_instances_added: int
     seconds: float
     report_path: str | None = None
+    dropped_nonfinite: dict[str, int] = field(default_factory=dict)  # bag id -> instances left out (NaN/inf)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -100,14 +104,14 @@ def default_report_path(store: str | Path) -> Path:
     return store.with_name(store.name + ".ingest_report.json")
 
 
-def stage_item(store: str, item: IngestItem, bag_writer: BagWriter) -> int:
+def stage_item(store: str, item: IngestItem, bag_writer: BagWriter, nonfinite: NonFinitePolicy = "reject") -> int:
     """Run ``bag_writer`` for ``item`` into its own staging group; return its number of instances.
 
     On failure the half-written staging group is dropped and the error propagates (the Prefect
     per-slide task fails with it; :func:`run_ingest` turns it into a :class:`Skipped` entry).
     """
     try:
-        writer = StagingWriter(store, item.bag_id, item.label, item.source)
+        writer = StagingWriter(store, item.bag_id, item.label, item.source, nonfinite=nonfinite)
         bag_writer(item, writer)
         if writer.n_instances == 0:
             raise NoTissueError("no instances were produced", path=item.source, bag_id=item.bag_id)
@@ -117,35 +121,35 @@ def stage_item(store: str, item: IngestItem, bag_writer: BagWriter) -> int:
         raise
 
 
-def _stage_one(store: str, item: IngestItem, bag_writer: BagWriter) -> tuple[int, Skipped | None]:
+def _stage_one(store: str, item: IngestItem, bag_writer: BagWriter, nonfinite: NonFinitePolicy) -> tuple[int, Skipped | None]:
     """:func:`stage_item`, with a failure returned as (0, skipped) instead of raised."""
     try:
-        return stage_item(store, item, bag_writer), None
+        return stage_item(store, item, bag_writer, nonfinite), None
     except Exception as error:  # any failure of one input is reported, the others go on
         return 0, Skipped.from_error(error, item)
 
 
 def _run_items(store: str, items: Sequence[IngestItem], bag_writer: BagWriter, client: Any,
-               max_workers: int) -> Iterator[tuple[int, int, Skipped | None]]:
+               max_workers: int, nonfinite: NonFinitePolicy) -> Iterator[tuple[int, int, Skipped | None]]:
     """Yield ``(item index, n_instances, skipped)`` as items finish (any order)."""
     if not items:
         return
     if client is not None:
         from distributed import as_completed as dask_as_completed
 
-        futures = {client.submit(_stage_one, store, item, bag_writer, pure=False): i for i, item in enumerate(items)}
+        futures = {client.submit(_stage_one, store, item, bag_writer, nonfinite, pure=False): i for i, item in enumerate(items)}
         for future in dask_as_completed(futures):
             yield futures[future], *future.result()
             future.release()
     elif max_workers > 1:
         context = multiprocessing.get_context("spawn")  # zarr's I/O thread must not be forked
         with ProcessPoolExecutor(max_workers, mp_context=context) as pool:
-            futures = {pool.submit(_stage_one, store, item, bag_writer): i for i, item in enumerate(items)}
+            futures = {pool.submit(_stage_one, store, item, bag_writer, nonfinite): i for i, item in enumerate(items)}
             for future in as_completed(futures):
                 yield futures[future], *future.result()
     else:
         for i, item in enumerate(items):
-            yield i, *_stage_one(store, item, bag_writer)
+            yield i, *_stage_one(store, item, bag_writer, nonfinite)
 
 
 class IngestRun:
@@ -157,7 +161,10 @@ class IngestRun:
     completely by an interrupted run is committed without recomputing it. Staging (one item at a
     time, in parallel, each into its own staging group: :func:`stage_item`) happens elsewhere;
     :meth:`record` is told of each outcome and commits finished bags in item order,
-    ``commit_every`` at a time; :meth:`finish` commits the rest and writes the report.
+    ``commit_every`` at a time; :meth:`finish` commits every completely staged bag not yet
+    committed — also those staged by an earlier, interrupted run and those after an item that
+    never reported — and writes the report. Whatever else a run does, what is completely staged
+    is committed by its end. The caller holds the store's writer lease (:mod:`tasks.lease`).
     """
 
     def __init__(self, store: str | Path, spec: CohortSpec, items: Sequence[IngestItem], *,
@@ -187,9 +194,10 @@ class IngestRun:
             first_source.setdefault(item.bag_id, item.source)
         self._index = {item.bag_id: i for i, item in enumerate(self.pending)}
         self._finished: dict[int, bool] = {i: True for i, item in enumerate(self.pending)  # pending index -> staged?
-                                           if staged_status(self.root, item.bag_id) == "complete"}
+                                           if staged_status(self.root, item.bag_id, source=item.source, label=item.label) == "complete"}
         self.to_run = [item for i, item in enumerate(self.pending) if i not in self._finished]
         self.added: list[str] = []
+        self.dropped_nonfinite: dict[str, int] = {}
         self.n_rows = 0
         self._batch: list[str] = []
         self._next = 0
@@ -210,44 +218,56 @@ class IngestRun:
     def _commit(self) -> None:
         if self._batch:
             bags = [read_staged(self.root, bag_id) for bag_id in self._batch]
+            dropped = {bag_id: n for bag_id in self._batch if (n := staged_dropped(self.root, bag_id))}
             append_bags(self.root, bags)
             drop_staged(self.root, self._batch)
             self.added.extend(self._batch)
+            self.dropped_nonfinite |= dropped
             self.n_rows += sum(bag.n_instances for bag in bags)
             self._batch.clear()
 
     def finish(self, report_path: str | Path | None = None) -> IngestReport:
         """Commit the remaining staged bags and write the JSON report; items never recorded stay
-        uncommitted (a rerun stages or commits them)."""
+        unstaged (a rerun stages them)."""
+        self._batch += [self.pending[i].bag_id for i in sorted(self._finished) if i >= self._next and self._finished[i]]
+        self._next = len(self.pending)
         self._commit()
+        drop_staged(self.root, self.already_done)  # left by a run killed between its commit and this clean-up
         report = IngestReport(store=self.store, added=tuple(self.added), already_done=tuple(self.already_done),
                               skipped=tuple(self.skipped), n_instances_added=self.n_rows,
                               seconds=time.perf_counter() - self.started,
-                              report_path=str(report_path or default_report_path(self.store)))
+                              report_path=str(report_path or default_report_path(self.store)),
+                              dropped_nonfinite=dict(self.dropped_nonfinite))
         Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
         self.root.attrs["last_ingest"] = {"added": len(self.added), "already_done": len(self.already_done),
                                           "skipped": len(self.skipped), "report": report.report_path,
+                                          "instances_dropped_nonfinite": sum(self.dropped_nonfinite.values()),
                                           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         return report
 
 
 def run_ingest(store: str | Path, spec: CohortSpec, items: Sequence[IngestItem], bag_writer: BagWriter, *,
                skipped: Iterable[Skipped] = (), client: Any = None, max_workers: int = 1,
-               commit_every: int = 16, report_path: str | Path | None = None,
+               commit_every: int = 16, report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject",
                on_progress: Callable[[int, int, str, Skipped | None], None] | None = None) -> IngestReport:
     """Ingest ``items`` into the store at ``store`` (created from ``spec`` if absent).
 
     ``skipped`` are inputs the caller already rejected (unreadable, unlabelled): they go into the
     report. Raises only for a store that does not match ``spec`` (whole-run problems).
-    ``on_progress(done, total, bag_id, failure)`` is called as each item finishes.
+    ``on_progress(done, total, bag_id, failure)`` is called as each item finishes. ``nonfinite``:
+    an item with NaN/inf features is skipped (``"reject"``) or loses those instances, counted in
+    the report (``"drop"``). Holds the store's writer lease: a concurrent writer fails at once
+    (:class:`tasks.lease.StoreLockedError`).
     """
-    run = IngestRun(store, spec, items, skipped=skipped, commit_every=commit_every)
-    for done, (i, _, failure) in enumerate(_run_items(run.store, run.to_run, bag_writer, client, max_workers), start=1):
-        item = run.to_run[i]
-        if on_progress is not None:
-            on_progress(done, len(run.to_run), item.bag_id, failure)
-        run.record(item.bag_id, failure)
-    return run.finish(report_path)
+    with writer_lease(store, f"ingest of {len(items)} items"):
+        run = IngestRun(store, spec, items, skipped=skipped, commit_every=commit_every)
+        for done, (i, _, failure) in enumerate(_run_items(run.store, run.to_run, bag_writer, client, max_workers, nonfinite),
+                                               start=1):
+            item = run.to_run[i]
+            if on_progress is not None:
+                on_progress(done, len(run.to_run), item.bag_id, failure)
+            run.record(item.bag_id, failure)
+        return run.finish(report_path)
 
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,40 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     return items, skipped
 
 
+def read_labels_csv(path: str | Path, **read_csv: Any):
+    """A labels CSV as a DataFrame; an empty, header-only or unreadable file is an
+    :class:`IngestError` naming the file and what is wrong (the whole run's labels are missing)."""
+    import pandas as pd
+
+    path = Path(path)
+    try:
+        if not path.read_bytes().strip():
+            raise IngestError("the labels file is empty", path=str(path))
+        table = pd.read_csv(path, **read_csv)
+    except IngestError:
+        raise
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as error:
+        raise IngestError(f"cannot read the labels CSV: {type(error).__name__}: {error}", path=str(path)) from None
+    if table.empty:
+        raise IngestError(f"the labels file has a header ({', '.join(map(str, table.columns))}) but no rows", path=str(path))
+    return table
+
+
+def split_undecodable(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
+    """Paths whose names are valid UTF-8, and a :class:`Skipped` entry for each other one (its name
+    shown with the undecodable bytes escaped): one such file never aborts the run."""
+    good, skipped = [], []
+    for path in paths:
+        try:
+            str(path).encode("utf-8")
+            good.append(path)
+        except UnicodeEncodeError:
+            shown = os.fsencode(path).decode("utf-8", "backslashreplace")  # the undecodable bytes as \xNN
+            skipped.append(Skipped(path=shown, bag_id=None, error="UnreadableFileError",
+                                   reason="the file name is not valid UTF-8; rename the file"))
+    return good, skipped
+
+
 def binary(value: Any) -> int:
     """``value`` as a 0/1 label (a ValueError for anything else)."""
     number = float(value)
@@ -69,9 +104,7 @@ def binary(value: Any) -> int:
 
 def read_panda_labels(path: str | Path) -> dict[str, int | Exception]:
     """image_id → 1 if ``isup_grade > 0`` else 0, from a PANDA-style CSV."""
-    import pandas as pd
-
-    table = pd.read_csv(path, dtype={"image_id": str})
+    table = read_labels_csv(path, dtype={"image_id": str})
     if "isup_grade" not in table.columns:
         raise IngestError(f"labels CSV has no isup_grade column (columns: {list(table.columns)})", path=str(path))
 
@@ -191,11 +224,13 @@ class LabelSpec:
         import pandas as pd
 
         path = str(self.file)
-        try:
-            table = (pd.read_parquet(path) if path.endswith(".parquet") else
-                     pd.read_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ","))
-        except Exception as error:
-            raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
+        if path.endswith(".parquet"):
+            try:
+                table = pd.read_parquet(path)
+            except Exception as error:
+                raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
+        else:
+            table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ",")
         label_of = self.label_of()
         needed = [self.label_column] if self.target is None else list(getattr(label_of, "columns", []))
         absent = [c for c in needed if c not in table.columns]

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, default_report_path
-from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError, UnreadableFileError
-from tasks.store import (UNKNOWN_LABEL, BagData, CohortSpec, append_bags, committed_bag_count, open_or_create_cohort,
-                         repair)
+from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError, NonFiniteFeaturesError, UnreadableFileError
+from tasks.lease import writer_lease
+from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
+                         finite_rows, open_or_create_cohort, repair)
 
 
 @dataclass(frozen=True)
@@ -115,63 +116,82 @@ def read_npz_table(path: str | Path) -> FeatureTable:
 
 
 def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,
-                 report_path: str | Path | None = None) -> IngestReport:
+                 report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
     """Append a :class:`tasks.ingest.tables.FeatureTable` to a store, bag by bag.
 
     Bags keep the order of their first row. A bag whose rows disagree on the bag label, or whose
     label is not 0/1/-1, is skipped (:class:`MissingLabelError`); bags already in the store from the
     same file are skipped as done, from another file as duplicates. A feature dimension that differs
-    from an existing store's raises (it concerns the whole file).
+    from an existing store's raises (it concerns the whole file). A bag with NaN/inf features is
+    skipped naming the file rows (``nonfinite="reject"``) or loses those rows, counted in the
+    report (``"drop"``). Holds the store's writer lease (:mod:`tasks.lease`).
     """
     import pandas as pd
 
-    started = time.perf_counter()
-    X, n = table.X, table.X.shape[0]
-    coords = None if table.coords is None else np.asarray(table.coords).reshape(n, -1)
-    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(X.shape[1]),
-                      coords_dim=1 if coords is None else coords.shape[1],
-                      coords_meaning="instance_index" if coords is None else "given", chunk_rows=chunk_rows)
-    try:
-        root = open_or_create_cohort(store, spec)
-    except IngestError as error:
-        raise type(error)(f"{error.reason}; store {store}", path=table.source) from error
-    repair(root)
-    n_committed = committed_bag_count(root)
-    committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
-    codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
-    order = np.argsort(codes, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
-    skipped, done, added, rows_added = [], [], [], 0
+    with writer_lease(store, f"ingest of the feature table {table.source}"):
+        started = time.perf_counter()
+        X, n = table.X, table.X.shape[0]
+        coords = None if table.coords is None else np.asarray(table.coords).reshape(n, -1)
+        spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(X.shape[1]),
+                          coords_dim=1 if coords is None else coords.shape[1],
+                          coords_meaning="instance_index" if coords is None else "given", chunk_rows=chunk_rows)
+        try:
+            root = open_or_create_cohort(store, spec)
+        except IngestError as error:
+            raise type(error)(f"{error.reason}; store {store}", path=table.source) from error
+        repair(root)
+        n_committed = committed_bag_count(root)
+        committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
+        codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
+        order = np.argsort(codes, kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
+        skipped, done, added, rows_added = [], [], [], 0
+        dropped: dict[str, int] = {}
 
-    def bags() -> Iterator[BagData]:
-        nonlocal rows_added
-        for b, bag_id in enumerate(map(str, ids)):
-            rows = order[offsets[b]:offsets[b + 1]]
-            rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
-            if bag_id in committed:
-                if committed[bag_id] == table.source:
-                    done.append(bag_id)
-                else:
-                    skipped.append(Skipped.from_error(DuplicateIdError(
-                        f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
-                continue
-            labels = np.unique(np.asarray(table.labels[rows]))
-            if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
-                skipped.append(Skipped.from_error(MissingLabelError(
-                    f"bag label must be one of 0, 1, -1 and equal on all rows; got {labels.tolist()}",
-                    path=table.source, bag_id=bag_id)))
-                continue
-            features = np.asarray(X[rows])
-            added.append(bag_id)
-            rows_added += len(features)
-            yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
-                          coords=np.arange(len(features))[:, None] if coords is None else coords[rows],
-                          instance_labels=np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
-                          else np.asarray(table.instance_labels[rows]))
+        def bags() -> Iterator[BagData]:
+            nonlocal rows_added
+            for b, bag_id in enumerate(map(str, ids)):
+                rows = order[offsets[b]:offsets[b + 1]]
+                rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+                if bag_id in committed:
+                    if committed[bag_id] == table.source:
+                        done.append(bag_id)
+                    else:
+                        skipped.append(Skipped.from_error(DuplicateIdError(
+                            f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
+                    continue
+                labels = np.unique(np.asarray(table.labels[rows]))
+                if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
+                    skipped.append(Skipped.from_error(MissingLabelError(
+                        f"bag label must be one of 0, 1, -1 and equal on all rows; got {labels.tolist()}",
+                        path=table.source, bag_id=bag_id)))
+                    continue
+                features = np.asarray(X[rows])
+                instance_coords = np.arange(len(features))[:, None] if coords is None else coords[rows]
+                instance_labels = (np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
+                                   else np.asarray(table.instance_labels[rows]))
+                with np.errstate(over="ignore"):  # float32 overflow is reported as infinite
+                    stored = features.astype(FEATURE_DTYPE)
+                try:
+                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows])
+                except NonFiniteFeaturesError as error:
+                    skipped.append(Skipped.from_error(error))
+                    continue
+                if keep is not None:
+                    if not keep.any():
+                        skipped.append(Skipped.from_error(NonFiniteFeaturesError(
+                            f"all {len(keep)} instances have NaN or infinite features", path=table.source, bag_id=bag_id)))
+                        continue
+                    dropped[bag_id] = int((~keep).sum())
+                    features, instance_coords, instance_labels = features[keep], instance_coords[keep], instance_labels[keep]
+                added.append(bag_id)
+                rows_added += len(features)
+                yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
+                              coords=instance_coords, instance_labels=instance_labels)
 
-    append_bags(root, bags())
-    report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),
-                          n_instances_added=rows_added, seconds=time.perf_counter() - started,
-                          report_path=str(report_path or default_report_path(store)))
-    Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
-    return report
+        append_bags(root, bags())
+        report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),
+                              n_instances_added=rows_added, seconds=time.perf_counter() - started,
+                              report_path=str(report_path or default_report_path(store)), dropped_nonfinite=dropped)
+        Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
+        return report

@@ -32,7 +32,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError
-from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels
+from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, SlideReader, find_slides, open_slide
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
@@ -287,12 +287,20 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     if extractor is None and recorded is not None:  # the store's (or the training store's) extractor
         extractor = extractor_from_spec(recorded)
     extractor = extractor or HandcraftedHE()
+    listed = isinstance(slides, (str, Path))
     paths, left_out = find_slides(slides, patterns, recursive)
+    paths, undecodable = split_undecodable(paths)
+    paths, ambiguous = _unique_stems(paths)
     labels = (None if labels_csv is None else labels_csv.read()[0] if isinstance(labels_csv, LabelSpec)
               else read_panda_labels(labels_csv))
-    items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
-                                    None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv)))
-    skipped = [Skipped.from_error(error) for error in left_out] + skipped
+    labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
+    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path)
+    skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
+    if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
+        present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
+        skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
+                            reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
+                    for bag_id in labels if bag_id not in present]
     if needs_fit(extractor):
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
@@ -304,6 +312,19 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
                                qc_dir=None if qc_dir is None else str(qc_dir))
     return IngestPlan(spec, items, skipped, writer)
+
+
+def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
+    """Slides whose stem (the bag id) names one file only; ``x.tif`` beside ``x.tiff`` is
+    ambiguous: both are skipped, never one of them picked silently."""
+    by_stem: dict[str, list[Path]] = {}
+    for path in paths:
+        by_stem.setdefault(path.stem, []).append(path)
+    unique = [p for p in paths if len(by_stem[p.stem]) == 1]
+    ambiguous = [Skipped(path=str(group[0].parent), bag_id=stem, error="DuplicateIdError",
+                         reason=f"{len(group)} files for one slide id: {', '.join(p.name for p in group)}; keep one")
+                 for stem, group in by_stem.items() if len(group) > 1]
+    return unique, ambiguous
 
 
 def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from mil_core import persist
 from mil_core.engine import BagBlock
 from mil_core.models.base import SparseGPMILBase, take_bags
 from tasks.store import Partition, open_cohort
@@ -26,6 +27,9 @@ class FeatureScaling:
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
         return (X - self.mean) / self.scale
+
+
+persist.allow_types(FeatureScaling)  # saved with models and checkpoints
 
 
 def read_features(stored: Any, scaling: FeatureScaling | None) -> np.ndarray:

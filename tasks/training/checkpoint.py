@@ -1,17 +1,19 @@
 """Checkpoints of a distributed fit in ``<store>/training/<run>/``: the fitted estimator and
 feature scaling, every partition's local state, q and the objective trace.
 
-The only module that serialises training state; its on-disk format is private to it."""
+The only module that serialises training state: arrays + JSON (:mod:`mil_core.persist`, an
+allowlist of types, format version recorded), never a pickle — a store shared between teams must
+not be able to run code in the next fit that resumes from it."""
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import zarr
 
+from mil_core import persist
 from mil_core.engine import FitTrace
 from mil_core.models.base import SparseGPMILBase
 from tasks.store import Partition
@@ -19,10 +21,10 @@ from tasks.training.blocks import FeatureScaling
 
 
 class Checkpoint:
-    """``<store>/training/<run>/``: ``model`` (the estimator with its kernel and inducing points,
-    pickled), ``it<k>/{state, objective, local/<partition>}``; the attribute ``latest`` is
-    written last, so a checkpoint is visible only once complete. Pickles are read back only from
-    the store the run itself wrote."""
+    """``<store>/training/<run>/``: ``model`` (the estimator with its kernel and inducing points),
+    ``it<k>/{state, objective, local/<partition>}``, each a :mod:`mil_core.persist` archive in a
+    uint8 array; the attribute ``latest`` is written last, so a checkpoint is visible only once
+    complete. Anything else found there (an old pickle, a crafted file) is refused, not run."""
 
     def __init__(self, store: str, run: str):
         self.store, self.run = store, run
@@ -37,7 +39,7 @@ class Checkpoint:
 
     def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition], scaling: FeatureScaling | None) -> None:
         group = self._group()
-        _write_bytes(group, "model", pickle.dumps((model, scaling)))
+        _write_bytes(group, "model", persist.dumps((model, scaling)))
         group.attrs.update({"partitions": [[p.bag_start, p.bag_stop] for p in partitions], "latest": None})
 
     def load_model(self, partitions: Sequence[Partition]) -> tuple[SparseGPMILBase, FeatureScaling | None]:
@@ -48,7 +50,7 @@ class Checkpoint:
                 f"checkpoint {self.store}/training/{self.run} was written with other partitions; "
                 "resume with the same partition_bytes or start a new run"
             )
-        return pickle.loads(_read_bytes(group, "model"))
+        return _read(group, "model")
 
     def begin(self, iteration: int) -> None:
         """Client side, before the workers write: create the iteration's groups once."""
@@ -57,19 +59,19 @@ class Checkpoint:
     def save_local(self, iteration: int, index: int, local: Any) -> int:
         """Worker side: one partition's local state (distinct arrays per partition: safe in parallel)."""
         group = zarr.open_group(self.store, mode="a")[f"training/{self.run}/it{iteration}/local"]
-        _write_bytes(group, str(index), pickle.dumps(local))
+        _write_bytes(group, str(index), persist.dumps(local))
         return index
 
     def load_local(self, iteration: int, index: int) -> Any:
         group = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}/local"]
-        return pickle.loads(_read_bytes(group, str(index)))
+        return _read(group, str(index))
 
     def commit(self, trace: FitTrace) -> None:
         """Client side: the global state (q, and the learnt kernel when hyper-parameters are learnt)
         and the objective trace, then ``latest`` (the commit), then old iterations go."""
         group = self._group()
         it = group.require_group(f"it{trace.n_iter}")
-        _write_bytes(it, "state", pickle.dumps(trace.glob))
+        _write_bytes(it, "state", persist.dumps(trace.glob))
         it.create_array("objective", data=np.asarray(trace.objective, dtype=np.float64), overwrite=True)
         it.attrs["converged"] = bool(trace.converged)
         previous = group.attrs.get("latest")
@@ -79,7 +81,7 @@ class Checkpoint:
 
     def load_trace(self, iteration: int) -> FitTrace:
         it = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}"]
-        return FitTrace(glob=pickle.loads(_read_bytes(it, "state")), objective=list(it["objective"][:]), n_iter=iteration,
+        return FitTrace(glob=_read(it, "state"), objective=list(it["objective"][:]), n_iter=iteration,
                         converged=bool(it.attrs["converged"]))
 
 
@@ -87,8 +89,9 @@ def _write_bytes(group: zarr.Group, name: str, payload: bytes) -> None:
     group.create_array(name, data=np.frombuffer(payload, dtype=np.uint8), overwrite=True)
 
 
-def _read_bytes(group: zarr.Group, name: str) -> bytes:
-    return group[name][:].tobytes()
+def _read(group: zarr.Group, name: str) -> Any:
+    """An object written by :func:`_write_bytes` of :func:`mil_core.persist.dumps`; refuses anything else."""
+    return persist.loads(group[name][:].tobytes(), source=f"checkpoint {group.store}/{group.path}/{name}")
 
 
 def _save_local(checkpoint: Checkpoint, iteration: int, index: int, local: Any) -> int:

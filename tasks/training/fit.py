@@ -15,6 +15,7 @@ from distributed import Client
 
 from mil_core.engine import FitTrace, optimise
 from mil_core.models.base import SparseGPMILBase
+from tasks.lease import holds_writer_lease
 from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_coords
 from tasks.training.checkpoint import Checkpoint
@@ -42,6 +43,7 @@ class TrainingSummary:
     scaling: FeatureScaling | None = None
 
 
+@holds_writer_lease("training run {run!r} on {store}")
 def fit_cohort(
     model: SparseGPMILBase,
     store: str | Path,
@@ -70,7 +72,8 @@ def fit_cohort(
     :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
     :func:`predict_cohort`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
-    ``on_iteration(i, objective)`` is called after each iteration (progress reporting).
+    ``on_iteration(i, objective)`` is called after each iteration (progress reporting). Holds the
+    store's writer lease (:mod:`tasks.lease`): a concurrent writer of the store fails at once.
     """
     store = str(store)
     cohort = open_cohort(store)

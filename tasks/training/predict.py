@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import zarr
 from distributed import Client, as_completed
 
 from mil_core.models.base import SparseGPMILBase
+from tasks.lease import holds_writer_lease
 from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
@@ -24,19 +26,35 @@ from tasks.training.executor import identity
 from tasks.training.fit import check_feature_dimension
 from tasks.training.placement import Device, resolve_device
 
+log = logging.getLogger("gpmil.training")
+
 
 def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, scaling: FeatureScaling | None,
                        instance_kwargs: dict, bag_kwargs: dict):
+    """One partition's predictions. Bags with NaN/inf features (a store written by another tool)
+    are left out — NaN in every output, listed in ``bad`` with the reason — so that they do not
+    fail the prediction of the good bags."""
     stored = open_cohort(store).read_partition(partition)
-    X = to_device(read_features(stored, scaling), device)
+    X = read_features(stored, scaling)
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
-    coords = {"coords": grid_coords(stored.coords)} if uses_coords(model) else {}
-    instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
-    p_inst, sd_inst = instance_scores(X, return_std=True, **instance_kwargs)
-    _, p_bag, sd_bag = model.predict_bag_proba(X, bag_of_row, return_std=True, **bag_kwargs, **coords)
-    return partition, p_inst, sd_inst, p_bag, sd_bag
+    finite = np.isfinite(X).all(axis=1)
+    bad = {int(b): f"NaN or infinite features in {int(np.sum(~finite[bag_of_row == b]))} instance row(s), e.g. store row "
+                   f"{partition.row_start + int(np.flatnonzero(~finite & (bag_of_row == b))[0])}"
+           for b in np.unique(bag_of_row[~finite])}
+    good = ~np.isin(bag_of_row, list(bad))
+    n_rows, n_bags = X.shape[0], partition.bag_stop - partition.bag_start
+    p_inst, sd_inst, p_bag, sd_bag = (np.full(n, np.nan) for n in (n_rows, n_rows, n_bags, n_bags))
+    if good.any():
+        Xg = to_device(X[good], device)
+        coords = {"coords": grid_coords(stored.coords)[good]} if uses_coords(model) else {}
+        instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
+        p_inst[good], sd_inst[good] = instance_scores(Xg, return_std=True, **instance_kwargs)
+        keys, p_good, sd_good = model.predict_bag_proba(Xg, bag_of_row[good], return_std=True, **bag_kwargs, **coords)
+        p_bag[np.asarray(keys) - partition.bag_start], sd_bag[np.asarray(keys) - partition.bag_start] = p_good, sd_good
+    return partition, p_inst, sd_inst, p_bag, sd_bag, bad
 
 
+@holds_writer_lease("predictions {run!r} on {store}")
 def predict_cohort(
     model: SparseGPMILBase,
     store: str | Path,
@@ -56,8 +74,11 @@ def predict_cohort(
     labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
 
     Each partition is predicted by one task; the client writes the results (one writer, so
-    partitions that share a Zarr chunk cannot race). ``scaling``: the training cohort's
-    :class:`FeatureScaling` when the model was trained with ``standardize=True``.
+    partitions that share a Zarr chunk cannot race). A bag with NaN/inf features gets NaN
+    outputs and is listed with the reason in the ``not_predicted`` attribute; every other bag is
+    predicted. ``scaling``: the training cohort's
+    :class:`FeatureScaling` when the model was trained with ``standardize=True``. Holds the
+    store's writer lease (:mod:`tasks.lease`).
     """
     store = str(store)
     cohort = open_cohort(store)
@@ -89,11 +110,17 @@ def predict_cohort(
         )
         for p in cohort.partitions(partition_bytes)
     ]
+    not_predicted: dict[str, str] = {}
     for future in as_completed(futures):
-        p, p_inst, sd_inst, p_bag, sd_bag = future.result()
+        p, p_inst, sd_inst, p_bag, sd_bag, bad = future.result()
+        not_predicted |= {str(cohort.bag_ids[b]): reason for b, reason in bad.items()}
         rows, bags = slice(p.row_start, p.row_stop), slice(p.bag_start, p.bag_stop)
         out[instance_name][rows], out["instances/std"][rows] = p_inst, sd_inst
         out["bags/proba"][bags], out["bags/std"][bags] = p_bag, sd_bag
+    if not_predicted:
+        log.warning("%d bag(s) of %s not predicted (NaN in their outputs): %s", len(not_predicted), store,
+                    "; ".join(f"{b}: {r}" for b, r in list(not_predicted.items())[:5]))
+    group.attrs["not_predicted"] = not_predicted
     group.attrs["complete"] = True
     return f"{store}/{name}"
 
