@@ -2,6 +2,7 @@
 
     nice python benchmarks/bench_wsi_memory.py                 # 40 000 x 40 000 px (about 10 minutes on 2 cores)
     nice python benchmarks/bench_wsi_memory.py --side 12000    # quicker
+    nice python benchmarks/bench_wsi_memory.py --slide /tmp/big.tif --reader tifffile   # reuse a written slide
 
 A single-level tiled TIFF (zlib, 256 px tiles, 0.25 µm/px in its resolution tags; a disc of
 H&E-like tissue on white) is written tile by tile, then each step runs in a fresh Python process
@@ -69,7 +70,7 @@ def step_thumbnail(args: dict) -> dict:
 
     step_base(args)
     start = time.perf_counter()
-    with open_slide(args["slide"]) as slide:
+    with open_slide(args["slide"], args["reader"]) as slide:
         thumb, downsample = slide.thumbnail(2048)
         reader, levels = slide.reader, len(slide.level_shapes)
     return {"seconds": time.perf_counter() - start, "detail": f"{reader}, {levels} level(s), thumbnail {thumb.shape[1]}x{thumb.shape[0]}"}
@@ -81,8 +82,8 @@ def step_grid(args: dict) -> dict:
 
     step_base(args)
     start = time.perf_counter()
-    with open_slide(args["slide"]) as slide:
-        grid = tile_grid(slide, TilingParams(tile_size=256, target_mpp=0.5))
+    with open_slide(args["slide"], args["reader"]) as slide:
+        grid = tile_grid(slide, TilingParams(tile_size=256, target_mpp=0.5, reader=args["reader"]))
     return {"seconds": time.perf_counter() - start, "detail": f"{len(grid.coords)} of {grid.shape[0] * grid.shape[1]} tiles kept"}
 
 
@@ -91,7 +92,8 @@ def step_ingest(args: dict) -> dict:
 
     step_base(args)
     start = time.perf_counter()
-    report = ingest_slides(args["store"], [args["slide"]], params=TilingParams(tile_size=256, target_mpp=0.5), batch_size=64)
+    report = ingest_slides(args["store"], [args["slide"]], params=TilingParams(tile_size=256, target_mpp=0.5, reader=args["reader"]),
+                           batch_size=64)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "detail": f"{report.n_instances_added} tiles, {report.n_instances_added / seconds:.0f} tiles/s"}
 
@@ -140,6 +142,8 @@ def run_step(name: str, **args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", type=int, default=40_000, help="slide side in pixels (default 40 000)")
+    parser.add_argument("--slide", type=Path, help="reuse a slide this script wrote before (its --side must match)")
+    parser.add_argument("--reader", default="auto", help="auto | openslide | tifffile")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -150,9 +154,10 @@ def main() -> None:
     print(f"Machine: {machine()}\n")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        slide = tmp / "big.tif"
+        slide = options.slide or tmp / "big.tif"
         start = time.perf_counter()
-        write_big_tiff(slide, options.side)
+        if options.slide is None:
+            write_big_tiff(slide, options.side)
         level_mb = options.side ** 2 * 3 / 2**20
         print(f"Slide: {options.side} x {options.side} px single-level tiled TIFF (zlib, 256 px tiles, {MPP} µm/px), "
               f"{slide.stat().st_size / 2**20:.0f} MB on disk, {level_mb:.0f} MB decoded (written in "
@@ -161,9 +166,10 @@ def main() -> None:
         print("| step | seconds | peak MB | peak − base MB | peak / decoded level | detail |")
         print("|---|---|---|---|---|---|")
         for name, label, args in (
-            ("thumbnail", "open + thumbnail (≤ 2048 px)", {"slide": str(slide)}),
-            ("grid", "tile grid: thumbnail + tissue mask + tiles kept", {"slide": str(slide)}),
-            ("ingest", "ingest_slides (256 px at 0.5 µm/px, HandcraftedHE, store)", {"slide": str(slide), "store": str(tmp / "s.zarr")}),
+            ("thumbnail", "open + thumbnail (≤ 2048 px)", {"slide": str(slide), "reader": options.reader}),
+            ("grid", "tile grid: thumbnail + tissue mask + tiles kept", {"slide": str(slide), "reader": options.reader}),
+            ("ingest", "ingest_slides (256 px at 0.5 µm/px, HandcraftedHE, store)",
+             {"slide": str(slide), "store": str(tmp / "s.zarr"), "reader": options.reader}),
             ("report", "report outputs: heatmap over thumbnail + GeoJSON", {"slide": str(slide), "store": str(tmp / "s.zarr"), "out": str(tmp)}),
             ("h5_heatmaps", "20 h5 heatmaps, level-0 coords ≤ 99 500 px", {"out": str(tmp)}),
         ):

@@ -6,8 +6,8 @@ TIFFs. ``tifffile`` reads the TIFFs OpenSlide rejects (strip-organised, single-l
 pyramids OpenSlide sees only the base of (levels in SubIFDs, as tifffile writes them). Both
 readers give the same small interface (:class:`SlideReader`): level shapes and downsamples, the
 level-0 µm/px and base magnification from the metadata, ``read(level, rows, cols)`` of a region
-(RGB uint8) and a thumbnail read a strip of at most ``STRIP_ROWS`` rows at a time, so memory is
-bounded by one strip of the lowest level plus the thumbnail, never a whole level.
+(RGB uint8) and a thumbnail read a block of at most ``STRIP_ROWS`` × ``STRIP_COLS`` pixels at a time, so
+memory is bounded by one block of the lowest level plus the thumbnail, never a whole level.
 
 :func:`find_slides` lists the slides of a folder (recursively, by glob patterns) and names every
 other file it leaves out.
@@ -27,6 +27,7 @@ from tasks.ingest.errors import IngestError, UnreadableFileError
 
 Reader = Literal["auto", "openslide", "tifffile"]
 STRIP_ROWS = 512
+STRIP_COLS = 4096
 SLIDE_PATTERNS = ("*.svs", "*.tif", "*.tiff", "*.ndpi", "*.mrxs", "*.scn", "*.bif", "*.vms", "*.btf", "*.svslide")
 _NOT_SLIDES = {".csv", ".tsv", ".json", ".txt", ".md", ".yaml", ".yml", ".xml", ".geojson", ".png", ".jpg"}
 
@@ -57,14 +58,19 @@ class SlideReader:
 
     def thumbnail(self, max_side: int) -> tuple[np.ndarray, float]:
         """The lowest-resolution level subsampled to at most ``max_side`` px, and its downsample
-        from level 0; read ``STRIP_ROWS`` rows at a time."""
+        from level 0; read a ``STRIP_ROWS`` × ``STRIP_COLS`` block at a time."""
         level = len(self.level_shapes) - 1
         height, width = self.level_shapes[level]
         step = max(1, int(np.ceil(max(height, width) / max_side)))
         stripe = max(step, (STRIP_ROWS // step) * step)
-        parts = [self.read(level, slice(y, min(y + stripe, height)), slice(0, width))[::step, ::step]
-                 for y in range(0, height, stripe)]
-        return np.concatenate(parts, axis=0), self.downsamples[level] * step
+        block = max(step, (STRIP_COLS // step) * step)
+        out = np.empty((-(-height // step), -(-width // step), 3), dtype=np.uint8)
+        for y in range(0, height, stripe):
+            for x in range(0, width, block):
+                part = self.read(level, slice(y, min(y + stripe, height)), slice(x, min(x + block, width)))
+                out[y // step:y // step + -(-part.shape[0] // step), x // step:x // step + -(-part.shape[1] // step)] = \
+                    part[::step, ::step]  # copied into the thumbnail: no view keeps a block (or the level) alive
+        return out, self.downsamples[level] * step
 
 
 def _white_pad(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
