@@ -120,6 +120,7 @@ def _try_create(path: Path, info: LeaseInfo) -> bool:
 
 def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
     path = lease_path(store)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a new store's folder may not exist yet (the first ingest creates it)
     pid = os.getpid()
     info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
     for _ in range(5):

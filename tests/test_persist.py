@@ -78,6 +78,12 @@ def test_every_estimator_round_trips_with_equal_predictions(tmp_path, name):
         assert all(archive[k].dtype != object for k in archive.files)
 
 
+def test_every_allowed_estimator_class_has_a_round_trip_case():
+    estimators = {name for name, cls in persist.allowed_types().items() if hasattr(cls, "get_params")} - {"TrainedModel"}
+    covered = {type(make()).__name__ for make in ESTIMATORS.values()}
+    assert estimators <= covered, f"add a round-trip case to ESTIMATORS for {sorted(estimators - covered)}"
+
+
 def test_nested_estimators_dict_of_arrays_and_nonfinite_numbers_round_trip():
     inner = mil_core.VGPMIL(n_inducing=4, max_iter=2, random_state=0)
     X, bags, y, _ = make_toy_bags(n_bags=8, seed=1)
