@@ -3,6 +3,7 @@
     nice python benchmarks/bench_wsi_memory.py                 # 40 000 x 40 000 px (about 10 minutes on 2 cores)
     nice python benchmarks/bench_wsi_memory.py --side 12000    # quicker
     nice python benchmarks/bench_wsi_memory.py --slide /tmp/big.tif --reader tifffile   # reuse a written slide
+    nice python benchmarks/bench_wsi_memory.py --compare-readers 8000   # OpenSlide vs tifffile thumbnails
 
 A single-level tiled TIFF (zlib, 256 px tiles, 0.25 µm/px in its resolution tags; a disc of
 H&E-like tissue on white) is written tile by tile, then each step runs in a fresh Python process
@@ -131,6 +132,20 @@ def step_h5_heatmaps(args: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "detail": "20 bags x 2000 patches, coords up to 99 500 px"}
 
 
+def compare_readers(side: int) -> None:
+    """Thumbnail time and peak memory of each reader on one generic tiled TIFF (same pixels)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        slide = Path(tmp) / "generic.tif"
+        write_big_tiff(slide, side)
+        base = run_step("base")["peak_mb"]
+        print(f"Readers on a {side} x {side} px single-level tiled TIFF (zlib); base MB = {base:.0f}.\n")
+        print("| reader | thumbnail seconds | peak MB |")
+        print("|---|---|---|")
+        for reader in ("openslide", "tifffile"):
+            r = run_step("thumbnail", slide=str(slide), reader=reader)
+            print(f"| {reader} | {r['seconds']:.1f} | {r['peak_mb']:.0f} |")
+
+
 STEPS = {name[5:]: fn for name, fn in globals().items() if name.startswith("step_")}
 
 
@@ -144,6 +159,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=40_000, help="slide side in pixels (default 40 000)")
     parser.add_argument("--slide", type=Path, help="reuse a slide this script wrote before (its --side must match)")
     parser.add_argument("--reader", default="auto", help="auto | openslide | tifffile")
+    parser.add_argument("--compare-readers", type=int, metavar="SIDE", help="only time both readers' thumbnails at this side")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -152,6 +168,9 @@ def main() -> None:
         print(json.dumps({**result, "peak_mb": peak_mb()}))
         return
     print(f"Machine: {machine()}\n")
+    if options.compare_readers:
+        compare_readers(options.compare_readers)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         slide = options.slide or tmp / "big.tif"

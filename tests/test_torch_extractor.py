@@ -94,6 +94,14 @@ def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package
     np.testing.assert_array_equal(extractor_from_spec(spec)(tiles), np.full((2, 3), 20.0))
     with pytest.raises(KeyError, match="no feature extractor registered as 'my-rp'.*package.module:Class"):
         resolve_extractor("my-rp")
+    folder = user_package[0]  # an installed distribution declaring the entry point (its metadata on sys.path)
+    (folder / "lab_models-1.0.dist-info").mkdir()
+    (folder / "lab_models-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: lab-models\nVersion: 1.0\n")
+    (folder / "lab_models-1.0.dist-info" / "entry_points.txt").write_text("[gpmil.extractors]\nmy-rp = lab_models:ColourMeans\n")
+    assert make_extractor("my-rp", scale=3.0)(tiles)[0, 0] == 30.0
+    from tasks.ingest.features import known_extractors
+
+    assert "my-rp" in known_extractors()
     with pytest.raises(KeyError, match="cannot import it"):
         resolve_extractor("lab_models:Missing")
     with pytest.raises(TypeError, match="lacks"):
