@@ -79,7 +79,8 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prefect")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(folder / "home"), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    inherited = {k: v for k, v in os.environ.items() if k not in ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "DASK_LOGGING__DISTRIBUTED")}
+    env = {**inherited, "PREFECT_HOME": str(folder / "home"), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
            "PREFECT_WORKER_QUERY_SECONDS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "GPMIL_HOME": str(ROOT)}
@@ -168,6 +169,8 @@ def test_gpmil_serve_registers_a_scheduled_deployment_whose_runs_complete(server
         assert_pipeline_outputs(config, artifacts)
     finally:
         server.stop("serve")
+    console = (server.folder / "serve.log").read_text()
+    assert "is being served" in console and "| INFO" not in console and "distributed." not in console  # chatter only with -v
 
 
 def test_prefect_yaml_deployments_run_on_a_process_work_pool(server, config, tmp_path):

@@ -200,6 +200,13 @@ def test_only_transient_errors_are_retried():
         assert not is_transient(deterministic)
 
 
+def test_a_flow_run_with_a_missing_input_fails_before_any_task_or_cluster(tmp_path, cohort):
+    config = write_config(tmp_path, tmp_path / "moved.zarr")
+    state = train_model(config, return_state=True)
+    assert state.is_failed() and "store: " + str(tmp_path / "moved.zarr") + " does not exist" in state.message
+    assert task_runs_of(state.state_details.flow_run_id, n_expected=0) == []
+
+
 def test_a_deterministic_task_failure_is_not_retried(tmp_path, cohort):
     not_a_store = tmp_path / "empty.zarr"
     not_a_store.mkdir()
@@ -303,6 +310,18 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
     model_dir = Path(reports["wsi"].split("predictions")[0]) / "models"
     with pytest.raises(ValueError, match=r"fitted with other parameters.*ingest.extractor_from"):
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
+
+
+def test_the_cli_summarises_each_stage_in_one_line():
+    from flows.cli import summary
+    from tasks.prefect_tasks import StageResult
+
+    ingest = StageResult("c", "/s.zarr", False, {"added": ["a", "b"], "n_instances_added": 40, "already_done": ["c"],
+                                                  "skipped": [{"bag_id": "d"}]})
+    assert summary("ingest", ingest) == "ingest  done    2 bags added (40 instances), 1 already in the store, 1 skipped -> /s.zarr"
+    train = StageResult("k", "/m", True, {"model": "VGPMIL", "n_bags": 9, "n_iter": 30, "converged": True})
+    assert summary("train", train) == "train   reused  VGPMIL on 9 bags, 30 iterations -> /m"
+    assert summary("report", StageResult("p", "/r.md", False, {})) == "report  done    no labelled bags of both classes: no metrics -> /r.md"
 
 
 def test_progress_bars_say_how_far_a_stage_is():

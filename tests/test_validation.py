@@ -269,3 +269,29 @@ def test_an_empty_rsna_labels_file_stops_a_ct_ingest_before_anything_is_written(
     with pytest.raises(IngestError, match="header .*ID, Label.* but no rows"):
         ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
     assert not (tmp_path / "ct.zarr").exists()
+
+
+def test_a_text_cell_in_a_feature_table_skips_its_bag_naming_row_column_and_value(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    rows = [[1, "a", 0.1, 0.2], [0, "b", "n/a?", 0.8], [0, "b", 0.7, 0.8], [0, "c", 0.9, 1.0]]
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, rows)))
+    assert report.added == ("a", "c")
+    (skip,) = report.skipped
+    assert skip.error == "BadValueError" and skip.reason == "row 1, column 2: 'n/a?' is not a number"
+    dropped = ingest_table(tmp_path / "d.zarr", read_mil_csv(_csv(tmp_path, rows)), nonfinite="drop")
+    assert dropped.added == ("a", "b", "c") and dropped.dropped_nonfinite == {"b": 1}
+
+
+def test_a_dicom_file_with_a_non_utf8_name_is_reported_and_does_not_abort_the_ct_ingest(tmp_path):
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import write_ct_series
+
+    hu = np.random.default_rng(1).normal(40.0, 30.0, size=(4, 16, 16))
+    good, _, _ = write_ct_series(tmp_path / "dicom" / "good", hu, series_key="good")
+    _, _, paths = write_ct_series(tmp_path / "dicom" / "latin1", hu, series_key="latin1")
+    os.rename(paths[0], os.path.join(os.fsencode(paths[0].parent), b"slice\xe9.dcm"))
+    report = ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom")
+    assert good in report.added
+    assert any(s.error == "UnreadableFileError" and s.path.endswith("slice\\xe9.dcm") and "not valid UTF-8" in s.reason
+               for s in report.skipped)
