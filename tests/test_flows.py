@@ -391,3 +391,16 @@ def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_print
     assert "export.ndpi: UnreadableFileError: OpenSlide" in out  # every file left out, with its reason
     trained = open_cohort(workdir / "stores" / "wsi.zarr")
     assert open_cohort(tmp_path / "new.zarr").attrs["feature_extractor"] == trained.attrs["feature_extractor"]
+
+
+def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
+    from mil_core import AbSMIL
+
+    params = {"max_iter": 40, "random_state": 0}
+    result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
+    table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
+    X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
+    serial = AbSMIL(**params).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
+    np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
+    assert result["report"].info["bag_auc"] > 0.8
+
