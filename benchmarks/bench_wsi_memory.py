@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=40_000, help="slide side in pixels (default 40 000)")
     parser.add_argument("--slide", type=Path, help="reuse a slide this script wrote before (its --side must match)")
     parser.add_argument("--reader", default="auto", help="auto | openslide | tifffile")
+    parser.add_argument("--steps", default="thumbnail,grid,ingest,report,h5_heatmaps", help="which steps to run")
     parser.add_argument("--compare-readers", type=int, metavar="SIDE", help="only time both readers' thumbnails at this side")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
@@ -192,6 +193,8 @@ def main() -> None:
             ("report", "report outputs: heatmap over thumbnail + GeoJSON", {"slide": str(slide), "store": str(tmp / "s.zarr"), "out": str(tmp)}),
             ("h5_heatmaps", "20 h5 heatmaps, level-0 coords ≤ 99 500 px", {"out": str(tmp)}),
         ):
+            if name not in options.steps.split(","):
+                continue
             r = run_step(name, **args)
             print(f"| {label} | {r['seconds']:.1f} | {r['peak_mb']:.0f} | {r['peak_mb'] - base:.0f} | "
                   f"{r['peak_mb'] / level_mb:.3f} | {r['detail']} |")

@@ -165,13 +165,17 @@ def tile_grid(slide: SlideReader, params: TilingParams) -> TileGrid:
                     tissue=fraction[keep[:, 0], keep[:, 1]], mask=mask, mask_downsample=mask_downsample)
 
 
-def _resize(tiles: np.ndarray, size: int) -> np.ndarray:
-    """(B, s, s, 3) uint8 → (B, size, size, 3) uint8 (block mean when ``size`` divides ``s``)."""
+def _resize(tiles: np.ndarray, size: int, chunk: int = 8) -> np.ndarray:
+    """(B, s, s, 3) uint8 → (B, size, size, 3) uint8 (block mean when ``size`` divides ``s``),
+    ``chunk`` tiles at a time: the float32 work copy of a whole batch of large reads was the peak."""
     from tasks.ingest.features import downscale
 
     if tiles.shape[1] == size:
         return tiles
-    return np.clip(np.round(downscale(tiles, size)), 0, 255).astype(np.uint8)
+    out = np.empty((len(tiles), size, size, tiles.shape[3]), dtype=np.uint8)
+    for start in range(0, len(tiles), chunk):
+        out[start:start + chunk] = np.clip(np.round(downscale(tiles[start:start + chunk], size)), 0, 255)
+    return out
 
 
 def iter_tile_batches(slide: SlideReader, grid: TileGrid, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -230,7 +234,7 @@ def sample_tiles(path: str | Path, params: TilingParams, n: int, rng: np.random.
         chosen = np.sort(rng.choice(len(grid.coords), size=min(n, len(grid.coords)), replace=False))
         picked = TileGrid(grid.geometry, grid.tile_size, grid.shape, grid.coords[chosen], grid.tissue[chosen],
                           grid.mask, grid.mask_downsample)
-        return next(iter_tile_batches(slide, picked, len(chosen)))[0]
+        return np.concatenate([tiles for tiles, _ in iter_tile_batches(slide, picked, 64)])  # 64 reads at a time
 
 
 def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_size: int = 64,
