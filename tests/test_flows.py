@@ -310,3 +310,16 @@ def test_progress_bars_say_how_far_a_stage_is():
     assert progress_bar(0, 4, width=8) == "[........] 0/4"
     assert progress_bar(3, 4, width=8) == "[######..] 3/4"
     assert progress_bar(0, 0, width=4) == "[....] 0/0"
+
+
+def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
+    from mil_core import AbSMIL
+
+    params = {"max_iter": 40, "random_state": 0}
+    result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
+    table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
+    X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
+    serial = AbSMIL(**params).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
+    np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
+    assert result["report"].info["bag_auc"] > 0.8
+
