@@ -59,8 +59,9 @@ def load_block(path: str, partition: Partition, device: str, exclude_bags: np.nd
 
 
 def uses_coords(model: SparseGPMILBase) -> bool:
-    """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
-    return type(model)._check_coords is not SparseGPMILBase._check_coords
+    """Whether the model reads instance coordinates (it overrides the base class's refusal; models
+    outside the base class, such as EmbeddedGPMIL, do not)."""
+    return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords
 
 
 def to_device(X: np.ndarray, device: str) -> Any:
