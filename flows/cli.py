@@ -27,7 +27,8 @@ def _quiet_libraries(verbose: bool) -> None:
     level = "INFO" if verbose else "WARNING"
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", level.lower())
-    for chatty in ("httpx", "prefect.server", "uvicorn"):
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request, even with -v
+    for chatty in ("prefect.server", "uvicorn"):
         logging.getLogger(chatty).setLevel(logging.INFO if verbose else logging.WARNING)
 
 

@@ -125,14 +125,18 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     with Client(scheduler_address) as client:
         summary = (fit_cohort_embedded if embedded else fit_cohort)(
             model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
-            mode=config.training.mode, device=config.training.device, checkpoint_every=config.training.checkpoint_every,
+            mode=config.training.mode, device=config.training.device, gpu_namespace=config.training.gpu_namespace,
+            device_memory=None if config.training.device_memory_gib is None else int(config.training.device_memory_gib * 2**30),
+            compute_dtype=config.training.compute_dtype,
+            checkpoint_every=config.training.checkpoint_every,
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
     gp = model.gp_ if embedded else model
+    trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
-        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_), "elbo": [float(e) for e in gp.elbo_],
+        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_), "elbo": [float(e) for e in trace],
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
@@ -143,7 +147,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.warning(warnings[-1])
     info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
-    report.plot_elbo(gp.elbo_, model_dir / "elbo.png")
+    report.plot_elbo(trace, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, gp.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
@@ -312,7 +316,9 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
     with Client(scheduler_address) as client:
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
-                              device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
+                              device=config.training.device, gpu_namespace=config.training.gpu_namespace,
+                              compute_dtype=config.training.compute_dtype,
+                              scaling=trained.scaling, instance_kwargs=instance_kwargs,
                               bag_kwargs=bag_kwargs)
     return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 

@@ -198,6 +198,13 @@ def test_only_transient_errors_are_retried():
         assert not is_transient(deterministic)
 
 
+def test_a_flow_run_with_a_missing_input_fails_before_any_task_or_cluster(tmp_path, cohort):
+    config = write_config(tmp_path, tmp_path / "moved.zarr")
+    state = train_model(config, return_state=True)
+    assert state.is_failed() and "store: " + str(tmp_path / "moved.zarr") + " does not exist" in state.message
+    assert task_runs_of(state.state_details.flow_run_id, n_expected=0) == []
+
+
 def test_a_deterministic_task_failure_is_not_retried(tmp_path, cohort):
     not_a_store = tmp_path / "empty.zarr"
     not_a_store.mkdir()
@@ -303,3 +310,16 @@ def test_progress_bars_say_how_far_a_stage_is():
     assert progress_bar(0, 4, width=8) == "[........] 0/4"
     assert progress_bar(3, 4, width=8) == "[######..] 3/4"
     assert progress_bar(0, 0, width=4) == "[....] 0/0"
+
+
+def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
+    from mil_core import AbSMIL
+
+    params = {"max_iter": 40, "random_state": 0}
+    result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
+    table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
+    X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
+    serial = AbSMIL(**params).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
+    np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
+    assert result["report"].info["bag_auc"] > 0.8
+

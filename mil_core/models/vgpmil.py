@@ -23,6 +23,7 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
+from .._backend import take_rows
 from ..bags import EmaxRule, expected_max_of_others, log_prob_all_negative, segment_sum
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
@@ -184,7 +185,7 @@ class _LogisticGPMIL(SparseGPMILBase):
             p = np.maximum.reduceat(p_inst, offsets[:-1])
         if not return_std:
             return bags.keys, p
-        mean, var = self._instance_moments(X[bags.order])
+        mean, var = self._instance_moments(take_rows(X, bags.order))
         per_bag = np.zeros((bags.n_bags, self.n_mc_samples)) if rule == "noisy_or" else None
         rng = check_random_state(self.random_state)
         bag_of_row = bags.instance_bag()
