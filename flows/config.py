@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 def _model_classes() -> dict[str, type]:
     import mil_core
 
-    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL"]
+    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL", "EmbeddedGPMIL"]
     return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
 
 
@@ -154,7 +154,9 @@ class IngestConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """``name``: one of the estimators of :mod:`mil_core`; ``params``: its constructor arguments."""
+    """``name``: one of the estimators of :mod:`mil_core`; ``params``: its constructor arguments.
+    ``EmbeddedGPMIL``'s ``gp`` is itself a model section (``{name: GVGPMIL, params: {…}}``);
+    left out, it is the package's default GP."""
 
     name: str = "VGPMIL"
     params: dict[str, Any] = Field(default_factory=dict)
@@ -172,6 +174,11 @@ class ModelConfig(_Strict):
         unknown = sorted(set(self.params) - set(estimator.get_params()))
         if unknown:
             raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(estimator.get_params()))}")
+        if self.name == "EmbeddedGPMIL" and self.params.get("gp") is not None:
+            gp = self.params["gp"]
+            if not isinstance(gp, dict):
+                raise ValueError(f"EmbeddedGPMIL's gp must be a model section {{name: ..., params: {{...}}}}, got {gp!r}")
+            ModelConfig.model_validate(gp)
         return self
 
 
@@ -302,8 +309,11 @@ def _digest(payload: dict[str, Any]) -> str:
 
 
 def make_model(config: ModelConfig):
-    """A fresh estimator from the configuration."""
-    return MODEL_CLASSES[config.name](**config.params)
+    """A fresh estimator from the configuration (a nested ``gp`` section built the same way)."""
+    params = dict(config.params)
+    if isinstance(params.get("gp"), dict):
+        params["gp"] = make_model(ModelConfig.model_validate(params["gp"]))
+    return MODEL_CLASSES[config.name](**params)
 
 
 def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | None = None, **overrides: Any) -> PipelineConfig:

@@ -26,13 +26,15 @@ from prefect.artifacts import (create_image_artifact, create_link_artifact, crea
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
-from mil_core import persist
+from mil_core import EmbeddedGPMIL, persist
+from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
+from tasks.training.embedded import fit_cohort_embedded
 
 
 
@@ -108,6 +110,8 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
+    embedded = isinstance(model, EmbeddedGPMIL)  # the network trains on the client, its GP on the cluster
+    gp = (model.gp or default_gp()) if embedded else model  # the estimator whose sweeps are reported
     warnings = []
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
         warnings.append(message)
@@ -115,11 +119,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
-        update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
-        logger.info("training %s ELBO %.4f", progress_bar(iteration, model.max_iter), objective)
+        update_progress_artifact(progress, 100.0 * iteration / gp.max_iter)
+        logger.info("training %s ELBO %.4f", progress_bar(iteration, gp.max_iter), objective)
 
     with Client(scheduler_address) as client:
-        summary = fit_cohort(
+        summary = (fit_cohort_embedded if embedded else fit_cohort)(
             model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
             mode=config.training.mode, device=config.training.device, gpu_namespace=config.training.gpu_namespace,
             device_memory=None if config.training.device_memory_gib is None else int(config.training.device_memory_gib * 2**30),
@@ -128,23 +132,24 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
-    trace = model.elbo_ if hasattr(model, "elbo_") else model.objective_  # AbSMIL: its loss (Eq. 3) per iteration
+    gp = model.gp_ if embedded else model
+    trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
-        "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in trace],
+        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_), "elbo": [float(e) for e in trace],
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
-    if getattr(model, "converged_", True) is False and model.n_iter_ >= model.max_iter:
-        warnings.append(f"the fit stopped at max_iter={model.max_iter} without converging (tol={model.tol}): raise "
+    if getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
+        warnings.append(f"the fit stopped at max_iter={gp.max_iter} without converging (tol={gp.tol}): raise "
                         "model.params.max_iter, or check the ELBO trace (elbo.png)")
         logger.warning(warnings[-1])
     info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(trace, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
-    logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
+    logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, gp.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
 
