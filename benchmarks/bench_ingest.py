@@ -37,7 +37,7 @@ def peak_mb() -> float:
 
 # ----------------------------------------------------------------------------- steps (children)
 def step_base(args: dict) -> dict:
-    import tasks.ingest.cohort  # noqa: F401
+    import tasks.ingest.driver  # noqa: F401
     import tasks.ingest.features  # noqa: F401
     import tasks.ingest.tables  # noqa: F401
     import tasks.ingest.wsi  # noqa: F401
@@ -47,7 +47,8 @@ def step_base(args: dict) -> dict:
 
 def step_slides(args: dict) -> dict:
     step_base(args)  # imports are not timed
-    from tasks.ingest.cohort import plan_slides, run_ingest
+    from tasks.ingest.driver import run_ingest
+    from tasks.ingest.wsi import plan_slides
 
     start = time.perf_counter()
     plan = plan_slides(args["store"], args["slides"], labels_csv=Path(args["slides"]) / "labels.csv", batch_size=64)
@@ -60,7 +61,7 @@ def step_slides(args: dict) -> dict:
 def step_ct(args: dict) -> dict:
     step_base(args)
     import tasks.ingest.ct  # noqa: F401
-    from tasks.ingest.cohort import ingest_ct
+    from tasks.ingest.ct import ingest_ct
 
     start = time.perf_counter()
     report = ingest_ct(args["store"], args["dicom"], labels_csv=Path(args["dicom"]) / "labels.csv",
@@ -86,8 +87,7 @@ def step_extractor(args: dict) -> dict:
 
 
 def step_table(args: dict) -> dict:
-    from tasks.ingest.cohort import ingest_table
-    from tasks.ingest.tables import read_parquet_table
+    from tasks.ingest.tables import ingest_table, read_parquet_table
 
     start = time.perf_counter()
     report = ingest_table(args["store"], read_parquet_table(args["parquet"]))

@@ -38,7 +38,9 @@ class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
     (the store already exists). ``extractor_from``: a cohort store whose fitted feature extractor a
-    new store takes (a cohort to be predicted by a model trained on that store needs its features)."""
+    new store takes (a cohort to be predicted by a model trained on that store needs its features).
+    ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
+    loses those instances, counted per bag in the ingest report (``drop``)."""
 
     kind: Literal["wsi", "ct", "features", "none"] = "none"
     source: Path | None = None
@@ -50,6 +52,7 @@ class IngestConfig(_Strict):
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
+    nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
 
     @field_validator("extractor")
     @classmethod
@@ -102,11 +105,13 @@ class TrainingConfig(_Strict):
 
 class PredictionConfig(_Strict):
     """``store``: cohort to predict (default: the training store); the MIL ``rule`` and instance
-    probability ``method`` apply to the logistic family."""
+    probability ``method`` apply to the logistic family. ``rule: null`` (default) uses the
+    estimator's own ``bag_rule`` (:func:`mil_core.bags.bag_score`), so the pipeline scores bags
+    exactly as the estimator does in validation and ``predict_bag_proba``."""
 
     store: Path | None = None
     method: Literal["probit", "mc"] = "probit"
-    rule: Literal["noisy_or", "max"] = "max"
+    rule: Literal["top_fraction", "max", "mean", "noisy_or"] | None = None
     threshold: float = Field(0.5, gt=0, lt=1)
     top_k: int = Field(3, ge=1)
     n_uncertain: int = Field(10, ge=0)
@@ -114,10 +119,67 @@ class PredictionConfig(_Strict):
 
 
 class DaskConfig(_Strict):
+    """Where a run's Dask workers come from (one cluster per flow run), the way prefect-dask names it:
+    ``cluster_class`` (import path; default ``distributed.LocalCluster`` sized to the machine) built
+    with ``cluster_kwargs`` and scaled with ``adapt_kwargs`` (``cluster.adapt``) or ``n_workers``;
+    or ``scheduler_address``, a scheduler that is already running. ``config_file``: a Dask
+    configuration (e.g. ``infra/slurm.yaml``) set while the cluster is built and lives.
+    ``n_workers``, ``threads_per_worker`` and ``processes`` are shortcuts for the LocalCluster;
+    ``worker_timeout_s``: how long a run waits for its first worker (batch queues can be slow)."""
+
     scheduler_address: str | None = None
+    cluster_class: str | None = None
+    cluster_kwargs: dict[str, Any] = Field(default_factory=dict)
+    adapt_kwargs: dict[str, Any] | None = None
+    config_file: Path | None = None
     n_workers: int | None = Field(None, ge=1)
     threads_per_worker: int | None = Field(None, ge=1)
-    processes: bool = True
+    processes: bool | None = None
+    worker_timeout_s: float = Field(600, gt=0)
+
+    @field_validator("cluster_class")
+    @classmethod
+    def _importable(cls, path: str | None) -> str | None:
+        from tasks.cluster import import_cluster_class
+
+        if path is not None:
+            import_cluster_class(path)  # a typo or a missing package fails now, not at the first run
+        return path
+
+    @field_validator("adapt_kwargs")
+    @classmethod
+    def _bounds(cls, adapt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if adapt is None:
+            return None
+        low, high = adapt.get("minimum", 1), adapt.get("maximum", adapt.get("minimum", 1))
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise ValueError(f"needs integers 1 <= minimum <= maximum (got minimum={low!r}, maximum={high!r}): a run waits for "
+                             "its first worker before training, which an adaptive cluster scaled to 0 would not start")
+        return {"minimum": low, **adapt}
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DaskConfig:
+        from tasks.cluster import DEFAULT_CLUSTER_CLASS, import_cluster_class
+
+        if self.scheduler_address and (self.cluster_class or self.cluster_kwargs or self.adapt_kwargs):
+            raise ValueError("give either scheduler_address (a running cluster) or cluster_class/cluster_kwargs/adapt_kwargs, not both")
+        local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
+        if any(v is not None for v in local.values()):
+            from distributed import LocalCluster
+
+            if not issubclass(import_cluster_class(self.cluster_class or DEFAULT_CLUSTER_CLASS), LocalCluster):
+                raise ValueError(f"threads_per_worker and processes apply to a LocalCluster; for {self.cluster_class} put "
+                                 "them in cluster_kwargs")
+        return self
+
+    def cluster_spec(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`tasks.cluster.start_cluster`."""
+        from tasks.cluster import read_dask_config
+
+        kwargs = {k: v for k, v in {"threads_per_worker": self.threads_per_worker, "processes": self.processes}.items() if v is not None}
+        return {"cluster_class": self.cluster_class, "cluster_kwargs": kwargs | self.cluster_kwargs,
+                "adapt_kwargs": self.adapt_kwargs, "n_workers": self.n_workers,
+                "dask_config": read_dask_config(self.config_file) if self.config_file else None}
 
 
 class PipelineConfig(_Strict):
@@ -180,5 +242,6 @@ def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
                                               "labels": resolve(config.ingest.labels) or config.ingest.labels,
                                               "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from})
     prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
+    dask = config.dask.model_copy(update={"config_file": resolve(config.dask.config_file) or config.dask.config_file})
     return config.model_copy(update={"store": resolve(config.store) or config.store, "output_dir": resolve(config.output_dir) or config.output_dir,
-                                     "ingest": ingest, "prediction": prediction})
+                                     "ingest": ingest, "prediction": prediction, "dask": dask})

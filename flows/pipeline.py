@@ -1,8 +1,9 @@
 """Prefect flows: ``ingest_cohort``, ``train_model``, ``predict_cohort``, ``evaluate_run`` and
 ``pipeline`` (all four), each parameterised by a YAML configuration (:mod:`flows.config`).
 
-One Dask cluster per flow run: the flow starts a ``LocalCluster`` (or connects to
-``dask.scheduler_address``) and hands its address to the tasks, whose clients attach to it.
+One Dask cluster per flow run, built from the configuration's ``dask`` section (a cluster class by
+import path, default ``LocalCluster``, or a running scheduler's address; :mod:`tasks.cluster`);
+the flow hands its address to the tasks, whose clients attach to it.
 
 Flow parameters are JSON values (the configuration is a path), so a deployment can carry them,
 and their annotations are real objects, not ``from __future__`` strings: a served deployment
@@ -11,27 +12,38 @@ could not resolve a string annotation such as ``"PipelineConfig"``.
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from distributed import Client
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact
 
 from flows.config import PipelineConfig, load_config
 from tasks import prefect_tasks as t
-from tasks.cluster import dask_client
+from tasks.cluster import start_cluster
 
 __all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
 
 
 @contextmanager
 def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) -> Iterator[str]:
-    """The scheduler address of the run's one cluster (given, configured, or a new LocalCluster)."""
+    """The scheduler address of the run's one cluster: the given one (a parent flow's), the
+    configured ``dask.scheduler_address``, or a cluster built from ``dask.cluster_class`` (default:
+    a LocalCluster) and closed afterwards. Waits for the first worker; links the Dask dashboard
+    to the flow run (a link artifact)."""
     if scheduler_address:
         yield scheduler_address
         return
     d = config.dask
-    with dask_client(d.scheduler_address, n_workers=d.n_workers, threads_per_worker=d.threads_per_worker, processes=d.processes) as client:
+    with ExitStack() as stack:
+        cluster = None if d.scheduler_address else stack.enter_context(start_cluster(**d.cluster_spec()))
+        client = stack.enter_context(Client(d.scheduler_address or cluster))
+        client.wait_for_workers(1, timeout=d.worker_timeout_s)
+        if client.dashboard_link:
+            create_link_artifact(client.dashboard_link, link_text="Dask dashboard", key=t.artifact_key("dask-dashboard", config.name),
+                                 description=f"Dask dashboard of this run's cluster ({type(cluster).__name__ if cluster else d.scheduler_address})")
         yield client.scheduler.address
 
 

@@ -73,6 +73,15 @@ def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, offsets[:-1], axis=0)
 
 
+def segment_logsumexp(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-bag ``log Σ exp(values)`` over CSR segments (every bag non-empty); ``−inf`` for a bag
+    whose values are all ``−inf``."""
+    top = np.maximum.reduceat(values, offsets[:-1])
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.log(np.add.reduceat(np.exp(values - np.repeat(top, np.diff(offsets))), offsets[:-1])) + top
+
+
 def expected_max_of_others(pi: np.ndarray, log1m_pi: np.ndarray, offsets: np.ndarray, rule: EmaxRule) -> np.ndarray:
     """``E[max y_{b∖n}]`` for every instance (the term of Eq. 11/25).
 

@@ -93,9 +93,14 @@ class SparseGP:
         One GEMM for the kernel block and one triangular solve, in the namespace of ``X``.
         """
         xp = array_namespace(X)
-        Z, L = xp.asarray(self.Z), xp.asarray(self.chol)
-        A = solve_lower(L, self.kernel(Z, X)).T
-        resid = xp.clip(self.kernel.diag(X) - xp.sum(A * A, axis=1), 0.0, None)
+        return self.whiten_cross(self.kernel(xp.asarray(self.Z), X), self.kernel.diag(X))
+
+    def whiten_cross(self, Kzx: Any, diag: Any) -> WhitenedBlock:
+        """:meth:`whiten` from an already computed ``K(Z, X)`` (M, n) and ``diag K(X, X)`` (n,),
+        for callers that also need the kernel block itself (the hyper-parameter gradient)."""
+        xp = array_namespace(Kzx)
+        A = solve_lower(xp.asarray(self.chol), Kzx).T
+        resid = xp.clip(diag - xp.sum(A * A, axis=1), 0.0, None)
         return WhitenedBlock(A=A, resid=resid)
 
 

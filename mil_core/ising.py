@@ -53,6 +53,7 @@ import scipy.sparse.linalg as spla
 from scipy.special import log_ndtr, logsumexp
 
 from .bags import BagIndex, segment_sum
+from .predictive import sample_latent
 
 __all__ = [
     "Neighbourhood",
@@ -318,7 +319,7 @@ def smoothed_field_log_p0(
     independent ``f_i ~ N(mean_f_i, var_f_i)``: given ``f`` the ``m_i`` are independent, so
     ``P(m < 0 | f) = Π Φ(−(Σf)_i)`` exactly and only ``f`` is sampled (Rao–Blackwellised Monte
     Carlo, log-sum-exp). Returns ``(log p, standard error of p, sd of P(m < 0 | f) over f)``."""
-    draws = mean_f[:, None] + np.sqrt(var_f)[:, None] * rng.standard_normal((mean_f.shape[0], n_draws))
+    draws = sample_latent(mean_f, var_f, n_draws, rng)
     log_given_f = np.sum(log_ndtr(-sparse_lu(precision).solve(draws)), axis=0)
     log_p = float(logsumexp(log_given_f) - np.log(n_draws))
     spread = float(np.std(np.exp(log_given_f)))

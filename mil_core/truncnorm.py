@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import log_ndtr, ndtri_exp
 
+from .bags import segment_logsumexp
+
 __all__ = [
     "log_inverse_mills",
     "upper_truncated_moments",
@@ -24,7 +26,6 @@ __all__ = [
     "sample_upper_truncated",
     "log_neg_log_ndtr",
     "log1mexp",
-    "segment_logsumexp",
     "positive_bag_log_normaliser",
     "positive_bag_means",
 ]
@@ -95,13 +96,6 @@ def log1mexp(log_t: np.ndarray) -> np.ndarray:
     big = ~(small | mid)
     out[big] = np.log1p(-np.exp(-t[big]))
     return out
-
-
-def segment_logsumexp(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Per-bag ``log Σ exp(values)`` over CSR segments (every bag non-empty)."""
-    top = np.maximum.reduceat(values, offsets[:-1])
-    sizes = np.diff(offsets)
-    return top + np.log(np.add.reduceat(np.exp(values - np.repeat(top, sizes)), offsets[:-1]))
 
 
 def positive_bag_log_normaliser(alpha: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,18 +1,32 @@
-"""Dask clients: connect to an existing scheduler, or start a ``LocalCluster`` sized to the machine.
+"""Dask clusters from the configuration, the way prefect-dask's ``DaskTaskRunner`` names them: a
+cluster class by import path (``distributed.LocalCluster``, ``dask_jobqueue.SLURMCluster``,
+``dask_kubernetes.operator.KubeCluster``, ``dask_cuda.LocalCUDACluster``, …), its constructor
+keyword arguments, and optional adaptive scaling; or the address of a scheduler that is already
+running. The default is a ``LocalCluster`` sized to the machine.
 
-Cluster specifications for Slurm, Kubernetes and GPU workers live in ``infra/`` (see
-``infra/README.md``); they all end in a scheduler address that :func:`dask_client` connects to.
+Cluster specifications for Slurm, PBS, Kubernetes and GPU workers live in ``infra/`` (see
+``infra/README.md``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
+import dask.config
+import yaml
 from distributed import Client, LocalCluster
+from distributed.deploy import Cluster
 
-__all__ = ["dask_client", "local_cluster_size"]
+__all__ = ["DEFAULT_CLUSTER_CLASS", "import_cluster_class", "start_cluster", "dask_client", "local_cluster_size",
+           "read_dask_config"]
+
+DEFAULT_CLUSTER_CLASS = "distributed.LocalCluster"
+SINGLE_THREADED_BLAS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def local_cluster_size() -> tuple[int, int]:
@@ -21,6 +35,67 @@ def local_cluster_size() -> tuple[int, int]:
     BLAS from oversubscribing cores)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores), 1
+
+
+def import_cluster_class(path: str) -> type[Cluster]:
+    """The cluster class named by ``module.Class`` (a ``distributed.deploy.Cluster`` subclass)."""
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"cluster class {path!r}: give its import path, e.g. {DEFAULT_CLUSTER_CLASS!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cluster class {path!r}: cannot import {module_name} ({error}); install the package that provides it") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Cluster)):
+        raise ValueError(f"cluster class {path!r}: {module_name} has no Dask cluster class {class_name!r}")
+    return cls
+
+
+def read_dask_config(path: str | Path) -> dict[str, Any]:
+    """A Dask configuration file (e.g. ``infra/slurm.yaml``: the ``jobqueue`` profiles)."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a Dask configuration file holds a mapping, not {type(config).__name__}")
+    return config
+
+
+@contextmanager
+def start_cluster(
+    cluster_class: str | None = None,
+    cluster_kwargs: Mapping[str, Any] | None = None,
+    adapt_kwargs: Mapping[str, Any] | None = None,
+    *,
+    n_workers: int | None = None,
+    dask_config: Mapping[str, Any] | None = None,
+) -> Iterator[Cluster]:
+    """A cluster for the duration of a ``with`` block, closed afterwards.
+
+    ``cluster_class(**cluster_kwargs)`` under ``dask_config`` (set while the cluster lives, so
+    ``SLURMCluster(config_name="slurm-gpu")`` finds its profile); then ``cluster.adapt(**adapt_kwargs)``,
+    or ``cluster.scale(n_workers)``. A plain ``LocalCluster`` (the default; not its subclasses such
+    as dask-cuda's ``LocalCUDACluster``, which size themselves) gets ``n_workers`` or one
+    single-threaded worker process per core, and single-threaded BLAS, unless ``cluster_kwargs``
+    say otherwise.
+    """
+    cls = import_cluster_class(cluster_class or DEFAULT_CLUSTER_CLASS)
+    kwargs = dict(cluster_kwargs or {})
+    if cls is LocalCluster:
+        workers, threads = local_cluster_size()
+        defaults = {"n_workers": n_workers or workers, "threads_per_worker": threads, "dashboard_address": ":0"}
+        if kwargs.get("processes", True):
+            defaults["env"] = SINGLE_THREADED_BLAS
+        kwargs = defaults | kwargs
+    with dask.config.set(dict(dask_config or {})):
+        cluster = cls(**kwargs)
+        try:
+            if adapt_kwargs:
+                cluster.adapt(**adapt_kwargs)
+            elif n_workers and cls is not LocalCluster:
+                cluster.scale(n_workers)
+            yield cluster
+        finally:
+            cluster.close()
 
 
 @contextmanager
@@ -41,18 +116,8 @@ def dask_client(
         with Client(scheduler_address) as client:
             yield client
         return
-    default_workers, default_threads = local_cluster_size()
-    single_threaded_blas = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cluster = LocalCluster(
-        n_workers=n_workers or default_workers,
-        threads_per_worker=threads_per_worker or default_threads,
-        memory_limit=memory_limit,
-        processes=processes,
-        dashboard_address=":0",
-        **({"env": single_threaded_blas} if processes else {}),
-    )
-    try:
-        with Client(cluster) as client:
-            yield client
-    finally:
-        cluster.close()
+    local = {"memory_limit": memory_limit, "processes": processes}
+    if threads_per_worker:
+        local["threads_per_worker"] = threads_per_worker
+    with start_cluster(DEFAULT_CLUSTER_CLASS, local, n_workers=n_workers) as cluster, Client(cluster) as client:
+        yield client

@@ -20,6 +20,8 @@ checkpoints, predictions) now holds :func:`writer_lease` for it:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
@@ -27,12 +29,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease"]
+__all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease", "holds_writer_lease"]
 
 log = logging.getLogger("gpmil.lease")
 
@@ -183,3 +185,21 @@ def writer_lease(store: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S)
                 current = read_lease(store)
                 if current is not None and current[0].token == held[0]:
                     path.unlink(missing_ok=True)
+
+
+def holds_writer_lease(purpose: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function holds the writer lease of its ``store`` argument while it runs;
+    ``purpose`` is formatted with the call's arguments (``"training run {run!r}"``)."""
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            with writer_lease(bound.arguments["store"], purpose.format(**bound.arguments)):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

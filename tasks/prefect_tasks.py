@@ -27,7 +27,8 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import PipelineConfig, make_model
 from mil_core import persist
 from tasks import diagnostics, report
-from tasks.ingest.cohort import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
@@ -45,7 +46,7 @@ class StageResult:
     info: dict[str, Any]
 
 
-def _artifact_key(*parts: str) -> str:
+def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
     text = "-".join(parts).lower()
     return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
@@ -89,7 +90,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
         warnings.append(message)
         logger.warning(message)
-    progress = create_progress_artifact(0.0, key=_artifact_key("training", config.name), description=f"{config.model.name} iterations")
+    progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
         update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
@@ -152,9 +153,9 @@ class IngestWork:
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
-    from tasks.ingest.cohort import plan_ct, plan_slides
+    from tasks.ingest.ct import plan_ct
     from tasks.ingest.features import make_extractor
-    from tasks.ingest.wsi import TilingParams
+    from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
@@ -174,10 +175,10 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
 
 
 @task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
-def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client) -> int:
+def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client, nonfinite: str = "reject") -> int:
     """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
     number of instances. Bad input fails this task only (and is not retried)."""
-    return client.submit(stage_item, store, item, bag_writer, pure=False).result()
+    return client.submit(stage_item, store, item, bag_writer, nonfinite, pure=False).result()
 
 
 @task(name="finalise-store", task_run_name="finalise {config.store}", cache_policy=NO_CACHE)
@@ -194,7 +195,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     result = run.finish()
     info = result.to_json()
     if result.skipped:
-        create_table_artifact(info["skipped"], key=_artifact_key("skipped-inputs", config.name),
+        create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
             logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
@@ -206,14 +207,15 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
 @task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
-    from tasks.ingest.cohort import ingest_table as ingest_feature_table
+    from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
     source = config.ingest.source
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name)
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name,
+                                  nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 
 
@@ -221,7 +223,13 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     """The ingest stage, called inside a flow: ``list-inputs`` → one ``ingest <bag id>`` task per
     slide/scan (concurrent on the flow's thread-pool task runner, each running its tiling and
     featurisation on the flow's Dask cluster) → ``finalise-store``. A progress artifact and log
-    lines follow the items as they finish."""
+    lines follow the items as they finish. Holds the store's writer lease throughout (a second
+    run on the same store fails at once with :class:`tasks.lease.StoreLockedError`)."""
+    with writer_lease(str(config.store), f"gpmil ingest {config.name!r} ({config.ingest.kind} from {config.ingest.source})"):
+        return _ingest_cohort_items(config, scheduler_address)
+
+
+def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:
     from prefect.futures import as_completed
 
     if config.ingest.kind == "features":
@@ -229,10 +237,10 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     logger = get_run_logger()
     work = list_inputs(config)
     todo = work.run.to_run
-    progress = create_progress_artifact(0.0, key=_artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
+    progress = create_progress_artifact(0.0, key=artifact_key("ingest", config.name), description=f"{config.ingest.kind} items ingested")
     outcomes: dict[str, BaseException | None] = {}
     with Client(scheduler_address) as client:
-        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client): item for item in todo}
+        futures = {ingest_item.submit(work.run.store, item, work.bag_writer, client, config.ingest.nonfinite): item for item in todo}
         for done, future in enumerate(as_completed(list(futures)), start=1):
             bag_id = futures[future].bag_id
             outcome = future.result(raise_on_failure=False)  # the instance count, or the task's exception
@@ -254,7 +262,7 @@ class TrainedModel:
 
 
 MODEL_FILE = "model.npz"
-persist.allow_types(TrainedModel, FeatureScaling)
+persist.allow_types(TrainedModel)
 
 
 def save_model(model_dir: str | Path, trained: TrainedModel) -> Path:
@@ -376,14 +384,16 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         figures.append(report.plot_roc(evaluation, out / "roc.png"))
         sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
                      f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
-        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=_artifact_key("metrics", config.name),
+        create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=artifact_key("metrics", config.name),
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
     if (Path(model_dir) / "elbo.png").exists():
         figures.insert(0, Path(model_dir) / "elbo.png")
 
+    not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
     if warnings:
         for message in warnings:
             logger.warning(message)
@@ -411,9 +421,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     markdown = "\n".join(sections)
     (out / "report.md").write_text(markdown)
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=_artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact(markdown, key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
-                          key=_artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
+                          key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
     return StageResult(prediction_key, str(out / "report.md"), False, metrics)
 

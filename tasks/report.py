@@ -92,9 +92,9 @@ class Evaluation:
 
 def evaluate(table: pd.DataFrame, *, threshold: float = 0.5, instance_labels: np.ndarray | None = None,
              instance_proba: np.ndarray | None = None, n_bins: int = 10) -> Evaluation:
-    """AUC, accuracy, F1, Brier score and expected calibration error on the labelled bags; the same
-    for instances whose label is known (``instance_labels`` ≥ 0)."""
-    labelled = table[table["label"] >= 0]
+    """AUC, accuracy, F1, Brier score and expected calibration error on the labelled, predicted
+    bags; the same for instances whose label is known (``instance_labels`` ≥ 0) and predicted."""
+    labelled = table[(table["label"] >= 0) & table["probability"].notna()]  # a bag not predicted (NaN) is not scored
     if labelled["label"].nunique() < 2:
         raise ValueError(f"evaluation needs labelled bags of both classes; found labels {sorted(labelled['label'].unique())}")
     y, p = labelled["label"].to_numpy(), labelled["probability"].to_numpy()
@@ -109,7 +109,7 @@ def evaluate(table: pd.DataFrame, *, threshold: float = 0.5, instance_labels: np
         "bag_ece": float(np.sum(calibration["count"] * np.abs(calibration["mean_predicted"] - calibration["fraction_positive"])) / len(y)),
     }
     if instance_labels is not None and instance_proba is not None:
-        known = instance_labels >= 0
+        known = (instance_labels >= 0) & np.isfinite(instance_proba)
         if known.any() and np.unique(instance_labels[known]).size == 2:
             yi, pi = instance_labels[known], instance_proba[known]
             metrics |= {

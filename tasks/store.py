@@ -281,12 +281,27 @@ class _RowWriter:
 NonFinitePolicy = Literal["reject", "drop"]
 
 
+def check_text(bag_id: str, source: str) -> None:
+    """Bag ids and sources are stored as UTF-8: a name decoded from non-UTF-8 bytes (lone
+    surrogates, as ``os.listdir`` gives them) is refused for this item only."""
+    for what, text in (("bag id", bag_id), ("source path", source)):
+        try:
+            str(text).encode("utf-8")
+        except UnicodeEncodeError:
+            def shown(name: str) -> str:  # the undecodable bytes as \xNN
+                return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+            raise IngestError(f"the {what} is not valid UTF-8 ({shown(text)}); rename the file",
+                              path=shown(source), bag_id=shown(bag_id)) from None
+
+
 def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,
-                first_row: int = 0) -> np.ndarray | None:
+                first_row: int = 0, file_rows: np.ndarray | None = None) -> np.ndarray | None:
     """Rows of ``features`` (already in the store's dtype) to keep, or None when all are finite.
 
     ``policy="reject"`` raises :class:`NonFiniteFeaturesError` naming the bag, the file, the first
-    offending rows (numbered within the bag from ``first_row``) and columns; ``"drop"`` returns the
+    offending rows (numbered within the bag from ``first_row``, or the rows of the input file
+    ``file_rows`` when given) and columns; ``"drop"`` returns the
     mask of finite rows (the caller counts what it dropped and reports it).
     """
     finite = np.isfinite(features)
@@ -298,9 +313,10 @@ def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | No
     if policy != "reject":
         raise ValueError(f"nonfinite must be 'reject' or 'drop', got {policy!r}")
     columns = np.flatnonzero(~finite.all(axis=0))
+    where = f"{(bad[:5] + first_row).tolist()}" if file_rows is None else f"{np.asarray(file_rows)[bad[:5]].tolist()}"
     raise NonFiniteFeaturesError(
-        f"{bad.size} instance row(s) with NaN or infinite features (rows {(bad[:5] + first_row).tolist()}"
-        f"{'…' if bad.size > 5 else ''} of the bag, columns {columns[:5].tolist()}{'…' if columns.size > 5 else ''}; "
+        f"{bad.size} instance row(s) with NaN or infinite features (rows {where}"
+        f"{'…' if bad.size > 5 else ''} of the {'bag' if file_rows is None else 'file'}, columns {columns[:5].tolist()}{'…' if columns.size > 5 else ''}; "
         "float32 overflow counts as infinite). Fix the features, or set ingest.nonfinite: drop to leave those "
         "instances out (counted in the ingest report)", path=path, bag_id=bag_id)
 
@@ -323,6 +339,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     ids, labels, sources = [], [], []
     writer = _RowWriter(root, offsets[0])
     for bag in bags:
+        check_text(bag.bag_id, bag.source)
         if bag.bag_id in seen:
             raise DuplicateIdError("bag id already in the store or repeated", path=bag.source, bag_id=bag.bag_id)
         if bag.features.ndim != 2 or bag.features.shape[1] != n_features or bag.coords.shape != (
@@ -452,13 +469,24 @@ def staging_key(bag_id: str) -> str:
     return hashlib.sha1(bag_id.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
-def staged_status(root: zarr.Group, bag_id: str) -> str:
-    """``"complete"``, ``"incomplete"`` (an interrupted write) or ``"absent"``."""
+def staged_status(root: zarr.Group, bag_id: str, *, source: str | None = None, label: int | None = None) -> str:
+    """``"complete"``, ``"incomplete"`` (an interrupted write, metadata a full disk left
+    unreadable, or — when ``source``/``label`` are given — staged from another file or with
+    another label: the bag is staged again) or ``"absent"``."""
     try:
-        group = root[f"staging/{staging_key(bag_id)}"]
+        attrs = dict(root[f"staging/{staging_key(bag_id)}"].attrs)
     except KeyError:
         return "absent"
-    return "complete" if group.attrs.get("complete") else "incomplete"
+    except (ValueError, OSError):
+        return "incomplete"
+    if (source is not None and attrs.get("source") != source) or (label is not None and attrs.get("label") != label):
+        return "incomplete"
+    return "complete" if attrs.get("complete") else "incomplete"
+
+
+def staged_dropped(root: zarr.Group, bag_id: str) -> int:
+    """Instances a staged bag left out for NaN/inf features (``nonfinite="drop"``)."""
+    return int(root[f"staging/{staging_key(bag_id)}"].attrs.get("n_dropped_nonfinite", 0))
 
 
 class StagingWriter:
@@ -469,6 +497,7 @@ class StagingWriter:
     """
 
     def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject"):
+        check_text(bag_id, source)
         root = _open_root(store_path, "r+")
         self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
         self._chunk_rows = root.attrs["chunk_rows"]

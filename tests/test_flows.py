@@ -57,11 +57,16 @@ def test_a_changed_prediction_setting_recomputes_predictions_but_not_the_model(t
     assert not changed["predict"].reused and changed["predict"].key != first["predict"].key
 
 
-def test_a_new_cohort_is_predicted_with_the_stored_model(tmp_path, cohort):
-    trained = train_model(write_config(tmp_path, cohort))
+def test_a_new_cohort_is_predicted_with_the_stored_model_on_clusters_named_by_class_path(tmp_path, cohort):
+    adaptive = {"cluster_class": "distributed.LocalCluster", "cluster_kwargs": {"n_workers": 1, "processes": False},
+                "adapt_kwargs": {"minimum": 1, "maximum": 2}}
+    trained = train_model(write_config(tmp_path, cohort, dask=adaptive))
     X, bags, y, _ = make_toy_bags(n_bags=10, seed=7)
     new = write_store(tmp_path / "new.zarr", X, bags, np.full_like(y, -1), unlabelled=set(np.unique(bags)))
-    result = predict_cohort(write_config(tmp_path, cohort), trained.path, store=new)
+    spec = {"cluster_class": "distributed.SpecCluster", "cluster_kwargs": {
+        "scheduler": {"cls": "distributed.Scheduler", "options": {"dashboard_address": ":0"}},
+        "workers": {"w": {"cls": "distributed.Worker", "options": {"nthreads": 1}}}}}
+    result = predict_cohort(write_config(tmp_path, cohort, dask=spec), trained.path, store=new)
     assert not result.reused and result.path.startswith(new)
 
 
@@ -73,6 +78,12 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, training={"checkpoint_every": 0}))
     with pytest.raises(ConfigError, match="unknown model 'SVM'"):
         load_config(write_config(tmp_path, cohort, model={"name": "SVM"}))
+    with pytest.raises(ConfigError, match=r"dask.cluster_class: .*cannot import dask_jobqeue"):
+        load_config(write_config(tmp_path, cohort, dask={"cluster_class": "dask_jobqeue.SLURMCluster"}))
+    with pytest.raises(ConfigError, match=r"dask.adapt_kwargs: .*1 <= minimum <= maximum \(got minimum=0"):
+        load_config(write_config(tmp_path, cohort, dask={"adapt_kwargs": {"minimum": 0, "maximum": 4}}))
+    with pytest.raises(ConfigError, match=r"dask: .*either scheduler_address .* or cluster_class"):
+        load_config(write_config(tmp_path, cohort, dask={"scheduler_address": "tcp://h:8786", "cluster_class": "distributed.LocalCluster"}))
     assert not (tmp_path / "out").exists()
 
 

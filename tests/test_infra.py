@@ -1,18 +1,71 @@
-"""The shipped cluster configurations parse and request what the executor relies on."""
+"""The shipped cluster configurations: clusters start by class path from the pipeline config, the
+jobqueue profiles build job scripts, the deployment and image files point at what exists."""
 
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
-from tasks.cluster import dask_client, local_cluster_size
+from tasks.cluster import dask_client, local_cluster_size, read_dask_config, start_cluster
 
 INFRA = Path(__file__).resolve().parents[1] / "infra"
 
 
-def test_slurm_gpu_workers_advertise_the_gpu_resource():
-    config = yaml.safe_load((INFRA / "slurm.yaml").read_text())["jobqueue"]
-    assert config["slurm-gpu"]["worker-extra-args"] == ["--resources", "GPU=1"]
-    assert config["slurm"]["processes"] == config["slurm"]["cores"]  # single-threaded workers
+@pytest.mark.parametrize("cluster_class, config_file, profile, directive", [
+    ("dask_jobqueue.SLURMCluster", "slurm.yaml", "slurm-gpu", "#SBATCH --gres=gpu:1"),
+    ("dask_jobqueue.PBSCluster", "pbs.yaml", "pbs-gpu", "#PBS -l select=1:ncpus=8:ngpus=1:mem=64GB"),
+])
+def test_jobqueue_gpu_profiles_build_job_scripts_for_one_gpu_worker(cluster_class, config_file, profile, directive):
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is in the dev extra")
+    with start_cluster(cluster_class, {"config_name": profile}, dask_config=read_dask_config(INFRA / config_file)) as cluster:
+        script = cluster.job_script()  # no batch system needed: the scheduler runs here, no job is submitted
+    assert directive in script and "--resources GPU=1" in script and "--nthreads 8" in script
+    assert "--nworkers" not in script  # one worker per GPU
+
+
+@pytest.mark.parametrize("cluster_class, config_file", [("dask_jobqueue.SLURMCluster", "slurm.yaml"), ("dask_jobqueue.PBSCluster", "pbs.yaml")])
+def test_jobqueue_cpu_profiles_run_single_threaded_workers(cluster_class, config_file):
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is in the dev extra")
+    with start_cluster(cluster_class, dask_config=read_dask_config(INFRA / config_file)) as cluster:
+        script = cluster.job_script()
+    assert "--nthreads 1" in script and "--nworkers 4" in script and "OMP_NUM_THREADS=1" in script
+
+
+def test_a_cluster_class_path_with_cluster_kwargs_starts_that_cluster():
+    from distributed import Client, SpecCluster
+
+    spec = {"scheduler": {"cls": "distributed.Scheduler", "options": {"dashboard_address": ":0"}},
+            "workers": {"a": {"cls": "distributed.Worker", "options": {"nthreads": 1}},
+                        "b": {"cls": "distributed.Worker", "options": {"nthreads": 2}}}}
+    with start_cluster("distributed.SpecCluster", spec) as cluster, Client(cluster) as client:
+        assert type(cluster) is SpecCluster
+        assert sorted(w["nthreads"] for w in client.scheduler_info(n_workers=-1)["workers"].values()) == [1, 2]
+        assert client.submit(sum, [1, 2, 3]).result() == 6
+
+
+def test_an_adaptive_cluster_grows_under_load_within_its_bounds():
+    from distributed import Client
+
+    with start_cluster("distributed.LocalCluster", {"n_workers": 1, "processes": False},
+                       {"minimum": 1, "maximum": 2, "interval": "50ms", "wait_count": 1}) as cluster, Client(cluster) as client:
+        client.wait_for_workers(1, timeout=10)
+        futures = client.map(time.sleep, [0.5] * 16, pure=False)
+        deadline = time.monotonic() + 20
+        while len(cluster.workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(cluster.workers) == 2
+        client.gather(futures)
+        assert len(cluster.workers) <= 2
+
+
+def test_a_cluster_class_that_is_not_one_fails_naming_it():
+    with pytest.raises(ValueError, match=r"cluster class 'distributed.Client': distributed has no Dask cluster class 'Client'"):
+        with start_cluster("distributed.Client"):
+            pass
+    with pytest.raises(ValueError, match=r"cannot import dask_nowhere"):
+        with start_cluster("dask_nowhere.Cluster"):
+            pass
 
 
 def test_kubernetes_cluster_spec_is_a_dask_cluster():
@@ -44,3 +97,33 @@ def test_prefect_deployments_point_at_flows_with_those_parameters():
         flow = getattr(importlib.import_module(module), name)
         accepted = set(inspect.signature(flow.fn).parameters)
         assert set(deployment["parameters"]) <= accepted, deployment["name"]
+
+
+def test_the_image_that_kubernetes_runs_is_built_from_files_that_exist_with_the_pinned_dependencies():
+    import fnmatch
+    import shlex
+    import tomllib
+
+    root = INFRA.parent
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    lines = [line.strip() for line in dockerfile.replace("\\\n", " ").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    copies = [shlex.split(line)[1:-1] for line in lines if line.startswith("COPY ")]
+    ignore = [p for p in (root / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")]
+    for source in (s for sources in copies for s in sources):
+        assert (root / source).exists(), f"COPY {source}: not in the repository"
+        sent = [p[1:].rstrip("/") == source.rstrip("/") for p in ignore if p.startswith("!")]
+        assert any(sent), f"{source} is left out of the build context by .dockerignore"
+    install = next(line for line in lines if "pip install" in line)
+    assert "-c constraints.txt" in install and "COPY pyproject.toml README.md constraints.txt ./" in lines
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    default_extras = next(line.split("=", 1)[1] for line in lines if line.startswith("ARG EXTRAS="))
+    assert set(default_extras.split(",")) <= set(extras)
+    built_tag = next(word for word in dockerfile.split() if fnmatch.fnmatch(word, "*/gpmil:*"))
+    images = [c["image"] for part in ("worker", "scheduler") for c in yaml.safe_load((INFRA / "kubernetes.yaml").read_text())
+              ["spec"][part]["spec"]["containers"]]
+    assert images == [built_tag, built_tag]
+    home = next(line for line in lines if "GPMIL_HOME=" in line).split("GPMIL_HOME=")[1].split()[0]
+    workdir = next(line.split()[1] for line in lines if line.startswith("WORKDIR "))
+    assert home == workdir  # prefect.yaml's pull step runs the entrypoints from $GPMIL_HOME
+    for deployment in yaml.safe_load((INFRA / "prefect.yaml").read_text())["deployments"]:
+        assert (root / deployment["entrypoint"].split(":")[0]).is_file()

@@ -11,8 +11,7 @@ import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 
-from tasks.ingest.cohort import ingest_ct
-from tasks.ingest.ct import load_windowed_slices, order_slices, scan_dicom_dir, to_hu, windowed_channels
+from tasks.ingest.ct import ingest_ct, load_windowed_slices, order_slices, scan_dicom_dir, to_hu, windowed_channels
 from tasks.ingest.features import HandcraftedCT, extractor_spec, make_extractor, register_extractor
 from tasks.ingest.synthetic import make_ct_cohort, write_ct_series
 from tasks.store import open_cohort

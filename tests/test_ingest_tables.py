@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.ingest.cohort import ingest_bag_files, ingest_h5_features, ingest_table
-from tasks.ingest.tables import FeatureTable, read_mil_csv, read_npz_table, read_parquet_table
+from tasks.ingest.h5 import ingest_h5_features
+from tasks.ingest.npy import ingest_bag_files
+from tasks.ingest.tables import FeatureTable, ingest_table, read_mil_csv, read_npz_table, read_parquet_table
 from tasks.store import open_cohort
 
 MUSK1 = Path(__file__).resolve().parents[2] / "shared" / "data" / "musk1.csv"  # shared/ beside the checkout
@@ -136,3 +137,14 @@ def test_torchmil_per_bag_files_round_trip_with_instance_labels_and_coords(tmp_p
         np.testing.assert_array_equal(block.instance_labels, inst)
         np.testing.assert_array_equal(block.coords, coords)
         assert cohort.bag_labels[b] == inst.max()
+
+
+def test_documented_entry_points_import_from_the_package():
+    """docs/STORE.md imports the entry points from ``tasks.ingest``; they are the per-format modules' functions."""
+    import tasks.ingest as ingest
+    from tasks.ingest import ingest_bag_files as from_package
+    from tasks.ingest import ingest_ct, ingest_h5_features, ingest_slides, ingest_table  # noqa: F401
+
+    assert from_package is ingest_bag_files and ingest_h5_features.__module__ == "tasks.ingest.h5"
+    with pytest.raises(AttributeError, match="no attribute 'ingest_nothing'"):
+        ingest.ingest_nothing

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.ingest.cohort import ingest_slides, plan_slides, run_ingest
+from tasks.ingest.driver import run_ingest
 from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
-from tasks.ingest.wsi import Slide, TilingParams, heatmap_background, tile_grid
+from tasks.ingest.wsi import Slide, TilingParams, heatmap_background, ingest_slides, plan_slides, tile_grid
 from tasks.paths import safe_filename
 from tasks.store import open_cohort
 

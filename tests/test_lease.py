@@ -108,3 +108,32 @@ def test_readers_ignore_the_lease(tmp_path):
     finally:
         release.touch()
         holder.wait(timeout=30)
+
+
+def test_training_and_prediction_hold_the_lease_so_a_second_process_is_refused(tmp_path):
+    """fit_cohort / predict_cohort write the store (checkpoints, predictions): a run while another
+    process holds the lease fails at once, before any write."""
+    import zarr
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks.training import fit_cohort, predict_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+    release = tmp_path / "release"
+    holder = _start_holder(store, release)
+    try:
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+            with pytest.raises(StoreLockedError, match="test holder"):
+                fit_cohort(VGPMIL(n_inducing=4, max_iter=2), store, client, run="r")
+            model = VGPMIL(n_inducing=4, max_iter=2, random_state=0).fit(X, bags, y)
+            with pytest.raises(StoreLockedError, match="test holder"):
+                predict_cohort(model, store, client, run="p")
+    finally:
+        release.touch()
+        holder.wait(timeout=30)
+    root = zarr.open_group(str(store), mode="r")
+    assert "training" not in root and "predictions" not in root  # nothing was written

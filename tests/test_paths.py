@@ -55,7 +55,7 @@ def test_a_suffix_that_is_not_an_extension_is_refused():
 
 
 def test_the_wsi_qc_thumbnail_of_a_hostile_bag_id_stays_in_the_qc_folder(tmp_path):
-    from tasks.ingest.cohort import IngestItem
+    from tasks.ingest.driver import IngestItem
     from tasks.ingest.synthetic import TISSUE, write_slide
     from tasks.ingest.wsi import TilingParams, slide_bag_writer
 

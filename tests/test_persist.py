@@ -210,3 +210,35 @@ def test_gpmil_predict_with_a_crafted_model_pickle_fails_without_running_it(tmp_
     with pytest.raises(UnsafeFileError, match="pickles are never loaded"):
         predict_cohort(str(config), str(model_dir))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("member", ["model", "state", "local"])
+def test_a_crafted_pickle_in_a_training_checkpoint_is_refused_and_never_run(tmp_path, member):
+    import zarr
+    from distributed import Client, LocalCluster
+
+    from tasks.training import fit_cohort
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=12, seed=0)
+    store = write_store(tmp_path / "shared.zarr", X.astype(np.float32).astype(np.float64), bags, y)
+    params = dict(n_inducing=5, max_iter=4, tol=0.0, random_state=0)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(iteration, objective):
+        if iteration == 3:
+            raise Stop
+
+    marker = tmp_path / "pwned"
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        with pytest.raises(Stop):
+            fit_cohort(mil_core.VGPMIL(**params), store, client, run="r", partition_bytes=1_000, checkpoint_every=2,
+                       on_iteration=stop_at_3)
+        run = zarr.open_group(store, mode="a")["training/r"]
+        target = {"model": (run, "model"), "state": (run["it2"], "state"), "local": (run["it2/local"], "0")}[member]
+        target[0].create_array(target[1], data=np.frombuffer(crafted_pickle(marker), dtype=np.uint8), overwrite=True)
+        with pytest.raises(UnsafeFileError, match=r"checkpoint .*shared\.zarr/training/r.*a pickle"):
+            fit_cohort(mil_core.VGPMIL(**params), store, client, run="r", partition_bytes=1_000, checkpoint_every=2)
+    assert not marker.exists()

@@ -38,7 +38,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from .._backend import array_namespace, to_numpy
-from ..bags import split_into_blocks
+from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
 from ..validation import check_features, check_mil_data
@@ -194,25 +194,18 @@ def _unconstrained_chain(
     log_ratio = log_relevant - log_irrelevant
     log1p_ratio = np.logaddexp(0.0, log_ratio)
     log_log1p_ratio = np.where(log_ratio < -35.0, log_ratio, np.log(np.logaddexp(0.0, np.maximum(log_ratio, -35.0))))
-    sum_irrelevant = np.add.reduceat(log_irrelevant, offsets[:-1])
-    log_u = _segment_logsumexp(log_log1p_ratio, offsets)
+    sum_irrelevant = segment_sum(log_irrelevant, offsets)
+    log_u = segment_logsumexp(log_log1p_ratio, offsets)
     log_lik = sum_irrelevant + _log_expm1(log_u)
     if not posteriors:
         return log_lik, None, None
-    u = np.add.reduceat(log1p_ratio, offsets[:-1])
+    u = segment_sum(log1p_ratio, offsets)
     others_irrelevant = np.repeat(sum_irrelevant, sizes) - log_irrelevant
     bag_lik = np.repeat(log_lik, sizes)
     post_relevant = log_relevant + others_irrelevant + np.repeat(u, sizes) - log1p_ratio - bag_lik
     log_u_others = np.repeat(log_u, sizes) + _log1mexp(log_log1p_ratio - np.repeat(log_u, sizes))
     post_irrelevant = log_irrelevant + others_irrelevant + _log_expm1(log_u_others) - bag_lik
     return log_lik, post_irrelevant, post_relevant
-
-
-def _segment_logsumexp(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    top = np.maximum.reduceat(values, offsets[:-1])
-    top = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore"):
-        return np.log(np.add.reduceat(np.exp(values - np.repeat(top, np.diff(offsets))), offsets[:-1])) + top
 
 
 def _log_expm1(log_u: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse
 
+from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ
 from ..ising import Neighbourhood
 from ..kernels import RBF
@@ -127,7 +128,7 @@ def _run_sampler(block, n_samples: int, burn_in: int, thin: int, rng: np.random.
     # a valid start: negatives below zero, one instance of each positive bag above
     m = np.full(int(offsets[-1]), -0.5)
     m[offsets[:-1][positive_bag]] = 0.5
-    n_nonneg = np.add.reduceat((m >= 0).astype(np.int64), offsets[:-1])
+    n_nonneg = segment_sum((m >= 0).astype(np.int64), offsets)
     v = np.zeros(M)
     kept, m_sum = [], np.zeros_like(m)
     for sweep in range(burn_in + n_samples * thin):

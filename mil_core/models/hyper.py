@@ -333,12 +333,12 @@ class HyperMILUpdates:
         L, m, S = gp.chol, probe.q.mean, probe.q.cov
         v = gp.kernel.variance
         Kxz = gp.kernel(X, gp.Z)
-        A = scipy.linalg.solve_triangular(L, Kxz.T, lower=True, check_finite=False).T
-        resid = v - np.sum(A * A, axis=1)
-        inside = resid > 0.0  # SparseGP.whiten clips the FITC residual at 0
+        features = gp.whiten_cross(Kxz.T, gp.kernel.diag(X))
+        A, resid = features.A, features.resid
+        inside = resid > 0.0  # the FITC residual is clipped at 0: no gradient where it is
         AS = A @ S
         mean = A @ m
-        var = np.maximum(np.sum(AS * A, axis=1) + np.where(inside, resid, 0.0), 0.0)
+        var = np.maximum(np.sum(AS * A, axis=1) + resid, 0.0)
         c = np.sqrt(mean**2 + var)
         theta = psi.theta(c)
         pi = expit(logits)

@@ -15,6 +15,7 @@ from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
+from ..predictive import sample_latent
 from .base import SparseGPMILBase, store_params
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates
@@ -44,17 +45,24 @@ class _ProbitGPMIL(SparseGPMILBase):
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates:
         return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
 
-    def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None) -> CARCoupling:
-        return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else self._lam(), self._neighbourhood())
+    def _fitted_lam(self) -> float:
+        """λ of the fitted coupling (the parameter; VGPMIL-PR-I: the learnt ``lam_`` when learnt)."""
+        return self._lam()
+
+    def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None, lam: float) -> CARCoupling:
+        return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else lam, self._neighbourhood())
 
     def _neighbourhood(self) -> Neighbourhood:
         return 4
 
     def _bag_proba_from_state(
-        self, gp: SparseGP, glob: GaussianQ, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None
+        self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None
     ) -> np.ndarray:
+        lam = self._fitted_lam()
+        if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
+            lam, glob = glob.lam, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return self._bag_proba(mean, var, offsets, coords, return_std=False)[0]
+        return self._bag_proba(mean, var, offsets, coords, lam, return_std=False)[0]
 
     def predict_instance_proba(self, X: Any, *, return_std: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Instance probability ``p(h* = 1) = p(m* > 0) = Φ(μ*/√(1 + σ*²))`` (Eq. 25 with
@@ -65,8 +73,11 @@ class _ProbitGPMIL(SparseGPMILBase):
         p, sd = _phi_and_spread(mean, var)
         return (p, sd) if return_std else p
 
-    def predict_bag_proba(self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None):
-        """Bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26): ``keys, p`` or ``keys, p, std``.
+    def predict_bag_proba(
+        self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None, return_orthant_error: bool = False
+    ):
+        """Bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26): ``keys, p``, then ``std`` when
+        ``return_std`` and ``orthant_error`` when ``return_orthant_error``.
 
         As in the logistic family (DESIGN §3), the latent ``f*`` are taken independent across
         instances (FITC-diagonal predictive), so ``m* ~ N(Σ*μ*, Σ* + Σ* diag(σ*²) Σ*)``.
@@ -74,7 +85,8 @@ class _ProbitGPMIL(SparseGPMILBase):
         in log space. With coupling (``coords`` given to VGPMIL-PR-I) the orthant probability is
         computed exactly (scipy) for bags of ≤ ``exact_orthant_max`` instances and by the GHK
         sampler on the sparse Cholesky factor, with a standard error, for larger bags
-        (:mod:`mil_core.orthant`); the standard errors of the last call are in ``orthant_std_error_``.
+        (:mod:`mil_core.orthant`): ``orthant_error`` is that standard error per bag (0 where the
+        probability is exact).
 
         ``std`` is the posterior spread of the bag probability over ``f*`` (Monte Carlo,
         ``n_mc_samples`` draws, seeded by ``random_state``).
@@ -82,19 +94,21 @@ class _ProbitGPMIL(SparseGPMILBase):
         X, bags = self._check_predict_input(X, bag_ids)
         coords_sorted = None if coords is None else check_coords(coords, bags)
         mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
-        out = self._bag_proba(mean, var, bags.offsets, coords_sorted, return_std=return_std)
-        return (bags.keys, out[0], out[1]) if return_std else (bags.keys, out[0])
+        p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), return_std=return_std)
+        return (bags.keys, p) + ((std,) if return_std else ()) + ((orthant_error,) if return_orthant_error else ())
 
     def _bag_proba(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, *, return_std: bool
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        coupling = self._coupling(offsets, coords)
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float, *, return_std: bool
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Bag probabilities, their spread over ``f*`` (``None`` unless ``return_std``) and the
+        standard errors of the sampled orthant probabilities (0 where exact)."""
+        coupling = self._coupling(offsets, coords, lam)
         n_bags = offsets.shape[0] - 1
         sizes = np.diff(offsets)
         independent = coupling.edge_count == 0
         log_p0 = segment_sum(log_ndtr(-mean / np.sqrt(1.0 + var)), offsets)
         std = np.zeros(n_bags) if return_std else None
-        self.orthant_std_error_ = np.zeros(n_bags)
+        orthant_error = np.zeros(n_bags)
         rng = np.random.default_rng(self.random_state)
         if return_std and np.any(independent):
             std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
@@ -104,14 +118,14 @@ class _ProbitGPMIL(SparseGPMILBase):
             if exact:
                 Sigma = coupling.bag_covariance(b)
                 cov = self._noise_covariance(Sigma) + Sigma @ np.diag(var[rows]) @ Sigma
-                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov)
+                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov, rng)
             if return_std or not exact:
                 log_p, std_error, spread = self._sampled_log_p0(mean[rows], var[rows], coupling, b, coords[rows], rng)
                 if not exact:
-                    log_p0[b], self.orthant_std_error_[b] = log_p, std_error
+                    log_p0[b], orthant_error[b] = log_p, std_error
                 if return_std:
                     std[b] = spread
-        return -np.expm1(log_p0), std
+        return -np.expm1(log_p0), std, orthant_error
 
     def _noise_covariance(self, Sigma: np.ndarray) -> np.ndarray:
         """``Cov(m_b | f_b)`` of a coupled bag: ``Σ_b`` in the paper's form (Eq. 12)."""
@@ -122,7 +136,7 @@ class _ProbitGPMIL(SparseGPMILBase):
     ) -> tuple[float, float, float]:
         """``log P(m_b < 0)``, its standard error and its spread over ``f*`` for one coupled bag
         (GHK, :func:`~mil_core.orthant.orthant_probability_importance`)."""
-        bag_coupling = self._coupling(np.array([0, mean.shape[0]]), coords)
+        bag_coupling = self._coupling(np.array([0, mean.shape[0]]), coords, coupling.lam)
         estimate = orthant_probability_importance(mean, var, bag_coupling, n_draws=self.n_mc_samples, rng=rng)
         return estimate.log_p, estimate.std_error, estimate.spread
 
@@ -138,7 +152,7 @@ class _ProbitGPMIL(SparseGPMILBase):
             draws = []
             for start in range(0, L, chunk):
                 k = min(chunk, L - start)
-                f = mean[rows, None] + np.sqrt(var[rows, None]) * rng.standard_normal((offsets[b + 1] - offsets[b], k))
+                f = sample_latent(mean[rows], var[rows], k, rng)
                 draws.append(-np.expm1(np.sum(log_ndtr(-f), axis=0)))
             values.append(np.concatenate(draws).std())
         return np.asarray(values)
@@ -281,14 +295,8 @@ class VGPMILPRI(_ProbitGPMIL):
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates | IsingLamUpdates:
         return ising_lam_updates(self, super()._make_updates(gp))
 
-    def _bag_proba_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None) -> np.ndarray:
-        if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
-            self.lam_, glob = glob.lam, glob.q
-        return super()._bag_proba_from_state(gp, glob, X_sorted, offsets, coords)
-
-    def _coupling(self, offsets: np.ndarray, coords: np.ndarray | None) -> CARCoupling:
-        lam = self.lam_ if self.learn_lam and hasattr(self, "lam_") else self._lam()
-        return CARCoupling.from_coords(coords, offsets, 0.0 if coords is None else lam, self._neighbourhood())
+    def _fitted_lam(self) -> float:
+        return self.lam_ if self.learn_lam and hasattr(self, "lam_") else self._lam()
 
     def _finish_fit(self, trace: Any, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
@@ -335,7 +343,7 @@ class VGPMILPRI(_ProbitGPMIL):
         if bag_ids is None or coords is None:
             raise ValueError("instance predictions in bag context need both bag_ids and coords")
         X, bags = self._check_predict_input(X, bag_ids)
-        coupling = self._coupling(bags.offsets, check_coords(coords, bags))
+        coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
         mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
         noise = np.ones_like(mean) if self.coupling_form == "smoother" else coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
         smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples,

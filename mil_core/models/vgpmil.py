@@ -24,9 +24,10 @@ from scipy.special import expit
 from sklearn.utils import check_random_state
 
 from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expected_max_of_others, log_prob_all_negative
-from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, WhitenedBlock, gaussian_update
+from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
+from ..predictive import probit_scale, sample_latent
 from .base import SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
 
@@ -133,7 +134,7 @@ class _LogisticGPMIL(SparseGPMILBase):
         if isinstance(glob, HyperState):
             gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return bag_score(expit(_probit_scale(mean, var)), offsets, self.bag_rule)
+        return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule)
 
     def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
@@ -146,10 +147,9 @@ class _LogisticGPMIL(SparseGPMILBase):
         """Yield (row slice, samples (rows, L)) of f* ~ N(mean, var), in chunks of ≤ 2²² draws."""
         L = self.n_mc_samples
         chunk = max(1, (1 << 22) // L)
-        sd = np.sqrt(var)
         for start in range(0, mean.shape[0], chunk):
             rows = slice(start, start + chunk)
-            yield rows, mean[rows, None] + sd[rows, None] * rng.standard_normal((mean[rows].shape[0], L))
+            yield rows, sample_latent(mean[rows], var[rows], L, rng)
 
     def predict_instance_proba(
         self, X: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "mc"
@@ -165,7 +165,7 @@ class _LogisticGPMIL(SparseGPMILBase):
         need_mc = method == "mc" or return_std
         if method not in ("mc", "probit"):
             raise ValueError(f"method must be 'mc' or 'probit', got {method!r}")
-        p = expit(_probit_scale(mean, var))
+        p = expit(probit_scale(mean, var))
         sd = np.zeros_like(p)
         if need_mc:
             rng = check_random_state(self.random_state)
@@ -231,11 +231,6 @@ def _rule_draws(rule: str, chunks, n: int) -> np.ndarray:
     if rule == "mean":
         return acc / n
     return acc if rule == "max" else acc.mean(axis=0)
-
-
-def _probit_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
-    """``μ / sqrt(1 + πσ²/8)``: E[σ(f)] ≈ σ(that) for f ~ N(μ, σ²) (the probit approximation)."""
-    return mean / np.sqrt(1.0 + np.pi * var / 8.0)
 
 
 _COMMON_PARAMS = """

@@ -28,9 +28,11 @@ from scipy.special import expit
 from sklearn.utils import check_random_state
 
 from .._backend import array_namespace, to_numpy
+from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import HyperbolicSecant
+from ..predictive import probit_scale, sample_latent
 from .base import SparseGPMILBase, store_params
 
 __all__ = ["BagEvidence", "EvidenceStats", "VWSGPUpdates", "VWSGP"]
@@ -41,11 +43,11 @@ _JAAKKOLA = HyperbolicSecant()  # θ(ξ) = tanh(ξ/2)/(2ξ) = 2λ(ξ); log ψ(ξ
 def _bag_sums(values: Any, offsets: np.ndarray) -> np.ndarray:
     """Per-bag sums of the rows of ``values`` as host float64.
 
-    NumPy: ``np.add.reduceat`` (each bag summed on its own, so a bag's sum does not depend on
-    the block it is in). Other namespaces: differences of a cumulative sum.
+    NumPy: :func:`~mil_core.bags.segment_sum` (each bag summed on its own, so a bag's sum does
+    not depend on the block it is in). Other namespaces: differences of a cumulative sum.
     """
     if isinstance(values, np.ndarray):
-        return np.add.reduceat(values, offsets[:-1], axis=0)
+        return segment_sum(values, offsets)
     xp = array_namespace(values)
     cumulative = xp.cumsum(values, axis=0)
     zero = xp.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype)
@@ -189,11 +191,11 @@ class VWSGP(SparseGPMILBase):
         """Bag-evidence mean and variance under the paper's diagonal predictive
         ``N(f* | A*m, diag(Λ* + A*SA*ᵀ))``: ``Σ μₙ`` and ``Σ σₙ²``."""
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return np.add.reduceat(mean, offsets[:-1]), np.add.reduceat(var, offsets[:-1])
+        return segment_sum(mean, offsets), segment_sum(var, offsets)
 
     def _bag_proba_from_state(self, gp: SparseGP, glob: GaussianQ, X_sorted: Any, offsets: np.ndarray) -> np.ndarray:
         mean, var = self._evidence_moments(gp, glob, X_sorted, offsets)
-        return expit(mean / np.sqrt(1.0 + np.pi * var / 8.0))
+        return expit(probit_scale(mean, var))
 
     def predict_instance_evidence(self, X: Any, *, return_std: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Each instance's evidence ``E f*ₙ = a*ₙᵀm`` (its mean contribution to the bag logit),
@@ -221,11 +223,11 @@ class VWSGP(SparseGPMILBase):
             raise ValueError(f"method must be 'mc' or 'probit', got {method!r}")
         X, bags = self._check_predict_input(X, bag_ids)
         mean, var = self._evidence_moments(self.gp_, self.q_, X[bags.order], bags.offsets)
-        p = expit(mean / np.sqrt(1.0 + np.pi * var / 8.0))
+        p = expit(probit_scale(mean, var))
         if method == "probit" and not return_std:
             return bags.keys, p
         rng = check_random_state(self.random_state)
-        samples = expit(mean[:, None] + np.sqrt(var)[:, None] * rng.standard_normal((mean.shape[0], self.n_mc_samples)))
+        samples = expit(sample_latent(mean, var, self.n_mc_samples, rng))
         if method == "mc":
             p = samples.mean(axis=1)
         return (bags.keys, p, samples.std(axis=1)) if return_std else (bags.keys, p)

@@ -1,4 +1,5 @@
-"""Head CT: DICOM series → slices in spatial order → Hounsfield units → three windows.
+"""Head CT: DICOM series → slices in spatial order → Hounsfield units → three windows;
+:func:`ingest_ct` ingests every series under a folder.
 
 - Files are grouped by ``SeriesInstanceUID`` (headers only, ``stop_before_pixels``) and ordered by
   the position of ``ImagePositionPatient`` along the slice normal (the cross product of the two
@@ -13,19 +14,25 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from tasks.ingest.errors import IngestError, UnreadableFileError
+from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
+from tasks.ingest.errors import IngestError, InvalidSeriesError, MissingLabelError, UnreadableFileError
+from tasks.store import UNKNOWN_LABEL, CohortSpec
 
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
-_HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
-                "InstanceNumber", "Modality"]
+_HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
+                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept"]
+GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
+POSITION_TOL_MM = 1e-3
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,8 @@ def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[
     """Read the headers of ``paths``, group them into series and order each series.
 
     Returns the series (sorted by UID) and an error for every file that is not a readable DICOM
-    image with a SeriesInstanceUID.
+    image with a SeriesInstanceUID and for every series :func:`check_series` refuses (or that
+    shares its folder with another series of its study).
     """
     import pydicom
 
@@ -95,22 +103,98 @@ def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[
     for series_uid in sorted(groups):
         members = groups[series_uid]
         order = order_slices([header for _, _, header in members])
-        series.append(CTSeries(series_uid, tuple(members[i][0] for i in order), tuple(members[i][1] for i in order)))
-    return series, errors
+        members = [members[i] for i in order]
+        problem = check_series(series_uid, [path for path, _, _ in members], [header for _, _, header in members])
+        if problem is not None:
+            errors.append(problem)
+            continue
+        series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members)))
+    return _reject_mixed_folders(series, groups, errors)
+
+
+def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSeriesError | None:
+    """Why a series (files and headers in spatial order) cannot be one CT bag, or None.
+
+    Refused: a Modality other than CT; a slice without RescaleSlope/RescaleIntercept (HU would be
+    off by the intercept, typically 1024); two slices at the same position; a gap along the slice
+    normal of more than :data:`GAP_FACTOR` × the median spacing (a missing or unreadable slice);
+    without positions, InstanceNumbers that repeat or skip.
+    """
+    folder = str(Path(files[0]).parent)
+
+    def refuse(reason: str) -> InvalidSeriesError:
+        return InvalidSeriesError(f"series of {len(files)} slices: {reason}", path=folder, bag_id=series_uid)
+
+    for path, header in zip(files, headers):
+        modality = header.get("Modality")
+        if modality is not None and str(modality).upper() != "CT":
+            return refuse(f"Modality {str(modality)!r}, not CT ({Path(path).name})")
+        for tag in ("RescaleSlope", "RescaleIntercept"):
+            try:
+                float(header[tag].value)
+            except (KeyError, TypeError, ValueError):
+                return refuse(f"no usable {tag} in {Path(path).name}: Hounsfield units cannot be computed")
+    positions = [_slice_position(h) for h in headers]
+    if all(p is not None for p in positions) and len(positions) > 1:
+        z = np.asarray(positions)
+        steps = np.diff(z)
+        if (same := np.flatnonzero(steps <= POSITION_TOL_MM)).size:
+            k = int(same[0])
+            return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are at the same position "
+                          f"({z[k]:.2f} mm along the slice normal)")
+        median = float(np.median(steps))
+        if (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
+            k = int(gaps[0])
+            return refuse(f"gap of {steps[k]:.2f} mm between slices {Path(files[k]).name} and {Path(files[k + 1]).name} "
+                          f"(median spacing {median:.2f} mm): a slice is missing or unreadable")
+    elif len(headers) > 1:
+        numbers = sorted(int(h.get("InstanceNumber", 0) or 0) for h in headers)
+        if len(set(numbers)) != len(numbers) or numbers[-1] - numbers[0] != len(numbers) - 1:
+            return refuse(f"no slice positions and InstanceNumbers {numbers[:8]}{'…' if len(numbers) > 8 else ''} "
+                          "repeat or skip: the slice order or completeness cannot be checked")
+    return None
+
+
+def _reject_mixed_folders(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
+                          ) -> tuple[list[CTSeries], list[IngestError]]:
+    """Series of one study that share a folder are two reconstructions (or a copy mistake) of
+    one scan: refused, all of them, rather than ingested as separate bags of the same patient.
+    Folders holding series of different studies (the flat RSNA layout) are fine."""
+    by_folder_study: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for uid, members in groups.items():
+        for path, _, header in members:
+            key = (str(Path(path).parent), str(header.get("StudyInstanceUID", "")))
+            if uid not in by_folder_study[key]:
+                by_folder_study[key].append(uid)
+    mixed = {uid: (folder, uids) for (folder, study), uids in by_folder_study.items() if len(uids) > 1 for uid in uids}
+    kept = []
+    for s in series:
+        if s.series_uid in mixed:
+            folder, uids = mixed[s.series_uid]
+            errors.append(InvalidSeriesError(f"folder holds {len(uids)} series of one study ({', '.join(sorted(uids))}); "
+                                             "one series per scan expected: move or remove the extra series",
+                                             path=folder, bag_id=s.series_uid))
+        else:
+            kept.append(s)
+    return kept, errors
 
 
 def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]:
     """:func:`scan_dicom_files` over every file under ``root`` (any extension; CSVs and hidden files skipped)."""
-    files = [p for p in Path(root).rglob("*")
-             if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".csv", ".json", ".png")]
-    return scan_dicom_files(files)
+    from tasks.ingest.labels import split_undecodable
+
+    files, undecodable = split_undecodable(
+        p for p in Path(root).rglob("*")
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".csv", ".json", ".png"))
+    series, errors = scan_dicom_files(files)
+    return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
 
 def read_rsna_labels(path: str | Path) -> dict[str, int]:
     """SOPInstanceUID → 0/1 from an RSNA-style CSV (``ID_<SOPInstanceUID>_any, Label``; other subtypes ignored)."""
-    import pandas as pd
+    from tasks.ingest.labels import read_labels_csv
 
-    table = pd.read_csv(path, dtype={"ID": str})
+    table = read_labels_csv(path, dtype={"ID": str})
     if not {"ID", "Label"} <= set(table.columns):
         raise IngestError(f"labels CSV needs columns ID, Label; has {list(table.columns)}", path=str(path))
     rows = table[table["ID"].str.endswith("_any")]
@@ -143,3 +227,52 @@ def ct_bag_writer(item, writer, *, extractor, batch_size: int = 32) -> None:
         stop = min(start + batch_size, len(files))
         windows = load_windowed_slices(files[start:stop])
         writer.write(extractor(windows), np.arange(start, stop)[:, None], labels[start:stop])
+
+
+# ----------------------------------------------------------------------------- the entry point
+def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
+              extractor=None, batch_size: int = 32, name: str | None = None, client: Any = None,
+              max_workers: int = 1, report_path: str | Path | None = None, on_progress=None) -> IngestReport:
+    """Ingest every DICOM CT series under ``dicom_root`` (bag id = SeriesInstanceUID).
+
+    With an RSNA-style ``labels_csv``, slice labels come from its ``_any`` rows and the bag label is
+    1 if any slice is positive, 0 if all slices are labelled negative; a series with unlabelled
+    slices and no positive one is skipped (:class:`MissingLabelError`).
+    """
+    plan = plan_ct(store, dicom_root, labels_csv=labels_csv, extractor=extractor, batch_size=batch_size, name=name)
+    return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
+                      max_workers=max_workers, report_path=report_path, on_progress=on_progress)
+
+
+def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
+            extractor=None, batch_size: int = 32, name: str | None = None) -> IngestPlan:
+    """The plan of :func:`ingest_ct` (finds the series, reads the slice labels)."""
+    from tasks.ingest.features import HandcraftedCT, extractor_spec
+
+    extractor = extractor or HandcraftedCT()
+    series, errors = scan_dicom_dir(dicom_root)
+    skipped = [Skipped.from_error(error) for error in errors]
+    slice_labels = None if labels_csv is None else read_rsna_labels(labels_csv)
+    items = []
+    for s in series:
+        source = str(Path(s.files[0]).parent)
+        if slice_labels is None:
+            items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
+                                    {"files": list(s.files), "instance_labels": [UNKNOWN_LABEL] * len(s.files)}))
+            continue
+        instance = np.array([slice_labels.get(uid, UNKNOWN_LABEL) for uid in s.sop_uids])
+        if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
+            skipped.append(Skipped.from_error(MissingLabelError("slice labels must be 0 or 1", path=source,
+                                                                bag_id=s.series_uid)))
+            continue
+        if not (instance == 1).any() and (instance == UNKNOWN_LABEL).any():
+            skipped.append(Skipped.from_error(MissingLabelError(
+                f"{int((instance == UNKNOWN_LABEL).sum())} of {len(instance)} slices have no label in "
+                f"{labels_csv} and none is positive", path=source, bag_id=s.series_uid)))
+            continue
+        items.append(IngestItem(s.series_uid, source, int((instance == 1).any()),
+                                {"files": list(s.files), "instance_labels": instance.tolist()}))
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=1,
+                      coords_meaning="slice_index", feature_extractor=extractor_spec(extractor),
+                      tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]})
+    return IngestPlan(spec, items, skipped, functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size))

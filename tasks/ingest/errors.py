@@ -44,3 +44,8 @@ class StoreMismatchError(IngestError):
 
 class NonFiniteFeaturesError(IngestError):
     """NaN or ±inf features (also values beyond float32's range, which the store keeps)."""
+
+
+class InvalidSeriesError(IngestError):
+    """A DICOM series that is not one complete CT scan (modality, rescale tags, missing or
+    duplicate slices, mixed series)."""

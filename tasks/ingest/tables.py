@@ -1,26 +1,26 @@
-"""Feature tables users already have.
+"""Feature tables users already have: one table for the whole cohort (rows = instances).
 
-Two shapes of input:
-
-- **one table for the whole cohort** (rows = instances): the MIL CSV layout of the MUSK files
-  (bag label, bag id, features; no header), Parquet, NumPy ``.npz``. Read with
-  :func:`read_mil_csv` / :func:`read_parquet_table` / :func:`read_npz_table` into a
-  :class:`FeatureTable`; ``tasks.ingest.cohort.ingest_table`` appends it bag by bag.
-- **one file per bag**: CLAM/TRIDENT ``<slide_id>.h5`` (datasets ``features`` (N, D) or (1, N, D)
-  and ``coords`` (N, 2)) with a labels CSV, and torchmil-style per-bag ``.npy`` folders
-  (``features/<bag>.npy``, ``labels/<bag>.npy``, optionally ``inst_labels/`` and ``coords/``).
-  These go through the parallel, resumable ingest driver with the workers below, which copy a
-  file into the store ``batch_rows`` rows at a time.
+The MIL CSV layout of the MUSK files (bag label, bag id, features; no header), Parquet, NumPy
+``.npz``. Read with :func:`read_mil_csv` / :func:`read_parquet_table` / :func:`read_npz_table` into
+a :class:`FeatureTable`; :func:`ingest_table` appends it to a store bag by bag. (One file per bag:
+:mod:`tasks.ingest.h5` for CLAM/TRIDENT, :mod:`tasks.ingest.npy` for torchmil folders.)
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
+from tasks.ingest.driver import IngestReport, Skipped, default_report_path
+from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError, NonFiniteFeaturesError, UnreadableFileError
+from tasks.lease import writer_lease
+from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
+                         finite_rows, open_or_create_cohort, repair)
 
 
 @dataclass(frozen=True)
@@ -115,75 +115,83 @@ def read_npz_table(path: str | Path) -> FeatureTable:
                         instance_labels=arrays.get("instance_labels"))
 
 
-# ------------------------------------------------------------------------------ per-bag files
-def _h5_features(handle, path: str):
-    if "features" not in handle:
-        raise UnreadableFileError("h5 file has no 'features' dataset", path=path)
-    features = handle["features"]
-    if features.ndim == 3 and features.shape[0] == 1:  # TRIDENT/CLAM batch dimension
-        return features, True
-    if features.ndim != 2:
-        raise FeatureDimensionError(f"'features' has shape {features.shape}; expected (N, D)", path=path)
-    return features, False
+def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,
+                 report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
+    """Append a :class:`tasks.ingest.tables.FeatureTable` to a store, bag by bag.
 
-
-def h5_feature_dim(path: str | Path) -> int:
-    """Feature dimension D of a CLAM/TRIDENT ``.h5`` file."""
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as handle:
-            return int(_h5_features(handle, str(path))[0].shape[-1])
-    except IngestError:
-        raise
-    except Exception as error:
-        raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=str(path)) from error
-
-
-def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
-    """Ingest worker: copy ``features`` and ``coords`` (zeros if absent) of one ``.h5`` file."""
-    import h5py
-
-    try:
-        with h5py.File(item.source, "r") as handle:
-            features, batched = _h5_features(handle, item.source)
-            n = features.shape[-2]
-            coords = handle["coords"] if "coords" in handle else None
-            if coords is not None and coords.shape[0] != n:
-                raise FeatureDimensionError(f"{coords.shape[0]} coords for {n} feature rows", path=item.source)
-            for start in range(0, n, batch_rows):
-                rows = slice(start, min(n, start + batch_rows))
-                block = features[0, rows] if batched else features[rows]
-                xy = np.zeros((len(block), 2), dtype=np.int64) if coords is None else np.asarray(coords[rows]).reshape(len(block), -1)
-                writer.write(np.asarray(block, dtype=np.float32), xy, np.full(len(block), -1, dtype=np.int8))
-    except IngestError:
-        raise
-    except Exception as error:
-        raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=item.source) from error
-
-
-def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
-    """Ingest worker for torchmil-style per-bag ``.npy`` files (``item.payload`` holds their paths).
-
-    ``payload``: ``features`` (path, (N, D)), and optionally ``inst_labels`` ((N,)) and
-    ``coords`` ((N, k)); features are memory-mapped and copied ``batch_rows`` rows at a time.
+    Bags keep the order of their first row. A bag whose rows disagree on the bag label, or whose
+    label is not 0/1/-1, is skipped (:class:`MissingLabelError`); bags already in the store from the
+    same file are skipped as done, from another file as duplicates. A feature dimension that differs
+    from an existing store's raises (it concerns the whole file). A bag with NaN/inf features is
+    skipped naming the file rows (``nonfinite="reject"``) or loses those rows, counted in the
+    report (``"drop"``). Holds the store's writer lease (:mod:`tasks.lease`).
     """
-    paths = item.payload
-    try:
-        features = np.load(paths["features"], mmap_mode="r")
-        inst = np.load(paths["inst_labels"]) if paths.get("inst_labels") else None
-        coords = np.load(paths["coords"]) if paths.get("coords") else None
-    except Exception as error:
-        raise UnreadableFileError(f"cannot read .npy: {type(error).__name__}: {error}", path=item.source) from error
-    if features.ndim != 2:
-        raise FeatureDimensionError(f"features of shape {features.shape}; expected (N, D)", path=item.source)
-    n = features.shape[0]
-    for name, array in (("inst_labels", inst), ("coords", coords)):
-        if array is not None and array.shape[0] != n:
-            raise FeatureDimensionError(f"{name} has {array.shape[0]} rows for {n} instances", path=paths[name])
-    for start in range(0, n, batch_rows):
-        rows = slice(start, min(n, start + batch_rows))
-        count = rows.stop - rows.start
-        writer.write(np.asarray(features[rows], dtype=np.float32),
-                     np.arange(rows.start, rows.stop)[:, None] if coords is None else coords[rows].reshape(count, -1),
-                     np.full(count, -1, dtype=np.int8) if inst is None else np.asarray(inst[rows]).astype(np.int8))
+    import pandas as pd
+
+    with writer_lease(store, f"ingest of the feature table {table.source}"):
+        started = time.perf_counter()
+        X, n = table.X, table.X.shape[0]
+        coords = None if table.coords is None else np.asarray(table.coords).reshape(n, -1)
+        spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(X.shape[1]),
+                          coords_dim=1 if coords is None else coords.shape[1],
+                          coords_meaning="instance_index" if coords is None else "given", chunk_rows=chunk_rows)
+        try:
+            root = open_or_create_cohort(store, spec)
+        except IngestError as error:
+            raise type(error)(f"{error.reason}; store {store}", path=table.source) from error
+        repair(root)
+        n_committed = committed_bag_count(root)
+        committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
+        codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
+        order = np.argsort(codes, kind="stable")
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
+        skipped, done, added, rows_added = [], [], [], 0
+        dropped: dict[str, int] = {}
+
+        def bags() -> Iterator[BagData]:
+            nonlocal rows_added
+            for b, bag_id in enumerate(map(str, ids)):
+                rows = order[offsets[b]:offsets[b + 1]]
+                rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+                if bag_id in committed:
+                    if committed[bag_id] == table.source:
+                        done.append(bag_id)
+                    else:
+                        skipped.append(Skipped.from_error(DuplicateIdError(
+                            f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
+                    continue
+                labels = np.unique(np.asarray(table.labels[rows]))
+                if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
+                    skipped.append(Skipped.from_error(MissingLabelError(
+                        f"bag label must be one of 0, 1, -1 and equal on all rows; got {labels.tolist()}",
+                        path=table.source, bag_id=bag_id)))
+                    continue
+                features = np.asarray(X[rows])
+                instance_coords = np.arange(len(features))[:, None] if coords is None else coords[rows]
+                instance_labels = (np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
+                                   else np.asarray(table.instance_labels[rows]))
+                with np.errstate(over="ignore"):  # float32 overflow is reported as infinite
+                    stored = features.astype(FEATURE_DTYPE)
+                try:
+                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows])
+                except NonFiniteFeaturesError as error:
+                    skipped.append(Skipped.from_error(error))
+                    continue
+                if keep is not None:
+                    if not keep.any():
+                        skipped.append(Skipped.from_error(NonFiniteFeaturesError(
+                            f"all {len(keep)} instances have NaN or infinite features", path=table.source, bag_id=bag_id)))
+                        continue
+                    dropped[bag_id] = int((~keep).sum())
+                    features, instance_coords, instance_labels = features[keep], instance_coords[keep], instance_labels[keep]
+                added.append(bag_id)
+                rows_added += len(features)
+                yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
+                              coords=instance_coords, instance_labels=instance_labels)
+
+        append_bags(root, bags())
+        report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),
+                              n_instances_added=rows_added, seconds=time.perf_counter() - started,
+                              report_path=str(report_path or default_report_path(store)), dropped_nonfinite=dropped)
+        Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
+        return report

@@ -1,4 +1,5 @@
-"""Whole-slide images: open a tiled pyramidal TIFF, find tissue, lay a tile grid, read tile batches.
+"""Whole-slide images: open a tiled pyramidal TIFF, find tissue, lay a tile grid, read tile batches;
+:func:`ingest_slides` tiles a folder of slides into a store.
 
 Slides are read with ``tifffile`` through its Zarr view of each pyramid level, so a tile read decodes
 only the TIFF tiles it overlaps; memory holds one batch of tiles and the low-resolution mask, never
@@ -13,17 +14,23 @@ its area is tissue; its coordinates are the (row, col) of the tile grid at the t
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError, UnreadableFileError
+from tasks.ingest.labels import labelled_items, read_panda_labels, split_undecodable
 from tasks.paths import bag_file
+from tasks.store import CohortSpec, _open_root
+
+SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".btf")
 
 
 @dataclass(frozen=True)
@@ -260,3 +267,106 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
             write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid)
         for tiles, coords in iter_tile_batches(slide, grid, batch_size):
             writer.write(extractor(tiles), coords, np.full(len(coords), -1, dtype=np.int8))
+
+
+# ----------------------------------------------------------------------------- the entry point
+def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
+                  labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
+                  qc_dir: str | Path | None = None, name: str | None = None, client: Any = None,
+                  max_workers: int = 1, fit_tiles: int = 512, seed: int = 0, extractor_from: str | Path | None = None,
+                  report_path: str | Path | None = None, on_progress=None) -> IngestReport:
+    """Tile slides (a folder or a list; bag id = file stem = PANDA ``image_id``) into the store.
+
+    ``params`` is a :class:`TilingParams`; ``extractor`` defaults to
+    :class:`tasks.ingest.features.HandcraftedHE`. An extractor that needs fitting is fitted once on
+    up to ``fit_tiles`` tiles sampled from the first slides, or, when the store exists, taken from
+    the store's recorded parameters (so a resumed or extended ingest uses the same features). A new
+    store takes them from the store ``extractor_from`` if given: a new cohort gets the features of
+    the cohort a model was trained on.
+    """
+    plan = plan_slides(store, slides, labels_csv=labels_csv, params=params, extractor=extractor,
+                       batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed,
+                       extractor_from=extractor_from)
+    return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
+                      max_workers=max_workers, report_path=report_path, on_progress=on_progress)
+
+
+def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
+                labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
+                qc_dir: str | Path | None = None, name: str | None = None, fit_tiles: int = 512,
+                seed: int = 0, extractor_from: str | Path | None = None) -> IngestPlan:
+    """The plan of :func:`ingest_slides` (lists slides, reads labels, fits the extractor)."""
+    from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
+
+    params = params or TilingParams()
+    extractor = extractor or HandcraftedHE()
+    listed = isinstance(slides, (str, Path))
+    paths = (sorted(p for p in Path(slides).iterdir() if p.suffix.lower() in SLIDE_SUFFIXES)
+             if listed else [Path(s) for s in slides])
+    paths, skipped = split_undecodable(paths)
+    paths, ambiguous = _unique_stems(paths)
+    labels = None if labels_csv is None else read_panda_labels(labels_csv)
+    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels,
+                                       None if labels_csv is None else str(labels_csv))
+    skipped += ambiguous + unlabelled
+    if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
+        present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
+        skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
+                            reason=f"listed in {labels_csv} but no slide file {bag_id}.* in {slides}")
+                    for bag_id in labels if bag_id not in present]
+    if needs_fit(extractor):
+        recorded = _recorded_extractor(store, extractor_from)
+        if recorded is not None and recorded.get("name") == extractor.name:
+            extractor = extractor_from_spec(recorded)
+        else:
+            extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=2,
+                      coords_meaning="tile_row,tile_col", feature_extractor=extractor_spec(extractor),
+                      tiling=params.as_attrs())
+    writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
+                               qc_dir=None if qc_dir is None else str(qc_dir))
+    return IngestPlan(spec, items, skipped, writer)
+
+
+def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
+    """Slides whose stem (the bag id) names one file only; ``x.tif`` beside ``x.tiff`` is
+    ambiguous: both are skipped, never one of them picked silently."""
+    by_stem: dict[str, list[Path]] = {}
+    for path in paths:
+        by_stem.setdefault(path.stem, []).append(path)
+    unique = [p for p in paths if len(by_stem[p.stem]) == 1]
+    ambiguous = [Skipped(path=str(group[0].parent), bag_id=stem, error="DuplicateIdError",
+                         reason=f"{len(group)} files for one slide id: {', '.join(p.name for p in group)}; keep one")
+                 for stem, group in by_stem.items() if len(group) > 1]
+    return unique, ambiguous
+
+
+def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> dict[str, Any] | None:
+    """The extractor spec recorded in ``store`` if it exists, else in ``extractor_from`` if given."""
+    if (Path(store) / "zarr.json").exists():
+        return _open_root(store, "r").attrs["feature_extractor"]
+    if extractor_from is None:
+        return None
+    if not (Path(extractor_from) / "zarr.json").exists():
+        raise IngestError("no cohort store to take the feature extractor from", path=str(extractor_from))
+    return _open_root(extractor_from, "r").attrs["feature_extractor"]
+
+
+def _fit_sample(items: Sequence[IngestItem], params: TilingParams, n_tiles: int, seed: int) -> np.ndarray:
+    """Up to ``n_tiles`` tiles from the first (at most 8) readable slides with tissue."""
+    rng = np.random.default_rng(seed)
+    per_slide = -(-n_tiles // min(8, max(len(items), 1)))
+    tiles, used = [], 0
+    for item in items:
+        try:
+            sample = sample_tiles(item.source, params, per_slide, rng)
+        except IngestError:
+            continue  # the worker reports it
+        if len(sample):
+            tiles.append(sample)
+            used += 1
+        if used == 8 or sum(map(len, tiles)) >= n_tiles:
+            break
+    if not tiles:
+        raise IngestError("no readable slide with tissue to fit the feature extractor on")
+    return np.concatenate(tiles)[:n_tiles]

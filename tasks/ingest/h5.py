@@ -1,0 +1,101 @@
+"""CLAM/TRIDENT per-slide feature files: ``<slide_id>.h5`` with datasets ``features`` (N, D) or
+(1, N, D) and ``coords`` (N, 2), the level-0 pixel (x, y) of each patch's top-left corner.
+
+Each file is one bag (bag id = file stem), labelled from a labels CSV; the workers copy a file into
+the store ``batch_rows`` rows at a time through the parallel, resumable ingest driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest
+from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
+from tasks.ingest.labels import binary, label_lookup, labelled_items, read_labels_csv
+from tasks.store import CohortSpec
+
+
+def _h5_features(handle, path: str):
+    if "features" not in handle:
+        raise UnreadableFileError("h5 file has no 'features' dataset", path=path)
+    features = handle["features"]
+    if features.ndim == 3 and features.shape[0] == 1:  # TRIDENT/CLAM batch dimension
+        return features, True
+    if features.ndim != 2:
+        raise FeatureDimensionError(f"'features' has shape {features.shape}; expected (N, D)", path=path)
+    return features, False
+
+
+def h5_feature_dim(path: str | Path) -> int:
+    """Feature dimension D of a CLAM/TRIDENT ``.h5`` file."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as handle:
+            return int(_h5_features(handle, str(path))[0].shape[-1])
+    except IngestError:
+        raise
+    except Exception as error:
+        raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=str(path)) from error
+
+
+def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
+    """Ingest worker: copy ``features`` and ``coords`` (zeros if absent) of one ``.h5`` file."""
+    import h5py
+
+    try:
+        with h5py.File(item.source, "r") as handle:
+            features, batched = _h5_features(handle, item.source)
+            n = features.shape[-2]
+            coords = handle["coords"] if "coords" in handle else None
+            if coords is not None and coords.shape[0] != n:
+                raise FeatureDimensionError(f"{coords.shape[0]} coords for {n} feature rows", path=item.source)
+            for start in range(0, n, batch_rows):
+                rows = slice(start, min(n, start + batch_rows))
+                block = features[0, rows] if batched else features[rows]
+                xy = np.zeros((len(block), 2), dtype=np.int64) if coords is None else np.asarray(coords[rows]).reshape(len(block), -1)
+                writer.write(np.asarray(block, dtype=np.float32), xy, np.full(len(block), -1, dtype=np.int8))
+    except IngestError:
+        raise
+    except Exception as error:
+        raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=item.source) from error
+
+
+def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Path], labels_csv: str | Path | None,
+                       *, id_column: str = "slide_id", label_column: str = "label",
+                       positive: Sequence[Any] | None = None, name: str | None = None, client: Any = None,
+                       max_workers: int = 1, report_path: str | Path | None = None) -> IngestReport:
+    """Ingest CLAM/TRIDENT per-slide ``.h5`` feature files (a folder or a list); bag id = file stem.
+
+    Labels: ``labels_csv`` with ``id_column`` and ``label_column``; the label is 1 for values in
+    ``positive`` (e.g. ``["tumor"]``) if given, else the column must hold 0/1. Without a CSV the
+    bags are unlabelled (-1).
+    """
+    paths = sorted(Path(files).glob("*.h5")) if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    labels = None
+    if labels_csv is not None:
+        positives = None if positive is None else {str(v) for v in positive}
+        label_of = (lambda row: binary(row[label_column])) if positives is None else (
+            lambda row: int(str(row[label_column]) in positives))
+        labels = label_lookup(read_labels_csv(labels_csv, dtype={id_column: str}), id_column, label_of, str(labels_csv))
+    items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
+                                     None if labels_csv is None else str(labels_csv))
+    n_features = existing_n_features(store)
+    for item in list(items):
+        if n_features is not None:
+            break
+        try:
+            n_features = h5_feature_dim(item.source)
+        except IngestError as error:
+            skipped.append(Skipped.from_error(error, item))
+            items.remove(item)
+    if n_features is None:
+        raise IngestError("no readable .h5 feature file", path=str(files))
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
+                      coords_meaning="x,y (level-0 pixels, as in the .h5)")
+    return run_ingest(store, spec, items, h5_bag_writer, skipped=skipped, client=client,
+                      max_workers=max_workers, report_path=report_path)

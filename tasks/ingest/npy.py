@@ -1,0 +1,85 @@
+"""torchmil-style per-bag ``.npy`` folders: ``features/<bag>.npy`` (N, D), ``labels/<bag>.npy`` (the
+bag label), optionally ``inst_labels/<bag>.npy`` (N,) and ``coords/<bag>.npy`` (N, k).
+
+Each feature file is one bag; the workers memory-map it and copy it into the store ``batch_rows``
+rows at a time through the parallel, resumable ingest driver.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest
+from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
+from tasks.ingest.labels import binary, labelled_items
+from tasks.store import CohortSpec
+
+
+def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
+    """Ingest worker for torchmil-style per-bag ``.npy`` files (``item.payload`` holds their paths).
+
+    ``payload``: ``features`` (path, (N, D)), and optionally ``inst_labels`` ((N,)) and
+    ``coords`` ((N, k)); features are memory-mapped and copied ``batch_rows`` rows at a time.
+    """
+    paths = item.payload
+    try:
+        features = np.load(paths["features"], mmap_mode="r")
+        inst = np.load(paths["inst_labels"]) if paths.get("inst_labels") else None
+        coords = np.load(paths["coords"]) if paths.get("coords") else None
+    except Exception as error:
+        raise UnreadableFileError(f"cannot read .npy: {type(error).__name__}: {error}", path=item.source) from error
+    if features.ndim != 2:
+        raise FeatureDimensionError(f"features of shape {features.shape}; expected (N, D)", path=item.source)
+    n = features.shape[0]
+    for name, array in (("inst_labels", inst), ("coords", coords)):
+        if array is not None and array.shape[0] != n:
+            raise FeatureDimensionError(f"{name} has {array.shape[0]} rows for {n} instances", path=paths[name])
+    for start in range(0, n, batch_rows):
+        rows = slice(start, min(n, start + batch_rows))
+        count = rows.stop - rows.start
+        writer.write(np.asarray(features[rows], dtype=np.float32),
+                     np.arange(rows.start, rows.stop)[:, None] if coords is None else coords[rows].reshape(count, -1),
+                     np.full(count, -1, dtype=np.int8) if inst is None else np.asarray(inst[rows]).astype(np.int8))
+
+
+def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir: str | Path | None = None,
+                     inst_labels_dir: str | Path | None = None, coords_dir: str | Path | None = None,
+                     name: str | None = None, client: Any = None, max_workers: int = 1,
+                     report_path: str | Path | None = None) -> IngestReport:
+    """Ingest torchmil-style per-bag ``.npy`` folders: ``features_dir/<bag>.npy`` (N, D),
+    ``labels_dir/<bag>.npy`` (the bag label), optional ``inst_labels_dir`` and ``coords_dir``."""
+    feature_files = sorted(Path(features_dir).glob("*.npy"))
+    labels: dict[str, int | Exception] | None = None
+    if labels_dir is not None:
+        labels = {}
+        for path in sorted(Path(labels_dir).glob("*.npy")):
+            try:
+                labels[path.stem] = binary(np.load(path).reshape(-1)[0])
+            except Exception as error:
+                labels[path.stem] = MissingLabelError(f"unusable label file: {error}", path=str(path), bag_id=path.stem)
+
+    def optional(folder: str | Path | None, stem: str) -> str | None:
+        path = None if folder is None else Path(folder) / f"{stem}.npy"
+        return str(path) if path is not None and path.exists() else None
+
+    candidates = [(p.stem, str(p), {"features": str(p), "inst_labels": optional(inst_labels_dir, p.stem),
+                                    "coords": optional(coords_dir, p.stem)}) for p in feature_files]
+    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir))
+    n_features, coords_dim = existing_n_features(store), None
+    for item in items:
+        try:
+            n_features = n_features or int(np.load(item.source, mmap_mode="r").shape[1])
+            if item.payload["coords"]:
+                coords_dim = int(np.prod(np.load(item.payload["coords"], mmap_mode="r").shape[1:]))
+            break
+        except Exception:  # reported by the worker
+            continue
+    if n_features is None:
+        raise IngestError("no readable feature file", path=str(features_dir))
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features,
+                      coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index")
+    return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
+                      max_workers=max_workers, report_path=report_path)

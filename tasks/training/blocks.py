@@ -1,0 +1,71 @@
+"""Partitions of a cohort store read as engine blocks: feature standardisation, the labelled and
+non-held-out bags, instance coordinates, and placement on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mil_core import persist
+from mil_core.engine import BagBlock
+from mil_core.models.base import SparseGPMILBase, take_bags
+from tasks.store import Partition, open_cohort
+
+DEFAULT_PARTITION_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class FeatureScaling:
+    """Per-feature standardisation ``(x − mean) / scale`` learnt on a training cohort and applied
+    to every cohort the model sees (handcrafted features differ in scale by orders of magnitude;
+    an isotropic RBF kernel needs them comparable)."""
+
+    mean: np.ndarray
+    scale: np.ndarray
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        return (X - self.mean) / self.scale
+
+
+persist.allow_types(FeatureScaling)  # saved with models and checkpoints
+
+
+def read_features(stored: Any, scaling: FeatureScaling | None) -> np.ndarray:
+    X = np.asarray(stored.features, dtype=np.float64)
+    return X if scaling is None else scaling(X)
+
+
+
+def load_block(path: str, partition: Partition, device: str, exclude_bags: np.ndarray | None = None,
+               with_coords: bool = False, scaling: FeatureScaling | None = None) -> BagBlock:
+    """The labelled bags of ``partition`` as an engine block (float64; on the GPU for ``device="gpu"``).
+
+    Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
+    hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
+    graph); ``scaling`` standardises the features.
+    """
+    stored = open_cohort(path).read_partition(partition)
+    labels = np.asarray(stored.bag_labels)
+    keep = labels >= 0
+    if exclude_bags is not None and exclude_bags.size:
+        keep &= ~np.isin(np.arange(partition.bag_start, partition.bag_stop), exclude_bags)
+    kept = np.flatnonzero(keep)
+    offsets = np.asarray(stored.offsets)
+    X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
+    coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
+    return BagBlock(X=to_device(X, device), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
+
+
+def uses_coords(model: SparseGPMILBase) -> bool:
+    """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
+    return type(model)._check_coords is not SparseGPMILBase._check_coords
+
+
+def to_device(X: np.ndarray, device: str) -> Any:
+    if device == "gpu":
+        import cupy
+
+        return cupy.asarray(X)
+    return X

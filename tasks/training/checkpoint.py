@@ -1,0 +1,102 @@
+"""Checkpoints of a distributed fit in ``<store>/training/<run>/``: the fitted estimator and
+feature scaling, every partition's local state, q and the objective trace.
+
+The only module that serialises training state: arrays + JSON (:mod:`mil_core.persist`, an
+allowlist of types, format version recorded), never a pickle — a store shared between teams must
+not be able to run code in the next fit that resumes from it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+
+from mil_core import persist
+from mil_core.engine import FitTrace
+from mil_core.models.base import SparseGPMILBase
+from tasks.store import Partition
+from tasks.training.blocks import FeatureScaling
+
+
+class Checkpoint:
+    """``<store>/training/<run>/``: ``model`` (the estimator with its kernel and inducing points),
+    ``it<k>/{state, objective, local/<partition>}``, each a :mod:`mil_core.persist` archive in a
+    uint8 array; the attribute ``latest`` is written last, so a checkpoint is visible only once
+    complete. Anything else found there (an old pickle, a crafted file) is refused, not run."""
+
+    def __init__(self, store: str, run: str):
+        self.store, self.run = store, run
+
+    def _group(self) -> zarr.Group:
+        return zarr.open_group(self.store, mode="a").require_group(f"training/{self.run}")
+
+    def latest(self) -> int | None:
+        root = zarr.open_group(self.store, mode="r")
+        name = f"training/{self.run}"
+        return root[name].attrs.get("latest") if name in root else None
+
+    def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition], scaling: FeatureScaling | None) -> None:
+        group = self._group()
+        _write_bytes(group, "model", persist.dumps((model, scaling)))
+        group.attrs.update({"partitions": [[p.bag_start, p.bag_stop] for p in partitions], "latest": None})
+
+    def load_model(self, partitions: Sequence[Partition]) -> tuple[SparseGPMILBase, FeatureScaling | None]:
+        group = self._group()
+        saved = [tuple(b) for b in group.attrs["partitions"]]
+        if saved != [(p.bag_start, p.bag_stop) for p in partitions]:
+            raise ValueError(
+                f"checkpoint {self.store}/training/{self.run} was written with other partitions; "
+                "resume with the same partition_bytes or start a new run"
+            )
+        return _read(group, "model")
+
+    def begin(self, iteration: int) -> None:
+        """Client side, before the workers write: create the iteration's groups once."""
+        self._group().require_group(f"it{iteration}/local")
+
+    def save_local(self, iteration: int, index: int, local: Any) -> int:
+        """Worker side: one partition's local state (distinct arrays per partition: safe in parallel)."""
+        group = zarr.open_group(self.store, mode="a")[f"training/{self.run}/it{iteration}/local"]
+        _write_bytes(group, str(index), persist.dumps(local))
+        return index
+
+    def load_local(self, iteration: int, index: int) -> Any:
+        group = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}/local"]
+        return _read(group, str(index))
+
+    def commit(self, trace: FitTrace) -> None:
+        """Client side: the global state (q, and the learnt kernel when hyper-parameters are learnt)
+        and the objective trace, then ``latest`` (the commit), then old iterations go."""
+        group = self._group()
+        it = group.require_group(f"it{trace.n_iter}")
+        _write_bytes(it, "state", persist.dumps(trace.glob))
+        it.create_array("objective", data=np.asarray(trace.objective, dtype=np.float64), overwrite=True)
+        it.attrs["converged"] = bool(trace.converged)
+        previous = group.attrs.get("latest")
+        group.attrs["latest"] = trace.n_iter
+        if previous is not None and previous != trace.n_iter:
+            del group[f"it{previous}"]
+
+    def load_trace(self, iteration: int) -> FitTrace:
+        it = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}"]
+        return FitTrace(glob=_read(it, "state"), objective=list(it["objective"][:]), n_iter=iteration,
+                        converged=bool(it.attrs["converged"]))
+
+
+def _write_bytes(group: zarr.Group, name: str, payload: bytes) -> None:
+    group.create_array(name, data=np.frombuffer(payload, dtype=np.uint8), overwrite=True)
+
+
+def _read(group: zarr.Group, name: str) -> Any:
+    """An object written by :func:`_write_bytes` of :func:`mil_core.persist.dumps`; refuses anything else."""
+    return persist.loads(group[name][:].tobytes(), source=f"checkpoint {group.store}/{group.path}/{name}")
+
+
+def _save_local(checkpoint: Checkpoint, iteration: int, index: int, local: Any) -> int:
+    return checkpoint.save_local(iteration, index, local)
+
+
+def _load_local(checkpoint: Checkpoint, iteration: int, index: int) -> Any:
+    return checkpoint.load_local(iteration, index)

@@ -1,0 +1,156 @@
+"""``fit_cohort``: a model fitted on the labelled bags of a cohort store on a Dask cluster,
+checkpointed and resumable (``<store>/training/<run>/``: a fit started again with the same
+``run`` resumes from its latest checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from distributed import Client
+
+from mil_core.engine import FitTrace, optimise
+from mil_core.models.base import SparseGPMILBase
+from tasks.lease import holds_writer_lease
+from tasks.store import open_cohort
+from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_coords
+from tasks.training.checkpoint import Checkpoint
+from tasks.training.early_stopping import DistributedEarlyStopping
+from tasks.training.executor import DaskExecutor
+from tasks.training.placement import Device, Mode, resolve_device, resolve_mode
+from tasks.training.preprocess import feature_scaling, kmeans_sample
+
+log = logging.getLogger("gpmil.training")
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What ran: the store, run name, partitions, persist/stream mode, device, iterations."""
+
+    store: str
+    run: str
+    n_partitions: int
+    n_bags: int
+    n_instances: int
+    mode: str
+    device: str
+    n_iter: int
+    resumed_from: int | None
+    scaling: FeatureScaling | None = None
+
+
+@holds_writer_lease("training run {run!r} on {store}")
+def fit_cohort(
+    model: SparseGPMILBase,
+    store: str | Path,
+    client: Client,
+    *,
+    run: str = "default",
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    mode: Mode = "auto",
+    device: Device = "auto",
+    checkpoint_every: int = 5,
+    resume: bool = True,
+    split_every: int = 8,
+    max_kmeans_sample: int = 200_000,
+    memory_fraction: float = 0.5,
+    standardize: bool = False,
+    on_iteration: Callable[[int, float], None] | None = None,
+) -> TrainingSummary:
+    """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
+    of a cohort store, with the partition step running on the Dask cluster of ``client``.
+
+    The fitted attributes are those of ``model.fit`` on the same data (equal to 1e-8). Inducing
+    points come from k-means on all training instances when there are at most
+    ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
+    prepared partitions in worker memory when they take less than ``memory_fraction`` of the
+    cluster's memory, else streams them from Zarr every iteration. ``standardize`` learns a
+    :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
+    :func:`predict_cohort`). With ``resume`` a run that
+    has a checkpoint continues from it (same model parameters and partitions required).
+    ``on_iteration(i, objective)`` is called after each iteration (progress reporting). Holds the
+    store's writer lease (:mod:`tasks.lease`): a concurrent writer of the store fails at once.
+    """
+    store = str(store)
+    cohort = open_cohort(store)
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    labels = np.asarray(cohort.bag_labels)
+    labelled = np.flatnonzero(labels >= 0)
+    if np.unique(labels[labelled]).size < 2:
+        raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {np.unique(labels).tolist()}")
+    sizes = np.diff(cohort.offsets)
+    validation = np.empty(0, dtype=np.int64)
+    if model.early_stopping:
+        _, val_positions = model._split_validation(labels[labelled])
+        validation = labelled[val_positions]
+    training = np.setdiff1d(labelled, validation)
+    partitions = [p for p in cohort.partitions(partition_bytes) if np.any((training >= p.bag_start) & (training < p.bag_stop))]
+
+    checkpoint = Checkpoint(store, run)
+    latest = checkpoint.latest() if resume else None
+    if latest is not None:
+        fitted, scaling = checkpoint.load_model(partitions)
+        restore_fitted_state(model, fitted, f"{store}/training/{run}")
+        check_feature_dimension(model, cohort)
+        if (scaling is not None) != standardize:
+            raise ValueError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; use a new run name")
+        updates = model._make_updates(model.gp_)
+        log.info("resuming run %r of %s from iteration %d", run, store, latest)
+    else:
+        model._check_common_params(int(sizes[training].sum()))
+        excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
+        scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
+        X_sample, sample_labels = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, scaling)
+        updates = model._start_fit(X_sample, sample_labels)
+        checkpoint.save_model(model, partitions, scaling)
+
+    device = resolve_device(client, device)
+    mode = resolve_mode(client, cohort, model, mode, memory_fraction)
+    log.info("training %s on %s: %d partitions, mode=%s, device=%s", type(model).__name__, store, len(partitions), mode, device)
+    executor = DaskExecutor(
+        client, updates, store, partitions, mode=mode, device=device, split_every=split_every, exclude_bags=validation,
+        locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
+        scaling=scaling,
+    )
+    trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
+    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device, scaling)
+             if validation.size else None)
+
+    def monitor(iteration: int, glob: Any) -> bool:
+        if on_iteration is not None:
+            on_iteration(iteration, trace.objective[-1])
+        if iteration % checkpoint_every == 0 or trace.converged or iteration == model.max_iter:
+            executor.checkpoint(checkpoint, trace)
+        return early(iteration, glob) if early is not None else False
+
+    optimise(executor.sweep, updates, trace.glob, max_iter=model.max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
+    model._finish_fit(trace, early.stopping if early is not None else None)
+    return TrainingSummary(
+        store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),
+        mode=mode, device=device, n_iter=trace.n_iter, resumed_from=latest, scaling=scaling,
+    )
+
+
+def check_feature_dimension(model: SparseGPMILBase, cohort) -> None:
+    if cohort.n_features != model.n_features_in_:
+        raise ValueError(
+            f"cohort {cohort.path} has {cohort.n_features} features per instance, but the model was trained on "
+            f"{model.n_features_in_}; use a store made with the same feature extractor"
+        )
+
+
+def restore_fitted_state(model: SparseGPMILBase, fitted: SparseGPMILBase, where: str) -> None:
+    """Take kernel and inducing points from a checkpointed estimator of the same configuration."""
+    ignore = ("max_iter", "tol")
+    mine = {k: repr(v) for k, v in model.get_params().items() if k not in ignore}
+    theirs = {k: repr(v) for k, v in fitted.get_params().items() if k not in ignore}
+    if type(model) is not type(fitted) or mine != theirs:
+        changed = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)) or ["model class"]
+        raise ValueError(f"checkpoint {where} was written by another model configuration ({', '.join(changed)} differ); use a new run name")
+    for name in ("n_features_in_", "classes_", "kernel_", "gp_"):
+        setattr(model, name, getattr(fitted, name))

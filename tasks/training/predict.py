@@ -1,0 +1,138 @@
+"""Prediction of every bag of a cohort store on the cluster, written to ``predictions/<run>/``."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from distributed import Client, as_completed
+
+from mil_core.models.base import SparseGPMILBase
+from tasks.lease import holds_writer_lease
+from tasks.store import Partition, open_cohort
+from tasks.training.blocks import (
+    DEFAULT_PARTITION_BYTES,
+    FeatureScaling,
+    read_features,
+    to_device,
+    uses_coords,
+)
+from tasks.training.executor import identity
+from tasks.training.fit import check_feature_dimension
+from tasks.training.placement import Device, resolve_device
+
+log = logging.getLogger("gpmil.training")
+
+
+def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, scaling: FeatureScaling | None,
+                       instance_kwargs: dict, bag_kwargs: dict):
+    """One partition's predictions. Bags with NaN/inf features (a store written by another tool)
+    are left out — NaN in every output, listed in ``bad`` with the reason — so that they do not
+    fail the prediction of the good bags."""
+    stored = open_cohort(store).read_partition(partition)
+    X = read_features(stored, scaling)
+    bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
+    finite = np.isfinite(X).all(axis=1)
+    bad = {int(b): f"NaN or infinite features in {int(np.sum(~finite[bag_of_row == b]))} instance row(s), e.g. store row "
+                   f"{partition.row_start + int(np.flatnonzero(~finite & (bag_of_row == b))[0])}"
+           for b in np.unique(bag_of_row[~finite])}
+    good = ~np.isin(bag_of_row, list(bad))
+    n_rows, n_bags = X.shape[0], partition.bag_stop - partition.bag_start
+    p_inst, sd_inst, p_bag, sd_bag = (np.full(n, np.nan) for n in (n_rows, n_rows, n_bags, n_bags))
+    if good.any():
+        Xg = to_device(X[good], device)
+        coords = {"coords": np.asarray(stored.coords)[good]} if uses_coords(model) else {}
+        instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
+        p_inst[good], sd_inst[good] = instance_scores(Xg, return_std=True, **instance_kwargs)
+        keys, p_good, sd_good = model.predict_bag_proba(Xg, bag_of_row[good], return_std=True, **bag_kwargs, **coords)
+        p_bag[np.asarray(keys) - partition.bag_start], sd_bag[np.asarray(keys) - partition.bag_start] = p_good, sd_good
+    return partition, p_inst, sd_inst, p_bag, sd_bag, bad
+
+
+@holds_writer_lease("predictions {run!r} on {store}")
+def predict_cohort(
+    model: SparseGPMILBase,
+    store: str | Path,
+    client: Client,
+    *,
+    run: str = "default",
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    device: Device = "auto",
+    scaling: FeatureScaling | None = None,
+    instance_kwargs: dict | None = None,
+    bag_kwargs: dict | None = None,
+) -> str:
+    """Predict every bag of the store on the cluster and write ``predictions/<run>/`` (instance
+    and bag probability and std; the ``complete`` attribute is set last). Returns the group path.
+
+    Models without instance probabilities (VWSGP, whose per-instance evidences are not instance
+    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
+
+    Each partition is predicted by one task; the client writes the results (one writer, so
+    partitions that share a Zarr chunk cannot race). A bag with NaN/inf features gets NaN
+    outputs and is listed with the reason in the ``not_predicted`` attribute; every other bag is
+    predicted. ``scaling``: the training cohort's
+    :class:`FeatureScaling` when the model was trained with ``standardize=True``. Holds the
+    store's writer lease (:mod:`tasks.lease`).
+    """
+    store = str(store)
+    cohort = open_cohort(store)
+    check_feature_dimension(model, cohort)
+    device = resolve_device(client, device)
+    root = zarr.open_group(store, mode="a")
+    name = f"predictions/{run}"
+    if name in root:
+        del root[name]
+    group = root.require_group(name)
+    group.attrs.update({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params())})
+    instance_name = "instances/proba" if hasattr(model, "predict_instance_proba") else "instances/evidence"
+    group.attrs["instance_scores"] = instance_name.split("/")[1]
+    arrays = {
+        instance_name: cohort.n_instances,
+        "instances/std": cohort.n_instances,
+        "bags/proba": cohort.n_bags,
+        "bags/std": cohort.n_bags,
+    }
+    out = {
+        k: group.create_array(k, shape=(n,), dtype=np.float64, chunks=(min(max(n, 1), 1 << 20),), fill_value=np.nan)
+        for k, n in arrays.items()
+    }
+    model_future = client.submit(identity, model, pure=False)
+    futures = [
+        client.submit(
+            _predict_partition, model_future, store, p, device, scaling, instance_kwargs or {}, bag_kwargs or {},
+            key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources={"GPU": 1} if device == "gpu" else None,
+        )
+        for p in cohort.partitions(partition_bytes)
+    ]
+    not_predicted: dict[str, str] = {}
+    for future in as_completed(futures):
+        p, p_inst, sd_inst, p_bag, sd_bag, bad = future.result()
+        not_predicted |= {str(cohort.bag_ids[b]): reason for b, reason in bad.items()}
+        rows, bags = slice(p.row_start, p.row_stop), slice(p.bag_start, p.bag_stop)
+        out[instance_name][rows], out["instances/std"][rows] = p_inst, sd_inst
+        out["bags/proba"][bags], out["bags/std"][bags] = p_bag, sd_bag
+    if not_predicted:
+        log.warning("%d bag(s) of %s not predicted (NaN in their outputs): %s", len(not_predicted), store,
+                    "; ".join(f"{b}: {r}" for b, r in list(not_predicted.items())[:5]))
+    group.attrs["not_predicted"] = not_predicted
+    group.attrs["complete"] = True
+    return f"{store}/{name}"
+
+
+def read_predictions(store: str | Path, run: str = "default") -> dict[str, np.ndarray]:
+    """The predictions of ``run`` as arrays (``instances/proba`` or ``instances/evidence``,
+    ``instances/std``, ``bags/proba``, ``bags/std``); raises if that prediction did not complete."""
+    group = zarr.open_group(str(store), mode="r")[f"predictions/{run}"]
+    if not group.attrs.get("complete"):
+        raise RuntimeError(f"predictions/{run} in {store} is incomplete (the prediction was interrupted); predict again")
+    names = ("instances/proba", "instances/evidence", "instances/std", "bags/proba", "bags/std")
+    return {k: group[k][:] for k in names if k in group}
+
+
+def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v) for k, v in params.items()}

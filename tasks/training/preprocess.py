@@ -1,0 +1,57 @@
+"""What a fit gathers from the training bags before its first iteration: the feature
+standardisation (a map over partitions and a sum) and the instance sample for k-means."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from distributed import Client
+
+from mil_core.models.base import take_bags
+from tasks.store import Partition
+from tasks.training.blocks import (
+    DEFAULT_PARTITION_BYTES,
+    FeatureScaling,
+    load_block,
+    read_features,
+)
+from tasks.training.executor import sum_statistics
+
+
+def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray) -> np.ndarray:
+    """``[n, Σx, Σx²]`` over the labelled, non-excluded bags of one partition."""
+    X = load_block(path, partition, "cpu", exclude_bags).X
+    return np.concatenate([[X.shape[0]], X.sum(axis=0), (X * X).sum(axis=0)])
+
+
+def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], exclude_bags: np.ndarray) -> FeatureScaling:
+    """Mean and std of every feature over the training bags, as a map over partitions and a sum
+    (features whose std is 0 keep scale 1)."""
+    sums = client.submit(sum_statistics, *[client.submit(_feature_sums, path, p, exclude_bags, pure=False) for p in partitions]).result()
+    n, D = sums[0], (sums.shape[0] - 1) // 2
+    mean = sums[1 : D + 1] / n
+    std = np.sqrt(np.maximum(sums[D + 1 :] / n - mean**2, 0.0))
+    return FeatureScaling(mean=mean, scale=np.where(std > 1e-12 * np.maximum(np.abs(mean), 1.0), std, 1.0))
+
+
+
+def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
+                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray]:
+    """Instances (labelled by their bag's label) for k-means: every training instance, in store
+    order, when there are at most ``cap``; else a seeded sample of whole training bags."""
+    sizes = np.diff(cohort.offsets)
+    chosen = training
+    if sizes[training].sum() > cap:
+        rng = np.random.default_rng(random_state if isinstance(random_state, (int, np.integer)) else None)
+        shuffled = rng.permutation(training)
+        chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
+    X, y = [], []
+    for p in cohort.partitions(DEFAULT_PARTITION_BYTES):
+        local = chosen[(chosen >= p.bag_start) & (chosen < p.bag_stop)] - p.bag_start
+        if local.size:
+            stored = cohort.read_partition(p)
+            rows, offsets = take_bags(read_features(stored, scaling), np.asarray(stored.offsets), local)
+            X.append(rows)
+            y.append(np.repeat(labels[local + p.bag_start], np.diff(offsets)))
+    return np.concatenate(X), np.concatenate(y)
