@@ -105,8 +105,8 @@ def fit_cohort(
         model._check_common_params(int(sizes[training].sum()))
         excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
         scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
-        X_sample, sample_labels = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, scaling)
-        updates = model._start_fit(X_sample, sample_labels)
+        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, scaling)
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
         checkpoint.save_model(model, partitions, scaling)
 
     device = resolve_device(client, device)
@@ -121,14 +121,16 @@ def fit_cohort(
     early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device, scaling)
              if validation.size else None)
 
+    max_iter = getattr(model, "auto_max_iter_", None) or model.max_iter  # kernel=None also chooses the stop
+
     def monitor(iteration: int, glob: Any) -> bool:
         if on_iteration is not None:
             on_iteration(iteration, trace.objective[-1])
-        if iteration % checkpoint_every == 0 or trace.converged or iteration == model.max_iter:
+        if iteration % checkpoint_every == 0 or trace.converged or iteration == max_iter:
             executor.checkpoint(checkpoint, trace)
         return early(iteration, glob) if early is not None else False
 
-    optimise(executor.sweep, updates, trace.glob, max_iter=model.max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
+    optimise(executor.sweep, updates, trace.glob, max_iter=max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
     model._finish_fit(trace, early.stopping if early is not None else None)
     return TrainingSummary(
         store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),
@@ -154,3 +156,5 @@ def restore_fitted_state(model: SparseGPMILBase, fitted: SparseGPMILBase, where:
         raise ValueError(f"checkpoint {where} was written by another model configuration ({', '.join(changed)} differ); use a new run name")
     for name in ("n_features_in_", "classes_", "kernel_", "gp_"):
         setattr(model, name, getattr(fitted, name))
+    for name in ("kernel_selection_", "auto_max_iter_"):  # the automatic kernel choice (kernel=None)
+        setattr(model, name, getattr(fitted, name, None))
