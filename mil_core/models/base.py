@@ -55,8 +55,8 @@ class SparseGPMILBase(BaseEstimator):
     :meth:`_bag_proba_from_state` (bag probabilities from a fitted global state, used for
     validation-based early stopping and prediction).
 
-    Common parameters: ``n_inducing``, ``kernel`` (:class:`~mil_core.kernels.RBF`, default
-    ``RBF(variance=1, length_scale=√D)``), ``max_iter``, ``tol`` (relative ELBO change),
+    Common parameters: ``n_inducing``, ``kernel`` (:class:`~mil_core.kernels.RBF`; ``None``, the
+    default, chooses ``RBF(v, length_scale=√D)`` and the stop by :meth:`_select_kernel`), ``max_iter``, ``tol`` (relative ELBO change),
     ``early_stopping`` / ``validation_fraction`` / ``n_iter_no_change`` (bag-AUC patience on a
     stratified hold-out of bags; the best iterate is kept, as in seed 000 Sec. 6),
     ``block_size`` (instances per partition of whole bags for the serial executor),
