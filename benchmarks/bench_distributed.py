@@ -19,6 +19,7 @@ import argparse
 import platform
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,14 +47,24 @@ def gemm_flops_per_core(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def write_cohort(path: Path, n_instances: int, n_features: int, bag_size: int, seed: int = 0) -> None:
-    """Bags of ``bag_size`` instances; positive bags (every other) hold 10% shifted witnesses."""
+def bag_sizes(n_instances: int, low: int, high: int, seed: int = 0) -> np.ndarray:
+    """Bag sizes drawn uniformly from ``[low, high]`` until they hold ``n_instances`` (the last one trimmed)."""
+    rng = np.random.default_rng(seed + 1)
+    sizes = rng.integers(low, high + 1, size=2 * n_instances // (low + high) + 2)
+    sizes = sizes[: int(np.searchsorted(np.cumsum(sizes), n_instances)) + 1]
+    sizes[-1] -= int(sizes.sum()) - n_instances
+    return sizes[sizes > 0]
+
+
+def write_cohort(path: Path, n_instances: int, n_features: int, bag_size: int | tuple[int, int], seed: int = 0) -> None:
+    """Bags of ``bag_size`` instances (or sizes drawn from a ``(low, high)`` range), float32;
+    positive bags (every other) hold 10% shifted witnesses."""
     rng = np.random.default_rng(seed)
     create_cohort(path, CohortSpec(name=path.stem, n_features=n_features, coords_dim=1, coords_meaning="index"))
-    n_bags = max(2, n_instances // bag_size)
+    sizes = bag_sizes(n_instances, *bag_size, seed) if isinstance(bag_size, tuple) else np.full(max(2, n_instances // bag_size), bag_size)
 
     def bags():
-        for b in range(n_bags):
+        for b, bag_size in enumerate(sizes.tolist()):
             X = rng.standard_normal((bag_size, n_features), dtype=np.float32)
             label = b % 2
             if label:
@@ -69,6 +80,13 @@ def worker_peak_rss_mib(client: Client) -> float:
     return max(peaks.values()) / 1024
 
 
+def log_iteration(stamps: list[float], iteration: int, t0: float, live: bool) -> None:
+    stamps.append(time.perf_counter())
+    if live:  # long runs: each iteration's time as it happens (stderr), before the table row
+        step = stamps[-1] - (stamps[-2] if len(stamps) > 1 else t0)
+        print(f"iteration {iteration}: {step:.1f} s (since start {stamps[-1] - t0:.1f} s)", file=sys.stderr, flush=True)
+
+
 def run(store: Path, model_name: str, workers: int, mode: str, args) -> dict:
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                       memory_limit=args.memory_limit) as cluster, Client(cluster) as client:
@@ -77,7 +95,7 @@ def run(store: Path, model_name: str, workers: int, mode: str, args) -> dict:
         t0 = time.perf_counter()
         fit_cohort(model, store, client, run=f"bench-{model_name}-{workers}-{mode}", resume=False, mode=mode,
                    partition_bytes=args.partition_mib * 2**20, checkpoint_every=10**6,
-                   on_iteration=lambda i, _: stamps.append(time.perf_counter()))
+                   on_iteration=lambda i, _: log_iteration(stamps, i, t0, args.log_iterations))
         total = time.perf_counter() - t0
         per_iter = (stamps[-1] - stamps[0]) / (len(stamps) - 1)  # first sweep includes loading
         return {"seconds_per_iteration": per_iter, "first_iteration": stamps[0] - t0, "total": total,
@@ -93,9 +111,12 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--inducing", type=int, default=200)
     parser.add_argument("--bag-size", type=int, default=100)
+    parser.add_argument("--bag-size-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="bag sizes drawn uniformly from [LOW, HIGH] instead of --bag-size")
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--partition-mib", type=int, default=64)
     parser.add_argument("--memory-limit", default="auto")
+    parser.add_argument("--log-iterations", action="store_true", help="print each iteration's time to stderr as it ends")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
@@ -103,16 +124,19 @@ def main() -> None:
     M, D = args.inducing, args.features
     flops = {"persist": 4 * M * M + 2 * M, "stream": 2 * M * D + 5 * M * M}
     print(f"machine: {platform.machine()}, {platform.processor() or ''} python {platform.python_version()}; "
-          f"float64 GEMM, one core: {roof / 1e9:.1f} GFLOP/s; D={D}, M={M}, bags of {args.bag_size}, "
+          f"float64 GEMM, one core: {roof / 1e9:.1f} GFLOP/s; D={D}, M={M}, bags of "
+          f"{'-'.join(map(str, args.bag_size_range)) if args.bag_size_range else args.bag_size}, "
           f"partitions of {args.partition_mib} MiB\n")
-    print("| model | N | workers | mode | s / iteration | instance-iterations / s | GFLOP/s | fraction of roofline | first iteration s | peak worker RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | N | workers | mode | s / iteration | instance-iterations / s | GFLOP/s | fraction of roofline | first iteration s | end to end s | peak worker RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpmil-bench-"))
     try:
         for n in args.sizes:
             store = workdir / f"cohort-{n}.zarr"
             if not store.exists():
-                write_cohort(store, n, D, args.bag_size)
+                t = time.perf_counter()
+                write_cohort(store, n, D, tuple(args.bag_size_range) if args.bag_size_range else args.bag_size)
+                print(f"<!-- wrote {store.name}: {time.perf_counter() - t:.0f} s -->", flush=True)
             for model_name in args.models:
                 for workers in args.workers:
                     for mode in args.modes:
@@ -121,7 +145,7 @@ def main() -> None:
                         # VWSGP's step works on per-bag sums: the per-instance flop count does not apply
                         gflops = rate * flops[mode] / 1e9 if model_name == "VGPMIL" else float("nan")
                         print(f"| {model_name} | {n:.0e} | {workers} | {mode} | {r['seconds_per_iteration']:.3f} | {rate:.3g} | {gflops:.1f} | "
-                              f"{gflops * 1e9 / (roof * workers):.2f} | {r['first_iteration']:.1f} | {r['peak_rss_mib']:.0f} |", flush=True)
+                              f"{gflops * 1e9 / (roof * workers):.2f} | {r['first_iteration']:.1f} | {r['total']:.0f} | {r['peak_rss_mib']:.0f} |", flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

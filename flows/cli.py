@@ -9,62 +9,111 @@
     gpmil cv CSV                  5-fold bag cross-validation on a MIL feature table
 """
 
-from __future__ import annotations
-
 import argparse
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+def _quiet_libraries(verbose: bool) -> None:
+    """Library chatter (Prefect's task states, Dask's scheduler and workers) goes to the console
+    only with ``-v``; warnings and errors always do, and the Prefect UI gets every log line.
+    Set through the environment, before Prefect or Dask is imported, so that the flow-run
+    processes of ``serve`` and the Dask worker processes inherit it."""
+    level = "INFO" if verbose else "WARNING"
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", level.lower())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request, even with -v
+    for chatty in ("prefect.server", "uvicorn"):
+        logging.getLogger(chatty).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _abs(path: Any) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
+    """The configuration, validated, and the stage's inputs checked: before Prefect is imported."""
+    from flows.checks import check_inputs
+    from flows.config import load_config
+
+    def with_source(config):
+        if not getattr(args, "source", None):
+            return config
+        return config.model_copy(update={"ingest": config.ingest.model_copy(update={"source": Path(_abs(args.source))})})
+
+    config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
+                         **({"store": _abs(args.store)} if getattr(args, "store", None) else {}))
+    return with_source(config)
+
+
+def summary(stage: str, result: Any) -> str:
+    """One line per stage: what it did (or reused) and where its output is."""
+    info, state = result.info, "reused" if result.reused else "done"
+    if stage == "ingest":
+        what = (f"{len(info.get('added', []))} bags added ({info.get('n_instances_added', 0)} instances), "
+                f"{len(info.get('already_done', []))} already in the store, {len(info.get('skipped', []))} skipped")
+    elif stage == "train":
+        what = (f"{info.get('model')} on {info.get('n_bags')} bags, {info.get('n_iter')} iterations"
+                f"{'' if info.get('converged') else ' (not converged)'}")
+    elif stage == "predict":
+        what = f"{info['n_bags']} bags" if "n_bags" in info else "predictions"
+    else:
+        metrics = ", ".join(f"{k} {info[k]:.3f}" for k in ("bag_auc", "bag_accuracy", "bag_f1") if isinstance(info.get(k), float))
+        what = metrics or "no labelled bags of both classes: no metrics"
+    return f"{stage:8s}{state:7s} {what} -> {result.path}"
+
+
 def _run(args: argparse.Namespace) -> int:
+    _checked(args, "run")
     from flows.pipeline import pipeline
 
-    results = pipeline(str(args.config), store=args.store, source=args.source)
-    for stage, result in results.items():
-        print(f"{stage:8s} {'reused ' if result.reused else 'done   '} {result.path}")
+    for stage, result in pipeline(str(args.config), store=_abs(args.store), source=_abs(args.source)).items():
+        print(summary(stage, result))
     return 0
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    _checked(args, "ingest")
     from flows.pipeline import ingest_cohort
 
-    print(ingest_cohort(str(args.config), store=args.store, source=args.source))
+    print(summary("ingest", ingest_cohort(str(args.config), store=_abs(args.store), source=_abs(args.source))))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
+    _checked(args, "train", store=_abs(args.store))
     from flows.pipeline import train_model
 
-    result = train_model(str(args.config), store=args.store)
-    print(f"model {'reused' if result.reused else 'trained'}: {result.path}")
+    print(summary("train", train_model(str(args.config), store=_abs(args.store))))
     return 0
 
 
 def _predict(args: argparse.Namespace) -> int:
+    _checked(args, "predict", store=_abs(args.store), model_dir=_abs(args.model_dir))
     from flows.pipeline import predict_cohort
 
-    result = predict_cohort(str(args.config), str(args.model_dir), store=args.store)
-    print(f"predictions {'reused' if result.reused else 'written'}: {result.path} (key {result.key})")
+    result = predict_cohort(str(args.config), _abs(args.model_dir), store=_abs(args.store))
+    print(f"{summary('predict', result)} (key {result.key})")
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    _checked(args, "evaluate", store=_abs(args.store), model_dir=_abs(args.model_dir))
     from flows.pipeline import evaluate_run
 
-    result = evaluate_run(str(args.config), str(args.model_dir), args.prediction_key, store=args.store)
-    print(f"report: {result.path}")
+    print(summary("report", evaluate_run(str(args.config), _abs(args.model_dir), args.prediction_key, store=_abs(args.store))))
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from flows.config import load_config
+    config = _checked(args, "run")  # fail now, not at the first scheduled run
     from flows.pipeline import pipeline
 
-    config = load_config(args.config)  # fail now, not at the first scheduled run
     pipeline.serve(name=f"gpmil-{config.name}", cron=args.cron, parameters={"config": str(Path(args.config).resolve())})
     return 0
 
@@ -98,6 +147,7 @@ def _cv(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpmil", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show Prefect's and Dask's log lines on the console")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(name: str, help: str, handler) -> argparse.ArgumentParser:
@@ -135,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(handler=_cv)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for chatty in ("httpx", "distributed", "prefect.server"):
-        logging.getLogger(chatty).setLevel(logging.WARNING)
+    _quiet_libraries(args.verbose)
     from flows.config import ConfigError
 
     try:
@@ -145,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"gpmil: {error}", file=sys.stderr)
         return 2
-
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # the flow's logs above hold the traceback; -v re-raises it here too
+        if args.verbose:
+            raise
+        print(f"gpmil {args.command} failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
 
 if __name__ == "__main__":
     sys.exit(main())

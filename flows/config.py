@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,11 +24,33 @@ class ConfigError(ValueError):
 def _model_classes() -> dict[str, type]:
     import mil_core
 
-    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP"]
+    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL"]
     return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
 
 
-MODEL_CLASSES = _model_classes()
+class _ModelClasses(Mapping[str, type]):
+    """:func:`_model_classes`, imported on first use: a configuration that is wrong elsewhere is
+    reported before mil_core's (scikit-learn's, SciPy's) imports."""
+
+    def __init__(self) -> None:
+        self._classes: dict[str, type] | None = None
+
+    def _load(self) -> dict[str, type]:
+        if self._classes is None:
+            self._classes = _model_classes()
+        return self._classes
+
+    def __getitem__(self, name: str) -> type:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+MODEL_CLASSES = _ModelClasses()
 
 
 class _Strict(BaseModel):
@@ -94,13 +117,21 @@ class ModelConfig(_Strict):
 
 class TrainingConfig(_Strict):
     """``standardize``: learn per-feature mean/std on the training bags and apply them to every
-    cohort the model predicts (recommended: handcrafted features differ in scale)."""
+    cohort the model predicts (recommended: handcrafted features differ in scale). ``device``:
+    ``gpu`` keeps partition arrays on the workers' GPUs (``auto``: when workers advertise a ``GPU``
+    resource, as ``dask_cuda.LocalCUDACluster`` and ``dask cuda worker --resources GPU=1`` do) in
+    the array namespace ``gpu_namespace`` (CuPy); ``device_memory_gib`` per GPU decides
+    persist/stream when CuPy cannot be asked. ``compute_dtype: float32``: float32 whitened
+    features (half the memory; GEMMs twice as fast) with float64 statistics."""
 
     standardize: bool = True
     partition_mib: float = Field(128, gt=0)
     checkpoint_every: int = Field(5, ge=1)
     mode: Literal["auto", "persist", "stream"] = "auto"
     device: Literal["auto", "cpu", "gpu"] = "auto"
+    gpu_namespace: str = "cupy"
+    device_memory_gib: float | None = Field(None, gt=0)
+    compute_dtype: Literal["float64", "float32"] = "float64"
 
 
 class PredictionConfig(_Strict):
@@ -159,15 +190,15 @@ class DaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> DaskConfig:
-        from tasks.cluster import DEFAULT_CLUSTER_CLASS, import_cluster_class
-
         if self.scheduler_address and (self.cluster_class or self.cluster_kwargs or self.adapt_kwargs):
             raise ValueError("give either scheduler_address (a running cluster) or cluster_class/cluster_kwargs/adapt_kwargs, not both")
         local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
-        if any(v is not None for v in local.values()):
+        if self.cluster_class and any(v is not None for v in local.values()):
             from distributed import LocalCluster
 
-            if not issubclass(import_cluster_class(self.cluster_class or DEFAULT_CLUSTER_CLASS), LocalCluster):
+            from tasks.cluster import import_cluster_class
+
+            if not issubclass(import_cluster_class(self.cluster_class), LocalCluster):
                 raise ValueError(f"threads_per_worker and processes apply to a LocalCluster; for {self.cluster_class} put "
                                  "them in cluster_kwargs")
         return self
@@ -188,8 +219,11 @@ class PipelineConfig(_Strict):
     name: str = Field("gpmil", pattern=r"^[A-Za-z0-9_.-]+$")
     store: Path
     output_dir: Path
+    # Where output_dir is served (an HTTP mirror, a bucket's web URL): the Prefect UI's image and
+    # link artifacts point there. Default: file:// URIs, which open on the machine that wrote them.
+    output_url: str | None = Field(None, pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://")
     ingest: IngestConfig = IngestConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig.model_construct)  # valid as it is; validating it imports mil_core
     training: TrainingConfig = TrainingConfig()
     prediction: PredictionConfig = PredictionConfig()
     dask: DaskConfig = DaskConfig()
@@ -214,8 +248,10 @@ def make_model(config: ModelConfig):
     return MODEL_CLASSES[config.name](**config.params)
 
 
-def load_config(path: str | Path, **overrides: Any) -> PipelineConfig:
-    """Read and validate a YAML configuration; relative paths are taken from the file's folder."""
+def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | None = None, **overrides: Any) -> PipelineConfig:
+    """Read and validate a YAML configuration; relative paths are taken from the file's folder.
+    ``preflight`` (e.g. the CLI's input-path checks) gets the configuration validated but for its
+    model section, before the model check imports mil_core."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -227,6 +263,14 @@ def load_config(path: str | Path, **overrides: Any) -> PipelineConfig:
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw |= overrides
     try:
+        # First without the model section, whose check imports mil_core: a mistake elsewhere is
+        # reported in well under a second.
+        without_model = PipelineConfig.model_validate({k: v for k, v in raw.items() if k != "model"})
+        if preflight is not None:
+            try:
+                preflight(_resolve_paths(without_model, path.parent))
+            except ConfigError as error:
+                raise ConfigError(f"{path}: {error}") from None
         config = PipelineConfig.model_validate(raw)
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors())

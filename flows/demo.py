@@ -9,7 +9,6 @@ cohort and a held-out cohort. The model is trained on the first; the stored mode
 second (the "new cohort, trained model" path), and the report's metrics are on the held-out cohort.
 """
 
-
 from pathlib import Path
 
 import yaml

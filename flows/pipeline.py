@@ -14,12 +14,12 @@ could not resolve a string annotation such as ``"PipelineConfig"``.
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
+from flows.checks import check_inputs
 from flows.config import PipelineConfig, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import start_cluster
@@ -47,8 +47,12 @@ def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) ->
         yield client.scheduler.address
 
 
-def _config(config: str, **overrides: Any) -> PipelineConfig:
-    return load_config(config, **{k: v for k, v in overrides.items() if v is not None})
+def _config(config: str, store: str | None = None, source: str | None = None) -> PipelineConfig:
+    """The validated configuration with the command line's store / ingest source overrides."""
+    cfg = load_config(config, **({"store": store} if store is not None else {}))
+    if source is not None:
+        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source).resolve()})})
+    return cfg
 
 
 @flow(name="ingest-cohort", log_prints=True)
@@ -56,9 +60,8 @@ def ingest_cohort(config: str, store: str | None = None, source: str | None = No
                   scheduler_address: str | None = None) -> t.StageResult:
     """Tile + featurise new slides/scans (one task each, on the cluster) or load a feature table
     into the cohort store; slides already in the store are skipped."""
-    cfg = _config(config, store=store)
-    if source is not None:
-        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
+    cfg = _config(config, store=store, source=source)
+    check_inputs(cfg, "ingest")
     with run_cluster(cfg, scheduler_address) as address:
         return t.ingest_cohort_items(cfg, address)
 
@@ -67,6 +70,7 @@ def ingest_cohort(config: str, store: str | None = None, source: str | None = No
 def train_model(config: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
     """Train the configured model on the store (reusing a model trained on the same content)."""
     cfg = _config(config, store=store)
+    check_inputs(cfg, "train")
     with run_cluster(cfg, scheduler_address) as address:
         fingerprint = t.fingerprint_cohort(str(cfg.store))
         return t.train(cfg, str(cfg.store), cfg.model_key(fingerprint), address)
@@ -76,6 +80,7 @@ def train_model(config: str, store: str | None = None, scheduler_address: str | 
 def predict_cohort(config: str, model_dir: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
     """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model."""
     cfg = _config(config)
+    check_inputs(cfg, "predict", store=store, model_dir=model_dir)
     target = str(store or cfg.prediction.store or cfg.store)
     with run_cluster(cfg, scheduler_address) as address:
         key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
@@ -86,6 +91,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, schedu
 def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | None = None) -> t.StageResult:
     """Tables, metrics, figures and the report of one prediction run."""
     cfg = _config(config)
+    check_inputs(cfg, "evaluate", store=store, model_dir=model_dir)
     target = str(store or cfg.prediction.store or cfg.store)
     return t.write_report(cfg, target, model_dir, prediction_key)
 
@@ -97,9 +103,8 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     already ingested, a model trained on the same cohort content and configuration, complete
     predictions; a changed configuration recomputes only the stages it affects."""
     logger = get_run_logger()
-    cfg = _config(config, store=store)
-    if source is not None:
-        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source)})})
+    cfg = _config(config, store=store, source=source)
+    check_inputs(cfg, "run")
     results: dict[str, t.StageResult] = {}
     with run_cluster(cfg, scheduler_address) as address:
         if cfg.ingest.kind != "none":

@@ -13,7 +13,7 @@ modules of this package and never import a model.
 from .engine import BagBlock, GaussianQ, SerialExecutor, SparseGP, optimise
 from .kernels import RBF
 from .likelihoods import GammaMixture, HyperbolicSecant, Psi, ThetaFunction
-from .models import GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL, VGPMILPRGibbs
+from .models import ABMIL, EmbeddedGPMIL, GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL, VGPMILPRGibbs
 
 __all__ = [
     "RBF",
@@ -29,6 +29,8 @@ __all__ = [
     "VGPMILPRGibbs",
     "VWSGP",
     "AbSMIL",
+    "ABMIL",
+    "EmbeddedGPMIL",
     "BagBlock",
     "GaussianQ",
     "SparseGP",

@@ -29,7 +29,7 @@ import numpy as np
 import scipy.linalg
 from sklearn.exceptions import ConvergenceWarning
 
-from ._backend import array_namespace, cholesky_with_jitter, solve_lower, to_numpy
+from ._backend import array_namespace, cholesky_with_jitter, like, solve_lower, to_numpy
 from .kernels import RBF
 
 __all__ = [
@@ -90,17 +90,21 @@ class SparseGP:
     def whiten(self, X: Any) -> WhitenedBlock:
         """``A' = K(X, Z) L⁻ᵀ`` (rows a'ₙ) and the FITC residual ``k(xₙ, xₙ) − ‖a'ₙ‖² ≥ 0``.
 
-        One GEMM for the kernel block and one triangular solve, in the namespace of ``X``.
+        One GEMM for the kernel block and one triangular solve, in the namespace of ``X`` and in
+        float64. Float32 ``X`` gives float32 ``A'`` (half the memory, float32 GEMMs in the
+        sweeps) whose statistics are still accumulated in float64 (:func:`transposed_product`).
         """
-        xp = array_namespace(X)
-        return self.whiten_cross(self.kernel(xp.asarray(self.Z), X), self.kernel.diag(X))
+        return self.whiten_cross(self.kernel(like(self.Z, X), X), self.kernel.diag(X), dtype=X.dtype)
 
-    def whiten_cross(self, Kzx: Any, diag: Any) -> WhitenedBlock:
+    def whiten_cross(self, Kzx: Any, diag: Any, dtype: Any = None) -> WhitenedBlock:
         """:meth:`whiten` from an already computed ``K(Z, X)`` (M, n) and ``diag K(X, X)`` (n,),
-        for callers that also need the kernel block itself (the hyper-parameter gradient)."""
+        for callers that also need the kernel block itself (the hyper-parameter gradient);
+        ``dtype`` float32 stores A' in float32."""
         xp = array_namespace(Kzx)
-        A = solve_lower(xp.asarray(self.chol), Kzx).T
+        A = solve_lower(like(self.chol, Kzx), Kzx).T
         resid = xp.clip(diag - xp.sum(A * A, axis=1), 0.0, None)
+        if dtype == xp.float32:
+            A = xp.astype(A, xp.float32)
         return WhitenedBlock(A=A, resid=resid)
 
 
@@ -114,21 +118,47 @@ class WhitenedBlock:
     def latent_moments(self, q: GaussianQ) -> tuple[np.ndarray, np.ndarray]:
         """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30)."""
         xp = array_namespace(self.A)
-        m, S = xp.asarray(q.mean), xp.asarray(q.cov)
+        m, S = like(q.mean, self.A, dtype=self.A.dtype), like(q.cov, self.A, dtype=self.A.dtype)
         mean = self.A @ m
-        var = xp.sum((self.A @ S) * self.A, axis=1) + self.resid
-        return to_numpy(mean), np.maximum(to_numpy(var), 0.0)
+        var = xp.sum((self.A @ S) * self.A, axis=1)
+        return _host64(mean), np.maximum(_host64(var) + _host64(self.resid), 0.0)
+
+    def latent_mean(self, mean: np.ndarray) -> np.ndarray:
+        """Host float64 ``A'm`` for a whitened mean ``m`` (an N-vector)."""
+        return _host64(self.A @ like(mean, self.A, dtype=self.A.dtype))
 
     def weighted_gram(self, weights: np.ndarray) -> np.ndarray:
         """``Σ wₙ a'ₙa'ₙᵀ`` as one GEMM, returned on the host in float64."""
-        xp = array_namespace(self.A)
-        w = xp.asarray(weights)
-        return to_numpy(self.A.T @ (self.A * w[:, None]))
+        w = like(weights, self.A, dtype=self.A.dtype)
+        return transposed_product(self.A, self.A * w[:, None])
 
     def project(self, values: np.ndarray) -> np.ndarray:
         """``Σ a'ₙ vₙ`` (an M-vector) on the host."""
-        xp = array_namespace(self.A)
-        return to_numpy(self.A.T @ xp.asarray(values))
+        return transposed_product(self.A, like(values, self.A, dtype=self.A.dtype))
+
+
+FLOAT32_ROWS = 1 << 12
+
+
+def transposed_product(A: Any, B: Any) -> np.ndarray:
+    """``AᵀB`` summed over rows, on the host in float64: one GEMM for float64 input; for float32
+    input, float32 GEMMs over chunks of ``FLOAT32_ROWS`` rows accumulated in float64 where the
+    arrays live (the rounding error of a chunk grows with its length, not with N)."""
+    xp = array_namespace(A)
+    if A.dtype != xp.float32:
+        return to_numpy(A.T @ B)
+    out = None
+    for start in range(0, A.shape[0], FLOAT32_ROWS):
+        stop = min(start + FLOAT32_ROWS, A.shape[0])
+        part = xp.astype(A[start:stop, ...].T @ B[start:stop, ...], xp.float64)
+        out = part if out is None else out + part
+    if out is None:
+        return np.zeros((A.shape[1],) + tuple(B.shape[1:]))
+    return to_numpy(out)
+
+
+def _host64(x: Any) -> np.ndarray:
+    return np.asarray(to_numpy(x), dtype=np.float64)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from array_api_compat import device
 
-from ._backend import array_namespace
+from ._backend import array_namespace, like
 
 __all__ = ["RBF"]
 
@@ -55,8 +56,8 @@ class RBF:
         return replace(self, length_scale=float(ell) if ell.ndim == 0 else tuple(ell.tolist()))
 
     def _scaled(self, X: Any, xp: Any) -> Any:
-        ell = xp.asarray(np.asarray(self.length_scale, dtype=np.float64))
-        return xp.asarray(X, dtype=xp.float64) / ell
+        X = xp.asarray(X, dtype=xp.float64)
+        return X / like(np.asarray(self.length_scale, dtype=np.float64), X)
 
     def __call__(self, X: Any, Z: Any) -> Any:
         """Cross-covariance block ``K(X, Z)`` of shape (n, M), via one GEMM.
@@ -78,4 +79,4 @@ class RBF:
     def diag(self, X: Any) -> Any:
         """``diag K(X, X)`` without forming the matrix: ``v`` for every row."""
         xp = array_namespace(X)
-        return xp.full((X.shape[0],), float(self.variance), dtype=xp.float64)
+        return xp.full((X.shape[0],), float(self.variance), dtype=xp.float64, device=device(X))

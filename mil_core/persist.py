@@ -149,7 +149,12 @@ def loads(data: bytes, *, source: str = "<bytes>") -> Any:
     if not isinstance(meta.get("version"), int) or meta["version"] > FORMAT_VERSION:
         raise UnsafeFileError(f"{source}: format version {meta.get('version')!r} is newer than this gpmil reads "
                               f"({FORMAT_VERSION}); upgrade gpmil")
-    return _Decoder(arrays, allowed_types(), source)(meta["root"])
+    try:
+        return _Decoder(arrays, allowed_types(), source)(meta["root"])
+    except UnsafeFileError:
+        raise
+    except (TypeError, ValueError, KeyError, RecursionError) as error:  # e.g. a parameter the allowed class does not take
+        raise UnsafeFileError(f"{source}: malformed gpmil {FORMAT} file ({type(error).__name__}: {error})") from None
 
 
 class _Decoder:

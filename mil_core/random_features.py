@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from sklearn.utils import check_random_state
 
-from ._backend import array_namespace
+from ._backend import array_namespace, like
 
 __all__ = ["RandomFourierFeatures"]
 
@@ -40,6 +40,6 @@ class RandomFourierFeatures:
 
     def __call__(self, X: Any) -> Any:
         xp = array_namespace(X)
-        projected = X @ xp.asarray(self.frequencies, dtype=X.dtype)
+        projected = X @ like(self.frequencies, X, dtype=X.dtype)
         norm = 1.0 / np.sqrt(self.frequencies.shape[1])
-        return norm * xp.concatenate([xp.cos(projected), xp.sin(projected)], axis=1)
+        return norm * xp.concat([xp.cos(projected), xp.sin(projected)], axis=1)

@@ -5,19 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from array_api_compat import is_cupy_array
 from sklearn.utils.validation import check_array
 
-from ._backend import array_namespace
+from ._backend import array_namespace, is_host_array
 from .bags import BagIndex
 
 __all__ = ["check_features", "check_mil_data"]
 
 
 def check_features(X: Any, *, n_features: int | None = None) -> Any:
-    """A finite 2-D float array; NumPy input goes through scikit-learn's ``check_array``,
-    CuPy input stays on the device."""
-    if is_cupy_array(X):
+    """A finite 2-D float array; host input goes through scikit-learn's ``check_array``, an
+    array-API array on a device (CuPy, …) stays there (one scalar comes back: all finite?)."""
+    if not is_host_array(X):
         xp = array_namespace(X)
         if X.ndim != 2:
             raise ValueError(f"X must be 2-D (n_instances, n_features), got shape {X.shape}")

@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease", "holds_writer_lease"]
+__all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease", "holds_writer_lease",
+           "ensure_still_held"]
 
 log = logging.getLogger("gpmil.lease")
 
@@ -120,6 +121,7 @@ def _try_create(path: Path, info: LeaseInfo) -> bool:
 
 def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
     path = lease_path(store)
+    path.parent.mkdir(parents=True, exist_ok=True)  # a new store's folder may not exist yet (the first ingest creates it)
     pid = os.getpid()
     info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
     for _ in range(5):
@@ -185,6 +187,21 @@ def writer_lease(store: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S)
                 current = read_lease(store)
                 if current is not None and current[0].token == held[0]:
                     path.unlink(missing_ok=True)
+
+
+def ensure_still_held(store: str | Path) -> None:
+    """Before a commit: if this process holds the store's lease, check nobody took it over (a
+    holder frozen for longer than the ttl); raise rather than write beside another writer."""
+    path = lease_path(store)
+    with _HELD_LOCK:
+        held = _HELD.get(str(path))
+    if held is None:
+        return
+    current = read_lease(store)
+    if current is None or current[0].token != held[0]:
+        holder = "nobody" if current is None else f"{current[0].purpose} (host {current[0].host}, PID {current[0].pid})"
+        raise StoreLockedError(f"the writer lease of {store} was lost while this run held it (now: {holder}); "
+                               "stopping before the next commit. Rerun: what is staged is committed then.")
 
 
 def holds_writer_lease(purpose: str) -> Callable[[Callable], Callable]:

@@ -3,15 +3,15 @@
 Results are keyed on content and persisted next to the data (model files under
 ``<output_dir>/models/<key>/``, predictions in the store under ``predictions/<key>``), so a task
 whose result exists returns it without recomputing (``reused=True`` in its result); Prefect's own
-result caching is therefore off. I/O tasks retry with back-off.
+result caching is therefore off. I/O tasks retry with back-off on transient errors only.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,8 @@ import numpy as np
 import zarr
 from distributed import Client
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
@@ -33,7 +34,6 @@ from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 
-IO_RETRIES = dict(retries=2, retry_delay_seconds=[2, 10])
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,29 @@ def _atomic_write_bytes(path: Path, payload: bytes) -> None:
     os.replace(tmp.name, path)
 
 
-@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **IO_RETRIES)
+def is_transient(error: BaseException | None) -> bool:
+    """Worth a retry: I/O and network errors (a stale NFS handle, a dropped connection), a timeout,
+    a lost Dask worker. Deterministic errors fail the same way every time and are not retried: a
+    missing file or folder, a permission, bad input (an :class:`IngestError`: unreadable file,
+    no tissue, wrong label), a validation error, a bug."""
+    from distributed import KilledWorker
+    from distributed.comm.core import CommClosedError
+
+    from tasks.ingest.errors import IngestError
+
+    deterministic = (IngestError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, deterministic)
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    return is_transient(state.result(raise_on_failure=False))
+
+
+# Prefect retries a task with these settings only when ``is_transient`` says so.
+RETRY_IF_TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_if_transient)
+
+
+@task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def fingerprint_cohort(store: str) -> str:
     """Content fingerprint of a store: bag ids, labels, offsets and the feature extractor."""
     cohort = open_cohort(store)
@@ -99,13 +121,17 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     with Client(scheduler_address) as client:
         summary = fit_cohort(
             model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
-            mode=config.training.mode, device=config.training.device, checkpoint_every=config.training.checkpoint_every,
+            mode=config.training.mode, device=config.training.device, gpu_namespace=config.training.gpu_namespace,
+            device_memory=None if config.training.device_memory_gib is None else int(config.training.device_memory_gib * 2**30),
+            compute_dtype=config.training.compute_dtype,
+            checkpoint_every=config.training.checkpoint_every,
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
+    trace = model.elbo_ if hasattr(model, "elbo_") else model.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
-        "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in model.elbo_],
+        "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in trace],
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
@@ -116,28 +142,12 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.warning(warnings[-1])
     info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
-    report.plot_elbo(model.elbo_, model_dir / "elbo.png")
+    report.plot_elbo(trace, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
 
-def is_transient(error: BaseException | None) -> bool:
-    """Worth a retry: file-system and network errors, a lost Dask worker. Bad input (an
-    :class:`IngestError`: unreadable file, no tissue, wrong label) fails the same way every time."""
-    from distributed import KilledWorker
-    from distributed.comm.core import CommClosedError
-
-    from tasks.ingest.errors import IngestError
-
-    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, IngestError)
-
-
-def _retry_if_transient(task, task_run, state) -> bool:
-    return is_transient(state.result(raise_on_failure=False))
-
-
-IO_RETRIES_IF_TRANSIENT = dict(**IO_RETRIES, retry_condition_fn=_retry_if_transient)
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ class IngestWork:
 
 
 @task(name="list-inputs", task_run_name="list {config.ingest.kind} inputs in {config.ingest.source}", cache_policy=NO_CACHE,
-      **IO_RETRIES_IF_TRANSIENT)
+      **RETRY_IF_TRANSIENT)
 def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
@@ -174,7 +184,7 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     return IngestWork(run, plan.bag_writer)
 
 
-@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+@task(name="ingest-item", task_run_name="ingest {item.bag_id}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def ingest_item(store: str, item: IngestItem, bag_writer: BagWriter, client: Client, nonfinite: str = "reject") -> int:
     """Tile + featurise one slide/scan on the Dask cluster into its own staging group; returns its
     number of instances. Bad input fails this task only (and is not retried)."""
@@ -204,7 +214,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
 
 
-@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **IO_RETRIES_IF_TRANSIENT)
+@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
     """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
     from tasks.ingest.tables import ingest_table as ingest_feature_table
@@ -292,7 +302,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     name = f"predictions/{prediction_key}"
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
-        return StageResult(prediction_key, f"{store}/{name}", True, {})
+        return StageResult(prediction_key, f"{store}/{name}", True, {"n_bags": open_cohort(store).n_bags})
     _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
@@ -301,9 +311,11 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
     with Client(scheduler_address) as client:
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
-                              device=config.training.device, scaling=trained.scaling, instance_kwargs=instance_kwargs,
+                              device=config.training.device, gpu_namespace=config.training.gpu_namespace,
+                              compute_dtype=config.training.compute_dtype,
+                              scaling=trained.scaling, instance_kwargs=instance_kwargs,
                               bag_kwargs=bag_kwargs)
-    return StageResult(prediction_key, path, False, {})
+    return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 
 
 def _check_same_features(store: str, model_dir: str) -> None:
@@ -322,8 +334,28 @@ def _check_same_features(store: str, model_dir: str) -> None:
                          f"features of {trained_on['store']}: ingest the cohort with ingest.extractor_from: {trained_on['store']}")
 
 
-def _png_markdown(path: Path, alt: str) -> str:
-    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+def output_url(config: PipelineConfig, path: Path) -> str:
+    """The URL of a file under ``output_dir``: below ``output_url`` where the folder is served,
+    else a ``file://`` URI."""
+    from urllib.parse import quote
+
+    if config.output_url:
+        return f"{config.output_url.rstrip('/')}/{quote(path.resolve().relative_to(Path(config.output_dir).resolve()).as_posix())}"
+    return path.resolve().as_uri()
+
+
+def _figure_artifacts(config: PipelineConfig, figures: list[Path], report_md: Path) -> list[str]:
+    """One image artifact per figure and a link artifact to the report file; the Markdown image
+    lines for the UI's report (URLs: the UI cannot read files next to the report)."""
+    lines = []
+    for figure in figures:
+        url = output_url(config, figure)
+        where = figure.relative_to(report_md.parent).with_suffix("")
+        create_image_artifact(url, key=artifact_key("figure", config.name, *where.parts), description=str(where))
+        lines.append(f"![{figure.stem}]({url})")
+    create_link_artifact(output_url(config, report_md), link_text=str(report_md), key=artifact_key("report-file", config.name),
+                         description="The report, with its tables and figures beside it")
+    return lines
 
 
 def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
@@ -344,7 +376,7 @@ def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -
         return None, None
 
 
-@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **IO_RETRIES)
+@task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
     Markdown report, and the matching Prefect artifacts."""
@@ -353,6 +385,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     settings = json.dumps({"model_dir": str(model_dir), **config.prediction.model_dump(mode="json")}, sort_keys=True)
     if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
+        create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
+                             key=artifact_key("report-file", config.name), description="The report (reused: nothing changed since it was written)")
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
     (out / "report-settings.json").unlink(missing_ok=True)
@@ -388,8 +422,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
-    if (Path(model_dir) / "elbo.png").exists():
-        figures.insert(0, Path(model_dir) / "elbo.png")
+    if (Path(model_dir) / "elbo.png").exists():  # a copy beside the report: its links stay relative
+        shutil.copyfile(Path(model_dir) / "elbo.png", out / "elbo.png")
+        figures.insert(0, out / "elbo.png")
 
     not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
@@ -417,11 +452,11 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
-    sections += ["## Figures", ""] + [_png_markdown(f, f.stem) for f in figures]
-    markdown = "\n".join(sections)
-    (out / "report.md").write_text(markdown)
+    sections += ["## Figures", ""]
+    (out / "report.md").write_text("\n".join(sections + [f"![{f.stem}]({f.relative_to(out).as_posix()})" for f in figures]))
     (out / "report-settings.json").write_text(settings)  # last: marks the report complete
-    create_markdown_artifact(markdown, key=artifact_key("report", config.name), description="Evaluation report with figures")
+    create_markdown_artifact("\n".join(sections + _figure_artifacts(config, figures, out / "report.md")),
+                             key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),
                           key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")

@@ -248,3 +248,25 @@ def test_standardised_training_equals_a_fit_on_standardised_features(client, tmp
     order = np.argsort(bags, kind="stable")
     np.testing.assert_allclose(read_predictions(path, "scaled")["instances/proba"],
                                serial.predict_instance_proba(summary.scaling(X[order]), method="probit"), rtol=1e-8)
+
+
+def test_absmil_trains_and_predicts_through_fit_cohort_as_its_fit(client, toy_store):
+    from mil_core import AbSMIL
+
+    path, (X, bags, y) = toy_store
+    params = dict(max_iter=30, n_random_features=16, random_state=0)
+    serial = AbSMIL(**params).fit(X, bags, y)
+    model = AbSMIL(**params)
+    summary = fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert summary.n_partitions > 1
+    np.testing.assert_allclose(model.weights_, serial.weights_, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(model.objective_, serial.objective_, rtol=1e-10)
+    predict_cohort(model, path, client, run="absmil", partition_bytes=2_000)
+    out = read_predictions(path, "absmil")
+    np.testing.assert_allclose(out["bags/proba"], serial.predict_bag_proba(X, bags)[1], rtol=1e-8)
+    order = np.argsort(bags, kind="stable")
+    np.testing.assert_allclose(out["instances/proba"], serial.predict_instance_proba(X[order]), rtol=1e-8)
+    assert np.all(np.isnan(out["bags/std"]))  # a point estimate has no predictive std
+    with pytest.raises(ValueError, match="n_init=1"):
+        fit_cohort(AbSMIL(n_init=3), path, client, run="restarts", resume=False)
+

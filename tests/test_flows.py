@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -128,8 +129,10 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     from flows.cli import main
 
     assert main(["run", write_config(tmp_path, cohort)]) == 0
-    out = capsys.readouterr().out
-    assert "report" in out and "report.md" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["train", "done"], ["predict", "done"], ["report", "done"]]
+    assert "VGPMIL on 30 bags, 8 iterations" in lines[0] and "30 bags" in lines[1] and "bag_auc" in lines[2] and "bag_f1" in lines[2]
+    assert lines[2].endswith("report.md") and not any("StageResult(" in line for line in lines)
     bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
     assert main(["train", bad]) == 2
     assert "training.mode" in capsys.readouterr().err
@@ -190,6 +193,45 @@ def test_only_transient_errors_are_retried():
     assert is_transient(OSError("stale file handle")) and is_transient(TimeoutError()) and is_transient(KilledWorker("k", "w", 3))
     assert not is_transient(UnreadableFileError("truncated", path="a.tiff")) and not is_transient(NoTissueError("none"))
     assert not is_transient(ValueError("a bug")) and not is_transient(None)
+    assert is_transient(ConnectionResetError()) and is_transient(OSError(116, "Stale file handle"))
+    for deterministic in (FileNotFoundError(2, "No such file", "a.tiff"), PermissionError(13, "denied"), IsADirectoryError(21, "dir")):
+        assert not is_transient(deterministic)
+
+
+def test_a_flow_run_with_a_missing_input_fails_before_any_task_or_cluster(tmp_path, cohort):
+    config = write_config(tmp_path, tmp_path / "moved.zarr")
+    state = train_model(config, return_state=True)
+    assert state.is_failed() and "store: " + str(tmp_path / "moved.zarr") + " does not exist" in state.message
+    assert task_runs_of(state.state_details.flow_run_id, n_expected=0) == []
+
+
+def test_a_deterministic_task_failure_is_not_retried(tmp_path, cohort):
+    not_a_store = tmp_path / "empty.zarr"
+    not_a_store.mkdir()
+    state = train_model(write_config(tmp_path, not_a_store), return_state=True)
+    assert state.is_failed()
+    runs = task_runs_of(state.state_details.flow_run_id, n_expected=1)
+    assert [(r.name, r.run_count, r.state.is_failed()) for r in runs] == [(f"fingerprint {not_a_store}", 1, True)]
+
+
+def test_a_bad_config_or_a_missing_input_fails_in_one_line_before_prefect_or_mil_core_is_imported(tmp_path, cohort):
+    import subprocess
+    import sys
+
+    bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"store": str(tmp_path / "s.zarr"), "output_dir": "out",
+                                       "ingest": {"kind": "wsi", "source": "slides", "labels": "labels.csv"}}))
+    probe = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
+             "print(rc, sorted(m for m in ('prefect', 'mil_core', 'distributed') if m in sys.modules))")
+    for args, message in [(["run", bad], f"gpmil: {bad}: training.mode: Input should be 'auto', 'persist' or 'stream'"),
+                          (["ingest", str(missing)], f"gpmil: {missing}: ingest.source: {tmp_path / 'slides'} does not exist; "
+                                                     f"ingest.labels: {tmp_path / 'labels.csv'} does not exist"),
+                          (["train", str(missing), "--store", str(tmp_path / "none.zarr")],
+                           f"gpmil: {missing}: --store: {tmp_path / 'none.zarr'} does not exist")]:
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+        assert done.stdout.strip() == "2 []", done.stderr
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith(message) and "Traceback" not in done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +257,12 @@ def test_demo_trains_on_one_cohort_and_reports_metrics_on_a_held_out_cohort(demo
         assert metrics["n_bags"] == 6 and 0 <= metrics["bag_auc"] <= 1
         model = json.loads((Path(text.split("model `")[1].split("`")[0]) / "model.json").read_text())
         assert model["store"] == str(workdir / "stores" / f"{modality}.zarr") and model["n_bags"] == 6
-    assert len(list((Path(reports["wsi"]).parent / "heatmaps").glob("*.png"))) == 4 and Path(reports["wsi"]).read_text().count("data:image/png") >= 5
+    assert len(list((Path(reports["wsi"]).parent / "heatmaps").glob("*.png"))) == 4
+    for modality in ("wsi", "ct"):
+        report = Path(reports[modality])
+        figures = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report.read_text())
+        assert len(figures) >= 6 and all((report.parent / f).is_file() for f in figures)  # ELBO, ROC, 4 heatmaps / slice plots
+        assert "base64" not in report.read_text() and report.stat().st_size < 20_000
     assert (Path(reports["ct"]).parent / "slices").is_dir() and "instance_auc" in json.loads(Path(reports["ct"]).with_name("metrics.json").read_text())
     trained, held_out = open_cohort(workdir / "stores" / "wsi.zarr"), open_cohort(workdir / "stores" / "wsi-heldout.zarr")
     assert held_out.attrs["feature_extractor"] == trained.attrs["feature_extractor"]  # the model's features, not refitted
@@ -245,9 +292,34 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
+def test_the_cli_summarises_each_stage_in_one_line():
+    from flows.cli import summary
+    from tasks.prefect_tasks import StageResult
+
+    ingest = StageResult("c", "/s.zarr", False, {"added": ["a", "b"], "n_instances_added": 40, "already_done": ["c"],
+                                                  "skipped": [{"bag_id": "d"}]})
+    assert summary("ingest", ingest) == "ingest  done    2 bags added (40 instances), 1 already in the store, 1 skipped -> /s.zarr"
+    train = StageResult("k", "/m", True, {"model": "VGPMIL", "n_bags": 9, "n_iter": 30, "converged": True})
+    assert summary("train", train) == "train   reused  VGPMIL on 9 bags, 30 iterations -> /m"
+    assert summary("report", StageResult("p", "/r.md", False, {})) == "report  done    no labelled bags of both classes: no metrics -> /r.md"
+
+
 def test_progress_bars_say_how_far_a_stage_is():
     from tasks.prefect_tasks import progress_bar
 
     assert progress_bar(0, 4, width=8) == "[........] 0/4"
     assert progress_bar(3, 4, width=8) == "[######..] 3/4"
     assert progress_bar(0, 0, width=4) == "[....] 0/0"
+
+
+def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
+    from mil_core import AbSMIL
+
+    params = {"max_iter": 40, "random_state": 0}
+    result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
+    table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
+    X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
+    serial = AbSMIL(**params).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
+    np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
+    assert result["report"].info["bag_auc"] > 0.8
+

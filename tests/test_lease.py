@@ -80,7 +80,7 @@ def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
 
 
 def test_the_lease_is_reentrant_in_one_process_and_refreshed_while_held(tmp_path):
-    store = tmp_path / "c.zarr"
+    store = tmp_path / "new" / "folder" / "c.zarr"  # a store about to be created
     with writer_lease(store, "flow", ttl=0.4):
         first = lease_path(store).stat().st_mtime
         with writer_lease(store, "library call inside the flow"):
@@ -137,3 +137,24 @@ def test_training_and_prediction_hold_the_lease_so_a_second_process_is_refused(t
         holder.wait(timeout=30)
     root = zarr.open_group(str(store), mode="r")
     assert "training" not in root and "predictions" not in root  # nothing was written
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_commit(tmp_path):
+    import numpy as np
+
+    from tasks.ingest.driver import IngestItem, run_ingest
+    from tasks.store import CohortSpec, open_cohort
+
+    store = tmp_path / "c.zarr"
+    spec = CohortSpec(name="c", n_features=2, coords_dim=1, coords_meaning="index")
+
+    def writer(item, staging):
+        if item.bag_id == "b1":  # another process takes the lease over while this run is frozen
+            lease_path(store).write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None,
+                                                     "purpose": "run on other-node", "started": 0.0, "token": "x"}))
+        staging.write(np.ones((2, 2)), np.zeros((2, 1)), np.full(2, -1))
+
+    items = [IngestItem(f"b{k}", f"/b{k}", 0, None) for k in range(3)]
+    with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
+        run_ingest(store, spec, items, writer, commit_every=1)
+    assert list(open_cohort(store).bag_ids) == ["b0"]  # committed before the take-over; nothing after

@@ -162,8 +162,43 @@ def _edit(paths, **tags):
         ds.save_as(path)
 
 
-def test_ct_series_that_are_not_one_complete_ct_scan_are_refused_naming_series_and_reason(tmp_path):
+def _break_mr(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths, Modality="MR")
+    return "Modality 'MR', not CT"
+
+
+def _break_rescale(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths[2:3], RescaleIntercept=None)
+    return f"no usable RescaleIntercept in {paths[2].name}: Hounsfield units cannot be computed"
+
+
+def _break_missing_slice(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    paths[3].write_bytes(paths[3].read_bytes()[:100])  # an unreadable slice in the middle
+    return "gap of 10.00 mm between slices .* \\(median spacing 5.00 mm\\): a slice is missing or unreadable"
+
+
+def _break_duplicate_position(root, hu, write):
+    _, _, paths = write(root / "bad", hu, series_key="bad")
+    _edit(paths[4:5], ImagePositionPatient=[-125.0, -125.0, 15.0])  # where slice 3 is
+    return "are at the same position \\(15.00 mm along the slice normal\\)"
+
+
+def _break_mixed_folder(root, hu, write):
     import pydicom
+
+    first, _, first_paths = write(root / "bad", hu, series_key="bad-a")
+    _, _, second_paths = write(root / "bad", hu[:4], series_key="bad-b")
+    _edit(second_paths, StudyInstanceUID=pydicom.dcmread(first_paths[0]).StudyInstanceUID)
+    return "folder holds 2 series of one study"
+
+
+@pytest.mark.parametrize("break_series", [_break_mr, _break_rescale, _break_missing_slice, _break_duplicate_position,
+                                          _break_mixed_folder], ids=lambda f: f.__name__[7:])
+def test_a_ct_series_that_is_not_one_complete_ct_scan_is_skipped_naming_series_and_reason(tmp_path, break_series):
+    import re
 
     from tasks.ingest.ct import ingest_ct
     from tasks.ingest.synthetic import write_ct_series
@@ -171,32 +206,11 @@ def test_ct_series_that_are_not_one_complete_ct_scan_are_refused_naming_series_a
     hu = np.random.default_rng(0).normal(40.0, 30.0, size=(6, 16, 16))
     root = tmp_path / "dicom"
     good, _, _ = write_ct_series(root / "good", hu, series_key="good")
-    mr, _, mr_paths = write_ct_series(root / "mr", hu, series_key="mr")
-    _edit(mr_paths, Modality="MR")
-    norescale, _, nr_paths = write_ct_series(root / "norescale", hu, series_key="norescale")
-    _edit(nr_paths[2:3], RescaleIntercept=None)
-    gap, _, gap_paths = write_ct_series(root / "gap", hu, series_key="gap")
-    gap_paths[3].write_bytes(gap_paths[3].read_bytes()[:100])  # an unreadable slice in the middle
-    dup, _, dup_paths = write_ct_series(root / "dup", hu, series_key="dup")
-    _edit(dup_paths[4:5], ImagePositionPatient=[-125.0, -125.0, 15.0])  # where slice 3 is
-    first, _, _ = write_ct_series(root / "mixed", hu, series_key="mixed-a")
-    second, _, second_paths = write_ct_series(root / "mixed", hu[:4], series_key="mixed-b")
-    study = pydicom.dcmread(str(root / "good" / next(p.name for p in (root / "good").iterdir()))).StudyInstanceUID
-    first_study = next(pydicom.dcmread(p).StudyInstanceUID for p in (root / "mixed").iterdir()
-                       if pydicom.dcmread(p).SeriesInstanceUID == first)
-    _edit(second_paths, StudyInstanceUID=first_study)
-    assert study != first_study
-
+    reason = break_series(root, hu, write_ct_series)
     report = ingest_ct(tmp_path / "ct.zarr", root)
-    reasons = {s.bag_id: (s.error, s.reason) for s in report.skipped if s.bag_id}
-    assert report.added == (good,)
-    assert reasons[mr] == ("InvalidSeriesError", reasons[mr][1]) and "Modality 'MR', not CT" in reasons[mr][1]
-    assert "no usable RescaleIntercept" in reasons[norescale][1] and nr_paths[2].name in reasons[norescale][1]
-    assert "gap of 10.00 mm" in reasons[gap][1] and "median spacing 5.00 mm" in reasons[gap][1]
-    assert any(s.error == "UnreadableFileError" and s.path == str(gap_paths[3]) for s in report.skipped)
-    assert "same position (15.00 mm" in reasons[dup][1]
-    assert "folder holds 2 series of one study" in reasons[first][1] and second in reasons
-    assert all(s.path for s in report.skipped)
+    assert report.added == (good,)  # the good series is ingested whatever the bad one does
+    refused = [s for s in report.skipped if s.error == "InvalidSeriesError"]
+    assert refused and all(re.search(reason, s.reason) and s.bag_id and s.path.endswith("bad") for s in refused)
 
 
 def _slide_folder(tmp_path, names, labels_rows):
@@ -255,3 +269,29 @@ def test_an_empty_rsna_labels_file_stops_a_ct_ingest_before_anything_is_written(
     with pytest.raises(IngestError, match="header .*ID, Label.* but no rows"):
         ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
     assert not (tmp_path / "ct.zarr").exists()
+
+
+def test_a_text_cell_in_a_feature_table_skips_its_bag_naming_row_column_and_value(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    rows = [[1, "a", 0.1, 0.2], [0, "b", "n/a?", 0.8], [0, "b", 0.7, 0.8], [0, "c", 0.9, 1.0]]
+    report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, rows)))
+    assert report.added == ("a", "c")
+    (skip,) = report.skipped
+    assert skip.error == "BadValueError" and skip.reason == "row 1, column 2: 'n/a?' is not a number"
+    dropped = ingest_table(tmp_path / "d.zarr", read_mil_csv(_csv(tmp_path, rows)), nonfinite="drop")
+    assert dropped.added == ("a", "b", "c") and dropped.dropped_nonfinite == {"b": 1}
+
+
+def test_a_dicom_file_with_a_non_utf8_name_is_reported_and_does_not_abort_the_ct_ingest(tmp_path):
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import write_ct_series
+
+    hu = np.random.default_rng(1).normal(40.0, 30.0, size=(4, 16, 16))
+    good, _, _ = write_ct_series(tmp_path / "dicom" / "good", hu, series_key="good")
+    _, _, paths = write_ct_series(tmp_path / "dicom" / "latin1", hu, series_key="latin1")
+    os.rename(paths[0], os.path.join(os.fsencode(paths[0].parent), b"slice\xe9.dcm"))
+    report = ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom")
+    assert good in report.added
+    assert any(s.error == "UnreadableFileError" and s.path.endswith("slice\\xe9.dcm") and "not valid UTF-8" in s.reason
+               for s in report.skipped)

@@ -8,6 +8,8 @@ one level up, in :mod:`mil_core`.
 
 from ..persist import allow_types
 from .absmil import AbSMIL, AbSMILState
+from .attention_mil import ABMIL
+from .embedded import EmbeddedGPMIL
 from .gibbs import VGPMILPRGibbs
 from .probit import VGPMILPR, VGPMILPRI
 from .vgpmil import GVGPMIL, VGPMIL, PsiVGPMIL
@@ -15,8 +17,8 @@ from .hyper import HyperState
 from .ising_hyper import LamLocal, LamState
 from .vwsgp import VWSGP
 
-__all__ = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VGPMILPRGibbs", "VWSGP", "AbSMIL"]
+__all__ = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VGPMILPRGibbs", "VWSGP", "AbSMIL", "ABMIL", "EmbeddedGPMIL"]
 
 # What a saved model or a training checkpoint may hold (mil_core.persist builds nothing else).
-allow_types(VGPMIL, GVGPMIL, PsiVGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs, VWSGP, AbSMIL,
+allow_types(VGPMIL, GVGPMIL, PsiVGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs, VWSGP, AbSMIL, ABMIL, EmbeddedGPMIL,
             HyperState, LamState, LamLocal, AbSMILState)

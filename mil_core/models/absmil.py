@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
+from array_api_compat import device
 from scipy.special import expit, log_softmax
 from sklearn.base import BaseEstimator
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from .._backend import array_namespace, to_numpy
+from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
@@ -285,7 +286,7 @@ class AbSMILUpdates:
         xp = array_namespace(X)
         phi = X if self.feature_map is None else self.feature_map(X)
         if self.fit_intercept:
-            phi = xp.concatenate([phi, xp.ones((phi.shape[0], 1), dtype=phi.dtype)], axis=1)
+            phi = xp.concat([phi, xp.ones((phi.shape[0], 1), dtype=phi.dtype, device=device(phi))], axis=1)
         return phi
 
     def prepare(self, block: BagBlock) -> AttributeBags:
@@ -305,8 +306,7 @@ class AbSMILUpdates:
 
     def log_attribute_proba(self, features: Any, weights: np.ndarray) -> np.ndarray:
         """``log P(z = c | x, W)`` (Eq. 1) as host float64 (n, C + 1)."""
-        xp = array_namespace(features)
-        return log_softmax(to_numpy(features @ xp.asarray(weights, dtype=features.dtype)).astype(np.float64), axis=1)
+        return log_softmax(to_numpy(features @ like(weights, features, dtype=features.dtype)).astype(np.float64), axis=1)
 
     def side_log_proba(self, log_p: np.ndarray, positive: np.ndarray | bool) -> np.ndarray:
         """``log P^+`` where ``positive`` else ``log P^−`` (Eq. 9)."""
@@ -340,7 +340,7 @@ class AbSMILUpdates:
         residual = p - post + self.lambda_e * p * (-entropy[:, None] - log_p)
         xp = array_namespace(block.features)
         stats = AttributeStats(
-            gradient=to_numpy(block.features.T @ xp.asarray(residual, dtype=block.features.dtype)).astype(np.float64),
+            gradient=to_numpy(block.features.T @ like(residual, block.features, dtype=block.features.dtype)).astype(np.float64),
             objective=float(-np.sum(log_lik) + self.lambda_e * np.sum(entropy)),
             n_bags=int(log_lik.shape[0]),
             n_instances=int(block.offsets[-1]),
@@ -488,11 +488,11 @@ class AbSMIL(BaseEstimator):
         each instance's bag."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_params()
-        X_sorted, offsets = X[bags.order], bags.offsets
+        X_sorted, offsets = take_rows(X, bags.order), bags.offsets
         rng = check_random_state(self.random_state)
-        updates = self._start_fit(X_sorted, rng)
+        updates = self._initial_updates(X_sorted, rng)
         blocks = [
-            BagBlock(X=X_sorted[offsets[a] : offsets[b]], offsets=offsets[a : b + 1] - offsets[a], labels=labels[a:b])
+            BagBlock(X=X_sorted[offsets[a] : offsets[b], ...], offsets=offsets[a : b + 1] - offsets[a], labels=labels[a:b])
             for a, b in split_into_blocks(offsets, self.block_size)
         ]
         best = None
@@ -510,7 +510,30 @@ class AbSMIL(BaseEstimator):
         self._finish_fit(best[1])
         return self
 
-    def _start_fit(self, X_train: Any, rng: np.random.RandomState) -> AbSMILUpdates:
+    # ---- executors that train outside fit (tasks.training.fit_cohort) ---------------------------
+    def _check_common_params(self, n_instances: int) -> None:
+        """The checks of a fit outside :meth:`fit`, which runs the batch solver from one start
+        (restarts and Pegasos' bag-by-bag steps are serial)."""
+        self._check_params()
+        if self.solver != "batch" or self.n_init != 1:
+            raise ValueError("AbSMIL outside fit() runs the batch solver from one start: use solver='batch' and n_init=1 "
+                             f"(got solver={self.solver!r}, n_init={self.n_init})")
+
+    def _start_fit(self, X_sample: Any, instance_labels: np.ndarray | None = None) -> AbSMILUpdates:
+        """Fitted start state and the updates of :meth:`fit`'s first start, drawn from the same
+        seeded stream (random features, then initial weights), so a distributed fit equals ``fit``."""
+        rng = check_random_state(self.random_state)
+        updates = self._initial_updates(X_sample, rng)
+        return replace(updates, initial_weights=self.init_scale * rng.standard_normal(updates.initial_weights.shape))
+
+    def _make_updates(self, gp: Any = None) -> AbSMILUpdates:
+        """The updates of a resumed fit (the weights come from its checkpointed state)."""
+        return self._updates(np.zeros((self._feature_width() + int(self.fit_intercept), int(self.n_attributes) + 1)))
+
+    def _feature_width(self) -> int:
+        return self.n_features_in_ if self.feature_map_ is None else self.feature_map_.n_output_features
+
+    def _initial_updates(self, X_train: Any, rng: np.random.RandomState) -> AbSMILUpdates:
         """Set ``n_features_in_``, ``classes_``, ``feature_map_`` and return the updates (initial
         weights zero; :meth:`fit` draws them per restart)."""
         self.n_features_in_ = int(X_train.shape[1])
@@ -519,16 +542,7 @@ class AbSMIL(BaseEstimator):
         if self.n_random_features is not None:
             scale = 1.0 / np.sqrt(self.n_features_in_) if self.rff_scale is None else self.rff_scale
             self.feature_map_ = RandomFourierFeatures.sample(self.n_features_in_, self.n_random_features, scale, rng)
-        width = self.n_features_in_ if self.feature_map_ is None else self.feature_map_.n_output_features
-        return AbSMILUpdates(
-            n_attributes=int(self.n_attributes),
-            n_max=self.n_max,
-            lambda_q=float(self.lambda_q),
-            lambda_e=float(self.lambda_e),
-            initial_weights=np.zeros((width + int(self.fit_intercept), int(self.n_attributes) + 1)),
-            feature_map=self.feature_map_,
-            fit_intercept=bool(self.fit_intercept),
-        )
+        return self._make_updates()
 
     def _pegasos(self, updates: AbSMILUpdates, whole: AttributeBags, rng: np.random.RandomState) -> FitTrace:
         """Algorithm 1 with ``batch_size`` bags per step; one trace entry per epoch."""
@@ -553,20 +567,20 @@ class AbSMIL(BaseEstimator):
         trace.glob = AbSMILState(weights=weights)
         return trace
 
-    def _finish_fit(self, trace: FitTrace) -> None:
+    def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         self.weights_ = trace.glob.solution
         self.objective_ = np.asarray(trace.objective)
         self.n_iter_ = trace.n_iter
         self.converged_ = trace.converged
 
     # ---- prediction --------------------------------------------------------------------------
-    def _updates(self) -> AbSMILUpdates:
+    def _updates(self, weights: np.ndarray | None = None) -> AbSMILUpdates:
         return AbSMILUpdates(
             n_attributes=int(self.n_attributes),
             n_max=self.n_max,
             lambda_q=float(self.lambda_q),
             lambda_e=float(self.lambda_e),
-            initial_weights=self.weights_,
+            initial_weights=self.weights_ if weights is None else weights,
             feature_map=self.feature_map_,
             fit_intercept=bool(self.fit_intercept),
         )
@@ -578,7 +592,7 @@ class AbSMIL(BaseEstimator):
         X = check_features(X, n_features=self.n_features_in_)
         X, bags, _ = check_mil_data(X, bag_ids)
         updates = self._updates()
-        X_sorted = X[bags.order]
+        X_sorted = take_rows(X, bags.order)
         log_p = updates.log_attribute_proba(updates.features(X_sorted), self.weights_)
         caps = relevance_caps(bags.sizes, self.n_max)
         chains = {

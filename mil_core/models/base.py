@@ -15,7 +15,7 @@ from sklearn.model_selection import StratifiedKFold, train_test_split
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from .._backend import to_numpy
+from .._backend import take_rows, to_numpy
 from ..bags import BagIndex, split_into_blocks
 from ..engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
@@ -44,7 +44,7 @@ def take_bags(X_sorted: Any, offsets: np.ndarray, bags: np.ndarray) -> tuple[Any
     starts = offsets[:-1][bags]
     new_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     rows = np.repeat(starts - new_offsets[:-1], sizes) + np.arange(new_offsets[-1])
-    return X_sorted[rows], new_offsets
+    return take_rows(X_sorted, rows), new_offsets
 
 
 class SparseGPMILBase(BaseEstimator):
@@ -100,7 +100,7 @@ class SparseGPMILBase(BaseEstimator):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        X_sorted = X[bags.order]
+        X_sorted = take_rows(X, bags.order)
         train, val = self._split_validation(labels)
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)
         coords_train = None if coords_sorted is None else take_bags(coords_sorted, bags.offsets, train)[0]
@@ -109,7 +109,7 @@ class SparseGPMILBase(BaseEstimator):
         updates = self._start_fit(X_train, np.repeat(train_labels, np.diff(offsets)), offsets=offsets, coords=coords_train)
         blocks = [
             BagBlock(
-                X=X_train[offsets[a] : offsets[b]],
+                X=X_train[offsets[a] : offsets[b], ...],
                 offsets=offsets[a : b + 1] - offsets[a],
                 labels=train_labels[a:b],
                 coords=None if coords_train is None else coords_train[offsets[a] : offsets[b]],

@@ -22,6 +22,7 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse
 
+from .._backend import take_rows
 from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ
 from ..ising import Neighbourhood
@@ -94,7 +95,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        X_sorted = X[bags.order]
+        X_sorted = take_rows(X, bags.order)
         offsets = bags.offsets
         updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)))
         block = updates.prepare(BagBlock(X=X_sorted, offsets=offsets, labels=labels, coords=coords_sorted))
@@ -109,8 +110,8 @@ class VGPMILPRGibbs(VGPMILPRI):
 def _run_sampler(block, n_samples: int, burn_in: int, thin: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """The Gibbs chain on one prepared block (module docstring); returns kept ``v`` samples and
     the posterior mean of ``m`` (block row order)."""
-    A = np.asarray(block.features.A)
-    M = A.shape[1]
+    features = block.features  # A' stays where it is; A'v and A'ᵀm are its only products
+    M = features.A.shape[1]
     offsets, labels = block.offsets, block.labels
     sizes = np.diff(offsets)
     coupling = block.coupling
@@ -132,7 +133,7 @@ def _run_sampler(block, n_samples: int, burn_in: int, thin: int, rng: np.random.
     v = np.zeros(M)
     kept, m_sum = [], np.zeros_like(m)
     for sweep in range(burn_in + n_samples * thin):
-        mu = coupling.solve(A @ v)
+        mu = coupling.solve(features.latent_mean(v))
         for rows, bag, coupling_rows in steps:
             mean = mu[rows] + (coupling_rows @ (m - mu)) / pdiag[rows]
             sd = cond_sd[rows]
@@ -147,7 +148,7 @@ def _run_sampler(block, n_samples: int, burn_in: int, thin: int, rng: np.random.
             new = np.where(must_be_positive, flipped, np.where(free, normal, draw))
             n_nonneg[bag] += (new >= 0).astype(np.int64) - was_nonneg
             m[rows] = new
-        shift = A.T @ m
+        shift = features.project(m)
         mean_v = scipy.linalg.cho_solve((chol, True), shift)
         v = mean_v + scipy.linalg.solve_triangular(chol.T, rng.standard_normal(M), lower=False)
         if sweep >= burn_in and (sweep - burn_in) % thin == 0:

@@ -49,7 +49,7 @@ import scipy.linalg
 import scipy.optimize
 from scipy.special import expit, logsumexp
 
-from .._backend import to_numpy
+from .._backend import array_namespace, like, solve_lower_transposed, to_numpy
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi
@@ -164,26 +164,30 @@ class HyperStats(Summable):
 
 
 # -------------------------------------------------------------------- RBF gradient helpers
-def _scaled_centred(X: np.ndarray, Z: np.ndarray, kernel: RBF) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ell = np.asarray(kernel.length_scale, dtype=np.float64)
-    Xs, Zs = X / ell, Z / ell
-    centre = Zs.mean(axis=0)
-    return Xs - centre, Zs - centre, np.broadcast_to(ell, (X.shape[1],))
+def _scaled_centred(X: Any, Z: np.ndarray, kernel: RBF) -> tuple[Any, Any]:
+    """``X/ℓ`` and ``Z/ℓ`` centred on the mean of ``Z/ℓ``, in ``X``'s namespace and device."""
+    ell = like(np.asarray(kernel.length_scale, dtype=np.float64), X)
+    Xs, Zs = X / ell, like(Z, X) / ell
+    centre = array_namespace(X).mean(Zs, axis=0)
+    return Xs - centre, Zs - centre
 
 
-def _rbf_log_ell_gradient(weights: np.ndarray, X: np.ndarray, Z: np.ndarray, kernel: RBF, ard: bool) -> np.ndarray:
-    """``Σₙₘ Wₙₘ ∂K(X, Z)ₙₘ/∂log ℓ_d`` for ``Wₙₘ = K̄ₙₘ Kₙₘ``: ``Σ Wₙₘ (xₙd − z_md)²/ℓ_d²`` by GEMMs."""
-    Xs, Zs, _ = _scaled_centred(X, Z, kernel)
-    per_feature = (
-        weights.sum(axis=1) @ (Xs * Xs) - 2.0 * np.sum(Xs * (weights @ Zs), axis=0) + weights.sum(axis=0) @ (Zs * Zs)
+def _rbf_log_ell_gradient(weights: Any, X: Any, Z: np.ndarray, kernel: RBF, ard: bool) -> np.ndarray:
+    """``Σₙₘ Wₙₘ ∂K(X, Z)ₙₘ/∂log ℓ_d`` for ``Wₙₘ = K̄ₙₘ Kₙₘ``: ``Σ Wₙₘ (xₙd − z_md)²/ℓ_d²`` by
+    GEMMs where ``X`` lives; a D-vector comes back."""
+    xp = array_namespace(X)
+    Xs, Zs = _scaled_centred(X, Z, kernel)
+    per_feature = to_numpy(
+        xp.sum(weights, axis=1) @ (Xs * Xs) - 2.0 * xp.sum(Xs * (weights @ Zs), axis=0) + xp.sum(weights, axis=0) @ (Zs * Zs)
     )
     return per_feature if ard else np.array([per_feature.sum()])
 
 
-def _rbf_Z_gradient(weights: np.ndarray, X: np.ndarray, Z: np.ndarray, kernel: RBF) -> np.ndarray:
-    """``Σₙ Wₙₘ ∂K(X, Z)ₙₘ/∂Z_md = Σₙ Wₙₘ (xₙd − z_md)/ℓ_d²`` (the second argument only)."""
+def _rbf_Z_gradient(weights: Any, X: Any, Z: np.ndarray, kernel: RBF) -> np.ndarray:
+    """``Σₙ Wₙₘ ∂K(X, Z)ₙₘ/∂Z_md = Σₙ Wₙₘ (xₙd − z_md)/ℓ_d²`` (the second argument only), host (M, D)."""
     ell2 = np.asarray(kernel.length_scale, dtype=np.float64) ** 2
-    return (weights.T @ X - weights.sum(axis=0)[:, None] * Z) / ell2
+    xp = array_namespace(X)
+    return (to_numpy(weights.T @ X) - to_numpy(xp.sum(weights, axis=0))[:, None] * np.asarray(Z)) / ell2
 
 
 def _cholesky_backward(L: np.ndarray, L_bar: np.ndarray) -> np.ndarray:
@@ -261,11 +265,12 @@ class RFFNormaliser:
         """Per-sample partial sums ``Σₙ log g(f_sn)`` (S,) and their gradient (S, P) over this block."""
         k = self.frequencies.shape[1]
         v, ell = gp.kernel.variance, float(gp.kernel.length_scale)
-        phase = X @ (self.frequencies / ell)
-        cos, sin = np.cos(phase), np.sin(phase)
-        scale = np.sqrt(v / k)
-        f = scale * np.hstack([cos, sin]) @ self.weights  # (n, S)
-        df_dlog_ell = scale * np.hstack([sin * phase, -cos * phase]) @ self.weights
+        xp = array_namespace(X)
+        phase = X @ like(self.frequencies / ell, X)
+        cos, sin = xp.cos(phase), xp.sin(phase)
+        scale, weights = np.sqrt(v / k), like(self.weights, X)
+        f = to_numpy(scale * xp.concat([cos, sin], axis=1) @ weights)  # (n, S): this normaliser's N × S transfer
+        df_dlog_ell = to_numpy(scale * xp.concat([sin * phase, -cos * phase], axis=1) @ weights)
         log_psi, slope, d_psi = _log_psi_and_derivatives(psi, f, space.learn_psi)
         log_g = log_psi + np.logaddexp(0.5 * f, -0.5 * f)
         dlog_g = slope + 0.5 * np.tanh(0.5 * f)
@@ -327,18 +332,22 @@ class HyperMILUpdates:
 
     # ---- J and ∇J ------------------------------------------------------------------------
     def _probe(self, block: BagBlock, logits: np.ndarray, probe: HyperProbe) -> HyperStats:
-        """One partition's J terms and gradient with q and π fixed (module docstring)."""
+        """One partition's J terms and gradient with q and π fixed (module docstring).
+
+        The N × M and N × D work runs where ``block.X`` lives; only N-vectors of moments, the
+        M × M ``Σ Āᵀa'`` and the D / M × D gradient pieces come to the host."""
         gp, psi, space = probe.gp, probe.psi, self.space
-        X = np.asarray(to_numpy(block.X), dtype=np.float64)
-        L, m, S = gp.chol, probe.q.mean, probe.q.cov
+        xp = array_namespace(block.X)
+        X = xp.asarray(block.X, dtype=xp.float64)
+        L, m, S = like(gp.chol, X), probe.q.mean, probe.q.cov
         v = gp.kernel.variance
-        Kxz = gp.kernel(X, gp.Z)
+        Kxz = gp.kernel(X, like(gp.Z, X))
         features = gp.whiten_cross(Kxz.T, gp.kernel.diag(X))
-        A, resid = features.A, features.resid
+        A, resid = features.A, to_numpy(features.resid)
         inside = resid > 0.0  # the FITC residual is clipped at 0: no gradient where it is
-        AS = A @ S
-        mean = A @ m
-        var = np.maximum(np.sum(AS * A, axis=1) + resid, 0.0)
+        AS = A @ like(S, X)
+        mean = to_numpy(A @ like(m, X))
+        var = np.maximum(to_numpy(xp.sum(AS * A, axis=1)) + resid, 0.0)
         c = np.sqrt(mean**2 + var)
         theta = psi.theta(c)
         pi = expit(logits)
@@ -346,10 +355,11 @@ class HyperMILUpdates:
         value = float(np.sum((pi - 0.5) * mean + log_psi))
 
         g_mean, h_var = pi - 0.5 - theta * mean, -0.5 * theta
-        A_bar = g_mean[:, None] * m[None, :] + 2.0 * h_var[:, None] * AS - 2.0 * (h_var * inside)[:, None] * A
-        K_bar = scipy.linalg.solve_triangular(L, A_bar.T, lower=True, trans=1, check_finite=False).T  # Ā L⁻¹
+        A_bar = (like(g_mean, X)[:, None] * like(m, X)[None, :] + 2.0 * like(h_var, X)[:, None] * AS
+                 - 2.0 * like(h_var * inside, X)[:, None] * A)
+        K_bar = solve_lower_transposed(L, A_bar.T).T  # Ā L⁻¹
         W = K_bar * Kxz
-        grad = [np.array([W.sum() + v * np.sum(h_var * inside)]), _rbf_log_ell_gradient(W, X, gp.Z, gp.kernel, space.ard)]
+        grad = [np.array([float(xp.sum(W)) + v * np.sum(h_var * inside)]), _rbf_log_ell_gradient(W, X, gp.Z, gp.kernel, space.ard)]
         if space.learn_psi:
             grad.append(d_psi.sum(axis=0))
         mc_log_weights, mc_grad = self.normaliser.partition_terms(X, gp, psi, space)
@@ -358,7 +368,7 @@ class HyperMILUpdates:
             n_instances=int(X.shape[0]),
             grad=np.concatenate(grad),
             grad_Z=_rbf_Z_gradient(W, X, gp.Z, gp.kernel) if space.learn_inducing else np.zeros(0),
-            cross=A_bar.T @ A,
+            cross=to_numpy(A_bar.T @ A),
             mc_log_weights=mc_log_weights,
             mc_grad=mc_grad,
         )

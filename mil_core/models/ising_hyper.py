@@ -103,7 +103,7 @@ from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import train_test_split
 
-from .._backend import to_numpy
+from .._backend import array_namespace, like, to_numpy
 from ..bags import BagIndex
 from ..engine import BagBlock, GaussianQ, Summable, WhitenedBlock
 from ..ising import CARCoupling, laplacian, neighbour_edges
@@ -126,6 +126,12 @@ __all__ = [
     "LamSelection",
     "select_lam_by_validation",
 ]
+
+
+def _stack(blocks: list[Any], reference: Any) -> Any:
+    """Row blocks concatenated in ``reference``'s namespace (an empty (0, M) array when none)."""
+    xp = array_namespace(reference)
+    return xp.concat(blocks, axis=0) if blocks else reference[0:0, ...]
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
@@ -205,8 +211,9 @@ class FieldStats(Summable):
 @dataclass(frozen=True)
 class SpectralBags:
     """A prepared partition: the raw block, its whitened features, its Laplacian ``C`` and, per
-    bag, the Laplacian's eigenvectors ``U`` and eigenvalues ``d`` and the projected features
-    ``B = Uᵀ A'_b``."""
+    bag, the Laplacian's eigenvectors ``U`` and eigenvalues ``d``; ``projected`` stacks every bag's
+    projected features ``B_b = U_bᵀ A'_b`` (N, M) as a :class:`WhitenedBlock` where ``A'`` lives,
+    so the M × M and N-vector products with it are single GEMMs there."""
 
     block: BagBlock
     features: WhitenedBlock
@@ -216,7 +223,7 @@ class SpectralBags:
     resid: np.ndarray
     eigvecs: tuple[np.ndarray, ...]
     eigvals: tuple[np.ndarray, ...]
-    projected: tuple[np.ndarray, ...]
+    projected: WhitenedBlock
 
 
 @dataclass
@@ -254,24 +261,23 @@ class IsingLamUpdates:
                 "mil_core.models.ising_hyper.select_lam_by_validation)"
             )
         features = self.inner.gp.whiten(block.X)
-        A = np.asarray(to_numpy(features.A), dtype=np.float64)
         C = laplacian(neighbour_edges(np.asarray(block.coords, dtype=np.int64), offsets, self.inner.neighbourhood), int(offsets[-1]))
         eigvecs, eigvals, projected = [], [], []
         for a, z in zip(offsets[:-1], offsets[1:]):
             d, U = np.linalg.eigh(C[a:z, a:z].toarray())
             eigvals.append(np.clip(d, 0.0, None))  # a Laplacian is PSD; clip round-off below 0
             eigvecs.append(U)
-            projected.append(U.T @ A[a:z])
+            projected.append(like(U, features.A).T @ features.A[a:z, ...])
         return SpectralBags(
             block=block,
             features=features,
             laplacian=C,
             offsets=offsets,
             labels=np.asarray(block.labels),
-            resid=np.asarray(to_numpy(features.resid), dtype=np.float64),
+            resid=np.asarray(to_numpy(features.resid), dtype=np.float64),  # an N-vector
             eigvecs=tuple(eigvecs),
             eigvals=tuple(eigvals),
-            projected=tuple(projected),
+            projected=WhitenedBlock(A=_stack(projected, features.A), resid=0.0),
         )
 
     def init_local(self, block: SpectralBags) -> LamLocal:
@@ -294,15 +300,15 @@ class IsingLamUpdates:
         """The inner model's prepared partition at ``λ`` from the spectra (module docstring): no
         whitening, Cholesky or eigendecomposition is redone when λ changes."""
         smoother = self.inner.coupling_form == "smoother"
-        noise_var, fitc_weight, logdet = [], [], []
-        gram = np.zeros((self.inner.gp.n_inducing,) * 2)
-        for U, d, B in zip(block.eigvecs, block.eigvals, block.projected):
+        noise_var, fitc_weight, logdet, weights = [], [], [], []
+        for U, d in zip(block.eigvecs, block.eigvals):
             g = 1.0 / (1.0 + lam * d)
             weight = g * g if smoother else g  # Σ² or Σ in G' and in the FITC term
-            gram += B.T @ (weight[:, None] * B)
+            weights.append(weight)
             fitc_weight.append((U * U) @ weight)
             noise_var.append(np.ones_like(g) if smoother else fitc_weight[-1])
             logdet.append(0.0 if smoother else float(np.sum(np.log1p(lam * d))))
+        gram = block.projected.weighted_gram(_concat(weights))  # Σ_b B_bᵀ diag(weight_b) B_b
         coupling = CARCoupling.from_laplacian(block.laplacian, block.offsets, lam, block.block.coords)
         return replace(self.inner, lam=lam).assemble(
             block.features, block.block, coupling, _concat(noise_var), np.asarray(logdet), gram, _concat(fitc_weight)
@@ -315,18 +321,20 @@ class IsingLamUpdates:
     # ---- the objectives ------------------------------------------------------------------
     def field_terms(self, block: SpectralBags, q: GaussianQ, lam: float) -> FieldStats:
         """One partition's :class:`FieldStats` of the latent field ``E[f] = A'm'`` (module docstring)."""
-        stats = [FieldStats.from_spectrum(B @ q.mean, d, lam) for d, B in zip(block.eigvals, block.projected)]
+        coefficients = np.split(block.projected.latent_mean(q.mean), block.offsets[1:-1])
+        stats = [FieldStats.from_spectrum(w, d, lam) for d, w in zip(block.eigvals, coefficients)]
         return sum(stats[1:], stats[0]) if stats else FieldStats(0.0, 0.0, 0.0, 0.0, 0)
 
     def lam_terms(self, block: SpectralBags, q: GaussianQ, lam: float) -> LamStats:
         """One partition's ``Σ_b J_b(λ)`` and ``λ Σ_b dJ_b/dλ`` (module docstring)."""
         smoother = self.inner.coupling_form == "smoother"
         value = grad = 0.0
+        coefficients, spreads = block.projected.latent_moments(q)  # B m', diag(B S' Bᵀ) for every bag
         for b, (a, z) in enumerate(zip(block.offsets[:-1], block.offsets[1:])):
-            U, d, B = block.eigvecs[b], block.eigvals[b], block.projected[b]
+            U, d = block.eigvecs[b], block.eigvals[b]
             g = 1.0 / (1.0 + lam * d)
             dg = -d * g * g
-            coef = B @ q.mean
+            coef = coefficients[a:z]
             mu, dmu = U @ (g * coef), U @ (dg * coef)
             U2 = U * U
             if smoother:  # noise variance 1; Σ² weighs Var f
@@ -344,7 +352,7 @@ class IsingLamUpdates:
                 log_z, dlog_z = float(log_z[0]), float(np.exp(log_p0[0] - log_z[0]) * (mills @ dalpha))
             else:
                 log_z, dlog_z = float(np.sum(log_ndtr(-alpha))), -float(mills @ dalpha)
-            spread = np.sum((B @ q.cov) * B, axis=1)  # (B S' Bᵀ)_kk
+            spread = spreads[a:z]  # (B S' Bᵀ)_kk
             resid_weight = U2.T @ block.resid[a:z]  # Σ_i r_i U_ik²
             value += log_z - 0.5 * float(weight @ (spread + resid_weight))
             grad += lam * (dlog_z - 0.5 * float(dweight @ (spread + resid_weight)))

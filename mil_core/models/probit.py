@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from scipy.special import log_ndtr, ndtr, owens_t
 
+from .._backend import take_rows
 from ..bags import BagIndex, segment_sum
 from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
@@ -93,7 +94,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         """
         X, bags = self._check_predict_input(X, bag_ids)
         coords_sorted = None if coords is None else check_coords(coords, bags)
-        mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
+        mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
         p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), return_std=return_std)
         return (bags.keys, p) + ((std,) if return_std else ()) + ((orthant_error,) if return_orthant_error else ())
 
@@ -345,7 +346,7 @@ class VGPMILPRI(_ProbitGPMIL):
             raise ValueError("instance predictions in bag context need both bag_ids and coords")
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
-        mean, var = self.gp_.whiten(X[bags.order]).latent_moments(self.q_)
+        mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
         noise = np.ones_like(mean) if self.coupling_form == "smoother" else coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
         smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples,
                                                       rng=np.random.default_rng(self.random_state))

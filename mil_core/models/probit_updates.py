@@ -41,7 +41,7 @@ from scipy.special import log_ndtr
 
 from .._backend import array_namespace, to_numpy
 from ..bags import segment_sum
-from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update
+from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update, transposed_product
 from ..ising import CARCoupling, Neighbourhood
 from ..orthant import mean_field_gap, mean_field_negative_orthant
 from ..truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
@@ -105,14 +105,15 @@ class ProbitMILUpdates:
         if coupling.identity:
             ones = np.ones(block.n_instances)
             return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), features.weighted_gram(ones), ones)
-        A = to_numpy(features.A)
-        smoothed = coupling.solve(A)
+        xp = array_namespace(features.A)
+        A = xp.astype(features.A, xp.float64)  # the one-off G'_p in float64 also for float32 A'
+        smoothed = coupling.solve(A)  # Σ A' where A' lives (N × M never leaves the device)
         if self.coupling_form == "smoother":  # noise I; Var f weighted by diag Σ²; G' = (ΣA')ᵀ(ΣA')
             ones = np.ones(block.n_instances)
-            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), smoothed.T @ smoothed,
+            return self.assemble(features, block, coupling, ones, np.zeros(len(block.offsets) - 1), transposed_product(smoothed, smoothed),
                                  coupling.squared_diagonal(self.exact_diag_max))
         marginal_var, _, logdet = coupling.diagonal(self.exact_diag_max, self.diag_tol)
-        return self.assemble(features, block, coupling, marginal_var, logdet, A.T @ smoothed, marginal_var)
+        return self.assemble(features, block, coupling, marginal_var, logdet, transposed_product(A, smoothed), marginal_var)
 
     def assemble(
         self, features: WhitenedBlock, block: BagBlock, coupling: CARCoupling, noise_var: np.ndarray,
@@ -130,7 +131,7 @@ class ProbitMILUpdates:
             logdet_precision=logdet_precision,
             mean_field_gap=mean_field_gap(coupling, logdet_precision),
             gram=0.5 * (gram + gram.T),
-            fitc_trace=float(np.sum(fitc_weight * np.asarray(features.resid))),
+            fitc_trace=float(np.sum(fitc_weight * to_numpy(features.resid))),
         )
 
     def init_local(self, block: ProbitBags) -> np.ndarray:
@@ -140,7 +141,7 @@ class ProbitMILUpdates:
         return GaussianQ.prior(self.gp.n_inducing)
 
     def partition_step(self, block: ProbitBags, warm: np.ndarray, q: GaussianQ) -> tuple[ProbitStats, np.ndarray]:
-        mu = block.coupling.solve(_rows(block.features, q.mean))  # Eq. 18
+        mu = block.coupling.solve(block.features.latent_mean(q.mean))  # Eq. 18
         expected_m, log_z, warm = self.truncated_means(block, mu, warm)
         elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
         if self.coupling_form == "smoother":  # E[mᵀΣf] = (ΣE[m])ᵀA'v
@@ -175,9 +176,3 @@ class ProbitMILUpdates:
     def global_update(self, stats: ProbitStats, q: GaussianQ) -> tuple[GaussianQ, float]:
         """New q(v) (Eq. 16–17, whitened) and the ELBO of the state the statistics came from."""
         return gaussian_update(stats.precision, stats.shift), stats.elbo - q.kl_to_prior()
-
-
-def _rows(features: WhitenedBlock, mean: np.ndarray) -> np.ndarray:
-    """``A' m'`` on the host."""
-    xp = array_namespace(features.A)
-    return to_numpy(features.A @ xp.asarray(mean))

@@ -23,6 +23,7 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
+from .._backend import take_rows
 from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expected_max_of_others, log_prob_all_negative
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
@@ -202,7 +203,7 @@ class _LogisticGPMIL(SparseGPMILBase):
         p = bag_score(p_inst, offsets, rule)
         if not return_std:
             return bags.keys, p
-        mean, var = self._instance_moments(X[bags.order])
+        mean, var = self._instance_moments(take_rows(X, bags.order))
         rng = check_random_state(self.random_state)
         sd = np.empty(bags.n_bags)
         for b in range(bags.n_bags):

@@ -27,7 +27,7 @@ import numpy as np
 from scipy.special import expit
 from sklearn.utils import check_random_state
 
-from .._backend import array_namespace, to_numpy
+from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
 from ..kernels import RBF
@@ -47,13 +47,11 @@ def _bag_sums(values: Any, offsets: np.ndarray) -> np.ndarray:
     not depend on the block it is in). Other namespaces: differences of a cumulative sum.
     """
     if isinstance(values, np.ndarray):
-        return segment_sum(values, offsets)
+        return segment_sum(np.asarray(values, dtype=np.float64), offsets)
     xp = array_namespace(values)
-    cumulative = xp.cumsum(values, axis=0)
-    zero = xp.zeros((1,) + tuple(values.shape[1:]), dtype=values.dtype)
-    cumulative = xp.concatenate([zero, cumulative], axis=0)
-    idx = xp.asarray(offsets)
-    return to_numpy(cumulative[idx[1:]] - cumulative[idx[:-1]])
+    cumulative = xp.cumulative_sum(xp.astype(values, xp.float64), axis=0, include_initial=True)
+    idx = like(np.asarray(offsets, dtype=np.int64), values)
+    return to_numpy(xp.take(cumulative, idx[1:], axis=0) - xp.take(cumulative, idx[:-1], axis=0))
 
 
 @dataclass(frozen=True)
@@ -223,7 +221,7 @@ class VWSGP(SparseGPMILBase):
         if method not in ("mc", "probit"):
             raise ValueError(f"method must be 'mc' or 'probit', got {method!r}")
         X, bags = self._check_predict_input(X, bag_ids)
-        mean, var = self._evidence_moments(self.gp_, self.q_, X[bags.order], bags.offsets)
+        mean, var = self._evidence_moments(self.gp_, self.q_, take_rows(X, bags.order), bags.offsets)
         p = expit(probit_scale(mean, var))
         if method == "probit" and not return_std:
             return bags.keys, p

@@ -33,7 +33,7 @@ from typing import Any
 
 
 from tasks.ingest.errors import DuplicateIdError, NoTissueError
-from tasks.lease import writer_lease
+from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (
     CohortSpec,
     NonFinitePolicy,
@@ -217,6 +217,7 @@ class IngestRun:
 
     def _commit(self) -> None:
         if self._batch:
+            ensure_still_held(self.store)
             bags = [read_staged(self.root, bag_id) for bag_id in self._batch]
             dropped = {bag_id: n for bag_id in self._batch if (n := staged_dropped(self.root, bag_id))}
             append_bags(self.root, bags)

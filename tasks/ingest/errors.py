@@ -42,6 +42,10 @@ class StoreMismatchError(IngestError):
     """An existing store written with other settings (extractor, coordinates, tiling)."""
 
 
+class BadValueError(IngestError):
+    """A table cell that should be a number and is not (names the file row and column)."""
+
+
 class NonFiniteFeaturesError(IngestError):
     """NaN or ±inf features (also values beyond float32's range, which the store keeps)."""
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, default_report_path
-from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError, NonFiniteFeaturesError, UnreadableFileError
+from tasks.ingest.errors import BadValueError, DuplicateIdError, IngestError, MissingLabelError, NonFiniteFeaturesError, UnreadableFileError
 from tasks.lease import writer_lease
 from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
                          finite_rows, open_or_create_cohort, repair)
@@ -28,6 +28,7 @@ class FeatureTable:
     """Instance rows of a cohort: ``X`` (N, D), ``bag_ids`` (N,), per-row bag ``labels`` (N,).
 
     ``coords`` (N, k) and ``instance_labels`` (N,) are optional; ``source`` names the file.
+    ``row_problems``: file row → why its features are NaN (a cell that is not a number).
     """
 
     X: np.ndarray
@@ -36,6 +37,7 @@ class FeatureTable:
     source: str
     coords: np.ndarray | None = None
     instance_labels: np.ndarray | None = None
+    row_problems: dict[int, str] = field(default_factory=dict)
 
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1) -> FeatureTable:
@@ -47,9 +49,16 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
     feature_columns = [c for c in table.columns if c not in (label_column, bag_column)]
-    X = table[feature_columns].to_numpy(dtype=np.float32)
+    features, problems = table[feature_columns], {}
+    if not all(pd.api.types.is_numeric_dtype(dtype) for dtype in features.dtypes):  # a cell that is not a number
+        numeric = features.apply(pd.to_numeric, errors="coerce")
+        for r, c in zip(*np.nonzero(numeric.isna().to_numpy() & features.notna().to_numpy())):
+            problems.setdefault(int(r), f"row {r}, column {feature_columns[c]}: {features.iat[r, c]!r} is not a number")
+        features = numeric
+    with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
+        X = features.to_numpy(dtype=np.float32)
     return FeatureTable(X=X, bag_ids=table[bag_column].astype(str).to_numpy(dtype=object),
-                        labels=table[label_column].to_numpy(), source=str(path))
+                        labels=table[label_column].to_numpy(), source=str(path), row_problems=problems)
 
 
 def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_column: str = "label",
@@ -172,6 +181,12 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                                    else np.asarray(table.instance_labels[rows]))
                 with np.errstate(over="ignore"):  # float32 overflow is reported as infinite
                     stored = features.astype(FEATURE_DTYPE)
+                bad_cells = [table.row_problems[r] for r in np.arange(n)[rows] if r in table.row_problems]
+                if bad_cells and nonfinite == "reject":
+                    skipped.append(Skipped.from_error(BadValueError(
+                        bad_cells[0] + (f" (and {len(bad_cells) - 1} more rows)" if len(bad_cells) > 1 else ""),
+                        path=table.source, bag_id=bag_id)))
+                    continue
                 try:
                     keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows])
                 except NonFiniteFeaturesError as error:

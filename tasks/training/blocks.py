@@ -12,6 +12,7 @@ from mil_core import persist
 from mil_core.engine import BagBlock
 from mil_core.models.base import SparseGPMILBase, take_bags
 from tasks.store import Partition, open_cohort
+from tasks.training.placement import ArrayPlacement
 
 DEFAULT_PARTITION_BYTES = 128 * 2**20
 
@@ -38,9 +39,9 @@ def read_features(stored: Any, scaling: FeatureScaling | None) -> np.ndarray:
 
 
 
-def load_block(path: str, partition: Partition, device: str, exclude_bags: np.ndarray | None = None,
+def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclude_bags: np.ndarray | None = None,
                with_coords: bool = False, scaling: FeatureScaling | None = None) -> BagBlock:
-    """The labelled bags of ``partition`` as an engine block (float64; on the GPU for ``device="gpu"``).
+    """The labelled bags of ``partition`` as an engine block (float64, placed by ``placement``).
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
     hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
@@ -55,17 +56,9 @@ def load_block(path: str, partition: Partition, device: str, exclude_bags: np.nd
     offsets = np.asarray(stored.offsets)
     X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
     coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
-    return BagBlock(X=to_device(X, device), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
+    return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
 
 
 def uses_coords(model: SparseGPMILBase) -> bool:
     """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
-    return type(model)._check_coords is not SparseGPMILBase._check_coords
-
-
-def to_device(X: np.ndarray, device: str) -> Any:
-    if device == "gpu":
-        import cupy
-
-        return cupy.asarray(X)
-    return X
+    return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords

@@ -33,20 +33,21 @@ from mil_core.engine import FitTrace, PartitionUpdates
 from tasks.store import Partition
 from tasks.training.blocks import FeatureScaling, load_block
 from tasks.training.checkpoint import Checkpoint, _load_local, _save_local
+from tasks.training.placement import ArrayPlacement
 
 
-def _prepare(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
+def _prepare(updates: PartitionUpdates, path: str, partition: Partition, placement: ArrayPlacement, exclude: np.ndarray | None,
              with_coords: bool, scaling: FeatureScaling | None) -> Any:
-    return updates.prepare(load_block(path, partition, device, exclude, with_coords, scaling))
+    return updates.prepare(load_block(path, partition, placement, exclude, with_coords, scaling))
 
 
 def _init_local(updates: PartitionUpdates, block: Any) -> Any:
     return updates.init_local(block)
 
 
-def _stream_init_local(updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None,
+def _stream_init_local(updates: PartitionUpdates, path: str, partition: Partition, placement: ArrayPlacement, exclude: np.ndarray | None,
                        with_coords: bool, scaling: FeatureScaling | None) -> Any:
-    return updates.init_local(_prepare(updates, path, partition, device, exclude, with_coords, scaling))
+    return updates.init_local(_prepare(updates, path, partition, placement, exclude, with_coords, scaling))
 
 
 def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any) -> tuple[Any, Any]:
@@ -54,10 +55,10 @@ def _partition_step(updates: PartitionUpdates, block: Any, local: Any, glob: Any
 
 
 def _stream_partition_step(
-    updates: PartitionUpdates, path: str, partition: Partition, device: str, exclude: np.ndarray | None, with_coords: bool,
+    updates: PartitionUpdates, path: str, partition: Partition, placement: ArrayPlacement, exclude: np.ndarray | None, with_coords: bool,
     scaling: FeatureScaling | None, local: Any, glob: Any,
 ) -> tuple[Any, Any]:
-    return updates.partition_step(_prepare(updates, path, partition, device, exclude, with_coords, scaling), local, glob)
+    return updates.partition_step(_prepare(updates, path, partition, placement, exclude, with_coords, scaling), local, glob)
 
 
 def sum_statistics(*stats: Any) -> Any:
@@ -85,7 +86,7 @@ class DaskExecutor:
         partitions: Sequence[Partition],
         *,
         mode: Literal["persist", "stream"],
-        device: Literal["cpu", "gpu"] = "cpu",
+        placement: ArrayPlacement | None = None,
         split_every: int = 8,
         exclude_bags: np.ndarray | None = None,
         locals_from: Checkpoint | None = None,
@@ -96,16 +97,17 @@ class DaskExecutor:
         if split_every < 2:
             raise ValueError(f"split_every must be >= 2, got {split_every}")
         self.client, self.store, self.partitions = client, store, list(partitions)
-        self.mode, self.device, self.split_every = mode, device, split_every
+        self.placement = placement or ArrayPlacement()
+        self.mode, self.split_every = mode, split_every
         self.exclude, self.with_coords, self.scaling = exclude_bags, with_coords, scaling
         self.token = uuid.uuid4().hex[:8]
-        self.resources = {"GPU": 1} if device == "gpu" else None
+        self.resources = self.placement.resources
         self.iteration = locals_iteration or 0
         self._restore_from: tuple[Checkpoint, int] | None = None
         self.updates = self._submit(identity, updates, key=f"model-updates-{self.token}")
         if mode == "persist":
             self.blocks = [
-                self._submit(_prepare, self.updates, store, p, device, self.exclude, with_coords, scaling, key=f"load-partition-{p.index}-{self.token}")
+                self._submit(_prepare, self.updates, store, p, self.placement, self.exclude, with_coords, scaling, key=f"load-partition-{p.index}-{self.token}")
                 for p in self.partitions
             ]
         if locals_from is not None:
@@ -117,7 +119,7 @@ class DaskExecutor:
             ]
         else:
             self.locals = [
-                self._submit(_stream_init_local, self.updates, store, p, device, self.exclude, with_coords, scaling, key=f"init-local-{p.index}-{self.token}")
+                self._submit(_stream_init_local, self.updates, store, p, self.placement, self.exclude, with_coords, scaling, key=f"init-local-{p.index}-{self.token}")
                 for p in self.partitions
             ]
 
@@ -144,7 +146,7 @@ class DaskExecutor:
             else:
                 results.append(
                     self._submit(
-                        _stream_partition_step, self.updates, self.store, p, self.device, self.exclude, self.with_coords, self.scaling,
+                        _stream_partition_step, self.updates, self.store, p, self.placement, self.exclude, self.with_coords, self.scaling,
                         self.locals[i], q, key=key,
                     )
                 )

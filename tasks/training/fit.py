@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from distributed import Client
@@ -21,7 +21,7 @@ from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_
 from tasks.training.checkpoint import Checkpoint
 from tasks.training.early_stopping import DistributedEarlyStopping
 from tasks.training.executor import DaskExecutor
-from tasks.training.placement import Device, Mode, resolve_device, resolve_mode
+from tasks.training.placement import Device, Mode, resolve_mode, resolve_placement
 from tasks.training.preprocess import feature_scaling, kmeans_sample
 
 log = logging.getLogger("gpmil.training")
@@ -53,6 +53,9 @@ def fit_cohort(
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     mode: Mode = "auto",
     device: Device = "auto",
+    gpu_namespace: str = "cupy",
+    device_memory: int | None = None,
+    compute_dtype: Literal["float64", "float32"] = "float64",
     checkpoint_every: int = 5,
     resume: bool = True,
     split_every: int = 8,
@@ -68,7 +71,12 @@ def fit_cohort(
     points come from k-means on all training instances when there are at most
     ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
     prepared partitions in worker memory when they take less than ``memory_fraction`` of the
-    cluster's memory, else streams them from Zarr every iteration. ``standardize`` learns a
+    memory that holds them (device memory on GPU workers: ``device_memory`` bytes per GPU, else
+    CuPy's figure), else streams them from Zarr every iteration. ``device="gpu"`` (or ``"auto"``
+    with workers advertising a ``GPU`` resource) keeps partition arrays in the array namespace
+    ``gpu_namespace`` (:class:`~tasks.training.placement.ArrayPlacement`), every task that holds
+    them asking for the GPU resource. ``compute_dtype="float32"``: float32 whitened features with
+    float64 statistics (:class:`~tasks.training.placement.ArrayPlacement`). ``standardize`` learns a
     :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
     :func:`predict_cohort`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
@@ -85,7 +93,7 @@ def fit_cohort(
         raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {np.unique(labels).tolist()}")
     sizes = np.diff(cohort.offsets)
     validation = np.empty(0, dtype=np.int64)
-    if model.early_stopping:
+    if getattr(model, "early_stopping", False):  # AbSMIL has no validation hold-out
         _, val_positions = model._split_validation(labels[labelled])
         validation = labelled[val_positions]
     training = np.setdiff1d(labelled, validation)
@@ -99,7 +107,7 @@ def fit_cohort(
         check_feature_dimension(model, cohort)
         if (scaling is not None) != standardize:
             raise ValueError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; use a new run name")
-        updates = model._make_updates(model.gp_)
+        updates = model._make_updates(getattr(model, "gp_", None))
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
@@ -109,16 +117,17 @@ def fit_cohort(
         updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
         checkpoint.save_model(model, partitions, scaling)
 
-    device = resolve_device(client, device)
-    mode = resolve_mode(client, cohort, model, mode, memory_fraction)
+    placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
+    device = placement.kind
+    mode = resolve_mode(client, cohort, model, mode, memory_fraction, placement, device_memory)
     log.info("training %s on %s: %d partitions, mode=%s, device=%s", type(model).__name__, store, len(partitions), mode, device)
     executor = DaskExecutor(
-        client, updates, store, partitions, mode=mode, device=device, split_every=split_every, exclude_bags=validation,
+        client, updates, store, partitions, mode=mode, placement=placement, split_every=split_every, exclude_bags=validation,
         locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
         scaling=scaling,
     )
     trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
-    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, device, scaling)
+    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, scaling)
              if validation.size else None)
 
     max_iter = getattr(model, "auto_max_iter_", None) or model.max_iter  # kernel=None also chooses the stop
@@ -147,14 +156,14 @@ def check_feature_dimension(model: SparseGPMILBase, cohort) -> None:
 
 
 def restore_fitted_state(model: SparseGPMILBase, fitted: SparseGPMILBase, where: str) -> None:
-    """Take kernel and inducing points from a checkpointed estimator of the same configuration."""
+    """Take the start state (kernel and inducing points; AbSMIL's random features) from a
+    checkpointed estimator of the same configuration."""
     ignore = ("max_iter", "tol")
     mine = {k: repr(v) for k, v in model.get_params().items() if k not in ignore}
     theirs = {k: repr(v) for k, v in fitted.get_params().items() if k not in ignore}
     if type(model) is not type(fitted) or mine != theirs:
         changed = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)) or ["model class"]
         raise ValueError(f"checkpoint {where} was written by another model configuration ({', '.join(changed)} differ); use a new run name")
-    for name in ("n_features_in_", "classes_", "kernel_", "gp_"):
-        setattr(model, name, getattr(fitted, name))
-    for name in ("kernel_selection_", "auto_max_iter_"):  # the automatic kernel choice (kernel=None)
-        setattr(model, name, getattr(fitted, name, None))
+    for name, value in vars(fitted).items():  # saved right after _start_fit: its fitted attributes are the start state
+        if name.endswith("_") and not name.startswith("_"):
+            setattr(model, name, value)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
 from distributed import Client, as_completed
 
+from mil_core.models import AbSMIL
 from mil_core.models.base import SparseGPMILBase
 from tasks.lease import holds_writer_lease
 from tasks.store import Partition, open_cohort
@@ -18,17 +19,16 @@ from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
     FeatureScaling,
     read_features,
-    to_device,
     uses_coords,
 )
 from tasks.training.executor import identity
 from tasks.training.fit import check_feature_dimension
-from tasks.training.placement import Device, resolve_device
+from tasks.training.placement import ArrayPlacement, Device, resolve_placement
 
 log = logging.getLogger("gpmil.training")
 
 
-def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, device: str, scaling: FeatureScaling | None,
+def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition, placement: ArrayPlacement, scaling: FeatureScaling | None,
                        instance_kwargs: dict, bag_kwargs: dict):
     """One partition's predictions. Bags with NaN/inf features (a store written by another tool)
     are left out — NaN in every output, listed in ``bad`` with the reason — so that they do not
@@ -44,13 +44,23 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     n_rows, n_bags = X.shape[0], partition.bag_stop - partition.bag_start
     p_inst, sd_inst, p_bag, sd_bag = (np.full(n, np.nan) for n in (n_rows, n_rows, n_bags, n_bags))
     if good.any():
-        Xg = to_device(X[good], device)
+        Xg = placement.to_device(X[good])
         coords = {"coords": np.asarray(stored.coords)[good]} if uses_coords(model) else {}
         instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
-        p_inst[good], sd_inst[good] = instance_scores(Xg, return_std=True, **instance_kwargs)
-        keys, p_good, sd_good = model.predict_bag_proba(Xg, bag_of_row[good], return_std=True, **bag_kwargs, **coords)
-        p_bag[np.asarray(keys) - partition.bag_start], sd_bag[np.asarray(keys) - partition.bag_start] = p_good, sd_good
+        if is_point_estimate(model):  # no predictive std: it stays NaN
+            p_inst[good] = instance_scores(Xg, **instance_kwargs)
+            keys, p_good = model.predict_bag_proba(Xg, bag_of_row[good], **bag_kwargs, **coords)
+        else:
+            p_inst[good], sd_inst[good] = instance_scores(Xg, return_std=True, **instance_kwargs)
+            keys, p_good, sd_good = model.predict_bag_proba(Xg, bag_of_row[good], return_std=True, **bag_kwargs, **coords)
+            sd_bag[np.asarray(keys) - partition.bag_start] = sd_good
+        p_bag[np.asarray(keys) - partition.bag_start] = p_good
     return partition, p_inst, sd_inst, p_bag, sd_bag, bad
+
+
+def is_point_estimate(model: Any) -> bool:
+    """Models without a posterior, hence without a predictive std (AbSMIL: a point estimate of W)."""
+    return isinstance(model, AbSMIL)
 
 
 @holds_writer_lease("predictions {run!r} on {store}")
@@ -62,6 +72,8 @@ def predict_cohort(
     run: str = "default",
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     device: Device = "auto",
+    gpu_namespace: str = "cupy",
+    compute_dtype: Literal["float64", "float32"] = "float64",
     scaling: FeatureScaling | None = None,
     instance_kwargs: dict | None = None,
     bag_kwargs: dict | None = None,
@@ -70,7 +82,8 @@ def predict_cohort(
     and bag probability and std; the ``complete`` attribute is set last). Returns the group path.
 
     Models without instance probabilities (VWSGP, whose per-instance evidences are not instance
-    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``.
+    labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``; point
+    estimates (AbSMIL) write NaN std. ``device``/``gpu_namespace`` as for :func:`fit_cohort`.
 
     Each partition is predicted by one task; the client writes the results (one writer, so
     partitions that share a Zarr chunk cannot race). A bag with NaN/inf features gets NaN
@@ -82,7 +95,7 @@ def predict_cohort(
     store = str(store)
     cohort = open_cohort(store)
     check_feature_dimension(model, cohort)
-    device = resolve_device(client, device)
+    placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
     root = zarr.open_group(store, mode="a")
     name = f"predictions/{run}"
     if name in root:
@@ -104,8 +117,8 @@ def predict_cohort(
     model_future = client.submit(identity, model, pure=False)
     futures = [
         client.submit(
-            _predict_partition, model_future, store, p, device, scaling, instance_kwargs or {}, bag_kwargs or {},
-            key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources={"GPU": 1} if device == "gpu" else None,
+            _predict_partition, model_future, store, p, placement, scaling, instance_kwargs or {}, bag_kwargs or {},
+            key=f"predict-partition-{p.index}-{uuid.uuid4().hex[:8]}", resources=placement.resources,
         )
         for p in cohort.partitions(partition_bytes)
     ]

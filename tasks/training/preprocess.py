@@ -17,11 +17,12 @@ from tasks.training.blocks import (
     read_features,
 )
 from tasks.training.executor import sum_statistics
+from tasks.training.placement import ArrayPlacement
 
 
 def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray) -> np.ndarray:
     """``[n, Σx, Σx²]`` over the labelled, non-excluded bags of one partition."""
-    X = load_block(path, partition, "cpu", exclude_bags).X
+    X = load_block(path, partition, ArrayPlacement(), exclude_bags).X
     return np.concatenate([[X.shape[0]], X.sum(axis=0), (X * X).sum(axis=0)])
 
 

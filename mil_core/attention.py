@@ -1,0 +1,259 @@
+"""Gated-attention MIL network (Ilse, Tomczak & Welling 2018): its formulas and its training.
+
+The network is seed 000's AttCNN (§6.3, Eq. 39) for feature vectors, ``f_c ∘ f_Att ∘ f_emb``:
+
+* ``f_emb``: an MLP with ReLU, ``x_n ↦ h_n ∈ R^D`` (D = ``n_components``; seed 000 uses D ∈ {8, 32, 128});
+* ``f_Att``: gated attention pooling (Ilse et al. 2018, Eq. 9),
+  ``a_n = wᵀ(tanh(V h_n) ⊙ sigm(U h_n))``, ``α = softmax_b(a)``, ``z_b = Σ_n α_n h_n``;
+* ``f_c``: a linear classifier with a sigmoid output, ``p(T_b = 1) = σ(cᵀ z_b + c₀)``,
+
+trained on the bag labels by cross-entropy. The parameters live as a ``dict[str, ndarray]``
+(``network_state_`` of the estimators), so a fitted network is plain arrays: it saves without
+pickles and predicts without PyTorch (the estimators are :class:`mil_core.ABMIL` and
+:class:`mil_core.EmbeddedGPMIL`). Each formula below is written once against the array-API
+namespace of its input: PyTorch tensors during training (autograd), NumPy/CuPy arrays at
+prediction. PyTorch is needed only to train (optional extra ``torch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from ._backend import array_namespace
+from .bags import segment_sum
+
+__all__ = [
+    "TORCH_MISSING",
+    "NetworkFit",
+    "attention_logits",
+    "attention_weights",
+    "bag_logits",
+    "fit_attention_network",
+    "instance_embedding",
+    "instance_logits",
+    "network_arrays",
+]
+
+TORCH_MISSING = (
+    "training the attention-MIL network needs PyTorch, an optional dependency of gpmil: "
+    'install it with  pip install -e ".[torch]"  (torch==2.13.0)'
+)
+Params = dict[str, Any]
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(TORCH_MISSING) from error
+    return torch
+
+
+# --------------------------------------------------------------------------------- formulas
+def _sigmoid(xp: Any, x: Any) -> Any:
+    """``σ(x) = (1 + tanh(x/2))/2``: no overflow for large |x|."""
+    return 0.5 * (1.0 + xp.tanh(0.5 * x))
+
+
+def _linear(params: Params, name: str, h: Any) -> Any:
+    return h @ params[f"{name}.weight"].T + params[f"{name}.bias"]
+
+
+def _n_embedding_layers(params: Params) -> int:
+    return sum(1 for k in params if k.startswith("embed.") and k.endswith(".weight"))
+
+
+def instance_embedding(params: Params, X: Any) -> Any:
+    """``h_n = f_emb(x_n)``: standardise with the training statistics, then Linear + ReLU layers."""
+    h = (X - params["input.mean"]) / params["input.scale"]
+    for i in range(_n_embedding_layers(params)):
+        h = _linear(params, f"embed.{i}", h)
+        h = h * (h > 0)
+    return h
+
+
+def attention_logits(params: Params, H: Any) -> Any:
+    """Gated attention scores ``a_n = wᵀ(tanh(V h_n) ⊙ sigm(U h_n)) + w₀`` (Ilse et al. 2018, Eq. 9)."""
+    xp = array_namespace(H)
+    gate = xp.tanh(_linear(params, "attention.V", H)) * _sigmoid(xp, _linear(params, "attention.U", H))
+    return _linear(params, "attention.w", gate)[:, 0]
+
+
+def instance_logits(params: Params, H: Any) -> Any:
+    """``cᵀ h_n + c₀``: the bag classifier applied to each instance alone (a bag of one instance
+    has ``z = h_n``), the network's instance score."""
+    return _linear(params, "classifier", H)[:, 0]
+
+
+def _single_bag_logit(params: Params, H: Any) -> Any:
+    """``cᵀ z + c₀`` of one bag (training: one bag per step, as in Ilse et al.)."""
+    xp = array_namespace(H)
+    a = attention_logits(params, H)
+    alpha = xp.exp(a - xp.max(a))
+    z = (alpha / xp.sum(alpha)) @ H
+    return xp.sum(params["classifier.weight"][0] * z) + params["classifier.bias"][0]
+
+
+def attention_weights(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Softmax of the attention scores within each bag (host arrays, bags as CSR ``offsets``)."""
+    a = attention_logits(params, H)
+    a = a - np.repeat(np.maximum.reduceat(a, offsets[:-1]), np.diff(offsets))
+    e = np.exp(a)
+    return e / np.repeat(segment_sum(e, offsets), np.diff(offsets))
+
+
+def bag_logits(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``cᵀ z_b + c₀`` for every bag of the embedded rows ``H`` (bags as CSR ``offsets``)."""
+    z = segment_sum(attention_weights(params, H, offsets)[:, None] * H, offsets)
+    return _linear(params, "classifier", z)[:, 0]
+
+
+# ---------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class NetworkFit:
+    """A trained network: its parameters (NumPy float32), the loss traces and the kept epoch."""
+
+    params: dict[str, np.ndarray]
+    train_loss: np.ndarray
+    validation_loss: np.ndarray
+    best_epoch: int
+
+
+def _init_params(n_features: int, hidden: tuple[int, ...], n_components: int, attention_dim: int,
+                 rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """PyTorch's default ``nn.Linear`` initialisation, ``U(±1/√fan_in)``, drawn from a seeded NumPy
+    generator (so a fit does not depend on PyTorch's global random state)."""
+    shapes = {}
+    widths = [n_features, *hidden, n_components]
+    for i in range(len(widths) - 1):
+        shapes[f"embed.{i}"] = (widths[i + 1], widths[i])
+    shapes |= {"attention.V": (attention_dim, n_components), "attention.U": (attention_dim, n_components),
+               "attention.w": (1, attention_dim), "classifier": (1, n_components)}
+    params = {}
+    for name, (fan_out, fan_in) in shapes.items():
+        bound = 1.0 / np.sqrt(fan_in)
+        params[f"{name}.weight"] = rng.uniform(-bound, bound, (fan_out, fan_in)).astype(np.float32)
+        params[f"{name}.bias"] = rng.uniform(-bound, bound, fan_out).astype(np.float32)
+    return params
+
+
+def _input_scaling(X: np.ndarray) -> dict[str, np.ndarray]:
+    """Training mean and std of each feature; a column with std < 1e-12 is left unscaled."""
+    mean, std = X.mean(axis=0), X.std(axis=0)
+    return {"input.mean": mean.astype(np.float32), "input.scale": np.where(std < 1e-12, 1.0, std).astype(np.float32)}
+
+
+@contextlib.contextmanager
+def _single_thread(torch: Any) -> Iterator[None]:
+    """One intra-op thread while training: float32 reductions then sum in one fixed order."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _validate_training_params(hidden: tuple[int, ...], n_components: int, attention_dim: int, learning_rate: float,
+                              weight_decay: float, max_epochs: int, validation_fraction: float, patience: int) -> None:
+    for name, value in (("n_components", n_components), ("attention_dim", attention_dim), ("max_epochs", max_epochs),
+                        ("n_epochs_no_change", patience), *((f"hidden[{i}]", h) for i, h in enumerate(hidden))):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+
+
+def fit_attention_network(
+    X_sorted: np.ndarray,
+    offsets: np.ndarray,
+    labels: np.ndarray,
+    *,
+    hidden: tuple[int, ...],
+    n_components: int,
+    attention_dim: int,
+    learning_rate: float,
+    weight_decay: float,
+    max_epochs: int,
+    early_stopping: bool,
+    validation_fraction: float,
+    n_epochs_no_change: int,
+    seed: int,
+) -> NetworkFit:
+    """Train the gated-attention network on bags (rows of bag ``b`` are
+    ``X_sorted[offsets[b]:offsets[b+1]]``, label ``labels[b]``) by Adam on the bag cross-entropy,
+    one bag per step in a seeded random order (Ilse et al. 2018's protocol; ``weight_decay`` is
+    Adam's L2 term).
+
+    With ``early_stopping`` a stratified ``validation_fraction`` of the bags is held out, the
+    network is scored on it after every epoch, training stops after ``n_epochs_no_change`` epochs
+    without a lower validation loss, and the parameters of the best epoch are kept. Without it the
+    network trains ``max_epochs`` epochs on all bags and the last epoch is kept. Deterministic
+    for a given ``seed``.
+    """
+    torch = _import_torch()
+    hidden = tuple(hidden)
+    _validate_training_params(hidden, n_components, attention_dim, learning_rate, weight_decay, max_epochs,
+                              validation_fraction, n_epochs_no_change)
+    rng = np.random.default_rng(seed)
+    bags = np.arange(labels.shape[0])
+    train_bags, val_bags = bags, bags[:0]
+    if early_stopping:
+        if np.bincount(labels, minlength=2).min() < 2:
+            raise ValueError("early stopping needs at least 2 training bags of each class for its validation split")
+        train_bags, val_bags = train_test_split(bags, test_size=validation_fraction, stratify=labels,
+                                                random_state=int(rng.integers(2**31 - 1)))
+    train_rows = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in train_bags])
+    init = _input_scaling(X_sorted[train_rows]) | _init_params(X_sorted.shape[1], hidden, n_components, attention_dim, rng)
+
+    with _single_thread(torch):
+        X = torch.from_numpy(np.ascontiguousarray(X_sorted, dtype=np.float32))
+        targets = torch.from_numpy(labels.astype(np.float32))
+        fixed = {k: torch.from_numpy(v) for k, v in init.items() if k.startswith("input.")}
+        learnt = {k: torch.from_numpy(v.copy()).requires_grad_(True) for k, v in init.items() if not k.startswith("input.")}
+        params = fixed | learnt
+        optimiser = torch.optim.Adam(learnt.values(), lr=learning_rate, weight_decay=weight_decay)
+        loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+
+        def bag_loss(b: int) -> Any:
+            H = instance_embedding(params, X[offsets[b] : offsets[b + 1]])
+            return loss_fn(_single_bag_logit(params, H), targets[b])
+
+        train_loss, val_loss = [], []
+        best = (np.inf, 0, {k: v.detach().clone() for k, v in learnt.items()})
+        for epoch in range(1, max_epochs + 1):
+            total = 0.0
+            for b in rng.permutation(train_bags):
+                optimiser.zero_grad()
+                loss = bag_loss(int(b))
+                loss.backward()
+                optimiser.step()
+                total += float(loss.detach())
+            train_loss.append(total / train_bags.size)
+            if not early_stopping:
+                continue
+            with torch.no_grad():
+                val_loss.append(float(sum(bag_loss(int(b)) for b in val_bags)) / val_bags.size)
+            if val_loss[-1] < best[0]:
+                best = (val_loss[-1], epoch, {k: v.detach().clone() for k, v in learnt.items()})
+            elif epoch - best[1] >= n_epochs_no_change:
+                break
+        kept, best_epoch = (best[2], best[1]) if early_stopping else (learnt, max_epochs)
+        state = {k: v.numpy().copy() for k, v in fixed.items()} | {k: v.detach().numpy().copy() for k, v in kept.items()}
+    return NetworkFit(params=state, train_loss=np.asarray(train_loss), validation_loss=np.asarray(val_loss), best_epoch=best_epoch)
+
+
+def network_arrays(state: dict[str, np.ndarray], dtype: Any = np.float64) -> dict[str, np.ndarray]:
+    """The stored network parameters as arrays of ``dtype`` for NumPy prediction (float64: no
+    float32 rounding in the features a GP sees)."""
+    return {k: np.asarray(v, dtype=dtype) for k, v in state.items()}

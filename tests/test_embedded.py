@@ -1,0 +1,196 @@
+"""EmbeddedGPMIL and ABMIL: a small gated-attention network trained by PyTorch, GP-MIL on its embedding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.metrics import roc_auc_score
+
+from mil_core import ABMIL, VGPMIL, EmbeddedGPMIL
+from mil_core.attention import (
+    _single_bag_logit,
+    bag_logits,
+    instance_embedding,
+    network_arrays,
+)
+from mil_core.persist import load, save
+from tests.conftest import make_toy_bags
+
+torch = pytest.importorskip("torch", reason='PyTorch is the optional extra "torch": pip install -e ".[dev,torch]"')
+
+NET = {"n_components": 4, "hidden": (16,), "attention_dim": 8, "learning_rate": 1e-2, "max_epochs": 15}
+
+
+def small_model(**params) -> EmbeddedGPMIL:
+    return EmbeddedGPMIL(VGPMIL(n_inducing=10, max_iter=20), **(NET | {"random_state": 0} | params))
+
+
+@pytest.fixture(scope="module")
+def data():
+    train, test = make_toy_bags(40, seed=0), make_toy_bags(30, seed=1)
+    return train, test
+
+
+@pytest.fixture(scope="module")
+def fitted(data):
+    (X, bags, y, _), _ = data
+    return small_model().fit(X, bags, y)
+
+
+def test_shapes_and_ranges(fitted, data):
+    _, (X, bags, _, _) = data
+    keys, p, sd = fitted.predict_bag_proba(X, bags, return_std=True)
+    np.testing.assert_array_equal(keys, np.unique(bags))
+    assert p.shape == sd.shape == keys.shape
+    assert np.all((p >= 0) & (p <= 1)) and np.all(sd >= 0)
+    p_inst, sd_inst = fitted.predict_instance_proba(X, return_std=True, method="probit")
+    assert p_inst.shape == sd_inst.shape == (X.shape[0],)
+    assert fitted.transform(X).shape == (X.shape[0], NET["n_components"])
+    # the GP's own rules are reachable too, with the GP's return convention
+    assert len(fitted.predict_bag_proba(X, bags, rule="max", method="probit")) == 2
+
+
+def test_held_out_bags_and_instances_are_found(fitted, data):
+    _, (X, bags, y, instance_labels) = data
+    keys, p = fitted.predict_bag_proba(X, bags)
+    truth = np.array([y[bags == k][0] for k in keys])
+    assert roc_auc_score(truth, p) > 0.9
+    assert roc_auc_score(instance_labels, fitted.predict_instance_proba(X, method="probit")) > 0.9
+
+
+def test_attention_rule_is_the_weighted_mean_of_instance_probabilities(fitted, data):
+    _, (X, bags, _, _) = data
+    keys, p = fitted.predict_bag_proba(X, bags, method="probit")
+    p_inst = fitted.predict_instance_proba(X, method="probit")
+    alpha = fitted.predict_attention(X, bags)
+    expected = [np.sum(alpha[bags == k] * p_inst[bags == k]) for k in keys]
+    np.testing.assert_allclose(p, expected, rtol=1e-12)
+
+
+def test_deterministic_with_random_state(fitted, data):
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    again = small_model().fit(X, bags, y)
+    assert fitted.network_state_.keys() == again.network_state_.keys()
+    for name, value in fitted.network_state_.items():
+        np.testing.assert_array_equal(value, again.network_state_[name], err_msg=name)
+    np.testing.assert_array_equal(fitted.predict_bag_proba(X_test, bags_test)[1], again.predict_bag_proba(X_test, bags_test)[1])
+    other = small_model(random_state=1).fit(X, bags, y)
+    assert not np.array_equal(fitted.network_state_["embed.0.weight"], other.network_state_["embed.0.weight"])
+
+
+def test_clone_and_constructor_store_params_only():
+    model = small_model(n_components=8)
+    copy = clone(model)
+    assert copy.get_params()["n_components"] == 8 and copy.gp is not model.gp
+    assert not any(k.endswith("_") for k in vars(copy))
+    assert EmbeddedGPMIL().get_params()["gp"] is None
+
+
+def test_predict_does_not_mutate(fitted, data):
+    _, (X, bags, _, _) = data
+
+    def snapshot(obj):
+        return {k: (v.copy() if isinstance(v, np.ndarray) else {n: a.copy() for n, a in v.items()} if isinstance(v, dict) else v)
+                for k, v in vars(obj).items()}
+
+    before, gp_before = snapshot(fitted), snapshot(fitted.gp_)
+    fitted.predict_bag_proba(X, bags, return_std=True)
+    fitted.predict_instance_proba(X)
+    fitted.transform(X)
+    for before_state, obj in ((before, fitted), (gp_before, fitted.gp_)):
+        after = vars(obj)
+        assert after.keys() == before_state.keys()
+        for k, v in before_state.items():
+            if isinstance(v, np.ndarray):
+                np.testing.assert_array_equal(after[k], v, err_msg=k)
+            elif isinstance(v, dict):
+                for n, a in v.items():
+                    np.testing.assert_array_equal(after[k][n], a, err_msg=f"{k}[{n}]")
+
+
+def test_network_is_plain_arrays_and_saves_without_pickle(fitted, data, tmp_path):
+    _, (X, bags, _, _) = data
+    assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in fitted.network_state_.values())
+    path = save(fitted, tmp_path / "model")
+    with np.load(path, allow_pickle=False) as archive:  # readable without executing anything
+        assert len(archive.files) > len(fitted.network_state_)
+    restored = load(path)
+    assert isinstance(restored, EmbeddedGPMIL)
+    np.testing.assert_array_equal(restored.predict_bag_proba(X, bags, return_std=True)[2],
+                                  fitted.predict_bag_proba(X, bags, return_std=True)[2])
+
+
+def test_numpy_prediction_matches_the_torch_network(fitted, data):
+    """One formula, two namespaces: the NumPy forward pass is the network PyTorch trained."""
+    _, (X, bags, _, _) = data
+    rows = np.flatnonzero(bags == bags[0])
+    state = {k: torch.from_numpy(v) for k, v in fitted.network_state_.items()}
+    with torch.no_grad():
+        torch_logit = float(_single_bag_logit(state, instance_embedding(state, torch.from_numpy(X[rows].astype(np.float32)))))
+    params = network_arrays(fitted.network_state_)
+    numpy_logit = bag_logits(params, instance_embedding(params, X[rows]), np.array([0, rows.size]))[0]
+    assert numpy_logit == pytest.approx(torch_logit, abs=1e-4)
+
+
+def test_abmil_baseline(data):
+    (X, bags, y, _), (X_test, bags_test, y_test, instance_labels) = data
+    model = ABMIL(**NET, random_state=0).fit(X, bags, y)
+    keys, p = model.predict_bag_proba(X_test, bags_test)
+    truth = np.array([y_test[bags_test == k][0] for k in keys])
+    assert roc_auc_score(truth, p) > 0.9
+    assert roc_auc_score(instance_labels, model.predict_instance_proba(X_test)) > 0.9
+    alpha = model.predict_attention(X_test, bags_test)
+    np.testing.assert_allclose([alpha[bags_test == k].sum() for k in keys], 1.0)
+    assert model.network_train_loss_.shape == (NET["max_epochs"],) and model.network_validation_loss_.size == 0
+
+
+def test_early_stopping_keeps_the_best_validation_epoch(data):
+    (X, bags, y, _), _ = data
+    model = ABMIL(**(NET | {"max_epochs": 40}), early_stopping=True, n_epochs_no_change=3, random_state=0).fit(X, bags, y)
+    losses = model.network_validation_loss_
+    assert model.network_best_epoch_ == int(np.argmin(losses)) + 1
+    assert losses.size < 40 or model.network_best_epoch_ > 37
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"n_components": 0}, "n_components"),
+    ({"hidden": (16, -1)}, r"hidden\[1\]"),
+    ({"learning_rate": 0.0}, "learning_rate"),
+    ({"validation_fraction": 1.5}, "validation_fraction"),
+])
+def test_bad_parameters_are_named(data, params, message):
+    (X, bags, y, _), _ = data
+    with pytest.raises(ValueError, match=message):
+        small_model(**params).fit(X, bags, y)
+
+
+def test_too_few_bags_for_the_inner_validation_split():
+    X, bags, y, _ = make_toy_bags(3, seed=0)
+    with pytest.raises(ValueError, match="at least 2 training bags of each class"):
+        small_model().fit(X, bags, y)
+
+
+def test_without_torch_mil_core_imports_and_fit_says_how_to_install():
+    code = (
+        "import importlib.abc, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(\"No module named 'torch'\")\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import numpy as np, mil_core\n"
+        "from tests.conftest import make_toy_bags\n"
+        "X, b, y, _ = make_toy_bags(10)\n"
+        "try:\n    mil_core.EmbeddedGPMIL().fit(X, b, y)\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}).stdout
+    assert 'pip install -e ".[torch]"' in out
