@@ -175,7 +175,7 @@ def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_stor
 
     path, (X, bags, y) = toy_store
     coords = np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]
-    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0)
+    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=RBF(4.0))  # the cluster's k-means sample has no coords to choose a kernel with
     serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
     model = VGPMILPRI(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)

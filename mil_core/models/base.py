@@ -148,14 +148,16 @@ class SparseGPMILBase(BaseEstimator):
         """Set ``n_features_in_``, ``kernel_`` and ``gp_`` (k-means inducing points on
         ``X_train``, labelled by their bag's label) and return the model's updates.
 
-        With ``kernel=None`` and the bags' CSR ``offsets`` (whole bags in ``X_train``), the kernel
-        variance is chosen by :meth:`_select_kernel`; without offsets it is ``AUTO_VARIANCES[1]``.
+        With ``kernel=None`` and the bags' CSR ``offsets`` (whole bags in ``X_train``; and ``coords``
+        for models that read them), the kernel variance is chosen by :meth:`_select_kernel`;
+        otherwise it is ``AUTO_VARIANCES[1]``.
         Also the entry point of executors that train outside :meth:`fit` (``tasks.training``).
         """
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
         kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, {}
-        if kernel is None and offsets is not None:
+        reads_coords = type(self)._check_coords is not SparseGPMILBase._check_coords
+        if kernel is None and offsets is not None and (coords is not None or not reads_coords):
             kernel = self._select_kernel(to_numpy(X_train), offsets, instance_labels[offsets[:-1]], coords)
         self.kernel_ = (kernel or RBF(variance=AUTO_VARIANCES[1])).resolve(self.n_features_in_)
         Z = kmeans_inducing_points(to_numpy(X_train), instance_labels, self.n_inducing, random_state=self.random_state)
