@@ -29,22 +29,29 @@ def _problem(field: str, path: Path | str | None, kind: Literal["file", "dir", "
     return None
 
 
-def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None) -> None:
+def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None,
+                 source: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every missing input of ``stage`` (``store`` and
-    ``model_dir``: the command line's overrides and arguments)."""
+    ``model_dir``: the command line's overrides and arguments; ``source``: a new cohort's folder
+    that ``predict`` ingests first, whose store need not exist yet)."""
     ing = config.ingest
     checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = []
     ingests = stage == "ingest" or (stage == "run" and ing.kind != "none")
     if ingests:
         if ing.kind == "none":
-            raise ConfigError("ingest.kind: is 'none': nothing to ingest (set wsi, ct or features)")
+            raise ConfigError("ingest.kind: is 'none': nothing to ingest (set wsi, ct, features, h5 or npy)")
         checks += [("ingest.source", ing.source, "file" if ing.kind == "features" else "dir"),
-                   ("ingest.labels", ing.labels, "file"), ("ingest.extractor_from", ing.extractor_from, "dir")]
+                   ("ingest.labels", getattr(ing.labels, "file", ing.labels), "file"),
+                   ("ingest.extractor_from", ing.extractor_from, "dir")]
     if stage in ("run", "train") and not ingests:
         checks.append(("--store" if store else "store", store or config.store, "dir"))
     if stage == "run":
         checks.append(("prediction.store", config.prediction.store, "dir"))
-    if stage in ("predict", "evaluate"):
+    if stage == "predict" and source is not None:
+        checks += [("--source", source, "file" if ing.kind == "features" else "dir"), ("MODEL_DIR", model_dir, "dir")]
+        if model_dir is not None and Path(model_dir).is_dir():
+            checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
+    elif stage in ("predict", "evaluate"):
         target = store or config.prediction.store or config.store
         field = "--store" if store else "prediction.store" if config.prediction.store else "store"
         checks += [("MODEL_DIR", model_dir, "dir"), (field, target, "dir")]

@@ -2,7 +2,7 @@
 
     gpmil run CONFIG              ingest → train → predict → evaluate (reruns skip done work)
     gpmil ingest|train CONFIG     one stage
-    gpmil predict CONFIG MODEL_DIR [--store STORE]
+    gpmil predict CONFIG MODEL_DIR [--store STORE] [--source NEW_FOLDER [--labels FILE]]
     gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY
     gpmil serve CONFIG [--cron "0 2 * * *"]   a long-running served deployment (Prefect UI)
     gpmil demo [DIR]              synthetic WSI and CT cohorts: train, then evaluate on held-out cohorts
@@ -46,8 +46,11 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
             return config
         return config.model_copy(update={"ingest": config.ingest.model_copy(update={"source": Path(_abs(args.source))})})
 
+    new_cohort = stage == "predict" and getattr(args, "source", None)  # --store is then where the new store goes
+    if new_cohort:
+        paths["source"] = _abs(args.source)
     config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
-                         **({"store": _abs(args.store)} if getattr(args, "store", None) else {}))
+                         **({"store": _abs(args.store)} if getattr(args, "store", None) and not new_cohort else {}))
     return with_source(config)
 
 
@@ -94,11 +97,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    _checked(args, "predict", store=_abs(args.store), model_dir=_abs(args.model_dir))
+    config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_abs(args.model_dir))
     from flows.pipeline import predict_cohort
+    from tasks import report
 
-    result = predict_cohort(str(args.config), _abs(args.model_dir), store=_abs(args.store))
-    print(f"{summary('predict', result)} (key {result.key})")
+    result = predict_cohort(str(args.config), _abs(args.model_dir), store=_abs(args.store), source=_abs(args.source),
+                            labels=_abs(args.labels))
+    store = result.info.get("store") or str(_abs(args.store) or config.prediction.store or config.store)
+    where = {"store": store, "predictions": f"{result.path} (key {result.key})"}
+    if "report" in result.info:
+        folder = Path(result.info["report"]).parent
+        where |= {"report": result.info["report"], "bag table": str(folder / "bag_predictions.csv"),
+                  "instance table": str(folder / "instance_predictions.parquet")}
+        if (folder / "geojson").is_dir():
+            where["QuPath GeoJSON"] = str(folder / "geojson")
+    table = report.bag_table(store, result.key, threshold=config.prediction.threshold)
+    print(report.summary_text(table, threshold=config.prediction.threshold, metrics=result.info.get("metrics"), where=where))
+    for skipped in result.info.get("skipped", []):
+        print(f"skipped {skipped['path']}: {skipped['error']}: {skipped['reason']}")
     return 0
 
 
@@ -166,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store")
     p = with_config("predict", "predict a cohort with a saved model", _predict)
     p.add_argument("model_dir", type=Path, help="a model folder written by `gpmil train` (<output_dir>/models/<key>)")
-    p.add_argument("--store", help="cohort to predict (default: prediction.store, else the training store)")
+    p.add_argument("--store", help="cohort to predict (default: prediction.store, else the training store); with "
+                                   "--source, where the new cohort's store goes")
+    p.add_argument("--source", type=Path, help="a folder of new slides/scans/feature files: ingest it with the training "
+                                               "store's extractor, predict, write the report and tables")
+    p.add_argument("--labels", type=Path, help="labels of the --source cohort (optional; for metrics)")
     p = with_config("evaluate", "tables, metrics, figures and report of a prediction run", _evaluate)
     p.add_argument("model_dir", type=Path)
     p.add_argument("prediction_key", help="the key printed by `gpmil predict`")

@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 def _model_classes() -> dict[str, type]:
     import mil_core
 
-    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL"]
+    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL", "EmbeddedGPMIL"]
     return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
 
 
@@ -57,20 +57,77 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class LabelsConfig(_Strict):
+    """Bag labels from a CSV/TSV/Parquet file: ``id_column`` names the bag (slide file stem, h5
+    stem), the binary target is ``target`` (an expression over the row's columns, e.g.
+    ``isup_grade > 0`` or ``diagnosis in ['tumor']``; parsed, never run as Python), else 1 for
+    ``label_column`` values in ``positive``, else ``label_column`` must hold 0/1. ``preset``:
+    ``panda`` (image_id, isup_grade > 0) or ``rsna`` (slice rows ``ID_<SOPInstanceUID>_any``)."""
+
+    file: Path
+    preset: Literal["panda", "rsna"] | None = None
+    id_column: str = "slide_id"
+    label_column: str = "label"
+    positive: list[Any] | None = None
+    target: str | None = None
+
+    @field_validator("target")
+    @classmethod
+    def _parses(cls, text: str | None) -> str | None:
+        from tasks.ingest.labels import TargetExpression
+
+        if text is not None:
+            TargetExpression(text)
+        return text
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> LabelsConfig:
+        if self.positive is not None and self.target is not None:
+            raise ValueError("give either positive or target, not both")
+        return self
+
+    def spec(self):
+        """The :class:`tasks.ingest.labels.LabelSpec` (``None`` for the RSNA preset, read by the CT reader)."""
+        from tasks.ingest.labels import LabelSpec
+
+        if self.preset == "rsna":
+            return None
+        if self.preset == "panda":
+            return LabelSpec.preset("panda", self.file)
+        return LabelSpec(str(self.file), self.id_column, self.label_column, self.positive, self.target)
+
+
 class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
-    (the store already exists). ``extractor_from``: a cohort store whose fitted feature extractor a
+    (the store already exists), ``h5`` (a CLAM/TRIDENT folder of ``<slide>.h5``; ``slides``: the
+    slides' folder, optional, for heatmap backgrounds) or ``npy`` (a torchmil folder with
+    ``features/``, ``labels/``, optional ``inst_labels/``, ``coords/``). ``labels``: a file (read by
+    the kind's convention: PANDA for slides, RSNA for CT, ``slide_id,label`` 0/1 for h5) or a
+    :class:`LabelsConfig` section. ``extractor_from``: a cohort store whose fitted feature extractor a
     new store takes (a cohort to be predicted by a model trained on that store needs its features).
     ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
-    loses those instances, counted per bag in the ingest report (``drop``)."""
+    loses those instances, counted per bag in the ingest report (``drop``).
 
-    kind: Literal["wsi", "ct", "features", "none"] = "none"
+    Slides (``wsi``): any format OpenSlide or tifffile reads, found under ``source`` by ``patterns``
+    (default: the usual slide suffixes; in sub-folders when ``recursive``). ``target_mpp`` tiles at a
+    physical scale (``tile_size`` pixels of ``target_mpp`` µm each; ``base_mpp`` overrides the
+    slides' metadata), else ``magnification`` or ``level`` picks the pyramid level. ``extractor``: a
+    registered name, a ``gpmil.extractors`` entry point or an import path ``package.module:Class``
+    (``torch`` with ``extractor_params`` model/weights for a local PyTorch model)."""
+
+    kind: Literal["wsi", "ct", "features", "h5", "npy", "none"] = "none"
     source: Path | None = None
-    labels: Path | None = None
+    labels: Path | LabelsConfig | None = None
+    slides: Path | None = None
     tile_size: int = Field(256, gt=0)
     level: int = Field(0, ge=0)
     magnification: float | None = Field(None, gt=0)
+    target_mpp: float | None = Field(None, gt=0)
+    base_mpp: float | None = Field(None, gt=0)
+    reader: Literal["auto", "openslide", "tifffile"] = "auto"
+    patterns: list[str] | None = None
+    recursive: bool = True
     min_tissue_fraction: float = Field(0.5, gt=0, le=1)
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
@@ -80,10 +137,13 @@ class IngestConfig(_Strict):
     @field_validator("extractor")
     @classmethod
     def _registered(cls, name: str | None) -> str | None:
-        from tasks.ingest.features import _REGISTRY
+        from tasks.ingest.features import resolve_extractor
 
-        if name is not None and name not in _REGISTRY:
-            raise ValueError(f"no feature extractor registered as {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+        if name is not None:
+            try:
+                resolve_extractor(name)
+            except KeyError as error:
+                raise ValueError(error.args[0]) from None
         return name
 
     @model_validator(mode="after")
@@ -99,7 +159,10 @@ class ModelConfig(_Strict):
     The default, ``VGPMIL`` with its automatic defaults, had the best mean held-out bag AUC of the
     GP-MIL defaults over MUSK1, MUSK2 and digits bags (0.861; G-VGPMIL 0.857, VWSGP 0.855,
     VGPMIL-PR 0.750), 0.865 on large bags (``docs/BENCHMARKS.md``, "Accuracy of the defaults"),
-    and gives instance probabilities for the heat maps (VWSGP gives evidences)."""
+    and gives instance probabilities for the heat maps (VWSGP gives evidences).
+
+    ``EmbeddedGPMIL``'s ``gp`` is itself a model section (``{name: GVGPMIL, params: {…}}``);
+    left out, it is the package's default GP."""
 
     name: str = "VGPMIL"
     params: dict[str, Any] = Field(default_factory=dict)
@@ -117,6 +180,11 @@ class ModelConfig(_Strict):
         unknown = sorted(set(self.params) - set(estimator.get_params()))
         if unknown:
             raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(estimator.get_params()))}")
+        if self.name == "EmbeddedGPMIL" and self.params.get("gp") is not None:
+            gp = self.params["gp"]
+            if not isinstance(gp, dict):
+                raise ValueError(f"EmbeddedGPMIL's gp must be a model section {{name: ..., params: {{...}}}}, got {gp!r}")
+            ModelConfig.model_validate(gp)
         return self
 
 
@@ -249,8 +317,11 @@ def _digest(payload: dict[str, Any]) -> str:
 
 
 def make_model(config: ModelConfig):
-    """A fresh estimator from the configuration."""
-    return MODEL_CLASSES[config.name](**config.params)
+    """A fresh estimator from the configuration (a nested ``gp`` section built the same way)."""
+    params = dict(config.params)
+    if isinstance(params.get("gp"), dict):
+        params["gp"] = make_model(ModelConfig.model_validate(params["gp"]))
+    return MODEL_CLASSES[config.name](**params)
 
 
 def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | None = None, **overrides: Any) -> PipelineConfig:
@@ -287,8 +358,13 @@ def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
     def resolve(p: Path | None) -> Path | None:
         return None if p is None or p.is_absolute() else (base / p).resolve()
 
+    labels = config.ingest.labels
+    if isinstance(labels, LabelsConfig):
+        labels = labels.model_copy(update={"file": resolve(labels.file) or labels.file})
+    else:
+        labels = resolve(labels) or labels
     ingest = config.ingest.model_copy(update={"source": resolve(config.ingest.source) or config.ingest.source,
-                                              "labels": resolve(config.ingest.labels) or config.ingest.labels,
+                                              "labels": labels, "slides": resolve(config.ingest.slides) or config.ingest.slides,
                                               "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from})
     prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
     dask = config.dask.model_copy(update={"config_file": resolve(config.dask.config_file) or config.dask.config_file})

@@ -11,6 +11,7 @@ runs the flow from a cloudpickled copy whose globals hold only what the body use
 could not resolve a string annotation such as ``"PipelineConfig"``.
 """
 
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from flows.checks import check_inputs
 from flows.config import PipelineConfig, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import start_cluster
+from tasks.paths import safe_filename
 
 __all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
 
@@ -77,14 +79,36 @@ def train_model(config: str, store: str | None = None, scheduler_address: str | 
 
 
 @flow(name="predict-cohort", log_prints=True)
-def predict_cohort(config: str, model_dir: str, store: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
-    """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model."""
+def predict_cohort(config: str, model_dir: str, store: str | None = None, source: str | None = None,
+                   labels: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
+    """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model.
+
+    With ``source`` (a folder of new slides, scans or feature files, read like ``ingest.source``)
+    the new cohort is first ingested into its own store (``store``, else
+    ``<output_dir>/stores/<folder>-<hash>.zarr``) with the feature extractor of the store the model
+    was trained on (``labels``: optional, for metrics), then predicted, and the report and tables
+    are written; the result's ``info`` says where."""
     cfg = _config(config)
-    check_inputs(cfg, "predict", store=store, model_dir=model_dir)
-    target = str(store or cfg.prediction.store or cfg.store)
+    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"] if Path(model_dir, "model.json").is_file() else None
+    if source is not None:
+        new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
+        ingest = cfg.ingest.model_copy(update={"source": Path(source), "labels": None if labels is None else Path(labels),
+                                               "extractor_from": None if trained_on is None else Path(trained_on)})
+        cfg = cfg.model_copy(update={"ingest": ingest, "prediction": cfg.prediction.model_copy(update={"store": new_store})})
+        check_inputs(cfg, "predict", model_dir=model_dir, source=source)
+    else:
+        check_inputs(cfg, "predict", store=store, model_dir=model_dir)
+    target = str(store or cfg.prediction.store or cfg.store) if source is None else str(cfg.prediction.store)
     with run_cluster(cfg, scheduler_address) as address:
+        ingested = t.ingest_cohort_items(cfg.model_copy(update={"store": Path(target)}), address) if source is not None else None
         key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
-        return t.predict(cfg, target, model_dir, key, address)
+        predicted = t.predict(cfg, target, model_dir, key, address)
+    if source is None:
+        return predicted
+    reported = t.write_report(cfg, target, model_dir, key)
+    info = {"store": target, "report": reported.path, "metrics": reported.info,
+            "skipped": [] if ingested is None else ingested.info.get("skipped", [])}
+    return t.StageResult(key, predicted.path, predicted.reused and reported.reused, info)
 
 
 @flow(name="evaluate-run", log_prints=True)

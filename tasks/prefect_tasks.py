@@ -26,13 +26,15 @@ from prefect.artifacts import (create_image_artifact, create_link_artifact, crea
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
-from mil_core import persist
+from mil_core import EmbeddedGPMIL, persist
+from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
+from tasks.training.embedded import fit_cohort_embedded
 
 
 
@@ -108,6 +110,8 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
+    embedded = isinstance(model, EmbeddedGPMIL)  # the network trains on the client, its GP on the cluster
+    gp = (model.gp or default_gp()) if embedded else model  # the estimator whose sweeps are reported
     warnings = []
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
         warnings.append(message)
@@ -115,11 +119,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
-        update_progress_artifact(progress, 100.0 * iteration / model.max_iter)
-        logger.info("training %s ELBO %.4f", progress_bar(iteration, model.max_iter), objective)
+        update_progress_artifact(progress, 100.0 * iteration / gp.max_iter)
+        logger.info("training %s ELBO %.4f", progress_bar(iteration, gp.max_iter), objective)
 
     with Client(scheduler_address) as client:
-        summary = fit_cohort(
+        summary = (fit_cohort_embedded if embedded else fit_cohort)(
             model, store, client, run=model_key, partition_bytes=int(config.training.partition_mib * 2**20),
             mode=config.training.mode, device=config.training.device, gpu_namespace=config.training.gpu_namespace,
             device_memory=None if config.training.device_memory_gib is None else int(config.training.device_memory_gib * 2**30),
@@ -128,23 +132,24 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
-    trace = model.elbo_ if hasattr(model, "elbo_") else model.objective_  # AbSMIL: its loss (Eq. 3) per iteration
+    gp = model.gp_ if embedded else model
+    trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
-        "n_iter": int(model.n_iter_), "converged": bool(model.converged_), "elbo": [float(e) for e in trace],
+        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_), "elbo": [float(e) for e in trace],
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
-    if getattr(model, "converged_", True) is False and model.n_iter_ >= model.max_iter:
-        warnings.append(f"the fit stopped at max_iter={model.max_iter} without converging (tol={model.tol}): raise "
+    if getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
+        warnings.append(f"the fit stopped at max_iter={gp.max_iter} without converging (tol={gp.tol}): raise "
                         "model.params.max_iter, or check the ELBO trace (elbo.png)")
         logger.warning(warnings[-1])
     info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_elbo(trace, model_dir / "elbo.png")
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
-    logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, model.n_iter_, summary.mode, summary.device, model_dir)
+    logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, gp.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
 
 
@@ -165,16 +170,19 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     extractor once) and open the store: items already in it are not run again."""
     from tasks.ingest.ct import plan_ct
     from tasks.ingest.features import make_extractor
+    from tasks.ingest.slide_io import SLIDE_PATTERNS
     from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
     if ing.kind == "wsi":
-        tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification, min_tissue=ing.min_tissue_fraction)
-        plan = plan_slides(store, ing.source, labels_csv=ing.labels, params=tiling, extractor=extractor,
-                           qc_dir=Path(config.output_dir) / "qc", name=config.name, extractor_from=ing.extractor_from)
+        tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification, target_mpp=ing.target_mpp,
+                              base_mpp=ing.base_mpp, reader=ing.reader, min_tissue=ing.min_tissue_fraction)
+        plan = plan_slides(store, ing.source, labels_csv=_label_source(ing.labels), params=tiling, extractor=extractor,
+                           qc_dir=Path(config.output_dir) / "qc", name=config.name, extractor_from=ing.extractor_from,
+                           patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive)
     elif ing.kind == "ct":
-        plan = plan_ct(store, ing.source, labels_csv=ing.labels, extractor=extractor, name=config.name)
+        plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name)
     else:
         raise ValueError(f"ingest.kind={ing.kind!r} has no per-item inputs")
     run = IngestRun(store, plan.spec, plan.items, skipped=plan.skipped)
@@ -214,13 +222,38 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
 
 
-@task(name="ingest-table", task_run_name="ingest table {config.ingest.source}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
+def _label_source(labels: Any) -> Any:
+    """A labels path as it is (the source's convention), or the LabelSpec of a ``labels`` section."""
+    return labels.spec() if hasattr(labels, "spec") else labels
+
+
+@task(name="ingest-table", task_run_name="ingest {config.ingest.kind} {config.ingest.source}", cache_policy=NO_CACHE,
+      **RETRY_IF_TRANSIENT)
 def ingest_table(config: PipelineConfig) -> StageResult:
-    """Load a MIL feature table (CSV, Parquet, ``.npz``) into the store; bags already there are skipped."""
+    """Load feature files into the store: a MIL feature table (CSV, Parquet, ``.npz``), a CLAM/TRIDENT
+    ``.h5`` folder or a torchmil ``.npy`` folder; bags already there are skipped."""
+    from tasks.ingest.h5 import ingest_h5_features
+    from tasks.ingest.labels import LabelSpec
+    from tasks.ingest.npy import ingest_bag_files
     from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
-    source = config.ingest.source
+    source, ing = config.ingest.source, config.ingest
+    if ing.kind == "h5":
+        labels = _label_source(ing.labels)
+        spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
+        result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
+                                    slides=ing.slides, **({} if spec is None else {
+                                        "id_column": spec.id_column, "label_column": spec.label_column,
+                                        "positive": spec.positive, "target": spec.target}))
+        return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+    if ing.kind == "npy":
+        folder = Path(source)
+        optional = {name: folder / name for name in ("inst_labels", "coords") if (folder / name).is_dir()}
+        result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
+                                  labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
+                                  inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"))
+        return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
@@ -242,7 +275,7 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
 def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:
     from prefect.futures import as_completed
 
-    if config.ingest.kind == "features":
+    if config.ingest.kind in ("features", "h5", "npy"):
         return ingest_table(config)
     logger = get_run_logger()
     work = list_inputs(config)
@@ -358,22 +391,59 @@ def _figure_artifacts(config: PipelineConfig, figures: list[Path], report_md: Pa
     return lines
 
 
-def _slide_background(source: str, tiling: dict[str, Any] | None, logger: Any) -> tuple[np.ndarray | None, float | None]:
-    """The slide thumbnail under a heatmap, or none (feature-table cohorts; a slide moved or
-    unreadable since ingest: the heatmap is then drawn on the bare tile grid, and the log says why)."""
+def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, logger: Any,
+                      slides: dict[str, str] | None = None) -> tuple[np.ndarray | None, float | None]:
+    """The slide thumbnail under a heatmap and its downsample from level 0, or none (feature
+    cohorts without their slides; a slide moved or unreadable since ingest: the heatmap is then drawn
+    without it, and the log says why). ``slides``: bag id → slide file of a feature cohort whose
+    slides are known (``tiling.slides_dir``)."""
     from tasks.ingest.errors import IngestError
+    from tasks.ingest.slide_io import open_slide
     from tasks.ingest.wsi import heatmap_background
 
-    if not tiling or "tile_size" not in tiling:
+    if not tiling:
         return None, None
+    if "slides_dir" in tiling:
+        if not slides or bag_id not in slides:
+            logger.info("no slide for %s in %s: heatmap without a thumbnail", bag_id, tiling["slides_dir"])
+            return None, None
+        source = slides[bag_id]
     if not Path(source).is_file():
         logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
         return None, None
     try:
-        return heatmap_background(source, tiling)
+        if "slides_dir" in tiling:
+            with open_slide(source) as slide:
+                thumbnail, downsample = slide.thumbnail(1024)
+                return thumbnail, downsample
+        thumbnail, downsample, _ = heatmap_background(source, tiling)
+        return thumbnail, downsample
     except IngestError as error:
         logger.warning("heatmap without the slide thumbnail: %s", error)
         return None, None
+
+
+def _ct_series_by_uid(sources: Any, logger: Any) -> dict[str, Any]:
+    """SeriesInstanceUID → its :class:`tasks.ingest.ct.CTSeries` (files and SOP UIDs in spatial
+    order), reading the headers of each source folder once; empty where the folders are gone."""
+    from tasks.ingest.ct import scan_dicom_dir
+
+    found: dict[str, Any] = {}
+    for folder in sorted(set(map(str, sources))):
+        if not Path(folder).is_dir():
+            logger.warning("CT folder %s not found: findings without SOPInstanceUIDs or slice images", folder)
+            continue
+        found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
+    return found
+
+
+def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
+    """Slide file by stem under a feature cohort's ``slides_dir`` (None without one)."""
+    from tasks.ingest.slide_io import find_slides
+
+    if not tiling or "slides_dir" not in tiling or not Path(tiling["slides_dir"]).is_dir():
+        return None
+    return {path.stem: str(path) for path in find_slides(tiling["slides_dir"])[0]}
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
@@ -438,17 +508,52 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
     sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[["bag_id", "probability", "std", "label"]]), ""]
 
-    top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
     scores, kind = report.instance_scores(predictions)
+    instances = report.instance_table(store, prediction_key)
+    series = _ct_series_by_uid(table["source"], logger) if cohort.attrs.get("coords_meaning") == "slice_index" else {}
+    if series:  # CT findings by SOPInstanceUID (slices are stored in spatial order, as the series lists them)
+        uids = np.array([("" if s is None or z >= len(s.sop_uids) else s.sop_uids[z])
+                         for s, z in zip((series.get(b) for b in instances["bag_id"].astype(str)), instances["slice_index"])],
+                        dtype=object)
+        instances.insert(3, "sop_instance_uid", uids)
+    instances.to_parquet(out / "instance_predictions.parquet", index=False)
+    if len(instances) <= 1_000_000:
+        instances.to_csv(out / "instance_predictions.csv", index=False)
+    sections += [f"Per-instance table: `instance_predictions.parquet` ({len(instances)} rows: bag, instance, "
+                 f"{', '.join(c for c in instances.columns if c not in ('bag_id', 'instance', kind, 'std'))}, {kind}, std).", ""]
+    meaning = str(cohort.attrs.get("coords_meaning", ""))
+    if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
+        for b in range(cohort.n_bags):  # one QuPath-importable GeoJSON per slide, tiles in level-0 pixels
+            rows = cohort.bag_slice(b)
+            xy, side = report.level0_tiles(coords[rows], meaning)
+            report.write_geojson(report.tile_geojson(xy, side, scores[rows], predictions["instances/std"][rows], kind=kind),
+                                 bag_file(out / "geojson", table.at[b, "bag_id"], ".geojson"))
+        sections += ["Tiles per slide for QuPath (File → Import objects): `geojson/<slide>.geojson`, level-0 pixels, "
+                     f"with {kind} and std as measurements.", ""]
+
+    top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
+    slides = _slides_by_stem(cohort.attrs.get("tiling"))
     for b in top.index:
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
-            thumbnail, tile_px = _slide_background(table.at[b, "source"], cohort.attrs.get("tiling"), logger)
-            figures.append(report.plot_wsi_heatmap(coords[rows], scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
-                                                   thumbnail=thumbnail, tile_px_on_thumbnail=tile_px,
+            xy, side = report.level0_tiles(coords[rows], cohort.attrs.get("coords_meaning", ""))
+            thumbnail, downsample = _slide_background(table.at[b, "source"], bag_id, cohort.attrs.get("tiling"), logger, slides)
+            figures.append(report.plot_wsi_heatmap(xy, side, scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
+                                                   thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
+            found = series.get(bag_id)
+            if found is not None and len(found.files) == rows.stop - rows.start:
+                from tasks.ingest.ct import load_windowed_slices
+
+                chosen = report.strip_slices(scores[rows])
+                order = np.argsort(coords[rows, 0])[chosen]
+                figures.append(report.plot_ct_strip(
+                    load_windowed_slices([found.files[int(coords[rows.start + i, 0])] for i in order]), coords[rows, 0][order],
+                    scores[rows][order], predictions["instances/std"][rows][order], bag_file(out / "strips", bag_id, ".png"),
+                    sop_uids=[found.sop_uids[int(coords[rows.start + i, 0])] for i in order], kind=kind,
+                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))

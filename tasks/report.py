@@ -39,9 +39,16 @@ __all__ = [
     "plot_elbo",
     "plot_roc",
     "plot_wsi_heatmap",
+    "level0_tiles",
+    "heatmap_canvas",
     "plot_ct_slices",
+    "plot_ct_strip",
     "instance_scores",
     "write_tables",
+    "summary_text",
+    "instance_table",
+    "tile_geojson",
+    "write_geojson",
     "Evaluation",
 ]
 
@@ -70,6 +77,75 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     table["predicted_label"] = (table["probability"] >= threshold).astype(int)
     table["most_suspicious"] = suspicious
     return table
+
+
+def instance_table(store: str | Path, run: str) -> pd.DataFrame:
+    """One row per instance: ``bag_id``, ``instance`` (index in its bag), the level-0 ``x``, ``y``
+    of its tile (slide and ``.h5`` cohorts) or its ``slice_index`` (CT) or its stored coordinates,
+    the ``probability`` (or ``evidence``) and its ``std``."""
+    cohort = open_cohort(store)
+    pred = read_predictions(store, run)
+    scores, kind = instance_scores(pred)
+    n = cohort.n_instances
+    offsets = np.asarray(cohort.offsets)
+    sizes = np.diff(offsets)
+    bag_of_row = np.repeat(np.arange(cohort.n_bags), sizes)
+    coords = zarr.open_group(str(store), mode="r")["instances/coords"][:n]
+    meaning = str(cohort.attrs.get("coords_meaning", ""))
+    columns: dict[str, Any] = {"bag_id": pd.Categorical.from_codes(bag_of_row, np.asarray(cohort.bag_ids, dtype=str)),
+                               "instance": np.arange(n) - offsets[bag_of_row]}
+    if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
+        xy = coords[:, 2:4] if meaning.startswith("tile_row") else coords[:, :2]
+        columns |= {"x": xy[:, 0], "y": xy[:, 1]}
+    elif meaning == "slice_index":
+        columns["slice_index"] = coords[:, 0]
+    else:
+        columns |= {f"coord_{j}": coords[:, j] for j in range(coords.shape[1])}
+    columns |= {kind: scores[:n], "std": pred["instances/std"][:n]}
+    return pd.DataFrame(columns)
+
+
+def tile_geojson(xy: np.ndarray, side: float, scores: np.ndarray, std: np.ndarray, *,
+                 kind: ScoreKind = "probability") -> dict[str, Any]:
+    """A GeoJSON FeatureCollection QuPath imports: one square tile per instance in level-0 pixels,
+    with its score and std as measurements."""
+    features = []
+    for (x, y), score, sd in zip(np.asarray(xy, dtype=float), scores, std):
+        ring = [[x, y], [x + side, y], [x + side, y + side], [x, y + side], [x, y]]
+        features.append({"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [ring]},
+                         "properties": {"objectType": "tile", "isLocked": True,
+                                        "classification": {"name": "gpmil tile"},
+                                        "measurements": {kind: float(score), "std": float(sd)}}})
+    return {"type": "FeatureCollection", "features": features}
+
+
+def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(collection, separators=(",", ":")))
+    return path
+
+
+def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, metrics: dict[str, Any] | None = None,
+                 where: dict[str, str] | None = None) -> str:
+    """A few lines for a terminal: counts, the most likely positive bags, the least certain ones,
+    metrics where labels exist and where the outputs are."""
+    n_pos = int((table["probability"] >= threshold).sum())
+    lines = [f"{len(table)} bags predicted: {n_pos} positive, {len(table) - n_pos} negative (threshold {threshold:g})"]
+
+    def rows(frame: pd.DataFrame) -> list[str]:
+        width = max([len(str(b)) for b in frame["bag_id"]] + [6])
+        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}"
+                + ("" if r.label < 0 else f"  (label {r.label})") for r in frame.itertuples()]
+
+    lines += ["most likely positive:"] + rows(table.sort_values("probability", ascending=False).head(top))
+    lines += ["least certain (highest std):"] + rows(table.sort_values("std", ascending=False).head(min(top, 3)))
+    if metrics:
+        shown = {k: metrics[k] for k in ("bag_auc", "bag_accuracy", "bag_f1", "bag_brier", "instance_auc") if k in metrics}
+        lines.append("metrics: " + ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
+    for name, path in (where or {}).items():
+        lines.append(f"{name}: {path}")
+    return "\n".join(lines)
 
 
 def instance_scores(predictions: dict[str, np.ndarray]) -> tuple[np.ndarray, ScoreKind]:
@@ -182,20 +258,51 @@ def _colour_scale(scores: np.ndarray, kind: ScoreKind) -> dict[str, Any]:
 SCORE_LABELS = {"probability": "p(tile positive)", "evidence": "instance evidence (not a probability)"}
 
 
-def plot_wsi_heatmap(coords: np.ndarray, scores: np.ndarray, path: str | Path, *, kind: ScoreKind = "probability",
-                     thumbnail: np.ndarray | None = None, tile_px_on_thumbnail: float | None = None, title: str = "") -> Path:
-    """Tile probabilities (or evidences, ``kind``) painted on the tile grid (``coords`` = tile
-    row, col), over the slide thumbnail when one is given (``tile_px_on_thumbnail`` = one tile's
-    size in thumbnail pixels)."""
-    rows, cols = coords[:, 0], coords[:, 1]
-    grid = np.full((rows.max() + 1, cols.max() + 1), np.nan)
-    grid[rows, cols] = scores
-    fig, ax = plt.subplots(figsize=(5, 5 * grid.shape[0] / max(grid.shape[1], 1)))
-    extent = None
-    if thumbnail is not None and tile_px_on_thumbnail:
+def level0_tiles(coords: np.ndarray, coords_meaning: str) -> tuple[np.ndarray, float]:
+    """Tile top-left corners ``(x, y)`` in level-0 pixels and the tile side there, from the stored
+    coordinates: slide stores (``tile_row,tile_col,x,y``), CLAM/TRIDENT ``.h5`` (``x,y``; the side is
+    the grid step of the coordinates), else a grid (row, col) in tile units (side 1)."""
+    coords = np.asarray(coords)
+    if coords_meaning.startswith("tile_row,tile_col,x,y"):
+        xy = coords[:, 2:4]
+    elif coords_meaning.startswith("x,y"):
+        xy = coords[:, :2]
+    else:
+        return coords[:, 1::-1][:, :2].astype(np.float64), 1.0
+    steps = [np.diff(np.unique(xy[:, axis])) for axis in (0, 1)]
+    positive = np.concatenate([s[s > 0] for s in steps])
+    return xy.astype(np.float64), float(positive.min()) if positive.size else 1.0
+
+
+def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,
+                   downsample: float | None = None, max_side: int = 1024) -> tuple[np.ndarray, float]:
+    """Tile scores painted on a canvas of thumbnail resolution (NaN where there is no tile):
+    ``shape``/``downsample`` of a slide thumbnail, else at most ``max_side`` pixels over the tiles'
+    extent. Memory is the canvas, whatever the coordinates' range."""
+    if shape is None or downsample is None:
+        extent = float(max(xy[:, 0].max(), xy[:, 1].max()) + side) if len(xy) else side
+        downsample = max(extent / max_side, 1e-9)
+        shape = (int(np.ceil((xy[:, 1].max() + side) / downsample)), int(np.ceil((xy[:, 0].max() + side) / downsample)))
+    canvas = np.full(shape, np.nan)
+    y0 = np.clip(np.floor(xy[:, 1] / downsample).astype(np.int64), 0, shape[0] - 1)
+    x0 = np.clip(np.floor(xy[:, 0] / downsample).astype(np.int64), 0, shape[1] - 1)
+    y1 = np.maximum(np.ceil((xy[:, 1] + side) / downsample).astype(np.int64), y0 + 1)
+    x1 = np.maximum(np.ceil((xy[:, 0] + side) / downsample).astype(np.int64), x0 + 1)
+    for a, b, c, d, s in zip(y0, y1, x0, x1, scores):
+        canvas[a:b, c:d] = s
+    return canvas, downsample
+
+
+def plot_wsi_heatmap(xy: np.ndarray, side: float, scores: np.ndarray, path: str | Path, *,
+                     kind: ScoreKind = "probability", thumbnail: np.ndarray | None = None,
+                     thumb_downsample: float | None = None, title: str = "") -> Path:
+    """Tile probabilities (or evidences, ``kind``) of tiles at level-0 ``xy`` with level-0 ``side``
+    (:func:`level0_tiles`), at thumbnail resolution, over the slide thumbnail when one is given."""
+    canvas, _ = heatmap_canvas(xy, side, scores, None if thumbnail is None else thumbnail.shape[:2], thumb_downsample)
+    fig, ax = plt.subplots(figsize=(5, 5 * canvas.shape[0] / max(canvas.shape[1], 1)))
+    if thumbnail is not None:
         ax.imshow(thumbnail)
-        extent = (0, grid.shape[1] * tile_px_on_thumbnail, grid.shape[0] * tile_px_on_thumbnail, 0)
-    image = ax.imshow(grid, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0, extent=extent,
+    image = ax.imshow(canvas, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0,
                       interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, label=SCORE_LABELS[kind])
     ax.set_axis_off()
@@ -225,6 +332,39 @@ def plot_ct_slices(slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray,
     ax.set(xlabel="slice", title=title)
     ax.legend(loc="upper right", fontsize="small")
     return _save(fig, path)
+
+
+def plot_ct_strip(windows: np.ndarray, slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray, path: str | Path, *,
+                  sop_uids: list[str] | None = None, kind: ScoreKind = "probability", title: str = "") -> Path:
+    """A strip of windowed CT slices (``windows`` (k, H, W, 3) in [0, 1]; the brain, blood and
+    soft-tissue windows shown as the three colour channels) each titled with its slice index,
+    score ± std and the end of its SOPInstanceUID, framed in the score's colour."""
+    k = len(windows)
+    fig, axes = plt.subplots(1, k, figsize=(1.9 * k, 2.4), squeeze=False)
+    scale = _colour_scale(scores, kind)
+    cmap = plt.get_cmap(scale["cmap"])
+    for ax, image, z, s, sd, j in zip(axes[0], windows, slice_index, scores, std, range(k)):
+        ax.imshow(np.clip(image, 0, 1))
+        ax.set_xticks([])
+        ax.set_yticks([])
+        colour = cmap((s - scale["vmin"]) / (scale["vmax"] - scale["vmin"]))
+        for spine in ax.spines.values():
+            spine.set_edgecolor(colour)
+            spine.set_linewidth(4)
+        uid = "" if sop_uids is None else f"\n…{sop_uids[j][-10:]}"
+        ax.set_title(f"slice {int(z)}\n{'p' if kind == 'probability' else 'e'} = {s:.2f} ± {sd:.2f}{uid}", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def strip_slices(scores: np.ndarray, n: int = 8) -> np.ndarray:
+    """Up to ``n`` slice positions for a strip: evenly spread over the scan, always with the most
+    positive slice and its neighbours."""
+    count = len(scores)
+    top = int(np.argmax(scores))
+    chosen = set(np.linspace(0, count - 1, num=min(n, count)).round().astype(int).tolist())
+    chosen |= {i for i in (top - 1, top, top + 1) if 0 <= i < count}
+    return np.array(sorted(chosen))
 
 
 def markdown_table(frame: pd.DataFrame, float_format: str = "{:.3f}") -> str:

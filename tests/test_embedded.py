@@ -194,3 +194,47 @@ def test_without_torch_mil_core_imports_and_fit_says_how_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                          env={**os.environ, "PYTHONPATH": str(root)}).stdout
     assert 'pip install -e ".[torch]"' in out
+
+
+def test_pipeline_fit_on_a_store_equals_fit_and_saves_as_a_trained_model(tmp_path, data):
+    """The network trains on the client from the store's bags, the GP through the Dask executor on
+    the embedded partitions: the same model as ``fit`` on the same bags."""
+    from distributed import Client, LocalCluster
+
+    from flows.config import ModelConfig, make_model
+    from tasks.prefect_tasks import TrainedModel, load_model, save_model
+    from tasks.training import predict_cohort, read_predictions
+    from tasks.training.embedded import fit_cohort_embedded
+    from tests.test_distributed import write_store
+
+    (X, bags, y, _), _ = data
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
+    path = write_store(tmp_path / "toy.zarr", X, bags, y)
+    config = ModelConfig(name="EmbeddedGPMIL", params={**NET, "random_state": 0,
+                                                       "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 20}}})
+    model = make_model(config)
+    serial = clone(model).fit(X, bags, y)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        summary = fit_cohort_embedded(model, path, client, run="emb", partition_bytes=2_000)
+        for name, value in serial.network_state_.items():
+            np.testing.assert_array_equal(model.network_state_[name], value, err_msg=name)
+        np.testing.assert_allclose(model.gp_.q_.mean, serial.gp_.q_.mean, rtol=1e-6, atol=1e-8)
+        save_model(tmp_path / "model", TrainedModel(model, summary.scaling))
+        restored = load_model(tmp_path / "model").estimator
+        predict_cohort(restored, path, client, run="p", partition_bytes=2_000, instance_kwargs={"method": "probit"},
+                       bag_kwargs={"method": "probit"})
+    out = read_predictions(path, "p")
+    np.testing.assert_allclose(out["bags/proba"], serial.predict_bag_proba(X, bags, method="probit")[1], rtol=1e-6)
+    assert np.all(np.isfinite(out["bags/std"]))
+
+
+def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
+    from flows.config import ModelConfig, make_model
+
+    model = make_model(ModelConfig(name="EmbeddedGPMIL", params={"n_components": 8, "gp": {"name": "GVGPMIL", "params": {"n_inducing": 20}}}))
+    assert isinstance(model, EmbeddedGPMIL) and type(model.gp).__name__ == "GVGPMIL" and model.gp.n_inducing == 20
+    assert make_model(ModelConfig(name="EmbeddedGPMIL")).gp is None
+    with pytest.raises(ValueError, match="unknown model 'NoSuchGP'"):
+        ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": "NoSuchGP"}})
+    with pytest.raises(ValueError, match="gp must be a model section"):
+        ModelConfig(name="EmbeddedGPMIL", params={"gp": "VGPMIL"})

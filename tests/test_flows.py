@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.pipeline import pipeline, predict_cohort, train_model
+from tasks.paths import safe_filename
 from tasks.store import open_cohort
 from tests.conftest import make_toy_bags
 from tests.test_distributed import write_store
@@ -266,6 +268,24 @@ def test_demo_trains_on_one_cohort_and_reports_metrics_on_a_held_out_cohort(demo
     assert (Path(reports["ct"]).parent / "slices").is_dir() and "instance_auc" in json.loads(Path(reports["ct"]).with_name("metrics.json").read_text())
     trained, held_out = open_cohort(workdir / "stores" / "wsi.zarr"), open_cohort(workdir / "stores" / "wsi-heldout.zarr")
     assert held_out.attrs["feature_extractor"] == trained.attrs["feature_extractor"]  # the model's features, not refitted
+    wsi_out, ct_out = Path(reports["wsi"]).parent, Path(reports["ct"]).parent
+    instances = pd.read_parquet(wsi_out / "instance_predictions.parquet")
+    assert list(instances.columns) == ["bag_id", "instance", "x", "y", "probability", "std"] and len(instances) == held_out.n_instances
+    first = instances[instances["bag_id"] == held_out.bag_ids[0]]
+    geojson = json.loads((wsi_out / "geojson" / safe_filename(held_out.bag_ids[0], ".geojson")).read_text())
+    ring = geojson["features"][0]["geometry"]["coordinates"][0]
+    assert len(geojson["features"]) == len(first) and ring[0] == [first["x"].iloc[0], first["y"].iloc[0]]
+    assert ring[2][0] - ring[0][0] == ring[2][1] - ring[0][1] > 0  # a square tile in level-0 pixels
+    assert geojson["features"][0]["properties"]["measurements"]["probability"] == pytest.approx(first["probability"].iloc[0])
+    ct_instances = pd.read_parquet(ct_out / "instance_predictions.parquet")
+    assert list(ct_instances.columns[:4]) == ["bag_id", "instance", "slice_index", "sop_instance_uid"]
+    assert ct_instances["sop_instance_uid"].str.len().min() > 10 and ct_instances["sop_instance_uid"].is_unique
+    assert len(list((ct_out / "strips").glob("*.png"))) == 4  # windowed slices with their probabilities
+    from tasks.ingest.ct import read_rsna_labels
+
+    slice_labels = read_rsna_labels(workdir / "raw" / "ct-heldout" / "labels.csv")
+    stored = open_cohort(workdir / "stores" / "ct-heldout.zarr").read_bags(0, 6).instance_labels
+    assert [slice_labels[u] for u in ct_instances["sop_instance_uid"]] == stored.tolist()  # each row is its slice
 
 
 def test_demo_skips_a_corrupt_slide_and_a_rerun_reuses_every_stage(demo_run):
@@ -310,6 +330,67 @@ def test_progress_bars_say_how_far_a_stage_is():
     assert progress_bar(0, 4, width=8) == "[........] 0/4"
     assert progress_bar(3, 4, width=8) == "[######..] 3/4"
     assert progress_bar(0, 0, width=4) == "[....] 0/0"
+
+
+def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heatmaps(tmp_path):
+    """A CLAM/TRIDENT feature folder is a config source; labels come from a target expression; the
+    report paints level-0 coordinates at thumbnail size (over the slide when its folder is given)
+    and writes per-instance tables and QuPath GeoJSON."""
+    import h5py
+
+    from tasks.ingest.synthetic import write_pyramid
+
+    rng = np.random.default_rng(0)
+    folder, slides = tmp_path / "h5", tmp_path / "slides"
+    folder.mkdir()
+    slides.mkdir()
+    rows = []
+    for i in range(16):
+        n, positive = int(rng.integers(8, 20)), i % 2
+        X = rng.normal(size=(n, 6)).astype(np.float32)
+        X[: 3 * positive, 0] += 4.0  # witnesses
+        grid = rng.choice(400, size=n, replace=False)
+        with h5py.File(folder / f"case_{i:02d}.h5", "w") as handle:
+            handle["features"] = X
+            handle["coords"] = np.stack([grid % 20, grid // 20], axis=1) * 512  # level-0 pixels, 512-px patches
+        rows.append({"slide_id": f"case_{i:02d}", "grade": 3 * positive})
+    pd.DataFrame(rows).to_csv(tmp_path / "clinical.csv", index=False)
+    write_pyramid(slides / "case_01.svs", np.full((1024, 1024, 3), 230, dtype=np.uint8), mpp=10.0, flavour="aperio", levels=1)
+    config = write_config(tmp_path, tmp_path / "h5.zarr", ingest={
+        "kind": "h5", "source": str(folder), "slides": str(slides),
+        "labels": {"file": str(tmp_path / "clinical.csv"), "target": "grade > 2"}},
+        prediction={"n_heatmaps": 16})
+    results = pipeline(config)
+    cohort = open_cohort(tmp_path / "h5.zarr")
+    assert cohort.n_bags == 16 and list(cohort.bag_labels) == [i % 2 for i in range(16)]
+    out = Path(results["report"].path).parent
+    instances = pd.read_parquet(out / "instance_predictions.parquet")
+    assert list(instances.columns[:4]) == ["bag_id", "instance", "x", "y"] and instances["x"].max() > 5000
+    geojson = json.loads((out / "geojson" / safe_filename("case_03", ".geojson")).read_text())
+    ring = geojson["features"][0]["geometry"]["coordinates"][0]
+    assert ring[1][0] - ring[0][0] == 512  # the patch size, from the coordinates' grid step
+    assert len(list((out / "heatmaps").glob("*.png"))) == 16
+
+
+def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_prints_a_summary(demo_run, tmp_path, capsys):
+    from flows.cli import main
+
+    workdir, reports, configs = demo_run
+    model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())
+    new_folder = tmp_path / "new"
+    shutil.copytree(workdir / "raw" / "wsi-heldout", new_folder / "site_b")  # slides in a sub-folder
+    shutil.move(new_folder / "site_b" / "labels.csv", new_folder / "labels.csv")
+    (new_folder / "site_b" / "export.ndpi").write_bytes(b"not a slide")
+    with open(new_folder / "labels.csv", "a") as labels:
+        labels.write("export,synthetic,0,0+0\n")
+    code = main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(new_folder),
+                 "--labels", str(new_folder / "labels.csv"), "--store", str(tmp_path / "new.zarr")])
+    out = capsys.readouterr().out
+    assert code == 0 and "6 bags predicted:" in out and "most likely positive:" in out and "bag_auc" in out
+    assert "instance table: " in out and "QuPath GeoJSON" in out
+    assert "export.ndpi: UnreadableFileError: OpenSlide" in out  # every file left out, with its reason
+    trained = open_cohort(workdir / "stores" / "wsi.zarr")
+    assert open_cohort(tmp_path / "new.zarr").attrs["feature_extractor"] == trained.attrs["feature_extractor"]
 
 
 def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):

@@ -138,6 +138,17 @@ def test_torchmil_per_bag_files_round_trip_with_instance_labels_and_coords(tmp_p
         np.testing.assert_array_equal(block.coords, coords)
         assert cohort.bag_labels[b] == inst.max()
 
+    from flows.config import load_config  # the same folder as a config source (ingest.kind: npy)
+    from tasks.prefect_tasks import ingest_table as ingest_task
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: t\nstore: {tmp_path / 'c.zarr'}\noutput_dir: {tmp_path / 'out'}\n"
+                      f"ingest: {{kind: npy, source: {tmp_path}}}\n")
+    result = ingest_task.fn(load_config(config))
+    assert list(result.info["added"]) == ["bag0", "bag1", "bag2"]
+    from_config = open_cohort(tmp_path / "c.zarr")
+    np.testing.assert_array_equal(from_config.read_bags(0, 3).coords, cohort.read_bags(0, 3).coords)
+
 
 def test_documented_entry_points_import_from_the_package():
     """docs/STORE.md imports the entry points from ``tasks.ingest``; they are the per-format modules' functions."""

@@ -12,7 +12,8 @@ import pytest
 
 from tasks.ingest.driver import run_ingest
 from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
-from tasks.ingest.wsi import Slide, TilingParams, heatmap_background, ingest_slides, plan_slides, tile_grid
+from tasks.ingest.slide_io import open_slide
+from tasks.ingest.wsi import TilingParams, choose_level, heatmap_background, ingest_slides, plan_slides, tile_grid
 from tasks.paths import safe_filename
 from tasks.store import open_cohort
 
@@ -27,7 +28,7 @@ def slides(tmp_path_factory) -> tuple[Path, list]:
 def test_tissue_mask_and_tile_fractions_match_the_rendered_tissue(slides):
     folder, generated = slides
     for slide in generated:
-        with Slide(slide.path) as opened:
+        with open_slide(slide.path) as opened:
             grid = tile_grid(opened, TilingParams(tile_size=256, min_tissue=0.5))
         assert abs(grid.mask.mean() - slide.tissue_fraction) < 0.01
         cells = 256 // MAP_DOWNSAMPLE  # label-map cells per tile side
@@ -42,21 +43,24 @@ def test_tissue_mask_and_tile_fractions_match_the_rendered_tissue(slides):
 
 def test_magnification_picks_the_matching_pyramid_level(slides):
     _, generated = slides
-    with Slide(generated[0].path) as slide:
+    with open_slide(generated[0].path) as slide:
         assert slide.magnification == 20.0 and slide.downsamples == [1.0, 4.0]
-        assert slide.choose_level(TilingParams(magnification=5.0)) == 1
-        assert slide.choose_level(TilingParams(magnification=20.0)) == 0
+        assert slide.reader == "tifffile"  # a SubIFD pyramid: OpenSlide would see its base level only
+        assert choose_level(slide, TilingParams(magnification=5.0)) == 1
+        assert choose_level(slide, TilingParams(magnification=20.0)) == 0
         grid = tile_grid(slide, TilingParams(tile_size=64, magnification=5.0, min_tissue=0.5))
-    assert grid.level == 1 and grid.shape == (4, 6)
+    assert grid.geometry.level == 1 and grid.shape == (4, 6)
+    np.testing.assert_array_equal(grid.coords[:, 2:], grid.coords[:, 1::-1] * 256)  # level-0 x, y
 
 
 @pytest.mark.parametrize("tiling", [TilingParams(tile_size=64, magnification=5.0), TilingParams(tile_size=128, level=0)])
 def test_heatmap_background_scales_tiles_onto_the_thumbnail(slides, tiling):
     _, generated = slides
-    with Slide(generated[0].path) as slide:
+    with open_slide(generated[0].path) as slide:
         grid = tile_grid(slide, tiling)
-    thumbnail, tile_px = heatmap_background(generated[0].path, tiling.as_attrs(), max_side=200)
+    thumbnail, thumb_downsample, side0 = heatmap_background(generated[0].path, tiling.as_attrs(), max_side=200)
     assert thumbnail.ndim == 3 and thumbnail.shape[2] == 3 and max(thumbnail.shape[:2]) <= 200
+    tile_px = side0 / thumb_downsample
     np.testing.assert_allclose(np.array(grid.shape) * tile_px, thumbnail.shape[:2], atol=tile_px)
 
 

@@ -158,3 +158,27 @@ def test_a_run_whose_lease_was_taken_over_stops_before_its_next_commit(tmp_path)
     with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
         run_ingest(store, spec, items, writer, commit_every=1)
     assert list(open_cohort(store).bag_ids) == ["b0"]  # committed before the take-over; nothing after
+
+
+def test_a_training_run_whose_lease_was_taken_over_stops_before_its_next_checkpoint(tmp_path):
+    import zarr
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks.training import fit_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+
+    def taken_over_at_3(iteration, objective):
+        if iteration == 3:
+            lease_path(store).write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None,
+                                                     "purpose": "run on other-node", "started": 0.0, "token": "x"}))
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        with pytest.raises(StoreLockedError, match="was lost while this run held it"):
+            fit_cohort(VGPMIL(n_inducing=4, max_iter=6, tol=0.0), store, client, run="r", checkpoint_every=2,
+                       on_iteration=taken_over_at_3)
+    assert zarr.open_group(str(store), mode="r")["training/r"].attrs["latest"] == 2  # the checkpoint before stays

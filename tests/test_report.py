@@ -26,7 +26,38 @@ def test_heatmap_and_slice_plot_are_written_for_both_kinds(tmp_path, kind):
     rng = np.random.default_rng(0)
     coords = np.array([(r, c) for r in range(4) for c in range(5)])
     scores = rng.uniform(size=20) if kind == "probability" else rng.normal(scale=4.0, size=20)
-    heatmap = report.plot_wsi_heatmap(coords, scores, tmp_path / "h.png", kind=kind)
+    xy, side = report.level0_tiles(coords, "tile_row,tile_col")
+    heatmap = report.plot_wsi_heatmap(xy, side, scores, tmp_path / "h.png", kind=kind)
     slices = report.plot_ct_slices(np.arange(20), scores, np.full(20, 0.1), tmp_path / "s.png", kind=kind,
                                    instance_labels=np.zeros(20, dtype=int))
     assert heatmap.stat().st_size > 0 and slices.stat().st_size > 0
+
+
+def test_h5_level0_coordinates_give_a_thumbnail_sized_heatmap_with_each_tile_in_place():
+    """CLAM/TRIDENT coords are level-0 pixels (not tile indices): the canvas stays at thumbnail
+    size however large they are, and each tile lands where its pixels are."""
+    step = 512
+    rows, cols = np.meshgrid(np.arange(40, 60), np.arange(70, 90), indexing="ij")
+    xy = np.stack([cols.ravel() * step, rows.ravel() * step], axis=1)  # up to x = 45 568, y = 30 208
+    scores = np.linspace(0, 1, len(xy))
+    tiles, side = report.level0_tiles(xy, "x,y (level-0 pixels, as in the .h5)")
+    assert side == step
+    canvas, downsample = report.heatmap_canvas(tiles, side, scores, max_side=512)
+    assert max(canvas.shape) <= 512 and canvas.nbytes <= 512 * 512 * 8
+    for i in (0, 137, len(xy) - 1):
+        y, x = int((xy[i, 1] + side / 2) / downsample), int((xy[i, 0] + side / 2) / downsample)
+        assert canvas[y, x] == scores[i]
+    assert np.isnan(canvas[: int(40 * step / downsample) - 1]).all()  # nothing above the tissue
+    slide_tiles = np.array([[2, 3, 768, 512]])  # (row, col, x, y) of a slide store
+    np.testing.assert_array_equal(report.level0_tiles(slide_tiles, "tile_row,tile_col,x,y (...)")[0], [[768, 512]])
+
+
+def test_the_ct_strip_shows_the_most_positive_slice_with_its_neighbours_and_spreads_the_rest(tmp_path):
+    scores = np.zeros(40)
+    scores[17] = 0.9
+    chosen = report.strip_slices(scores, n=6)
+    assert {16, 17, 18} <= set(chosen.tolist()) and chosen[0] == 0 and chosen[-1] == 39 and len(chosen) <= 9
+    windows = np.random.default_rng(0).uniform(size=(len(chosen), 16, 16, 3))
+    path = report.plot_ct_strip(windows, chosen, scores[chosen], np.full(len(chosen), 0.1), tmp_path / "strip.png",
+                                sop_uids=[f"1.2.3.{i}" for i in chosen])
+    assert path.stat().st_size > 0

@@ -41,6 +41,7 @@ class FeatureExtractor(Protocol):
 
 
 _REGISTRY: dict[str, Callable[..., FeatureExtractor]] = {}
+ENTRY_POINT_GROUP = "gpmil.extractors"
 
 
 def register_extractor(name: str) -> Callable[[Callable[..., FeatureExtractor]], Callable[..., FeatureExtractor]]:
@@ -51,24 +52,81 @@ def register_extractor(name: str) -> Callable[[Callable[..., FeatureExtractor]],
     return decorate
 
 
+def _torch_extractor(**params: Any) -> FeatureExtractor:
+    from tasks.ingest.torch_extractor import TorchExtractor  # PyTorch only when asked for
+
+    return TorchExtractor(**params)
+
+
+_REGISTRY["torch"] = _torch_extractor
+
+
+def known_extractors() -> list[str]:
+    """Registered names and the names of the ``gpmil.extractors`` entry points."""
+    from importlib.metadata import entry_points
+
+    return sorted(set(_REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def resolve_extractor(name: str) -> Callable[..., FeatureExtractor]:
+    """The factory called ``name``: a registered name (``he-handcrafted``, ``ct-handcrafted``,
+    ``torch``), an entry point of the group ``gpmil.extractors``, or an import path
+    ``package.module:Class``. Importing runs the package's code, as ``import`` does: name only
+    packages you trust. Resolved wherever an extractor is built, so on every worker."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if found:
+        return found[0].load()
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            factory: Any = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                factory = getattr(factory, part)
+        except (ImportError, AttributeError) as error:
+            raise KeyError(f"feature extractor {name!r}: cannot import it ({type(error).__name__}: {error})") from error
+        if not callable(factory):
+            raise KeyError(f"feature extractor {name!r} is not a class or function")
+        return factory
+    raise KeyError(f"no feature extractor registered as {name!r}; known: {known_extractors()}, "
+                   "or give an import path package.module:Class")
+
+
 def make_extractor(name: str, **params: Any) -> FeatureExtractor:
-    """Build the registered extractor ``name`` with ``params``."""
-    if name not in _REGISTRY:
-        raise KeyError(f"no feature extractor registered as {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**params)
+    """Build the extractor ``name`` (see :func:`resolve_extractor`) with ``params``."""
+    extractor = resolve_extractor(name)(**params)
+    missing = [a for a in ("name", "version", "n_features", "params") if not hasattr(extractor, a)]
+    if missing or not callable(extractor):
+        raise TypeError(f"feature extractor {name!r} lacks {missing or ['__call__']} (see FeatureExtractor)")
+    return extractor
+
+
+def _factory_name(extractor: FeatureExtractor) -> str:
+    """How to build ``extractor`` again: its registered name, else its class's import path."""
+    if _REGISTRY.get(extractor.name) is type(extractor) or extractor.name == "torch":
+        return extractor.name
+    cls = type(extractor)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def extractor_spec(extractor: FeatureExtractor) -> dict[str, Any]:
-    """The store attribute describing ``extractor``: name, version, n_features, params."""
-    return {"name": extractor.name, "version": extractor.version,
+    """The store attribute describing ``extractor``: name, version, n_features, params and the
+    factory that rebuilds it."""
+    return {"name": extractor.name, "version": extractor.version, "factory": _factory_name(extractor),
             "n_features": int(extractor.n_features), "params": extractor.params()}
 
 
 def extractor_from_spec(spec: dict[str, Any]) -> FeatureExtractor:
-    """Rebuild the extractor a store was written with (same name, version and params)."""
-    extractor = make_extractor(spec["name"], **spec["params"])
-    if extractor.version != spec["version"]:
-        raise ValueError(f"extractor {spec['name']!r} is version {extractor.version}, the store used {spec['version']}")
+    """Rebuild the extractor a store was written with (same name, version and params); the torch
+    extractor also checks its weights file against the recorded SHA-256."""
+    extractor = make_extractor(spec.get("factory", spec["name"]), **spec["params"])
+    if extractor.name != spec["name"] or extractor.version != spec["version"]:
+        raise ValueError(f"extractor {spec.get('factory', spec['name'])!r} is now {extractor.name} v{extractor.version}; "
+                         f"the store used {spec['name']} v{spec['version']}")
     return extractor
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
-from tasks.ingest.labels import binary, label_lookup, labelled_items, read_labels_csv
+from tasks.ingest.labels import LabelSpec, labelled_items
 from tasks.store import CohortSpec
 
 
@@ -67,21 +67,21 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
 
 def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Path], labels_csv: str | Path | None,
                        *, id_column: str = "slide_id", label_column: str = "label",
-                       positive: Sequence[Any] | None = None, name: str | None = None, client: Any = None,
-                       max_workers: int = 1, report_path: str | Path | None = None) -> IngestReport:
+                       positive: Sequence[Any] | None = None, target: str | None = None, name: str | None = None,
+                       slides: str | Path | None = None, client: Any = None, max_workers: int = 1,
+                       report_path: str | Path | None = None) -> IngestReport:
     """Ingest CLAM/TRIDENT per-slide ``.h5`` feature files (a folder or a list); bag id = file stem.
 
     Labels: ``labels_csv`` with ``id_column`` and ``label_column``; the label is 1 for values in
-    ``positive`` (e.g. ``["tumor"]``) if given, else the column must hold 0/1. Without a CSV the
-    bags are unlabelled (-1).
+    ``positive`` (e.g. ``["tumor"]``), or where the ``target`` expression holds (``grade > 2``),
+    else the column must hold 0/1 (:class:`tasks.ingest.labels.LabelSpec`). Without a CSV the bags
+    are unlabelled (-1). ``slides``: the folder of the slides the features came from (optional;
+    found by file stem, used for heatmap backgrounds).
     """
     paths = sorted(Path(files).glob("*.h5")) if isinstance(files, (str, Path)) else [Path(f) for f in files]
     labels = None
     if labels_csv is not None:
-        positives = None if positive is None else {str(v) for v in positive}
-        label_of = (lambda row: binary(row[label_column])) if positives is None else (
-            lambda row: int(str(row[label_column]) in positives))
-        labels = label_lookup(read_labels_csv(labels_csv, dtype={id_column: str}), id_column, label_of, str(labels_csv))
+        labels = LabelSpec(str(labels_csv), id_column, label_column, positive, target).read()[0]
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv))
     n_features = existing_n_features(store)
@@ -96,6 +96,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     if n_features is None:
         raise IngestError("no readable .h5 feature file", path=str(files))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
-                      coords_meaning="x,y (level-0 pixels, as in the .h5)")
+                      coords_meaning="x,y (level-0 pixels, as in the .h5)",
+                      tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())})
     return run_ingest(store, spec, items, h5_bag_writer, skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path)

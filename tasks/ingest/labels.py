@@ -3,12 +3,21 @@
 A labels table maps a bag id to a label or to the error that row gives (a duplicate id, an unusable
 value); :func:`labelled_items` turns candidate inputs into :class:`IngestItem` s with their label and
 reports the inputs without a usable label as :class:`Skipped`.
+
+:class:`LabelSpec` says how a CSV/Parquet file gives the binary bag target: the id column, the label
+column and either the positive values or a target expression such as ``isup_grade > 0`` or
+``diagnosis in ['tumor', 'metastasis'] and not qc_fail`` (parsed, never evaluated as Python: only
+column names, constants, comparisons, ``in``, ``and``/``or``/``not`` are accepted). Presets:
+``panda`` (``image_id``, ``isup_grade > 0``). RSNA slice labels are read by :mod:`tasks.ingest.ct`.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +115,128 @@ def read_panda_labels(path: str | Path) -> dict[str, int | Exception]:
         return int(grade > 0)
 
     return label_lookup(table, "image_id", label_of, str(path))
+
+
+# ------------------------------------------------------------------------------ label specs
+_COMPARE = {ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.In: lambda a, b: a in b,
+            ast.NotIn: lambda a, b: a not in b}
+
+
+class TargetExpression:
+    """A binary target computed from a labels row: ``isup_grade > 0``, ``label in ['tumor']``,
+    ``a >= 2 and b == 'x'``, ``not normal``. Parsed with :mod:`ast` and interpreted node by node
+    (no ``eval``); anything else (calls, attributes, arithmetic, subscripts) is refused."""
+
+    def __init__(self, text: str):
+        self.text = text
+        try:
+            self._tree = ast.parse(text, mode="eval").body
+        except SyntaxError as error:
+            raise ValueError(f"target {text!r}: not an expression ({error.msg})") from None
+        self.columns = sorted(self._check(self._tree))
+
+    def _check(self, node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Name):
+            return {node.id}
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool)) or \
+                isinstance(node, ast.Constant) and node.value is None:
+            return set()
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return set().union(*(self._check(e) for e in node.elts)) if node.elts else set()
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+            return self._check(node.operand)
+        if isinstance(node, ast.BoolOp):
+            return set().union(*(self._check(v) for v in node.values))
+        if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+            return set().union(self._check(node.left), *(self._check(c) for c in node.comparators))
+        raise ValueError(f"target {self.text!r}: {type(node).__name__} is not allowed (use column names, constants, "
+                         "comparisons, in, and/or/not)")
+
+    def _value(self, node: ast.AST, row: dict[str, Any]) -> Any:
+        if isinstance(node, ast.Name):
+            if node.id not in row:
+                raise KeyError(f"no column {node.id!r}")
+            return row[node.id]
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            return [self._value(e, row) for e in node.elts]
+        if isinstance(node, ast.UnaryOp):
+            value = self._value(node.operand, row)
+            return (not value) if isinstance(node.op, ast.Not) else -value
+        if isinstance(node, ast.BoolOp):
+            values = (bool(self._value(v, row)) for v in node.values)
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        left = self._value(node.left, row)
+        for op, comparator in zip(node.ops, node.comparators):
+            right = self._value(comparator, row)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+
+    def __call__(self, row: dict[str, Any]) -> int:
+        missing = [c for c in self.columns if _is_missing(row.get(c))]
+        if missing:
+            raise ValueError(f"empty {', '.join(missing)}")
+        return int(bool(self._value(self._tree, row)))
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or isinstance(value, float) and value != value
+
+
+@dataclass(frozen=True)
+class LabelSpec:
+    """How a labels file gives each bag's binary target; ``preset="panda"`` fills in PANDA's columns."""
+
+    file: str
+    id_column: str = "slide_id"
+    label_column: str = "label"
+    positive: Sequence[Any] | None = None
+    target: str | None = None
+
+    @classmethod
+    def preset(cls, name: str, file: str | Path) -> LabelSpec:
+        if name == "panda":
+            return cls(str(file), id_column="image_id", label_column="isup_grade", target="isup_grade > 0")
+        raise ValueError(f"unknown labels preset {name!r} (known: panda; RSNA CT labels: ingest.kind ct)")
+
+    def label_of(self) -> Callable[[dict[str, Any]], int]:
+        if self.target is not None:
+            return TargetExpression(self.target)
+        if self.positive is not None:
+            positives = {str(v) for v in self.positive}
+            column = self.label_column
+
+            def in_positives(row: dict[str, Any]) -> int:
+                if _is_missing(row[column]):
+                    raise ValueError(f"empty {column}")
+                value = row[column]
+                text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+                return int(text in positives)
+            return in_positives
+        return lambda row: binary(row[self.label_column])
+
+    def read(self) -> tuple[dict[str, int | Exception], dict[str, Any]]:
+        """bag id → 0/1 (or the row's error), and bag id → the original value of ``label_column``."""
+        import pandas as pd
+
+        path = str(self.file)
+        if path.endswith(".parquet"):
+            try:
+                table = pd.read_parquet(path)
+            except Exception as error:
+                raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
+        else:
+            table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ",")
+        label_of = self.label_of()
+        needed = [self.label_column] if self.target is None else list(getattr(label_of, "columns", []))
+        absent = [c for c in needed if c not in table.columns]
+        if absent:
+            raise IngestError(f"labels file has no column(s) {absent} (columns: {list(table.columns)})", path=path)
+        labels = label_lookup(table, self.id_column, label_of, path)
+        original = (dict(zip(table[self.id_column].astype(str), table[self.label_column]))
+                    if self.label_column in table.columns else {})
+        return labels, original

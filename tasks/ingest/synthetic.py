@@ -125,6 +125,33 @@ def write_slide(path: str | Path, label_map: np.ndarray, *, seed: int, tile: int
     return path
 
 
+def write_pyramid(path: str | Path, rgb: np.ndarray, *, mpp: float, levels: int = 3, level_factor: int = 4,
+                  tile: int = 256, flavour: str = "generic", magnification: float = 20.0,
+                  compression: str | None = "zlib") -> Path:
+    """Write ``rgb`` (H, W, 3) uint8 as a tiled pyramid with one page per level, the layout OpenSlide reads.
+
+    ``flavour="generic"``: resolution tags give ``mpp`` (OpenSlide's generic-tiff); ``"aperio"``: an
+    Aperio ImageDescription (``AppMag``, ``MPP``) on each level (OpenSlide's aperio vendor, ``.svs``).
+    """
+    import tifffile
+
+    path = Path(path)
+    height, width = rgb.shape[:2]
+    with tifffile.TiffWriter(path, bigtiff=rgb.nbytes > 2**31) as tif:
+        for level in range(levels):
+            d = level_factor ** level
+            if min(height, width) // d < tile and level:
+                break
+            options: dict = {"subfiletype": 0 if level == 0 else 1, "metadata": None}
+            if flavour == "aperio":
+                options["description"] = (f"Aperio Image Library v12.0.15 \r\n{width}x{height} [0,0 {width}x{height}] "
+                                          f"({tile}x{tile}) |AppMag = {magnification:g}|MPP = {mpp:g}")
+            else:
+                options.update(resolution=(1e4 / (mpp * d), 1e4 / (mpp * d)), resolutionunit="CENTIMETER")
+            tif.write(rgb[::d, ::d], tile=(tile, tile), photometric="rgb", compression=compression, **options)
+    return path
+
+
 def make_slide_cohort(out_dir: str | Path, n_slides: int, *, map_shape: tuple[int, int] = (32, 48),
                       positive_fraction: float = 0.5, seed: int = 0, tile: int = 256,
                       n_corrupt: int = 0) -> list[SyntheticSlide]:

@@ -1,22 +1,28 @@
-"""Whole-slide images: open a tiled pyramidal TIFF, find tissue, lay a tile grid, read tile batches;
+"""Whole-slide images: find tissue, lay a tile grid at a physical scale, read tile batches;
 :func:`ingest_slides` tiles a folder of slides into a store.
 
-Slides are read with ``tifffile`` through its Zarr view of each pyramid level, so a tile read decodes
-only the TIFF tiles it overlaps; memory holds one batch of tiles and the low-resolution mask, never
-a whole level. (OpenSlide is not required; any tiled pyramidal TIFF/SVS that ``tifffile`` reads works.)
+Slides are opened with :func:`tasks.ingest.slide_io.open_slide` (OpenSlide, or tifffile for the
+TIFFs OpenSlide cannot open). Memory holds one batch of tiles, the low-resolution mask and one strip
+of the lowest level while the thumbnail is read, never a whole level.
+
+Scale: with ``target_mpp`` a tile covers ``tile_size × target_mpp`` µm (e.g. 256 px at 0.5 µm/px =
+128 µm), whatever the scanner: the slide's level-0 µm/px (metadata, or ``base_mpp`` to override it)
+gives the level-0 footprint ``tile_size × target_mpp / mpp``; the finest level at least that coarse
+is read and resized to ``tile_size``. Without it, ``magnification`` or ``level`` picks a pyramid level
+read at ``tile_size`` pixels. The grid is laid on level 0; each kept tile is stored as
+``(tile_row, tile_col, x, y)``: its grid index and the level-0 pixel of its top-left corner (the
+CLAM/TRIDENT convention).
 
 Tissue segmentation follows CLAM's ``segment_tissue`` (Lu et al., 2021): saturation channel of the
 low-resolution image, median blur (``median_kernel=7``), Otsu threshold (never below
 ``min_saturation``, so an empty slide gives no tissue), morphological closing (``close_size=4``),
 removal of small specks and filling of small holes. A tile is kept if at least ``min_tissue`` of
-its area is tissue; its coordinates are the (row, col) of the tile grid at the tiling level.
+its area is tissue.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,25 +31,31 @@ from typing import Any
 import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
-from tasks.ingest.errors import IngestError, NoTissueError, UnreadableFileError
-from tasks.ingest.labels import labelled_items, read_panda_labels, split_undecodable
+from tasks.ingest.errors import IngestError, NoTissueError
+from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
+from tasks.ingest.slide_io import SLIDE_PATTERNS, SlideReader, find_slides, open_slide
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
 
-SLIDE_SUFFIXES = (".tif", ".tiff", ".svs", ".btf")
+COORDS_MEANING = "tile_row,tile_col,x,y (x, y: level-0 pixels of the tile's top-left corner)"
 
 
 @dataclass(frozen=True)
 class TilingParams:
     """How slides are tiled; recorded in the store's ``tiling`` attribute.
 
-    ``magnification`` (if given) picks the pyramid level whose magnification is closest to it
-    (it needs the base magnification in the slide metadata); otherwise ``level`` is used.
+    ``target_mpp`` (µm per pixel of the tiles, e.g. 0.5) tiles at a physical scale, from the
+    slide's level-0 µm/px (``base_mpp`` overrides the metadata). Otherwise ``magnification`` picks
+    the pyramid level whose magnification is closest to it (it needs the base magnification in the
+    metadata), else ``level``. ``reader``: ``auto``, ``openslide`` or ``tifffile``.
     """
 
     tile_size: int = 256
     level: int = 0
     magnification: float | None = None
+    target_mpp: float | None = None
+    base_mpp: float | None = None
+    reader: str = "auto"
     min_tissue: float = 0.5
     median_kernel: int = 7
     close_size: int = 4
@@ -56,11 +68,20 @@ class TilingParams:
 
 
 @dataclass(frozen=True)
-class TileGrid:
-    """Kept tiles of one slide: ``coords`` (K, 2) grid (row, col) at ``level``; ``tissue`` (K,) fractions."""
+class TileGeometry:
+    """Where tiles of one slide are read: pyramid ``level``, ``read_size`` pixels there (resized to
+    the tile size), ``side0`` level-0 pixels per tile (the grid step)."""
 
     level: int
-    downsample: float
+    read_size: int
+    side0: float
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """Kept tiles of one slide: ``coords`` (K, 4) = (row, col, x, y level-0); ``tissue`` (K,) fractions."""
+
+    geometry: TileGeometry
     tile_size: int
     shape: tuple[int, int]
     coords: np.ndarray
@@ -69,87 +90,34 @@ class TileGrid:
     mask_downsample: float
 
 
-class Slide:
-    """A tiled pyramidal TIFF opened with ``tifffile`` (use as a context manager)."""
-
-    def __init__(self, path: str | Path):
-        import tifffile
-
-        self.path = str(path)
-        try:
-            self._tiff = tifffile.TiffFile(self.path)
-            series = self._tiff.series[0]
-            self.level_shapes = [tuple(int(s) for s in level.shape[:2]) for level in series.levels]
-            samples = series.levels[0].shape[2] if len(series.levels[0].shape) == 3 else 1
-        except Exception as error:  # tifffile raises many types for a bad file
-            raise UnreadableFileError(f"cannot open slide: {type(error).__name__}: {error}", path=self.path) from error
-        if samples not in (3, 4) or series.dtype != np.uint8:
-            self.close()
-            raise UnreadableFileError(f"slide is not 8-bit RGB(A) (shape {series.shape}, dtype {series.dtype})",
-                                      path=self.path)
-        self._series = series
-        self._levels: dict[int, Any] = {}
-        base = self.level_shapes[0]
-        self.downsamples = [float(np.mean([base[0] / shape[0], base[1] / shape[1]])) for shape in self.level_shapes]
-        self.magnification = _base_magnification(self._tiff.pages[0].description or "")
-
-    def __enter__(self) -> Slide:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._tiff.close()
-
-    def level_array(self, level: int):
-        """A lazy (H, W, C) Zarr view of ``level``."""
-        import zarr
-
-        if level not in self._levels:
-            self._levels[level] = zarr.open(self._series.aszarr(level=level), mode="r")
-        return self._levels[level]
-
-    def read(self, level: int, rows: slice, cols: slice) -> np.ndarray:
-        """RGB pixels of a region of ``level``."""
-        try:
-            return np.asarray(self.level_array(level)[rows, cols, :3])
-        except Exception as error:
-            raise UnreadableFileError(f"cannot decode slide data: {type(error).__name__}: {error}",
-                                      path=self.path) from error
-
-    def thumbnail(self, max_side: int) -> tuple[np.ndarray, float]:
-        """The lowest-resolution level (subsampled to at most ``max_side`` px) and its downsample."""
-        level = len(self.level_shapes) - 1
-        height, width = self.level_shapes[level]
-        step = max(1, int(np.ceil(max(height, width) / max_side)))
-        stripe = max(step, (4096 // step) * step)
-        parts = [self.read(level, slice(y, min(y + stripe, height)), slice(None))[::step, ::step]
-                 for y in range(0, height, stripe)]
-        return np.concatenate(parts, axis=0), self.downsamples[level] * step
-
-    def choose_level(self, params: TilingParams) -> int:
-        """The tiling level: ``params.level``, or the level closest in magnification to ``params.magnification``."""
-        if params.magnification is None:
-            if not 0 <= params.level < len(self.level_shapes):
-                raise IngestError(f"slide has {len(self.level_shapes)} levels, level {params.level} requested",
-                                  path=self.path)
-            return params.level
-        if self.magnification is None:
-            raise IngestError("slide metadata gives no base magnification; tile by level instead", path=self.path)
-        magnifications = self.magnification / np.asarray(self.downsamples)
-        return int(np.argmin(np.abs(np.log(magnifications / params.magnification))))
+def choose_level(slide: SlideReader, params: TilingParams) -> int:
+    """The level read without ``target_mpp``: ``params.level``, or the level closest in
+    magnification to ``params.magnification``."""
+    if params.magnification is None:
+        if not 0 <= params.level < len(slide.level_shapes):
+            raise IngestError(f"slide has {len(slide.level_shapes)} levels, level {params.level} requested",
+                              path=slide.path)
+        return params.level
+    if slide.magnification is None:
+        raise IngestError("slide metadata gives no base magnification; tile by target_mpp or level instead",
+                          path=slide.path)
+    magnifications = slide.magnification / np.asarray(slide.downsamples)
+    return int(np.argmin(np.abs(np.log(magnifications / params.magnification))))
 
 
-def _base_magnification(description: str) -> float | None:
-    """Base magnification from a JSON description (``"magnification"``) or Aperio's ``AppMag = 20``."""
-    try:
-        value = json.loads(description).get("magnification")
-        return None if value is None else float(value)
-    except (ValueError, AttributeError):
-        pass
-    match = re.search(r"AppMag\s*=\s*([0-9.]+)", description)
-    return float(match.group(1)) if match else None
+def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
+    """The level, read size and level-0 footprint of a tile of ``slide`` under ``params``."""
+    if params.target_mpp is None:
+        level = choose_level(slide, params)
+        return TileGeometry(level, params.tile_size, params.tile_size * slide.downsamples[level])
+    mpp = params.base_mpp or slide.mpp
+    if mpp is None:
+        raise IngestError("slide metadata gives no µm/px (set base_mpp, or tile by level)", path=slide.path)
+    scale = params.target_mpp / mpp  # level-0 pixels per tile pixel
+    finer = [i for i, d in enumerate(slide.downsamples) if d <= scale * 1.01]
+    level = max(finer, key=lambda i: slide.downsamples[i]) if finer else 0
+    side0 = params.tile_size * scale
+    return TileGeometry(level, max(1, int(round(side0 / slide.downsamples[level]))), side0)
 
 
 def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.ndarray:
@@ -172,17 +140,16 @@ def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.nd
     return remove_small_holes(mask, max_size=min_size)
 
 
-def tile_grid(slide: Slide, params: TilingParams) -> TileGrid:
-    """Tissue mask on the thumbnail and the kept tiles of the tiling level (row-major order)."""
-    level = slide.choose_level(params)
+def tile_grid(slide: SlideReader, params: TilingParams) -> TileGrid:
+    """Tissue mask on the thumbnail and the kept tiles of the level-0 grid (row-major order)."""
+    geometry = tile_geometry(slide, params)
     thumb, mask_downsample = slide.thumbnail(params.mask_max_side)
     mask = tissue_mask(thumb, params)
-    downsample = slide.downsamples[level]
-    height, width = slide.level_shapes[level]
-    n_rows, n_cols = height // params.tile_size, width // params.tile_size
+    height, width = slide.level_shapes[0]
+    n_rows, n_cols = int(height // geometry.side0), int(width // geometry.side0)
     # Tissue fraction of each tile: box sums of the mask over the tile's footprint (summed-area table).
     table = np.pad(mask.astype(np.float64).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
-    scale = params.tile_size * downsample / mask_downsample
+    scale = geometry.side0 / mask_downsample
 
     def edges(n: int, limit: int) -> np.ndarray:
         return np.clip(np.round(np.arange(n + 1) * scale).astype(np.int64), 0, limit)
@@ -192,22 +159,39 @@ def tile_grid(slide: Slide, params: TilingParams) -> TileGrid:
     box = table[ys[1:]][:, xs[1:]] - table[ys[:-1]][:, xs[1:]] - table[ys[1:]][:, xs[:-1]] + table[ys[:-1]][:, xs[:-1]]
     fraction = box / area
     keep = np.argwhere(fraction >= params.min_tissue)
-    return TileGrid(level=level, downsample=downsample, tile_size=params.tile_size, shape=(n_rows, n_cols),
-                    coords=keep.astype(np.int32), tissue=fraction[keep[:, 0], keep[:, 1]], mask=mask,
-                    mask_downsample=mask_downsample)
+    xy = np.round(keep[:, ::-1] * geometry.side0).astype(np.int64)
+    return TileGrid(geometry=geometry, tile_size=params.tile_size, shape=(n_rows, n_cols),
+                    coords=np.concatenate([keep, xy], axis=1).astype(np.int64),
+                    tissue=fraction[keep[:, 0], keep[:, 1]], mask=mask, mask_downsample=mask_downsample)
 
 
-def iter_tile_batches(slide: Slide, grid: TileGrid, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield ``(tiles (B, t, t, 3) uint8, coords (B, 2))`` for the kept tiles, ``batch_size`` at a time."""
-    t = grid.tile_size
+def _resize(tiles: np.ndarray, size: int, chunk: int = 8) -> np.ndarray:
+    """(B, s, s, 3) uint8 → (B, size, size, 3) uint8 (block mean when ``size`` divides ``s``),
+    ``chunk`` tiles at a time: the float32 work copy of a whole batch of large reads was the peak."""
+    from tasks.ingest.features import downscale
+
+    if tiles.shape[1] == size:
+        return tiles
+    out = np.empty((len(tiles), size, size, tiles.shape[3]), dtype=np.uint8)
+    for start in range(0, len(tiles), chunk):
+        out[start:start + chunk] = np.clip(np.round(downscale(tiles[start:start + chunk], size)), 0, 255)
+    return out
+
+
+def iter_tile_batches(slide: SlideReader, grid: TileGrid, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield ``(tiles (B, t, t, 3) uint8, coords (B, 4))`` for the kept tiles, ``batch_size`` at a time."""
+    g = grid.geometry
+    downsample = slide.downsamples[g.level]
     for start in range(0, len(grid.coords), batch_size):
         coords = grid.coords[start:start + batch_size]
-        tiles = np.stack([slide.read(grid.level, slice(r * t, (r + 1) * t), slice(c * t, (c + 1) * t))
-                          for r, c in coords])
-        yield tiles, coords
+        tiles = []
+        for x, y in coords[:, 2:4]:
+            y_l, x_l = int(round(y / downsample)), int(round(x / downsample))
+            tiles.append(slide.read(g.level, slice(y_l, y_l + g.read_size), slice(x_l, x_l + g.read_size)))
+        yield _resize(np.stack(tiles), grid.tile_size), coords
 
 
-def write_qc_thumbnail(path: str | Path, slide: Slide, grid: TileGrid, max_side: int = 1024) -> Path:
+def write_qc_thumbnail(path: str | Path, slide: SlideReader, grid: TileGrid, max_side: int = 1024) -> Path:
     """PNG of the slide's thumbnail with the kept tiles outlined in green and the mask edge in blue."""
     import matplotlib.image
     from scipy import ndimage
@@ -218,11 +202,11 @@ def write_qc_thumbnail(path: str | Path, slide: Slide, grid: TileGrid, max_side:
     mask = mask[: image.shape[0], : image.shape[1]]
     edge = mask & ~ndimage.binary_erosion(mask)
     image[: edge.shape[0], : edge.shape[1]][edge] = (0, 90, 255)
-    scale = grid.tile_size * grid.downsample / thumb_downsample
+    side = grid.geometry.side0 / thumb_downsample
     height, width = image.shape[:2]
-    for r, c in grid.coords:
-        y0, x0 = int(r * scale), int(c * scale)
-        y1, x1 = min(int((r + 1) * scale), height) - 1, min(int((c + 1) * scale), width) - 1
+    for x, y in grid.coords[:, 2:4] / thumb_downsample:
+        y0, x0 = min(int(y), height - 1), min(int(x), width - 1)
+        y1, x1 = min(int(y + side), height) - 1, min(int(x + side), width) - 1
         image[y0:y1 + 1, [x0, x1]] = (0, 200, 0)
         image[[y0, y1], x0:x1 + 1] = (0, 200, 0)
     path = Path(path)
@@ -231,26 +215,26 @@ def write_qc_thumbnail(path: str | Path, slide: Slide, grid: TileGrid, max_side:
     return path
 
 
-def heatmap_background(path: str | Path, tiling: dict[str, Any], max_side: int = 1024) -> tuple[np.ndarray, float]:
-    """The slide's thumbnail (RGB) and one tile's side in thumbnail pixels, for painting tile
-    scores over the tissue (``tiling`` = the store's ``tiling`` attribute)."""
+def heatmap_background(path: str | Path, tiling: dict[str, Any], max_side: int = 1024) -> tuple[np.ndarray, float, float]:
+    """The slide's thumbnail (RGB, at most ``max_side`` px), its downsample from level 0 and one
+    tile's level-0 side, for painting tile scores over the tissue (``tiling`` = the store's
+    ``tiling`` attribute)."""
     params = TilingParams(**tiling)
-    with Slide(path) as slide:
+    with open_slide(path, params.reader) as slide:
         thumb, thumb_downsample = slide.thumbnail(max_side)
-        level = slide.choose_level(params)
-        return thumb[..., :3], params.tile_size * slide.downsamples[level] / thumb_downsample
+        return thumb[..., :3], thumb_downsample, tile_geometry(slide, params).side0
 
 
 def sample_tiles(path: str | Path, params: TilingParams, n: int, rng: np.random.Generator) -> np.ndarray:
     """Up to ``n`` random kept tiles of one slide (for fitting an extractor); empty if no tissue."""
-    with Slide(path) as slide:
+    with open_slide(path, params.reader) as slide:
         grid = tile_grid(slide, params)
         if not len(grid.coords):
             return np.zeros((0, params.tile_size, params.tile_size, 3), dtype=np.uint8)
         chosen = np.sort(rng.choice(len(grid.coords), size=min(n, len(grid.coords)), replace=False))
-        picked = TileGrid(grid.level, grid.downsample, grid.tile_size, grid.shape, grid.coords[chosen],
-                          grid.tissue[chosen], grid.mask, grid.mask_downsample)
-        return next(iter_tile_batches(slide, picked, len(chosen)))[0]
+        picked = TileGrid(grid.geometry, grid.tile_size, grid.shape, grid.coords[chosen], grid.tissue[chosen],
+                          grid.mask, grid.mask_downsample)
+        return np.concatenate([tiles for tiles, _ in iter_tile_batches(slide, picked, 64)])  # 64 reads at a time
 
 
 def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_size: int = 64,
@@ -259,7 +243,7 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
 
     Raises :class:`NoTissueError` when no tile is kept. Writes ``<qc_dir>/<safe_filename(bag_id)>.png`` if asked.
     """
-    with Slide(item.source) as slide:
+    with open_slide(item.source, params.reader) as slide:
         grid = tile_grid(slide, params)
         if not len(grid.coords):
             raise NoTissueError(f"no tile has >= {params.min_tissue:.0%} tissue", path=item.source, bag_id=item.bag_id)
@@ -274,8 +258,10 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
                   labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                   qc_dir: str | Path | None = None, name: str | None = None, client: Any = None,
                   max_workers: int = 1, fit_tiles: int = 512, seed: int = 0, extractor_from: str | Path | None = None,
-                  report_path: str | Path | None = None, on_progress=None) -> IngestReport:
-    """Tile slides (a folder or a list; bag id = file stem = PANDA ``image_id``) into the store.
+                  report_path: str | Path | None = None, on_progress=None,
+                  patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestReport:
+    """Tile slides (a folder, searched for ``patterns`` recursively, or a list; bag id = file stem =
+    PANDA ``image_id``) into the store.
 
     ``params`` is a :class:`TilingParams`; ``extractor`` defaults to
     :class:`tasks.ingest.features.HandcraftedHE`. An extractor that needs fitting is fitted once on
@@ -286,7 +272,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
     """
     plan = plan_slides(store, slides, labels_csv=labels_csv, params=params, extractor=extractor,
                        batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed,
-                       extractor_from=extractor_from)
+                       extractor_from=extractor_from, patterns=patterns, recursive=recursive)
     return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
                       max_workers=max_workers, report_path=report_path, on_progress=on_progress)
 
@@ -294,34 +280,38 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
 def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                 labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                 qc_dir: str | Path | None = None, name: str | None = None, fit_tiles: int = 512,
-                seed: int = 0, extractor_from: str | Path | None = None) -> IngestPlan:
-    """The plan of :func:`ingest_slides` (lists slides, reads labels, fits the extractor)."""
+                seed: int = 0, extractor_from: str | Path | None = None,
+                patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestPlan:
+    """The plan of :func:`ingest_slides` (finds slides, reads labels, fits the extractor); files of
+    the folder that are not slides are in ``skipped`` with the reason."""
     from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
 
     params = params or TilingParams()
+    recorded = _recorded_extractor(store, extractor_from)
+    if extractor is None and recorded is not None:  # the store's (or the training store's) extractor
+        extractor = extractor_from_spec(recorded)
     extractor = extractor or HandcraftedHE()
     listed = isinstance(slides, (str, Path))
-    paths = (sorted(p for p in Path(slides).iterdir() if p.suffix.lower() in SLIDE_SUFFIXES)
-             if listed else [Path(s) for s in slides])
-    paths, skipped = split_undecodable(paths)
+    paths, left_out = find_slides(slides, patterns, recursive)
+    paths, undecodable = split_undecodable(paths)
     paths, ambiguous = _unique_stems(paths)
-    labels = None if labels_csv is None else read_panda_labels(labels_csv)
-    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels,
-                                       None if labels_csv is None else str(labels_csv))
-    skipped += ambiguous + unlabelled
+    labels = (None if labels_csv is None else labels_csv.read()[0] if isinstance(labels_csv, LabelSpec)
+              else read_panda_labels(labels_csv))
+    labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
+    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path)
+    skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
         present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
-                            reason=f"listed in {labels_csv} but no slide file {bag_id}.* in {slides}")
+                            reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
                     for bag_id in labels if bag_id not in present]
     if needs_fit(extractor):
-        recorded = _recorded_extractor(store, extractor_from)
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
         else:
             extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
-    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=2,
-                      coords_meaning="tile_row,tile_col", feature_extractor=extractor_spec(extractor),
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=4,
+                      coords_meaning=COORDS_MEANING, feature_extractor=extractor_spec(extractor),
                       tiling=params.as_attrs())
     writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
                                qc_dir=None if qc_dir is None else str(qc_dir))

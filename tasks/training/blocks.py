@@ -55,10 +55,16 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
     kept = np.flatnonzero(keep)
     offsets = np.asarray(stored.offsets)
     X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
-    coords = take_bags(np.asarray(stored.coords), offsets, kept)[0] if with_coords else None
+    coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
     return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
 
 
 def uses_coords(model: SparseGPMILBase) -> bool:
     """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
     return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords
+
+
+def grid_coords(coords) -> np.ndarray:
+    """The neighbour-graph positions of stored instance coordinates: at most the first two columns
+    (slide stores keep (tile_row, tile_col) there, the level-0 x, y beside them)."""
+    return np.asarray(coords)[:, :2]

@@ -16,6 +16,7 @@ import zarr
 from mil_core import persist
 from mil_core.engine import FitTrace
 from mil_core.models.base import SparseGPMILBase
+from tasks.lease import ensure_still_held
 from tasks.store import Partition
 from tasks.training.blocks import FeatureScaling
 
@@ -69,6 +70,7 @@ class Checkpoint:
     def commit(self, trace: FitTrace) -> None:
         """Client side: the global state (q, and the learnt kernel when hyper-parameters are learnt)
         and the objective trace, then ``latest`` (the commit), then old iterations go."""
+        ensure_still_held(self.store)  # never commit beside a writer that took the store's lease over
         group = self._group()
         it = group.require_group(f"it{trace.n_iter}")
         _write_bytes(it, "state", persist.dumps(trace.glob))

@@ -63,6 +63,7 @@ def fit_cohort(
     memory_fraction: float = 0.5,
     standardize: bool = False,
     on_iteration: Callable[[int, float], None] | None = None,
+    transform: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> TrainingSummary:
     """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
@@ -80,7 +81,10 @@ def fit_cohort(
     :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
     :func:`predict_cohort`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
-    ``on_iteration(i, objective)`` is called after each iteration (progress reporting). Holds the
+    ``on_iteration(i, objective)`` is called after each iteration (progress reporting).
+    ``transform``: a fitted feature map the model trains on in place of ``standardize``
+    (:mod:`tasks.training.embedded`: a learnt embedding); such a fit does not resume.
+    Holds the
     store's writer lease (:mod:`tasks.lease`): a concurrent writer of the store fails at once.
     """
     store = str(store)
@@ -100,9 +104,10 @@ def fit_cohort(
     partitions = [p for p in cohort.partitions(partition_bytes) if np.any((training >= p.bag_start) & (training < p.bag_stop))]
 
     checkpoint = Checkpoint(store, run)
-    latest = checkpoint.latest() if resume else None
+    latest = checkpoint.latest() if resume and transform is None else None
     if latest is not None:
         fitted, scaling = checkpoint.load_model(partitions)
+        features = scaling
         restore_fitted_state(model, fitted, f"{store}/training/{run}")
         check_feature_dimension(model, cohort)
         if (scaling is not None) != standardize:
@@ -113,9 +118,10 @@ def fit_cohort(
         model._check_common_params(int(sizes[training].sum()))
         excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
         scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
-        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, scaling)
+        features = scaling if transform is None else transform
+        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, features)
         updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
-        checkpoint.save_model(model, partitions, scaling)
+        checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
     device = placement.kind
@@ -124,10 +130,10 @@ def fit_cohort(
     executor = DaskExecutor(
         client, updates, store, partitions, mode=mode, placement=placement, split_every=split_every, exclude_bags=validation,
         locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
-        scaling=scaling,
+        scaling=features,
     )
     trace = checkpoint.load_trace(latest) if latest is not None else FitTrace(glob=updates.init_global())
-    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, scaling)
+    early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, features)
              if validation.size else None)
 
     max_iter = getattr(model, "auto_max_iter_", None) or model.max_iter  # kernel=None also chooses the stop

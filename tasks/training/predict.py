@@ -18,6 +18,7 @@ from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
     FeatureScaling,
+    grid_coords,
     read_features,
     uses_coords,
 )
@@ -45,7 +46,7 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     p_inst, sd_inst, p_bag, sd_bag = (np.full(n, np.nan) for n in (n_rows, n_rows, n_bags, n_bags))
     if good.any():
         Xg = placement.to_device(X[good])
-        coords = {"coords": np.asarray(stored.coords)[good]} if uses_coords(model) else {}
+        coords = {"coords": grid_coords(stored.coords)[good]} if uses_coords(model) else {}
         instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
         if is_point_estimate(model):  # no predictive std: it stays NaN
             p_inst[good] = instance_scores(Xg, **instance_kwargs)

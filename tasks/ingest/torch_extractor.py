@@ -1,0 +1,143 @@
+"""A user's PyTorch model as a feature extractor, with weights from a local file (nothing downloaded).
+
+``model`` is an import path ``package.module:Factory`` to an ``nn.Module`` class or a function
+returning one, built with ``model_kwargs``; ``weights`` is a state dict saved with ``torch.save``
+(read with ``weights_only=True``: no pickled code runs) or a ``.safetensors`` file. The file's
+SHA-256 is recorded in the store with the extractor, so a rerun, an extension of the store or a
+prediction with other weights is refused. Tiles are converted to float in [0, 1], resized to
+``input_size`` if given, normalised with ``mean``/``std`` (ImageNet's by default) and run through
+the model ``batch_size`` at a time under ``torch.inference_mode`` on ``device`` (``auto``: the
+worker's GPU if it has one). The module is built lazily, on the worker that uses it: the extractor
+travels to workers as its parameters only.
+
+The package extra ``torch`` installs PyTorch and safetensors. Recipes (ResNet-50, timm foundation
+models) are in ``docs/STORE.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class TorchExtractor:
+    """``(B, H, W, C)`` tiles → ``(B, n_features)`` float32 through a local ``torch.nn.Module``."""
+
+    name = "torch"
+    version = "1"
+
+    def __init__(self, model: str, weights: str | None = None, model_kwargs: dict[str, Any] | None = None,
+                 weights_sha256: str | None = None, n_features: int | None = None, batch_size: int = 64,
+                 device: str = "auto", input_size: int | None = None, mean: list[float] | None = None,
+                 std: list[float] | None = None, strict: bool = True):
+        self.model = str(model)
+        self.weights = None if weights is None else str(weights)
+        self.model_kwargs = dict(model_kwargs or {})
+        self.batch_size = int(batch_size)
+        self.device = device
+        self.input_size = None if input_size is None else int(input_size)
+        self.mean = list(IMAGENET_MEAN if mean is None else mean)
+        self.std = list(IMAGENET_STD if std is None else std)
+        self.strict = bool(strict)
+        if self.weights is not None:
+            if not Path(self.weights).is_file():
+                raise FileNotFoundError(f"torch extractor weights {self.weights}: no such file")
+            actual = file_sha256(self.weights)
+            if weights_sha256 is not None and weights_sha256 != actual:
+                raise ValueError(f"torch extractor weights {self.weights} have SHA-256 {actual[:12]}…, not the "
+                                 f"{weights_sha256[:12]}… recorded with the store: other weights give other features")
+            weights_sha256 = actual
+        self.weights_sha256 = weights_sha256
+        self._module: Any = None
+        self._torch_device: Any = None
+        self.n_features = int(n_features) if n_features is not None else self._infer_n_features()
+
+    def params(self) -> dict[str, Any]:
+        return {"model": self.model, "weights": self.weights, "model_kwargs": self.model_kwargs,
+                "weights_sha256": self.weights_sha256, "n_features": self.n_features, "batch_size": self.batch_size,
+                "device": self.device, "input_size": self.input_size, "mean": self.mean, "std": self.std,
+                "strict": self.strict}
+
+    def __getstate__(self) -> dict[str, Any]:  # parameters only: the module is rebuilt on the worker
+        return self.params()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    def _build(self):
+        import torch
+
+        from tasks.ingest.features import resolve_extractor
+
+        if self._module is None:
+            factory = resolve_extractor(self.model) if ":" in self.model else None
+            if factory is None:
+                raise ValueError(f"torch extractor model {self.model!r}: expected an import path package.module:Class")
+            module = factory(**self.model_kwargs)
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"torch extractor model {self.model!r} built a {type(module).__name__}, not a torch.nn.Module")
+            if self.weights is not None:
+                module.load_state_dict(_read_state_dict(self.weights), strict=self.strict)
+            wanted = self.device
+            if wanted == "auto":
+                wanted = "cuda" if torch.cuda.is_available() else "cpu"
+            self._torch_device = torch.device(wanted)
+            self._module = module.to(self._torch_device).eval()
+        return self._module
+
+    def _infer_n_features(self) -> int:
+        size = self.input_size or 224
+        return int(self(np.zeros((1, size, size, 3), dtype=np.uint8), _check=False).shape[1])
+
+    def __call__(self, batch: np.ndarray, _check: bool = True) -> np.ndarray:
+        import torch
+
+        module = self._build()
+        out = []
+        mean = torch.tensor(self.mean, dtype=torch.float32, device=self._torch_device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32, device=self._torch_device).view(1, -1, 1, 1)
+        with torch.inference_mode():
+            for start in range(0, len(batch), self.batch_size):
+                part = np.ascontiguousarray(batch[start:start + self.batch_size, ..., :3])
+                x = torch.from_numpy(part).to(self._torch_device).permute(0, 3, 1, 2).float()
+                if batch.dtype == np.uint8:
+                    x = x / 255.0
+                if self.input_size is not None and x.shape[-1] != self.input_size:
+                    x = torch.nn.functional.interpolate(x, size=(self.input_size, self.input_size), mode="bilinear",
+                                                        antialias=True, align_corners=False)
+                features = module((x - mean) / std)
+                out.append(features.reshape(features.shape[0], -1).float().cpu().numpy())
+        features = np.concatenate(out).astype(np.float32, copy=False)
+        if _check and features.shape[1] != self.n_features:
+            raise ValueError(f"torch extractor {self.model!r} gave {features.shape[1]} features, expected {self.n_features}")
+        return features
+
+
+def _read_state_dict(path: str) -> dict[str, Any]:
+    """A state dict from ``.safetensors`` or a ``torch.save`` file, never unpickling code."""
+    import torch
+
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]  # Lightning-style checkpoints
+    if not isinstance(state, dict):
+        raise TypeError(f"{path}: expected a state dict (name → tensor), found {type(state).__name__}")
+    return state

@@ -1,0 +1,61 @@
+"""Label files → binary bag targets: target expressions (parsed, never run), positive values, presets."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError
+from tasks.ingest.labels import LabelSpec, TargetExpression
+
+
+@pytest.mark.parametrize("text, row, expected", [
+    ("isup_grade > 0", {"isup_grade": 3}, 1),
+    ("isup_grade > 0", {"isup_grade": 0}, 0),
+    ("diagnosis in ['tumor', 'metastasis']", {"diagnosis": "metastasis"}, 1),
+    ("diagnosis not in ('normal',)", {"diagnosis": "normal"}, 0),
+    ("grade >= 2 and not qc_fail", {"grade": 2, "qc_fail": False}, 1),
+    ("grade >= 2 and not qc_fail", {"grade": 2, "qc_fail": True}, 0),
+    ("0 < score <= 0.5 or flag == 'yes'", {"score": 0.9, "flag": "yes"}, 1),
+])
+def test_target_expressions_compute_the_binary_target(text, row, expected):
+    assert TargetExpression(text)(row) == expected
+
+
+@pytest.mark.parametrize("text", ["__import__('os').system('echo hi')", "grade.real > 1", "grade + 1 > 2",
+                                  "[x for x in grade]", "labels[0] > 1", "lambda: 1", "grade >"])
+def test_anything_but_comparisons_of_columns_and_constants_is_refused(text):
+    with pytest.raises(ValueError, match="not allowed|not an expression"):
+        TargetExpression(text)
+
+
+def test_a_labels_file_gives_targets_originals_and_per_row_errors(tmp_path):
+    path = tmp_path / "labels.csv"
+    pd.DataFrame({"case": ["a", "b", "c", "d", "d", "e"], "grade": [0, 2, None, 4, 4, 1],
+                  "dx": ["normal", "tumor", "tumor", "tumor", "tumor", "Tumor"]}).to_csv(path, index=False)
+    labels, original = LabelSpec(str(path), id_column="case", label_column="grade", target="grade > 1").read()
+    assert (labels["a"], labels["b"], labels["e"]) == (0, 1, 0) and original["b"] == 2
+    assert isinstance(labels["c"], MissingLabelError) and "empty grade" in labels["c"].reason
+    assert isinstance(labels["d"], DuplicateIdError)
+    by_value = LabelSpec(str(path), id_column="case", label_column="dx", positive=["tumor"]).read()[0]
+    assert (by_value["a"], by_value["b"], by_value["e"]) == (0, 1, 0)  # values compare exactly
+    numeric = LabelSpec(str(path), id_column="case", label_column="grade", positive=[2, 4]).read()[0]
+    assert (numeric["b"], numeric["e"]) == (1, 0)  # 2.0 read from CSV matches 2
+    with pytest.raises(IngestError, match=r"no column\(s\) \['stage'\]"):
+        LabelSpec(str(path), id_column="case", target="stage > 1").read()
+    panda = LabelSpec.preset("panda", path)
+    assert (panda.id_column, panda.target) == ("image_id", "isup_grade > 0")
+
+
+def test_the_config_labels_section_names_the_field_of_a_bad_expression(tmp_path):
+    from flows.config import ConfigError, load_config
+
+    (tmp_path / "l.csv").write_text("slide_id,grade\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("name: t\nstore: s.zarr\noutput_dir: out\ningest:\n  kind: h5\n  source: h5\n"
+                      "  labels: {file: l.csv, target: \"open('x')\"}\n")
+    with pytest.raises(ConfigError, match="ingest.labels.*Call is not allowed"):
+        load_config(config)
+    config.write_text("name: t\nstore: s.zarr\noutput_dir: out\ningest:\n  kind: h5\n  source: h5\n"
+                      "  labels: {file: l.csv, target: grade > 2}\n")
+    assert load_config(config).ingest.labels.file == tmp_path / "l.csv"

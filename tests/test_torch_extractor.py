@@ -1,0 +1,121 @@
+"""The PyTorch extractor and extractor plug-ins, with a small CNN whose weights the test writes."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tasks.ingest.features import extractor_from_spec, extractor_spec, make_extractor, resolve_extractor
+
+torch = pytest.importorskip("torch")
+
+TINY_CNN = """
+import torch
+
+
+class TinyCNN(torch.nn.Module):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, width, 3, padding=1)
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.conv(x))).flatten(1)
+
+
+class ColourMeans:
+    name, version, n_features = "colour-means", "1", 3
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def params(self):
+        return {"scale": self.scale}
+
+    def __call__(self, batch):
+        return (batch[..., :3].mean(axis=(1, 2)) * self.scale).astype("float32")
+"""
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """A user's own module on the path (as an installed package would be), and weights for it."""
+    (tmp_path / "lab_models.py").write_text(textwrap.dedent(TINY_CNN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("lab_models", None)
+    import lab_models
+
+    torch.manual_seed(0)
+    model = lab_models.TinyCNN(width=4)
+    torch.save(model.state_dict(), tmp_path / "tiny.pt")
+    from safetensors.torch import save_file
+
+    save_file(model.state_dict(), str(tmp_path / "tiny.safetensors"))
+    return tmp_path, model
+
+
+def test_torch_extractor_matches_the_model_it_loads_and_records_its_weights(user_package):
+    folder, model = user_package
+    tiles = np.random.default_rng(0).integers(0, 256, size=(5, 32, 32, 3), dtype=np.uint8)
+    extractor = make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4},
+                               weights=str(folder / "tiny.pt"), batch_size=2, device="cpu")
+    assert extractor.n_features == 4
+    x = torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 255.0
+    mean, std = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        expected = model((x - mean) / std).numpy()
+    np.testing.assert_allclose(extractor(tiles), expected, rtol=1e-5, atol=1e-6)  # batched 2 + 2 + 1
+    from_safetensors = make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4},
+                                      weights=str(folder / "tiny.safetensors"), device="cpu")
+    np.testing.assert_allclose(from_safetensors(tiles), expected, rtol=1e-5, atol=1e-6)
+
+    spec = extractor_spec(extractor)
+    assert spec["factory"] == "torch" and len(spec["params"]["weights_sha256"]) == 64
+    np.testing.assert_array_equal(extractor_from_spec(spec)(tiles), extractor(tiles))
+
+    import pickle  # how Dask sends the extractor to a worker: its parameters only, rebuilt there
+
+    travelled = pickle.loads(pickle.dumps(extractor))
+    assert travelled._module is None and travelled.params() == extractor.params()
+
+    torch.save({k: v + 1 for k, v in model.state_dict().items()}, folder / "tiny.pt")  # retrained weights
+    with pytest.raises(ValueError, match="not the .* recorded with the store"):
+        extractor_from_spec(spec)
+
+
+def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package):
+    plug = make_extractor("lab_models:ColourMeans", scale=2.0)
+    spec = extractor_spec(plug)
+    assert spec["factory"] == "lab_models:ColourMeans" and spec["params"] == {"scale": 2.0}
+    tiles = np.full((2, 8, 8, 3), 10, dtype=np.uint8)
+    np.testing.assert_array_equal(extractor_from_spec(spec)(tiles), np.full((2, 3), 20.0))
+    with pytest.raises(KeyError, match="no feature extractor registered as 'my-rp'.*package.module:Class"):
+        resolve_extractor("my-rp")
+    folder = user_package[0]  # an installed distribution declaring the entry point (its metadata on sys.path)
+    (folder / "lab_models-1.0.dist-info").mkdir()
+    (folder / "lab_models-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: lab-models\nVersion: 1.0\n")
+    (folder / "lab_models-1.0.dist-info" / "entry_points.txt").write_text("[gpmil.extractors]\nmy-rp = lab_models:ColourMeans\n")
+    assert make_extractor("my-rp", scale=3.0)(tiles)[0, 0] == 30.0
+    from tasks.ingest.features import known_extractors
+
+    assert "my-rp" in known_extractors()
+    with pytest.raises(KeyError, match="cannot import it"):
+        resolve_extractor("lab_models:Missing")
+    with pytest.raises(TypeError, match="lacks"):
+        make_extractor("lab_models:TinyCNN")  # a bare module is not an extractor: wrap it with 'torch'
+
+
+def test_the_config_accepts_import_paths_and_names_the_field_for_unknown_ones(user_package):
+    from flows.config import ConfigError, load_config
+
+    folder, _ = user_package
+    good = folder / "good.yaml"
+    good.write_text(f"name: t\nstore: {folder}/s.zarr\noutput_dir: {folder}/out\ningest: {{kind: wsi, source: {folder}, extractor: 'lab_models:ColourMeans'}}\n")
+    assert load_config(good).ingest.extractor == "lab_models:ColourMeans"
+    bad = folder / "bad.yaml"
+    bad.write_text(f"name: t\nstore: {folder}/s.zarr\noutput_dir: {folder}/out\ningest: {{kind: wsi, source: {folder}, extractor: my-rp}}\n")
+    with pytest.raises(ConfigError, match="ingest.extractor.*my-rp"):
+        load_config(bad)
