@@ -155,7 +155,7 @@ class SparseGPMILBase(BaseEstimator):
         """
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
-        kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, {}
+        kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, np.empty((0, 2))
         reads_coords = type(self)._check_coords is not SparseGPMILBase._check_coords
         if kernel is None and offsets is not None and (coords is not None or not reads_coords):
             kernel = self._select_kernel(to_numpy(X_train), offsets, instance_labels[offsets[:-1]], coords)
@@ -169,7 +169,7 @@ class SparseGPMILBase(BaseEstimator):
         sweeps, by the mean held-out bag AUC (the estimator's bag rule) over a stratified 2-fold
         split of the training bags. Each candidate runs up to ``min(max_iter, 50)`` sweeps and is
         scored every 5; ties go to fewer sweeps, then the smaller variance. Sets
-        ``kernel_selection_`` (variance → best AUC) and ``auto_max_iter_`` (the sweeps the final
+        ``kernel_selection_`` (rows: variance, its best mean AUC) and ``auto_max_iter_`` (the sweeps the final
         fit may run). Above 20,000 instances the split runs on a seeded per-bag subsample.
         Returns ``None`` (the fallback kernel) when a class has fewer than 2 bags.
 
@@ -179,7 +179,7 @@ class SparseGPMILBase(BaseEstimator):
         "Automatic defaults"). A split of the training bags sees no test bag and needs no proper
         likelihood (G-VGPMIL's is improper).
         """
-        self.kernel_selection_, self.auto_max_iter_ = {}, None
+        self.kernel_selection_, self.auto_max_iter_ = np.empty((0, 2)), None
         if np.bincount(labels, minlength=2).min() < 2:
             return None
         rng = check_random_state(self.random_state)
@@ -224,7 +224,7 @@ class SparseGPMILBase(BaseEstimator):
                 curve += [curve[-1] if curve else 0.5] * (checkpoints.shape[0] - len(curve))  # converged early: it stays
                 curves[v].append(np.asarray(curve))
         mean_curves = {v: np.mean(c, axis=0) for v, c in curves.items()}
-        self.kernel_selection_ = {v: float(c.max()) for v, c in mean_curves.items()}
+        self.kernel_selection_ = np.array([[v, c.max()] for v, c in mean_curves.items()])
         candidates = [(round(float(c[i]), 9), -int(checkpoints[i]), -v) for v, c in mean_curves.items() for i in range(c.shape[0])]
         auc, minus_iter, minus_v = max(candidates)
         self.auto_max_iter_ = -minus_iter if -minus_iter < budget else int(self.max_iter)
