@@ -157,8 +157,8 @@ class ModelConfig(_Strict):
     """``name``: one of the estimators of :mod:`mil_core`; ``params``: its constructor arguments.
 
     The default, ``VGPMIL`` with its automatic defaults, had the best mean held-out bag AUC of the
-    GP-MIL defaults over MUSK1, MUSK2 and digits bags (0.861; G-VGPMIL 0.857, VWSGP 0.855,
-    VGPMIL-PR 0.750), 0.865 on large bags (``docs/BENCHMARKS.md``, "Accuracy of the defaults"),
+    GP-MIL defaults over MUSK1, MUSK2, digits bags and large bags (0.862; VWSGP 0.822, G-VGPMIL
+    0.813, VGPMIL-PR 0.704; ``docs/BENCHMARKS.md``, "Accuracy of the defaults"),
     and gives instance probabilities for the heat maps (VWSGP gives evidences).
 
     ``EmbeddedGPMIL``'s ``gp`` is itself a model section (``{name: GVGPMIL, params: {…}}``);
