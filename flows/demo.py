@@ -54,7 +54,7 @@ def write_demo_configs(workdir: str | Path, *, n_slides: int = 16, n_scans: int 
         configs = {
             modality: {"name": f"demo-{modality}", "store": str(train_store), "output_dir": str(workdir / "runs" / modality),
                        "ingest": {**ingest, "source": str(train_dir), "labels": str(train_dir / "labels.csv")},
-                       "model": model, "prediction": {"store": str(heldout_store), "rule": "max"}},
+                       "model": model, "prediction": {"store": str(heldout_store)}},
             f"{modality}-heldout": {"name": f"demo-{modality}-heldout", "store": str(heldout_store),
                                     "output_dir": str(workdir / "runs" / f"{modality}-heldout"),
                                     "ingest": {**ingest, "source": str(heldout_dir), "labels": str(heldout_dir / "labels.csv"),

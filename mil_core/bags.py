@@ -18,9 +18,15 @@ __all__ = [
     "expected_max_of_others",
     "log_prob_all_negative",
     "split_into_blocks",
+    "bag_score",
+    "BAG_RULES",
+    "TOP_FRACTION",
 ]
 
 EmaxRule = Literal["exact", "max"]
+BagRule = Literal["top_fraction", "max", "mean", "noisy_or"]
+BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean", "noisy_or")
+TOP_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -118,3 +124,33 @@ def split_into_blocks(offsets: np.ndarray, block_size: int) -> list[tuple[int, i
             blocks.append((start, stop))
             start = stop
     return blocks
+
+
+def bag_score(p: np.ndarray, offsets: np.ndarray, rule: str) -> np.ndarray:
+    """A bag's score from its instances' probabilities ``p`` ((N,) or (N, L) Monte Carlo columns).
+
+    * ``"top_fraction"``: the mean of the bag's top ``max(1, ⌈0.05·n_b⌉)`` probabilities — the
+      maximum in bags of up to 20 instances, a top-quantile mean in large ones, so that neither
+      the number of negatives (which drives ``max`` up) nor dilution (which drives ``mean`` down)
+      makes the ranking follow bag size;
+    * ``"max"``: ``max pₙ``; ``"mean"``: ``mean pₙ``;
+    * ``"noisy_or"``: ``1 − Π(1 − pₙ)`` (seed 000, Eq. 34–35), in log space; with independent
+      instance errors it grows with the bag size and saturates in bags of 10³+ instances.
+
+    ``docs/MODELS.md`` ("Bag rule") has the measurement behind the estimators' default.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    if rule == "noisy_or":
+        return -np.expm1(log_prob_all_negative(np.log1p(-np.minimum(p, 1.0)), offsets))
+    if rule == "max":
+        return np.maximum.reduceat(p, offsets[:-1], axis=0)
+    if rule == "mean":
+        sizes = np.diff(offsets).reshape((-1,) + (1,) * (p.ndim - 1))
+        return segment_sum(p, offsets) / sizes
+    if rule == "top_fraction":
+        out = np.empty((offsets.shape[0] - 1,) + p.shape[1:])
+        for b, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
+            k = max(1, int(np.ceil(TOP_FRACTION * (stop - start))))
+            out[b] = -np.partition(-p[start:stop], k - 1, axis=0)[:k].mean(axis=0)
+        return out
+    raise ValueError(f"unknown bag rule {rule!r}; use one of {', '.join(BAG_RULES)}")

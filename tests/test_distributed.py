@@ -10,13 +10,14 @@ import pytest
 import zarr
 from distributed import Client, LocalCluster
 
-from mil_core import GVGPMIL, VGPMIL
+from mil_core import GVGPMIL, RBF, VGPMIL
 from tasks.store import BagData, CohortSpec, append_bags, create_cohort
 from tasks.training import fit_cohort, predict_cohort, read_predictions
 
 pytestmark = pytest.mark.timeout(300)
 
 PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0)
+FIXED_KERNEL = dict(PARAMS, kernel=RBF(4.0))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_distributed_fit_equals_serial_fit_for_any_partitioning(client, toy_stor
     serial = VGPMIL(**PARAMS).fit(X, bags, y)
     model = VGPMIL(**PARAMS)
     summary = fit_cohort(model, path, client, partition_bytes=partition_bytes, mode=mode, resume=False)
-    assert summary.mode == mode and summary.n_iter == PARAMS["max_iter"]
+    assert summary.mode == mode and summary.n_iter == serial.n_iter_  # kernel=None: the same chosen stop
     assert_same_fit(model, serial)
 
 
@@ -124,8 +125,8 @@ class ClientDied(Exception):
 
 
 def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store):
-    path, (X, bags, y) = toy_store
-    uninterrupted = VGPMIL(**PARAMS)
+    path, (X, bags, y) = toy_store  # a fixed kernel: all 12 sweeps run (kernel=None may stop before 8)
+    uninterrupted = VGPMIL(**FIXED_KERNEL)
     fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
 
     def die(iteration, objective):
@@ -133,10 +134,10 @@ def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client
             raise ClientDied
 
     with pytest.raises(ClientDied):
-        fit_cohort(VGPMIL(**PARAMS), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+        fit_cohort(VGPMIL(**FIXED_KERNEL), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
     assert zarr.open_group(path, mode="r")["training/crashy"].attrs["latest"] == 6
 
-    resumed = VGPMIL(**PARAMS)
+    resumed = VGPMIL(**FIXED_KERNEL)
     summary = fit_cohort(resumed, path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3)
     assert summary.resumed_from == 6
     assert_same_fit(resumed, uninterrupted)
@@ -174,7 +175,7 @@ def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_stor
 
     path, (X, bags, y) = toy_store
     coords = np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]
-    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0)
+    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=RBF(4.0))  # the cluster's k-means sample has no coords to choose a kernel with
     serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
     model = VGPMILPRI(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)

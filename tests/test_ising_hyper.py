@@ -161,9 +161,9 @@ def test_changing_lambda_rebuilds_the_partition_from_its_spectra_exactly(form):
 def test_smoother_form_is_vgpmil_pr_at_lambda_zero_and_an_exact_monotone_bound():
     """m_b | f_b ~ N(Σ_b f_b, I): λ → 0 is VGPMIL-PR; q(m) is exact, so the ELBO never decreases."""
     X, bags, y, _, coords = _grid_bags()
-    plain = VGPMILPR(n_inducing=8, max_iter=20, random_state=0).fit(X, bags, y)
+    plain = VGPMILPR(n_inducing=8, kernel=RBF(1.0), max_iter=20, random_state=0).fit(X, bags, y)
     for lam in (0.0, 1e-9):
-        model = VGPMILPRI(lam=lam, coupling_form="smoother", n_inducing=8, max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
+        model = VGPMILPRI(lam=lam, coupling_form="smoother", n_inducing=8, kernel=RBF(1.0), max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
         np.testing.assert_allclose(model.q_.mean, plain.q_.mean, atol=1e-6)
         np.testing.assert_allclose(model.elbo_, plain.elbo_, atol=1e-5)
     coupled = VGPMILPRI(lam=2.0, coupling_form="smoother", n_inducing=8, max_iter=30, tol=0.0, random_state=0).fit(X, bags, y, coords=coords)

@@ -83,7 +83,7 @@ def test_bag_probability_of_a_huge_bag_does_not_underflow(toy_bags):
     X, bags, y, _ = toy_bags
     model = VGPMIL(**FAST).fit(X, bags, y)
     negatives = np.random.default_rng(0).normal(size=(100_000, 2)) - np.array([3.0, 0.0])
-    keys, p, sd = model.predict_bag_proba(negatives, np.zeros(100_000, dtype=int), return_std=True, method="probit")
+    keys, p, sd = model.predict_bag_proba(negatives, np.zeros(100_000, dtype=int), return_std=True, method="probit", rule="noisy_or")
     p_inst = model.predict_instance_proba(negatives, method="probit")
     expected = -np.expm1(np.sum(np.log1p(-p_inst)))
     assert keys.tolist() == [0] and np.isfinite(sd).all()

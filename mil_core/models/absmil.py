@@ -519,9 +519,12 @@ class AbSMIL(BaseEstimator):
             raise ValueError("AbSMIL outside fit() runs the batch solver from one start: use solver='batch' and n_init=1 "
                              f"(got solver={self.solver!r}, n_init={self.n_init})")
 
-    def _start_fit(self, X_sample: Any, instance_labels: np.ndarray | None = None) -> AbSMILUpdates:
+    def _start_fit(
+        self, X_sample: Any, instance_labels: np.ndarray | None = None, offsets: np.ndarray | None = None, coords: Any = None
+    ) -> AbSMILUpdates:
         """Fitted start state and the updates of :meth:`fit`'s first start, drawn from the same
-        seeded stream (random features, then initial weights), so a distributed fit equals ``fit``."""
+        seeded stream (random features, then initial weights), so a distributed fit equals ``fit``.
+        ``offsets``/``coords`` (the GP models' automatic kernel choice) are not used."""
         rng = check_random_state(self.random_state)
         updates = self._initial_updates(X_sample, rng)
         return replace(updates, initial_weights=self.init_scale * rng.standard_normal(updates.initial_weights.shape))

@@ -163,7 +163,8 @@ _COMMON_PARAMS = """
     n_inducing : int, default=100
         Number of inducing points M (k-means, half from each bag class).
     kernel : RBF or None
-        Kernel; ``None`` is ``RBF(variance=1, length_scale=√D)``.
+        Kernel; ``None`` chooses the variance (and the number of sweeps) on the training bags
+        (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     max_iter, tol
         Closed-form sweeps and relative ELBO tolerance.
     early_stopping, validation_fraction, n_iter_no_change

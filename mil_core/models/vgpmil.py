@@ -24,7 +24,7 @@ from scipy.special import expit
 from sklearn.utils import check_random_state
 
 from .._backend import take_rows
-from ..bags import EmaxRule, expected_max_of_others, log_prob_all_negative, segment_sum
+from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expected_max_of_others, log_prob_all_negative
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
@@ -58,6 +58,7 @@ class PsiMILUpdates:
     psi: Psi
     log_h: float
     emax: EmaxRule
+    damping: float = 0.0
 
     def prepare(self, block: BagBlock) -> WhitenedBags:
         return WhitenedBags.from_block(self.gp, block)
@@ -75,7 +76,7 @@ class PsiMILUpdates:
         theta = self.psi.theta(c)
         sign = 2.0 * block.instance_labels - 1.0
         emax = expected_max_of_others(expit(logits), -_softplus(logits), block.offsets, self.emax)
-        logits = mean + self.log_h * sign * (1.0 - emax)
+        logits = damped_logits(logits, mean + self.log_h * sign * (1.0 - emax), self.damping)
         pi, log1m_pi, log_pi = expit(logits), -_softplus(logits), -_softplus(-logits)
 
         p_all_negative = np.exp(log_prob_all_negative(log1m_pi, block.offsets))
@@ -98,6 +99,22 @@ class PsiMILUpdates:
         return gaussian_update(stats.precision, stats.shift), stats.elbo - q.kl_to_prior()
 
 
+def damped_logits(old: np.ndarray, new: np.ndarray, damping: float) -> np.ndarray:
+    """Logit of ``damping·σ(old) + (1 − damping)·σ(new)``: the q(y) update (Eq. 25) damped in
+    probability space, in log space so that logits of ±40 keep their precision.
+
+    The undamped update is a Jacobi step on all π of a bag at once; with a large ``log H`` two
+    instances of a positive bag can swap "the positive one" every sweep (a period-2 cycle,
+    ``docs/MODELS.md``). A convex combination with the previous π removes that cycle.
+    """
+    if damping == 0.0:
+        return new
+    a, b = np.log(damping), np.log1p(-damping)
+    log_pi = np.logaddexp(a - _softplus(-old), b - _softplus(-new))
+    log1m_pi = np.logaddexp(a - _softplus(old), b - _softplus(new))
+    return log_pi - log1m_pi
+
+
 class _LogisticGPMIL(SparseGPMILBase):
     """Predictions for the logistic family (000, Eq. 30–37)."""
 
@@ -109,14 +126,16 @@ class _LogisticGPMIL(SparseGPMILBase):
             raise ValueError(f"H must be > 1 (the bag-likelihood odds), got {self.H}")
         if self.emax not in ("exact", "max"):
             raise ValueError(f"emax must be 'exact' or 'max', got {self.emax!r}")
-        updates = PsiMILUpdates(gp=gp, psi=self._psi(), log_h=float(np.log(self.H)), emax=self.emax)
+        if not 0.0 <= self.damping < 1.0:
+            raise ValueError(f"damping must be in [0, 1), got {self.damping}")
+        updates = PsiMILUpdates(gp=gp, psi=self._psi(), log_h=float(np.log(self.H)), emax=self.emax, damping=float(self.damping))
         return hyper_updates(self, updates)
 
     def _bag_proba_from_state(self, gp: SparseGP, glob: GaussianQ | HyperState, X_sorted: Any, offsets: np.ndarray) -> np.ndarray:
         if isinstance(glob, HyperState):
             gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return -np.expm1(log_prob_all_negative(-_softplus(probit_scale(mean, var)), offsets))
+        return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule)
 
     def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
@@ -165,64 +184,76 @@ class _LogisticGPMIL(SparseGPMILBase):
         *,
         return_std: bool = False,
         method: Literal["mc", "probit"] = "mc",
-        rule: Literal["noisy_or", "max"] = "noisy_or",
+        rule: BagRule | None = None,
     ):
-        """Bag probability by the MIL rule: ``keys, p`` or ``keys, p, std``; ``keys = np.unique(bag_ids)``.
+        """Bag probability by a MIL rule: ``keys, p`` or ``keys, p, std``; ``keys = np.unique(bag_ids)``.
 
-        ``rule="noisy_or"`` (Eq. 34–35): ``1 − Π(1 − pₙ)`` for independent f*, evaluated as
-        ``−expm1(Σ log(1 − pₙ))`` so that bags of 10⁵ instances do not underflow; std from the
-        Monte Carlo spread of the same quantity (Eq. 37). ``rule="max"``: ``max pₙ`` with the
-        Monte Carlo spread of ``max σ(f*ₙ)``.
+        ``rule`` (default: the estimator's ``bag_rule``) combines the instance probabilities
+        (:func:`mil_core.bags.bag_score`): ``"noisy_or"`` is the paper's ``1 − Π(1 − pₙ)``
+        (Eq. 34–35, in log space), ``"top_fraction"`` the mean of the top 5 %, ``"max"``, ``"mean"``.
+        The std is the Monte Carlo spread of the same rule applied to draws of ``σ(f*)`` (Eq. 37),
+        drawn bag by bag.
         """
-        if rule not in ("noisy_or", "max"):
-            raise ValueError(f"rule must be 'noisy_or' or 'max', got {rule!r}")
+        rule = self.bag_rule if rule is None else rule
+        if rule not in BAG_RULES:
+            raise ValueError(f"rule must be one of {', '.join(BAG_RULES)}, got {rule!r}")
         X, bags = self._check_predict_input(X, bag_ids)
         p_inst = self.predict_instance_proba(X, method=method)[bags.order]
         offsets = bags.offsets
-        if rule == "noisy_or":
-            p = -np.expm1(log_prob_all_negative(np.log1p(-p_inst), offsets))
-        else:
-            p = np.maximum.reduceat(p_inst, offsets[:-1])
+        p = bag_score(p_inst, offsets, rule)
         if not return_std:
             return bags.keys, p
         mean, var = self._instance_moments(take_rows(X, bags.order))
-        per_bag = np.zeros((bags.n_bags, self.n_mc_samples)) if rule == "noisy_or" else None
         rng = check_random_state(self.random_state)
-        bag_of_row = bags.instance_bag()
-        for rows, f in self._sample_latent(mean, var, rng):
-            r = np.arange(mean.shape[0])[rows]
-            first, last = bag_of_row[r[0]], bag_of_row[r[-1]]
-            local = offsets[first : last + 2] - r[0]
-            local = np.clip(local, 0, r.shape[0])
-            if rule == "noisy_or":
-                per_bag[first : last + 1] += segment_sum(-_softplus(f), local)
-            else:
-                chunk_max = np.maximum.reduceat(expit(f), local[:-1], axis=0)
-                per_bag = chunk_max if per_bag is None else _merge_max(per_bag, chunk_max, first)
-        values = -np.expm1(per_bag) if rule == "noisy_or" else per_bag
-        return bags.keys, p, values.std(axis=1)
+        sd = np.empty(bags.n_bags)
+        for b in range(bags.n_bags):
+            rows = slice(offsets[b], offsets[b + 1])
+            sd[b] = _rule_draws(rule, self._sample_latent(mean[rows], var[rows], rng), offsets[b + 1] - offsets[b]).std()
+        return bags.keys, p, sd
 
 
-def _merge_max(acc: np.ndarray, chunk: np.ndarray, first: int) -> np.ndarray:
-    """Running per-bag maximum over row chunks (a bag may straddle two chunks)."""
-    n = first + chunk.shape[0]
-    if acc.shape[0] < n:
-        acc = np.concatenate([acc, np.full((n - acc.shape[0], acc.shape[1]), -np.inf)])
-    acc[first:n] = np.maximum(acc[first:n], chunk)
-    return acc
+def _rule_draws(rule: str, chunks, n: int) -> np.ndarray:
+    """Monte Carlo draws (L,) of one bag's ``rule`` score from chunks of latent draws f (rows, L),
+    accumulated chunk by chunk, so a bag of 10⁵ instances never holds all its draws at once."""
+    acc = None
+    k = max(1, int(np.ceil(TOP_FRACTION * n)))
+    for _, f in chunks:
+        if rule == "noisy_or":
+            part = np.sum(-_softplus(f), axis=0)
+            acc = part if acc is None else acc + part
+        elif rule == "max" or rule == "mean":
+            part = expit(f).max(axis=0) if rule == "max" else expit(f).sum(axis=0)
+            acc = part if acc is None else (np.maximum(acc, part) if rule == "max" else acc + part)
+        else:  # top_fraction: a running top-k per column
+            both = expit(f) if acc is None else np.concatenate([acc, expit(f)], axis=0)
+            acc = -np.partition(-both, min(k, both.shape[0]) - 1, axis=0)[:k]
+    if rule == "noisy_or":
+        return -np.expm1(acc)
+    if rule == "mean":
+        return acc / n
+    return acc if rule == "max" else acc.mean(axis=0)
 
 
 _COMMON_PARAMS = """
     n_inducing : int, default=100
         Number of inducing points M (k-means, half from each bag class).
     kernel : RBF or None
-        Kernel; ``None`` is ``RBF(variance=1, length_scale=√D)`` (see :mod:`mil_core.kernels`).
+        Kernel; ``None`` (default) chooses the variance v ∈ {1, 4, 16, 64} of
+        ``RBF(v, length_scale=√D)`` by a 2-fold split of the training bags
+        (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float, default=100
         Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4).
     emax : {"max", "exact"}, default="max"
         ``E[max y_{b∖n}]`` rule: the reference codes' max of the others' π, or the mean-field
         ``1 − Π_{j≠n}(1 − π_j)`` (whose ELBO is a true bound). ``"max"`` is the default because
         it gave the higher CV bag AUC in 5 of 6 model × dataset pairs (``docs/MODELS.md``).
+    damping : float in [0, 1), default=0.5
+        Each sweep's q(y) is ``damping·π_old + (1 − damping)·π_new`` (Eq. 25 damped): without it
+        the fixed point can cycle with period 2 (H = 1e12 on MUSK1: bag scores move by 0.23 per
+        sweep forever); 0.5 converges there for both E[max] rules.
+    bag_rule : {"top_fraction", "max", "mean", "noisy_or"}, default="top_fraction"
+        How instance probabilities make a bag score, in ``predict_bag_proba``, in validation
+        (early stopping, kernel choice) and in the pipeline (:func:`mil_core.bags.bag_score`).
     max_iter, tol
         Closed-form sweeps and relative ELBO tolerance.
     early_stopping, validation_fraction, n_iter_no_change
@@ -278,6 +309,8 @@ class PsiVGPMIL(_LogisticGPMIL):
         kernel: RBF | None = None,
         H: float = 100.0,
         emax: EmaxRule = "max",
+        damping: float = 0.5,
+        bag_rule: BagRule = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -315,6 +348,8 @@ class VGPMIL(_LogisticGPMIL):
         kernel: RBF | None = None,
         H: float = 100.0,
         emax: EmaxRule = "max",
+        damping: float = 0.5,
+        bag_rule: BagRule = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -341,9 +376,11 @@ class GVGPMIL(_LogisticGPMIL):
 
     Parameters
     ----------
-    alpha, beta : float, default=1.0, 2.5
+    alpha, beta : float, default=1.0, 1.0
         The Gamma parameters (the paper's grid: α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}); initial values
-        when ``learn_psi``.
+        when ``learn_psi``. (1, 1) is the only point of the grid with α/√(2β) > ½, where the
+        pseudo-likelihood has a finite optimum (Notes); the paper's (1, 2.5) ran away to a bag AUC
+        of 0.33 on MUSK2 (``docs/MODELS.md``).
     learn_psi : bool, default=False
         Learn α, β by maximising the same bound as the kernel (needs ``learn_kernel``-style steps;
         they run whenever ``learn_psi`` or ``learn_kernel`` is set). The fallback is validation-based
@@ -366,10 +403,12 @@ class GVGPMIL(_LogisticGPMIL):
         *,
         n_inducing: int = 100,
         alpha: float = 1.0,
-        beta: float = 2.5,
+        beta: float = 1.0,
         kernel: RBF | None = None,
         H: float = 100.0,
         emax: EmaxRule = "max",
+        damping: float = 0.5,
+        bag_rule: BagRule = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,

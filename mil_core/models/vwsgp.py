@@ -137,7 +137,8 @@ class VWSGP(SparseGPMILBase):
     n_inducing : int, default=100
         Number of inducing points M (k-means, half from each bag class).
     kernel : RBF or None
-        Kernel; ``None`` is ``RBF(variance=1, length_scale=√D)`` (the paper's ℓ = √D).
+        Kernel; ``None`` chooses the variance of ``RBF(v, length_scale=√D)`` (the paper's ℓ = √D) and
+        the number of sweeps on the training bags (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     max_iter, tol
         Closed-form sweeps (the paper uses 10–50) and relative ELBO tolerance.
     early_stopping, validation_fraction, n_iter_no_change

@@ -26,12 +26,22 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+_HASHES: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> SHA-256, per process
+_MODULES: dict[tuple[Any, ...], Any] = {}  # built modules per process: one load per worker, not per slide
+
+
 def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """SHA-256 of a file, remembered per process while its size and modification time stay the same
+    (an extractor is unpickled once per slide task on a worker; weights can be gigabytes)."""
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
 
 
 class TorchExtractor:
@@ -83,6 +93,9 @@ class TorchExtractor:
 
         from tasks.ingest.features import resolve_extractor
 
+        key = (self.model, repr(sorted(self.model_kwargs.items())), self.weights_sha256, self.strict, self.device)
+        if self._module is None and key in _MODULES:
+            self._module, self._torch_device = _MODULES[key]
         if self._module is None:
             factory = resolve_extractor(self.model) if ":" in self.model else None
             if factory is None:
@@ -97,6 +110,7 @@ class TorchExtractor:
                 wanted = "cuda" if torch.cuda.is_available() else "cpu"
             self._torch_device = torch.device(wanted)
             self._module = module.to(self._torch_device).eval()
+            _MODULES[key] = (self._module, self._torch_device)
         return self._module
 
     def _infer_n_features(self) -> int:

@@ -119,8 +119,8 @@ def fit_cohort(
         excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
         scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
         features = scaling if transform is None else transform
-        X_sample, sample_labels = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, features)
-        updates = model._start_fit(X_sample, sample_labels)
+        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, features)
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
         checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
@@ -136,14 +136,16 @@ def fit_cohort(
     early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, features)
              if validation.size else None)
 
+    max_iter = getattr(model, "auto_max_iter_", None) or model.max_iter  # kernel=None also chooses the stop
+
     def monitor(iteration: int, glob: Any) -> bool:
         if on_iteration is not None:
             on_iteration(iteration, trace.objective[-1])
-        if iteration % checkpoint_every == 0 or trace.converged or iteration == model.max_iter:
+        if iteration % checkpoint_every == 0 or trace.converged or iteration == max_iter:
             executor.checkpoint(checkpoint, trace)
         return early(iteration, glob) if early is not None else False
 
-    optimise(executor.sweep, updates, trace.glob, max_iter=model.max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
+    optimise(executor.sweep, updates, trace.glob, max_iter=max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
     model._finish_fit(trace, early.stopping if early is not None else None)
     return TrainingSummary(
         store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),

@@ -38,16 +38,17 @@ def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], 
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
-                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray]:
-    """Instances (labelled by their bag's label) for k-means: every training instance, in store
-    order, when there are at most ``cap``; else a seeded sample of whole training bags."""
+                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Instances (labelled by their bag's label) for k-means and the automatic kernel choice:
+    every training instance, in store order, when there are at most ``cap``; else a seeded sample
+    of whole training bags. Returns rows, labels and the bags' CSR offsets."""
     sizes = np.diff(cohort.offsets)
     chosen = training
     if sizes[training].sum() > cap:
         rng = np.random.default_rng(random_state if isinstance(random_state, (int, np.integer)) else None)
         shuffled = rng.permutation(training)
         chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
-    X, y = [], []
+    X, y, sizes_taken = [], [], []
     for p in cohort.partitions(DEFAULT_PARTITION_BYTES):
         local = chosen[(chosen >= p.bag_start) & (chosen < p.bag_stop)] - p.bag_start
         if local.size:
@@ -55,4 +56,5 @@ def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, ra
             rows, offsets = take_bags(read_features(stored, scaling), np.asarray(stored.offsets), local)
             X.append(rows)
             y.append(np.repeat(labels[local + p.bag_start], np.diff(offsets)))
-    return np.concatenate(X), np.concatenate(y)
+            sizes_taken.append(np.diff(offsets))
+    return np.concatenate(X), np.concatenate(y), np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)

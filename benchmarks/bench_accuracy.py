@@ -1,0 +1,264 @@
+"""Held-out accuracy of the default models against a [mean, max] logistic regression (issue 15).
+
+Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2 and
+digits bags; on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
+instances) one half of the bags trains and the other half tests, for several draws. Features are
+standardised on the training fold (a column with std < 1e-12 is left unscaled). Reported per
+method (and, for instance-level models, per bag rule): bag AUC, instance AUC where instance labels
+are known, the Spearman correlation of bag score with bag size *within* each class (averaged over
+the two classes; 0 is what a rule that does not follow size gets), and fit time.
+
+Adding a method: write ``def fit_predict_<name>(train: Fold, test: Fold) -> Prediction`` and add
+it to ``METHODS``; it gets standardised features and returns bag scores in ``np.unique`` order.
+
+    python benchmarks/bench_accuracy.py                           # everything (~1 h on 2 busy cores)
+    python benchmarks/bench_accuracy.py --datasets musk1 --methods lr_mean_max vgpmil
+    python benchmarks/bench_accuracy.py --elbo-trace              # convergence with H = 1e12
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+from sklearn.datasets import load_digits
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import StratifiedKFold
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for the small sets)
+
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
+from mil_core.bags import BAG_RULES, BagIndex  # noqa: E402
+from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
+
+CONSTANT_STD = 1e-12
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Standardised instances of whole bags; ``instance_labels`` only where known (never used to fit)."""
+
+    X: np.ndarray
+    bags: np.ndarray
+    y: np.ndarray
+    instance_labels: np.ndarray | None = None
+
+
+@dataclass
+class Prediction:
+    """Bag scores (``np.unique(bags)`` order) per bag rule, and instance scores when the model has them."""
+
+    bag: dict[str, np.ndarray]
+    instance: np.ndarray | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- data
+def large_bags(seed: int, n_bags: int = 40, size_range=(1000, 10000), fraction_range=(0.001, 0.05), positive_digit: int = 9):
+    """Digits drawn with replacement plus N(0, 2²) pixel noise; bag sizes log-uniform in
+    ``size_range``; a positive bag holds a log-uniform fraction (≥ 1 instance) of the digit
+    ``positive_digit``. Labels alternate, so bag size carries no label information."""
+    rng = np.random.default_rng(seed)
+    digits = load_digits()
+    positive, negative = np.flatnonzero(digits.target == positive_digit), np.flatnonzero(digits.target != positive_digit)
+    X, bags, y, inst = [], [], [], []
+    for b in range(n_bags):
+        n = int(np.exp(rng.uniform(*np.log(size_range))))
+        label = b % 2
+        k = max(1, int(round(n * np.exp(rng.uniform(*np.log(fraction_range)))))) if label else 0
+        rows = np.r_[rng.choice(positive, k), rng.choice(negative, n - k)]
+        X.append(digits.data[rows] + 2.0 * rng.standard_normal((n, digits.data.shape[1])))
+        bags.append(np.full(n, b))
+        y.append(np.full(n, label))
+        inst.append(np.r_[np.ones(k, int), np.zeros(n - k, int)])
+    return np.concatenate(X), np.concatenate(bags), np.concatenate(y), np.concatenate(inst)
+
+
+def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mean, std = train.mean(axis=0), train.std(axis=0)
+    std = np.where(std < CONSTANT_STD, 1.0, std)
+    return (train - mean) / std, (test - mean) / std
+
+
+def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, Fold]]:
+    """``(fold name, train, test)``, identical for every method."""
+    if dataset == "large":
+        for seed in range(draws):
+            X, bags, y, inst = large_bags(seed)
+            train = bags < bags.max() // 2 + 1
+            yield from [(f"draw {seed}", *_pair(X, bags, y, inst, train, ~train))]
+        return
+    X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
+    keys, first = np.unique(bags, return_index=True)
+    splitter = StratifiedKFold(n_splits, shuffle=True, random_state=0)
+    for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
+        yield f"fold {i}", *_pair(X, bags, y, inst, np.isin(bags, keys[tr]), np.isin(bags, keys[te]))
+
+
+def _pair(X, bags, y, inst, train, test) -> tuple[Fold, Fold]:
+    X_train, X_test = standardise(X[train], X[test])
+    labels = (lambda rows: None) if inst is None else (lambda rows: inst[rows])
+    return Fold(X_train, bags[train], y[train], labels(train)), Fold(X_test, bags[test], y[test], labels(test))
+
+
+# ------------------------------------------------------------------------------- methods
+def fit_predict_lr_mean_max(train: Fold, test: Fold) -> Prediction:
+    """Logistic regression on per-bag [mean, max] embeddings (standardised on the training bags)."""
+
+    def embed(fold: Fold) -> np.ndarray:
+        index = BagIndex.from_ids(fold.bags)
+        X = fold.X[index.order]
+        sizes = index.sizes[:, None]
+        return np.hstack([np.add.reduceat(X, index.offsets[:-1]) / sizes, np.maximum.reduceat(X, index.offsets[:-1])])
+
+    E_train, E_test = standardise(embed(train), embed(test))
+    labels = BagIndex.from_ids(train.bags)
+    y = train.y[labels.order][labels.offsets[:-1]]
+    model = LogisticRegression(max_iter=5000).fit(E_train, y)
+    return Prediction({"own": model.predict_proba(E_test)[:, 1]})
+
+
+def _logistic_gp(model) -> Callable[[Fold, Fold], Prediction]:
+    def fit_predict(train: Fold, test: Fold) -> Prediction:
+        model.fit(train.X, train.bags, train.y)
+        scores = {"default": model.predict_bag_proba(test.X, test.bags, method="probit")[1]}
+        for rule in BAG_RULES:
+            scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
+        extra = {"v": model.kernel_.variance, "sweeps": model.n_iter_}
+        return Prediction(scores, model.predict_instance_proba(test.X, method="probit"), extra)
+
+    return fit_predict
+
+
+def fit_predict_vgpmil(train: Fold, test: Fold) -> Prediction:
+    """Default ``VGPMIL()``."""
+    return _logistic_gp(VGPMIL(random_state=0))(train, test)
+
+
+def fit_predict_gvgpmil(train: Fold, test: Fold) -> Prediction:
+    """Default ``GVGPMIL()``."""
+    return _logistic_gp(GVGPMIL(random_state=0))(train, test)
+
+
+def fit_predict_vgpmil_v1(train: Fold, test: Fold) -> Prediction:
+    """The previous default: ``VGPMIL(kernel=RBF(1), damping=0)``, 200 sweeps (reference only)."""
+    return _logistic_gp(VGPMIL(kernel=RBF(1.0), damping=0.0, random_state=0))(train, test)
+
+
+def fit_predict_vgpmilpr(train: Fold, test: Fold) -> Prediction:
+    """Default ``VGPMILPR()`` (its own bag probability, Eq. 7)."""
+    model = VGPMILPR(random_state=0).fit(train.X, train.bags, train.y)
+    return Prediction({"own": model.predict_bag_proba(test.X, test.bags)[1]}, model.predict_instance_proba(test.X),
+                      {"v": model.kernel_.variance, "sweeps": model.n_iter_})
+
+
+def fit_predict_vwsgp(train: Fold, test: Fold) -> Prediction:
+    """Default ``VWSGP()``: σ(Σ evidence); instance scores are evidences (a ranking)."""
+    model = VWSGP(random_state=0).fit(train.X, train.bags, train.y)
+    return Prediction({"own": model.predict_bag_proba(test.X, test.bags, method="probit")[1]},
+                      model.predict_instance_evidence(test.X), {"v": model.kernel_.variance, "sweeps": model.n_iter_})
+
+
+METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
+    "lr_mean_max": fit_predict_lr_mean_max,
+    "vgpmil": fit_predict_vgpmil,
+    "gvgpmil": fit_predict_gvgpmil,
+    "vgpmilpr": fit_predict_vgpmilpr,
+    "vwsgp": fit_predict_vwsgp,
+    "vgpmil_v1": fit_predict_vgpmil_v1,
+}
+
+
+# ------------------------------------------------------------------------------- scoring
+def within_class_size_correlation(scores: np.ndarray, labels: np.ndarray, sizes: np.ndarray) -> float:
+    values = [spearmanr(scores[labels == c], sizes[labels == c])[0] for c in (0, 1)
+              if np.unique(sizes[labels == c]).size > 1 and np.unique(scores[labels == c]).size > 1]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def evaluate(method: str, dataset: str, n_splits: int, draws: int) -> dict[str, dict[str, list[float]]]:
+    """Per bag rule: lists (one entry per fold) of bag AUC, size correlation, instance AUC, fit time."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for _, train, test in folds(dataset, n_splits, draws):
+        start = time.perf_counter()
+        prediction = METHODS[method](train, test)
+        seconds = time.perf_counter() - start
+        index = BagIndex.from_ids(test.bags)
+        labels, sizes = test.y[index.order][index.offsets[:-1]], index.sizes
+        instance_auc = float("nan")
+        if prediction.instance is not None and test.instance_labels is not None:
+            instance_auc = float(roc_auc_score(test.instance_labels, prediction.instance))
+        for rule, scores in prediction.bag.items():
+            row = rows.setdefault(rule, {})
+            for key, value in (("bag_auc", roc_auc_score(labels, scores)), ("size_rho", within_class_size_correlation(scores, labels, sizes)),
+                               ("instance_auc", instance_auc), ("fit_s", seconds), *prediction.extra.items()):
+                row.setdefault(key, []).append(float(value))
+    return rows
+
+
+def elbo_traces(n_iter: int = 150) -> None:
+    """MUSK1 fold 0, VGPMIL with H = 1e12, v = 4: the ELBO (monitor) and the largest change of a
+    held-out bag score between consecutive sweeps, damped (0.5) and undamped, both E[max] rules."""
+    _, train, test = next(folds("musk1", 5, 1))
+    print("| E[max] | damping | ELBO @10 | @50 | @100 | @150 | max Δ bag score, last 10 sweeps |\n|---|---|---|---|---|---|---|")
+    for emax in ("max", "exact"):
+        for damping in (0.0, 0.5):
+            model = VGPMIL(kernel=RBF(4.0), H=1e12, emax=emax, damping=damping, random_state=0)
+            index = BagIndex.from_ids(train.bags)
+            labels = train.y[index.order][index.offsets[:-1]]
+            X = train.X[index.order]
+            updates = model._start_fit(X, np.repeat(labels, index.sizes))
+            executor = SerialExecutor(updates, [BagBlock(X=X, offsets=index.offsets, labels=labels)])
+            test_index = BagIndex.from_ids(test.bags)
+            X_test = test.X[test_index.order]
+            q, elbo, changes, previous = updates.init_global(), [], [], None
+            for _ in range(n_iter):
+                q, objective = updates.global_update(executor.sweep(q), q)
+                scores = model._bag_proba_from_state(model.gp_, q, X_test, test_index.offsets)
+                if previous is not None:
+                    changes.append(np.abs(scores - previous).max())
+                elbo.append(objective)
+                previous = scores
+            cells = " | ".join(f"{elbo[i - 1]:.1f}" for i in (10, 50, 100, 150) if i <= n_iter)
+            print(f"| {emax} | {damping} | {cells} | {max(changes[-10:]):.2e} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "vgpmil_v1"], choices=list(METHODS))
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
+    parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
+    args = parser.parse_args()
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
+          f"python {platform.python_version()}")
+    if args.elbo_trace:
+        elbo_traces()
+        return
+    print("| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dataset in args.datasets:
+        for method in args.methods:
+            for rule, row in evaluate(method, dataset, args.folds, args.draws).items():
+                auc = np.array(row["bag_auc"])
+                v = f"{np.median(row['v']):g}" if "v" in row else "—"
+                sweeps = f"{np.mean(row['sweeps']):.0f}" if "sweeps" in row else "—"
+                inst = "—" if np.all(np.isnan(row["instance_auc"])) else f"{np.nanmean(row['instance_auc']):.3f}"
+                print(f"| {dataset} | {method} | {rule} | {auc.mean():.3f} ± {auc.std():.3f} | {np.nanmean(row['size_rho']):+.2f} | {inst} | "
+                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

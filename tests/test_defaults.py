@@ -1,0 +1,128 @@
+"""The automatic defaults of issue 15: kernel variance and stopping chosen from the training bags,
+damped q(y) updates that converge with H = 1e12, and a bag rule whose ranking does not follow
+bag size. Accuracy numbers belong in ``benchmarks/bench_accuracy.py``; these are fast checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import spearmanr
+from sklearn.base import clone
+from sklearn.metrics import roc_auc_score
+
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
+from mil_core.bags import BAG_RULES, bag_score
+from mil_core.models.base import AUTO_VARIANCES
+
+from tests.conftest import make_toy_bags
+
+
+def _split(X, bags, y, inst):
+    train = bags < bags.max() // 2 + 1
+    return (X[train], bags[train], y[train]), (X[~train], bags[~train], y[~train], inst[~train])
+
+
+@pytest.mark.parametrize("model", [VGPMIL(random_state=0), GVGPMIL(random_state=0), VWSGP(random_state=0), VGPMILPR(random_state=0)],
+                         ids=lambda m: type(m).__name__)
+def test_defaults_are_well_above_chance_on_held_out_bags(model):
+    X, bags, y, inst = make_toy_bags(n_bags=60, n_features=3, seed=1)
+    (Xtr, btr, ytr), (Xte, bte, yte, _) = _split(X, bags, y, inst)
+    fitted = clone(model).fit(Xtr, btr, ytr)
+    keys, p = fitted.predict_bag_proba(Xte, bte)[:2]
+    truth = np.array([yte[bte == k][0] for k in keys])
+    assert roc_auc_score(truth, p) > 0.8
+
+
+def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_params_alone(toy_bags):
+    X, bags, y, _ = toy_bags
+    model = VGPMIL(n_inducing=10, random_state=0)
+    model.fit(X, bags, y)
+    assert model.kernel is None and model.max_iter == 200  # parameters untouched (scikit-learn)
+    np.testing.assert_array_equal(model.kernel_selection_[:, 0], AUTO_VARIANCES)
+    assert np.all((model.kernel_selection_[:, 1] >= 0) & (model.kernel_selection_[:, 1] <= 1))
+    assert model.kernel_.variance in AUTO_VARIANCES
+    assert model.auto_max_iter_ is None or 1 <= model.n_iter_ <= model.auto_max_iter_
+    again = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)  # deterministic given the seed
+    np.testing.assert_array_equal(again.q_.mean, model.q_.mean)
+    fixed = VGPMIL(n_inducing=10, kernel=RBF(2.0), random_state=0).fit(X, bags, y)
+    assert fixed.kernel_.variance == 2.0 and fixed.kernel_selection_.shape == (0, 2) and fixed.auto_max_iter_ is None
+
+
+def _consecutive_bag_scores(model, X, bags, y, n_iter):
+    """Bag scores after ``n_iter`` and ``n_iter + 1`` sweeps of the same deterministic fit."""
+    scores = []
+    for it in (n_iter, n_iter + 1):
+        fitted = clone(model).set_params(max_iter=it, tol=0.0).fit(X, bags, y)
+        scores.append(fitted.predict_bag_proba(X, bags, method="probit", rule="max")[1])
+    return np.abs(scores[1] - scores[0]).max()
+
+
+@pytest.mark.parametrize("emax", ["max", "exact"])
+def test_damped_updates_converge_with_huge_h_where_undamped_ones_cycle(emax):
+    """Two strong witnesses per positive bag: undamped, they swap "the positive one" every sweep."""
+    rng = np.random.default_rng(0)
+    X, bags, y = [], [], []
+    for b in range(30):
+        x = rng.normal(size=(6, 2))
+        if b % 2:
+            x[:2, 0] += 3.0
+        X.append(x); bags += [b] * 6; y += [b % 2] * 6
+    X, bags, y = np.concatenate(X), np.array(bags), np.array(y)
+    base = VGPMIL(n_inducing=10, kernel=RBF(4.0), H=1e12, emax=emax, random_state=0)
+    if emax == "max":  # the failure the damping removes is real on this set
+        assert _consecutive_bag_scores(base.set_params(damping=0.0), X, bags, y, 60) > 0.05
+    assert _consecutive_bag_scores(base.set_params(damping=0.5), X, bags, y, 60) < 1e-3
+
+
+def _size_anti_predictive_bags(seed=0, shift=5.0):
+    """Negative bags are large (40–60 instances), positive bags small (4–8) with one witness."""
+    rng = np.random.default_rng(seed)
+    X, bags, y, inst = [], [], [], []
+    for b in range(40):
+        label = b % 2
+        size = int(rng.integers(4, 9)) if label else int(rng.integers(40, 61))
+        x = rng.normal(size=(size, 2))
+        x[:label, 0] += shift
+        X.append(x); bags += [b] * size; y += [label] * size; inst += [1] * label + [0] * (size - label)
+    return np.concatenate(X), np.array(bags), np.array(y), np.array(inst)
+
+
+def test_default_bag_rule_does_not_follow_bag_size_where_size_is_anti_predictive():
+    X, bags, y, inst = _size_anti_predictive_bags()
+    model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
+    Xte, bte, yte, _ = _size_anti_predictive_bags(seed=1)
+    keys, p_default = model.predict_bag_proba(Xte, bte, method="probit")
+    _, p_noisy_or = model.predict_bag_proba(Xte, bte, method="probit", rule="noisy_or")
+    truth = np.array([yte[bte == k][0] for k in keys])
+    sizes = np.array([np.sum(bte == k) for k in keys])
+    assert roc_auc_score(truth, p_default) > 0.9
+    assert roc_auc_score(truth, p_default) > roc_auc_score(truth, p_noisy_or) + 0.1
+    negatives = truth == 0  # within a class, the default score hardly follows size; noisy-OR does
+    assert spearmanr(p_noisy_or[negatives], sizes[negatives])[0] > abs(spearmanr(p_default[negatives], sizes[negatives])[0])
+
+
+def test_bag_rules_on_known_probabilities():
+    p = np.r_[np.full(19, 0.1), 0.9, np.full(40, 0.2)]
+    offsets = np.array([0, 20, 60])
+    np.testing.assert_allclose(bag_score(p, offsets, "max"), [0.9, 0.2])
+    np.testing.assert_allclose(bag_score(p, offsets, "mean"), [(19 * 0.1 + 0.9) / 20, 0.2])
+    np.testing.assert_allclose(bag_score(p, offsets, "top_fraction"), [0.9, 0.2])  # top 1 of 20, top 2 of 40
+    np.testing.assert_allclose(bag_score(p, offsets, "noisy_or"), [1 - 0.9**19 * 0.1, 1 - 0.8**40])
+    columns = np.c_[p, p[::-1]]  # Monte Carlo columns are scored independently
+    for rule in BAG_RULES:
+        np.testing.assert_allclose(bag_score(columns, offsets, rule)[:, 0], bag_score(p, offsets, rule))
+    with pytest.raises(ValueError, match="unknown bag rule"):
+        bag_score(p, offsets, "median")
+
+
+def test_estimator_rule_is_used_by_default_and_std_matches_it(toy_bags):
+    X, bags, y, _ = toy_bags
+    model = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=20, bag_rule="mean", n_mc_samples=4000, random_state=0).fit(X, bags, y)
+    _, p_default, sd = model.predict_bag_proba(X, bags, method="probit", return_std=True)
+    _, p_mean = model.predict_bag_proba(X, bags, method="probit", rule="mean")
+    np.testing.assert_array_equal(p_default, p_mean)
+    _, p_mc = model.predict_bag_proba(X, bags, method="mc", rule="mean")
+    np.testing.assert_allclose(p_mc, p_mean, atol=0.03)
+    assert np.all(sd > 0) and np.all(sd < 0.3)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        model.predict_bag_proba(X, bags, rule="median")
