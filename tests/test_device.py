@@ -6,8 +6,9 @@ give the host result. Every device → host copy is counted: only the documented
 scalars, M × M and M statistics, N-vectors of per-instance moments (a block's rows at most), the
 D / M × D kernel-gradient pieces of ``learn_kernel``, and AbSMIL's (n, C + 1) logits and
 (F, C + 1) gradient. The features X (N × D) leave the device once per fit, for the k-means
-initialisation of the inducing points (scikit-learn's k-means is host-only; the distributed fit
-samples them from the store instead); the whitened features A' (N × M) never do.
+initialisation of the inducing points and the automatic kernel choice (``kernel=None``), both
+host-only (the distributed fit samples them from the store instead); the whitened features
+A' (N × M) never do.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from mil_core import GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, VGPMILPRGibbs
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, VGPMILPRGibbs
 from tests.conftest import make_toy_bags
 from tests.emulated_device import NAMESPACE, count_transfers, to_emulated, xp
 
@@ -197,7 +198,7 @@ def test_vgpmil_pri_on_gpu_workers_solves_the_car_system_on_the_device(tmp_path,
     X = X.astype(np.float32).astype(np.float64)
     path = write_store(tmp_path / "pri.zarr", X, bags, y)  # coords: the instance index within its bag
     coords = (np.arange(X.shape[0]) - np.searchsorted(bags, bags))[:, None]
-    params = {**GP, "lam": 0.7}
+    params = {**GP, "lam": 0.7, "kernel": RBF(variance=4.0)}  # fit_cohort chooses no kernel for models reading coords
     serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
     model = VGPMILPRI(**params)
     with count_transfers(monkeypatch) as log:

@@ -157,10 +157,11 @@ class SparseGPMILBase(BaseEstimator):
         self.classes_ = np.array([0, 1])
         kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, np.empty((0, 2))
         reads_coords = type(self)._check_coords is not SparseGPMILBase._check_coords
+        X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
         if kernel is None and offsets is not None and (coords is not None or not reads_coords):
-            kernel = self._select_kernel(to_numpy(X_train), offsets, instance_labels[offsets[:-1]], coords)
+            kernel = self._select_kernel(X_host, offsets, instance_labels[offsets[:-1]], coords)
         self.kernel_ = (kernel or RBF(variance=AUTO_VARIANCES[1])).resolve(self.n_features_in_)
-        Z = kmeans_inducing_points(to_numpy(X_train), instance_labels, self.n_inducing, random_state=self.random_state)
+        Z = kmeans_inducing_points(X_host, instance_labels, self.n_inducing, random_state=self.random_state)
         self.gp_ = SparseGP.build(self.kernel_, Z)
         return self._make_updates(self.gp_)
 
