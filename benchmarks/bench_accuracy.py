@@ -233,6 +233,21 @@ def elbo_traces(n_iter: int = 150) -> None:
             print(f"| {emax} | {damping} | {cells} | {max(changes[-10:]):.2e} |", flush=True)
 
 
+def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int) -> None:
+    """One Markdown row per data set × method × bag rule, on identical folds."""
+    print("| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dataset in datasets:
+        for method in methods:
+            for rule, row in evaluate(method, dataset, n_splits, draws).items():
+                auc = np.array(row["bag_auc"])
+                v = f"{np.median(row['v']):g}" if "v" in row else "—"
+                sweeps = f"{np.mean(row['sweeps']):.0f}" if "sweeps" in row else "—"
+                inst = "—" if np.all(np.isnan(row["instance_auc"])) else f"{np.nanmean(row['instance_auc']):.3f}"
+                print(f"| {dataset} | {method} | {rule} | {auc.mean():.3f} ± {auc.std():.3f} | {np.nanmean(row['size_rho']):+.2f} | {inst} | "
+                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
@@ -247,17 +262,7 @@ def main() -> None:
     if args.elbo_trace:
         elbo_traces()
         return
-    print("| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dataset in args.datasets:
-        for method in args.methods:
-            for rule, row in evaluate(method, dataset, args.folds, args.draws).items():
-                auc = np.array(row["bag_auc"])
-                v = f"{np.median(row['v']):g}" if "v" in row else "—"
-                sweeps = f"{np.mean(row['sweeps']):.0f}" if "sweeps" in row else "—"
-                inst = "—" if np.all(np.isnan(row["instance_auc"])) else f"{np.nanmean(row['instance_auc']):.3f}"
-                print(f"| {dataset} | {method} | {rule} | {auc.mean():.3f} ± {auc.std():.3f} | {np.nanmean(row['size_rho']):+.2f} | {inst} | "
-                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |", flush=True)
+    print_table(args.methods, args.datasets, args.folds, args.draws)
 
 
 if __name__ == "__main__":

@@ -110,17 +110,7 @@ def main() -> None:
     import bench_accuracy
 
     bench_accuracy.METHODS.update(methods)
-    print("| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dataset in args.datasets:
-        for method in methods:
-            for rule, row in bench_accuracy.evaluate(method, dataset, args.folds, 1).items():
-                auc = np.array(row["bag_auc"])
-                v = f"{np.median(row['v']):g}" if "v" in row else "—"
-                sweeps = f"{np.mean(row['sweeps']):.0f}" if "sweeps" in row else "—"
-                inst = "—" if np.all(np.isnan(row["instance_auc"])) else f"{np.nanmean(row['instance_auc']):.3f}"
-                print(f"| {dataset} | {method} | {rule} | {auc.mean():.3f} ± {auc.std():.3f} | {np.nanmean(row['size_rho']):+.2f} | {inst} | "
-                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |", flush=True)
+    bench_accuracy.print_table(list(methods), args.datasets, args.folds, 1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # is the usual casualty of a new FastAPI/Starlette/pydantic (see pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${GPMIL_EXTRAS:-dev,torch}"
+extras="${GPMIL_EXTRAS:-dev,torch,kubernetes}"
 venv="$(mktemp -d)/venv"
 python -m venv "$venv"
 "$venv/bin/python" -m pip install -q -U pip

@@ -5,7 +5,7 @@ import pytest
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
-from mil_core import VGPMIL, VGPMILPR, VGPMILPRI
+from mil_core import RBF, VGPMIL, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, SerialExecutor, optimise
 
 
@@ -35,13 +35,13 @@ def test_elbo_of_vgpmil_pr_never_decreases(toy_bags):
 def test_lambda_zero_reproduces_vgpmil_pr_exactly(toy_bags):
     X, bags, y, _ = toy_bags
     coords = chain_coords(bags)
-    reference = VGPMILPR(n_inducing=10, max_iter=30, tol=0.0, random_state=0).fit(X, bags, y)
+    reference = VGPMILPR(n_inducing=10, kernel=RBF(1.0), max_iter=30, tol=0.0, random_state=0).fit(X, bags, y)
     for moments in ("diagonal", "mean_field"):
-        zero = VGPMILPRI(lam=0.0, moments=moments, n_inducing=10, max_iter=30, tol=0.0, random_state=0)
+        zero = VGPMILPRI(lam=0.0, moments=moments, n_inducing=10, kernel=RBF(1.0), max_iter=30, tol=0.0, random_state=0)
         zero.fit(X, bags, y, coords=coords)
         np.testing.assert_array_equal(zero.q_.mean, reference.q_.mean)
         np.testing.assert_array_equal(zero.elbo_, reference.elbo_)
-    tiny = VGPMILPRI(lam=1e-9, n_inducing=10, max_iter=30, tol=0.0, random_state=0).fit(X, bags, y, coords=coords)
+    tiny = VGPMILPRI(lam=1e-9, n_inducing=10, kernel=RBF(1.0), max_iter=30, tol=0.0, random_state=0).fit(X, bags, y, coords=coords)
     np.testing.assert_allclose(tiny.q_.mean, reference.q_.mean, atol=1e-6)
 
 
@@ -50,7 +50,7 @@ def test_one_block_and_many_blocks_give_the_same_fit(toy_bags, moments):
     X, bags, y, _ = toy_bags
     coords = chain_coords(bags)
     fits = [
-        VGPMILPRI(lam=1.0, moments=moments, n_inducing=10, max_iter=25, tol=0.0, block_size=size, random_state=0).fit(
+        VGPMILPRI(lam=1.0, moments=moments, n_inducing=10, kernel=RBF(1.0), max_iter=25, tol=0.0, block_size=size, random_state=0).fit(
             X, bags, y, coords=coords
         )
         for size in (1, 17, 10**6)
@@ -79,7 +79,7 @@ def test_updates_run_under_the_engine_protocol_with_grid_coords():
 def test_coupling_smooths_instance_predictions_in_context(toy_bags):
     X, bags, y, _ = toy_bags
     coords = chain_coords(bags)
-    model = VGPMILPRI(lam=1.0, n_inducing=10, max_iter=50, random_state=0, n_mc_samples=200).fit(X, bags, y, coords=coords)
+    model = VGPMILPRI(lam=1.0, n_inducing=10, kernel=RBF(1.0), max_iter=50, random_state=0, n_mc_samples=200).fit(X, bags, y, coords=coords)
     keys, p, sd = model.predict_bag_proba(X, bags, coords=coords, return_std=True)
     assert roc_auc_score([y[bags == k][0] for k in keys], p) > 0.9
     assert np.all((p >= 0) & (p <= 1)) and np.all(sd >= 0)

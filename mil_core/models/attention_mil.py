@@ -20,6 +20,7 @@ from ..attention import (
     network_arrays,
 )
 from ..validation import check_features, check_mil_data
+from .base import store_params
 
 __all__ = ["ABMIL", "AttentionNetworkParams"]
 
@@ -116,16 +117,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         n_epochs_no_change: int = 10,
         random_state: Any = None,
     ):
-        self.n_components = n_components
-        self.hidden = hidden
-        self.attention_dim = attention_dim
-        self.learning_rate = learning_rate
-        self.weight_decay = weight_decay
-        self.max_epochs = max_epochs
-        self.early_stopping = early_stopping
-        self.validation_fraction = validation_fraction
-        self.n_epochs_no_change = n_epochs_no_change
-        self.random_state = random_state
+        store_params(self, locals())
 
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""

@@ -20,6 +20,7 @@ from ..attention import attention_weights, network_arrays
 from ..bags import segment_sum
 from ..validation import check_mil_data
 from .attention_mil import AttentionNetworkParams
+from .base import store_params
 from .vgpmil import VGPMIL
 
 __all__ = ["EmbeddedGPMIL", "default_gp"]
@@ -86,17 +87,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         n_epochs_no_change: int = 10,
         random_state: Any = None,
     ):
-        self.gp = gp
-        self.n_components = n_components
-        self.hidden = hidden
-        self.attention_dim = attention_dim
-        self.learning_rate = learning_rate
-        self.weight_decay = weight_decay
-        self.max_epochs = max_epochs
-        self.early_stopping = early_stopping
-        self.validation_fraction = validation_fraction
-        self.n_epochs_no_change = n_epochs_no_change
-        self.random_state = random_state
+        store_params(self, locals())
 
     def fit(self, X: Any, bag_ids: Any, y: Any) -> EmbeddedGPMIL:
         """Train the network on the bags, then the GP on the embeddings of all training instances."""
