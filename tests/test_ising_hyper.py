@@ -173,7 +173,7 @@ def test_smoother_form_is_vgpmil_pr_at_lambda_zero_and_an_exact_monotone_bound()
 
 def test_smoother_bag_probability_monte_carlo_matches_the_exact_orthant():
     X, bags, y, _, coords = _grid_bags()
-    params = dict(lam=1.0, coupling_form="smoother", n_inducing=8, max_iter=10, random_state=0, n_mc_samples=4000)
+    params = dict(lam=1.0, coupling_form="smoother", n_inducing=8, kernel=RBF(1.0), max_iter=10, random_state=0, n_mc_samples=4000)
     exact = VGPMILPRI(exact_orthant_max=25, **params).fit(X, bags, y, coords=coords)
     sampled = VGPMILPRI(exact_orthant_max=0, **params).fit(X, bags, y, coords=coords)
     _, p_exact, error_exact = exact.predict_bag_proba(X, bags, coords=coords, return_orthant_error=True)

@@ -94,7 +94,7 @@ def test_instance_predictions_in_bag_context_are_the_marginals_of_eq_24(toy_bags
 
     X, bags, y, _ = toy_bags
     coords = chain_coords(bags)
-    model = VGPMILPRI(lam=1.5, n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
+    model = VGPMILPRI(lam=1.5, n_inducing=10, kernel=RBF(1.0), max_iter=20, random_state=0).fit(X, bags, y, coords=coords)
     order = np.random.default_rng(1).permutation(X.shape[0])
     p, sd = model.predict_instance_proba(X[order], bag_ids=bags[order], coords=coords[order], return_std=True)
     rng = np.random.default_rng(2)
