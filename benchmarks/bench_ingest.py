@@ -125,11 +125,21 @@ def step_read(args: dict) -> dict:
 STEPS = {name[5:]: fn for name, fn in globals().items() if name.startswith("step_")}
 
 
-def run_step(name: str, **args) -> dict:
-    """Run one step in a fresh interpreter; return its result with its peak memory."""
-    out = subprocess.run([sys.executable, __file__, "--step", name, json.dumps(args)], check=True,
+def run_child_step(script: str, name: str, args: dict) -> dict:
+    """Run step ``name`` of ``script`` in a fresh interpreter; return its result with its peak memory."""
+    out = subprocess.run([sys.executable, script, "--step", name, json.dumps(args)], check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def answer_child_step(steps: dict, name: str, args_json: str) -> None:
+    """The child's side of :func:`run_child_step`: run the step, print its result and peak memory."""
+    result = steps[name](json.loads(args_json))
+    print(json.dumps({**result, "peak_mb": peak_mb()}))
+
+
+def run_step(name: str, **args) -> dict:
+    return run_child_step(__file__, name, args)
 
 
 # ---------------------------------------------------------------------------------- the driver
@@ -148,8 +158,7 @@ def main() -> None:
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.step:
-        result = STEPS[options.step](json.loads(options.args))
-        print(json.dumps({**result, "peak_mb": peak_mb()}))
+        answer_child_step(STEPS, options.step, options.args)
         return
 
     from tasks.ingest.synthetic import make_ct_cohort, make_slide_cohort

@@ -19,8 +19,6 @@ the peak of a process that only imported the modules. Prints a Markdown table fo
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_ingest import machine, peak_mb  # noqa: E402
+from benchmarks.bench_ingest import answer_child_step, machine, run_child_step  # noqa: E402
 
 MPP = 0.25
 
@@ -150,8 +148,7 @@ STEPS = {name[5:]: fn for name, fn in globals().items() if name.startswith("step
 
 
 def run_step(name: str, **args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--step", name, json.dumps(args)], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child_step(__file__, name, args)
 
 
 def main() -> None:
@@ -165,8 +162,7 @@ def main() -> None:
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.step:
-        result = STEPS[options.step](json.loads(options.args))
-        print(json.dumps({**result, "peak_mb": peak_mb()}))
+        answer_child_step(STEPS, options.step, options.args)
         return
     print(f"Machine: {machine()}\n")
     if options.compare_readers:

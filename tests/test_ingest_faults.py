@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import zarr
 
 from tasks.ingest.driver import IngestItem, run_ingest
