@@ -40,9 +40,7 @@ from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for t
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
 from mil_core.bags import BAG_RULES, BagIndex  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
-
-CONSTANT_STD = 1e-12
-
+from mil_core.validation import standardisation  # noqa: E402
 
 @dataclass(frozen=True)
 class Fold:
@@ -85,9 +83,8 @@ def large_bags(seed: int, n_bags: int = 40, size_range=(1000, 10000), fraction_r
 
 
 def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mean, std = train.mean(axis=0), train.std(axis=0)
-    std = np.where(std < CONSTANT_STD, 1.0, std)
-    return (train - mean) / std, (test - mean) / std
+    mean, scale = standardisation(train)
+    return (train - mean) / scale, (test - mean) / scale
 
 
 def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, Fold]]:

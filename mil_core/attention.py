@@ -27,6 +27,7 @@ from sklearn.model_selection import train_test_split
 
 from ._backend import array_namespace
 from .bags import segment_sum
+from .validation import standardisation
 
 __all__ = [
     "TORCH_MISSING",
@@ -144,9 +145,9 @@ def _init_params(n_features: int, hidden: tuple[int, ...], n_components: int, at
 
 
 def _input_scaling(X: np.ndarray) -> dict[str, np.ndarray]:
-    """Training mean and std of each feature; a column with std < 1e-12 is left unscaled."""
-    mean, std = X.mean(axis=0), X.std(axis=0)
-    return {"input.mean": mean.astype(np.float32), "input.scale": np.where(std < 1e-12, 1.0, std).astype(np.float32)}
+    """Training mean and scale of each feature (:func:`~mil_core.validation.standardisation`)."""
+    mean, scale = standardisation(X)
+    return {"input.mean": mean.astype(np.float32), "input.scale": scale.astype(np.float32)}
 
 
 @contextlib.contextmanager

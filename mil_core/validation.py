@@ -10,7 +10,16 @@ from sklearn.utils.validation import check_array
 from ._backend import array_namespace, is_host_array
 from .bags import BagIndex
 
-__all__ = ["check_features", "check_mil_data"]
+__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "standardisation"]
+
+CONSTANT_STD = 1e-12
+"""A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17)."""
+
+
+def standardisation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and scale of each column; a constant column keeps scale 1, so its z-scores stay finite."""
+    mean, std = X.mean(axis=0), X.std(axis=0)
+    return mean, np.where(std < CONSTANT_STD, 1.0, std)
 
 
 def check_features(X: Any, *, n_features: int | None = None) -> Any:

@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import zarr
 
+from mil_core.validation import CONSTANT_STD
+
 __all__ = ["CONSTANT_PREDICTION_SPREAD", "SCALE_RATIO", "constant_predictions", "feature_scale_spread", "sample_features"]
 
 CONSTANT_PREDICTION_SPREAD = 1e-3
 SCALE_RATIO = 1e3
-_CONSTANT_STD = 1e-12  # the project's rule: std below this is a constant column
 
 
 def constant_predictions(bag_proba: np.ndarray, *, spread: float = CONSTANT_PREDICTION_SPREAD) -> str | None:
@@ -48,7 +49,7 @@ def feature_scale_spread(X: Any, *, ratio: float = SCALE_RATIO) -> str | None:
     isotropic kernel then sees only the largest ones (use ``training.standardize: true``)."""
     X = np.asarray(X, dtype=np.float64)
     std = X.std(axis=0)
-    varying = np.flatnonzero(std >= _CONSTANT_STD)
+    varying = np.flatnonzero(std >= CONSTANT_STD)
     if varying.size < 2:
         return None
     big, small = varying[np.argmax(std[varying])], varying[np.argmin(std[varying])]

@@ -18,7 +18,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from ..attention import attention_weights, network_arrays
 from ..bags import segment_sum
-from ..validation import check_mil_data
+from ..validation import check_mil_data, standardisation
 from .attention_mil import AttentionNetworkParams
 from .base import store_params
 from .vgpmil import VGPMIL
@@ -107,9 +107,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         fit = self._network_fit(X_sorted, np.asarray(offsets), np.asarray(labels, dtype=np.int64), seed)
         self._store_network(fit, X_sorted.shape[1])
         H = self._embed(X_sorted)
-        std = H.std(axis=0)
-        self.embedding_mean_ = H.mean(axis=0)
-        self.embedding_scale_ = np.where(std < 1e-12, 1.0, std)
+        self.embedding_mean_, self.embedding_scale_ = standardisation(H)
         return self
 
     def _gp_clone(self, seed: int) -> BaseEstimator:
