@@ -93,8 +93,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """Train the network on the bags, then the GP on the embeddings of all training instances."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         X = np.asarray(X, dtype=np.float64)
-        rng = check_random_state(self.random_state)
-        network_seed, gp_seed = (int(s) for s in rng.randint(2**31 - 1, size=2))
+        network_seed, gp_seed = self._seeds()
         self.fit_embedding(X[bags.order], bags.offsets, labels, seed=network_seed)
         self.gp_ = self._gp_clone(gp_seed).fit(self.transform(X), bag_ids, y)
         return self
@@ -109,6 +108,11 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         H = self._embed(X_sorted)
         self.embedding_mean_, self.embedding_scale_ = standardisation(H)
         return self
+
+    def _seeds(self) -> tuple[int, int]:
+        """The network's and the GP's seeds, both from ``random_state`` (also used by the cluster fit)."""
+        network_seed, gp_seed = check_random_state(self.random_state).randint(2**31 - 1, size=2)
+        return int(network_seed), int(gp_seed)
 
     def _gp_clone(self, seed: int) -> BaseEstimator:
         gp = clone(self.gp) if self.gp is not None else default_gp()

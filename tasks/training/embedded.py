@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 from distributed import Client
-from sklearn.utils import check_random_state
 
 from mil_core import EmbeddedGPMIL, persist
 from mil_core.models.base import take_bags
@@ -73,7 +72,7 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     labelled = np.flatnonzero(labels >= 0)
     scaling = feature_scaling(client, store, list(cohort.partitions(DEFAULT_PARTITION_BYTES)),
                               np.setdiff1d(np.arange(cohort.n_bags), labelled)) if standardize else None
-    network_seed, gp_seed = (int(s) for s in check_random_state(model.random_state).randint(2**31 - 1, size=2))
+    network_seed, gp_seed = model._seeds()
     X_sorted, offsets, bag_labels = _training_bags(store, scaling)
     model.fit_embedding(X_sorted, offsets, bag_labels, seed=network_seed)
     del X_sorted
