@@ -22,7 +22,7 @@ from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..validation import check_features, check_mil_data
 
-__all__ = ["SparseGPMILBase", "store_params", "take_bags", "AUTO_VARIANCES"]
+__all__ = ["SparseGPMILBase", "store_params", "take_bags", "uses_coords", "AUTO_VARIANCES"]
 
 AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 """Kernel variances tried when ``kernel=None`` (ℓ = √D on standardised features)."""
@@ -156,9 +156,8 @@ class SparseGPMILBase(BaseEstimator):
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
         kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, np.empty((0, 2))
-        reads_coords = type(self)._check_coords is not SparseGPMILBase._check_coords
         X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
-        if kernel is None and offsets is not None and (coords is not None or not reads_coords):
+        if kernel is None and offsets is not None and (coords is not None or not uses_coords(self)):
             kernel = self._select_kernel(X_host, offsets, instance_labels[offsets[:-1]], coords)
         self.kernel_ = (kernel or RBF(variance=AUTO_VARIANCES[1])).resolve(self.n_features_in_)
         Z = kmeans_inducing_points(X_host, instance_labels, self.n_inducing, random_state=self.random_state)
@@ -271,3 +270,8 @@ class _EarlyStopping:
         if self.best_state is None or s > max(self.scores[:-1]):
             self.best_state, self.best_iteration = copy.deepcopy(glob), iteration
         return iteration - self.best_iteration >= self.patience
+
+
+def uses_coords(model: Any) -> bool:
+    """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
+    return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords

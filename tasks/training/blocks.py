@@ -10,7 +10,7 @@ import numpy as np
 
 from mil_core import persist
 from mil_core.engine import BagBlock
-from mil_core.models.base import SparseGPMILBase, take_bags
+from mil_core.models.base import take_bags
 from tasks.store import Partition, open_cohort
 from tasks.training.placement import ArrayPlacement
 
@@ -57,11 +57,6 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
     X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
     coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
     return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
-
-
-def uses_coords(model: SparseGPMILBase) -> bool:
-    """Whether the model reads instance coordinates (it overrides the base class's refusal)."""
-    return getattr(type(model), "_check_coords", SparseGPMILBase._check_coords) is not SparseGPMILBase._check_coords
 
 
 def grid_coords(coords) -> np.ndarray:

@@ -9,8 +9,8 @@ import numpy as np
 from distributed import Client
 
 from mil_core.engine import BagBlock
-from mil_core.models.base import SparseGPMILBase
-from tasks.training.blocks import FeatureScaling, load_block, uses_coords
+from mil_core.models.base import SparseGPMILBase, uses_coords
+from tasks.training.blocks import FeatureScaling, load_block
 from tasks.training.executor import identity
 from tasks.training.placement import ArrayPlacement
 

@@ -14,10 +14,10 @@ import numpy as np
 from distributed import Client
 
 from mil_core.engine import FitTrace, optimise
-from mil_core.models.base import SparseGPMILBase
+from mil_core.models.base import SparseGPMILBase, uses_coords
 from tasks.lease import holds_writer_lease
 from tasks.store import open_cohort
-from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, uses_coords
+from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling
 from tasks.training.checkpoint import Checkpoint
 from tasks.training.early_stopping import DistributedEarlyStopping
 from tasks.training.executor import DaskExecutor

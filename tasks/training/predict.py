@@ -12,7 +12,7 @@ import zarr
 from distributed import Client, as_completed
 
 from mil_core.models import AbSMIL
-from mil_core.models.base import SparseGPMILBase
+from mil_core.models.base import SparseGPMILBase, uses_coords
 from tasks.lease import holds_writer_lease
 from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
@@ -20,7 +20,6 @@ from tasks.training.blocks import (
     FeatureScaling,
     grid_coords,
     read_features,
-    uses_coords,
 )
 from tasks.training.executor import identity
 from tasks.training.fit import check_feature_dimension
