@@ -22,11 +22,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from functools import reduce
+from functools import cached_property, reduce
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import scipy.linalg
+import scipy.linalg.blas
 from sklearn.exceptions import ConvergenceWarning
 
 from array_api_compat import device
@@ -138,18 +139,24 @@ class WhitenedBlock:
     resid: Any
 
     def latent_moments(self, q: GaussianQ) -> tuple[np.ndarray, np.ndarray]:
-        """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30):
-        one GEMM ``A'[S' | m']`` per chunk of rows, in the dtype of A'."""
+        """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30),
+        in the dtype of A'. With ``S' = RRᵀ`` (:attr:`GaussianQ.cov_factor`) the variance is
+        ``‖Rᵀa'ₙ‖²``: on the host one triangular BLAS product (TRMM) per chunk of rows, about
+        half the flops and a third of the time of the GEMM ``A'S'``; a GEMM by R elsewhere."""
         xp = array_namespace(self.A)
-        n, M = self.A.shape
-        Sm = like(np.concatenate([q.cov, np.asarray(q.mean)[:, None]], axis=1), self.A, dtype=self.A.dtype)
-        mean = xp.empty((n,), dtype=self.A.dtype, device=device(self.A))
-        var = xp.empty((n,), dtype=self.A.dtype, device=device(self.A))
-        for start, stop in row_chunks(n):
-            A = self.A[start:stop, ...]
-            product = A @ Sm
-            mean[start:stop] = product[:, M]
-            var[start:stop] = xp.sum(product[:, :M] * A, axis=1)
+        factor = q.cov_factor
+        mean = self.A @ like(q.mean, self.A, dtype=self.A.dtype)
+        if is_host_array(self.A):
+            upper = np.asarray(factor.T, dtype=self.A.dtype, order="F")
+            trmm = scipy.linalg.blas.strmm if self.A.dtype == np.float32 else scipy.linalg.blas.dtrmm
+            var = np.empty(self.A.shape[0], dtype=self.A.dtype)
+            for start, stop in row_chunks(self.A.shape[0]):
+                product = trmm(1.0, upper, self.A[start:stop].T, side=0, lower=0)  # Rᵀ A'ᵀ, (M, rows), Fortran order
+                var[start:stop] = np.einsum("ij,ij->j", product, product)
+        else:
+            R = like(factor, self.A, dtype=self.A.dtype)
+            var = xp.concat([xp.sum((self.A[start:stop, ...] @ R) ** 2, axis=1) for start, stop in row_chunks(self.A.shape[0])]
+                            or [xp.zeros((0,), dtype=self.A.dtype, device=device(self.A))])
         return _host64(mean), np.maximum(_host64(var) + _host64(self.resid), 0.0)
 
     def latent_mean(self, mean: np.ndarray) -> np.ndarray:
@@ -241,10 +248,15 @@ class GaussianQ:
     def prior(cls, n_inducing: int) -> GaussianQ:
         return cls(mean=np.zeros(n_inducing), cov=np.eye(n_inducing))
 
+    @cached_property
+    def cov_factor(self) -> np.ndarray:
+        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64; jitter only if rounding left S'
+        indefinite), computed once per q."""
+        return cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)[0]
+
     def kl_to_prior(self) -> float:
         """KL(N(m', S') ‖ N(0, I)) = ½(tr S' + m'ᵀm' − M − log det S')."""
-        chol, _ = cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)
-        logdet = 2.0 * np.sum(np.log(np.diag(chol)))
+        logdet = 2.0 * np.sum(np.log(np.diag(self.cov_factor)))
         return 0.5 * float(np.trace(self.cov) + self.mean @ self.mean - self.mean.shape[0] - logdet)
 
 
