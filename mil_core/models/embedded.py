@@ -225,9 +225,17 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``gp_.predict_instance_proba``), std ``sqrt(Σ_n α_n² sd_n²)`` (independent f*ₙ, the FITC
         diagonal, as for the noisy-OR std of seed 000 Eq. 37). Any other ``rule`` goes, with the
         keyword arguments, to ``gp_.predict_bag_proba`` on the embeddings.
+
+        ``rule="network"``: the network's own bag probability ``σ(ℓ_b)`` (no std; the ABMIL
+        estimate of the network trained here), for comparison.
         """
         check_is_fitted(self, "gp_")
         X, bags, _ = check_mil_data(X, bag_ids)
+        if rule == "network":
+            if return_std or kwargs:
+                raise ValueError("rule='network' is the network's own point estimate: no std, no keyword arguments")
+            H = self._embed(np.asarray(X)[bags.order])
+            return bags.keys, expit(bag_logits(network_arrays(self.network_state_), H, bags.offsets))
         if rule not in ("ensemble", "attention"):
             return self.gp_.predict_bag_proba(self.transform(X), bag_ids, return_std=return_std, rule=rule, **kwargs)
         if rule == "ensemble" and kwargs:
