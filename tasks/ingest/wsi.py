@@ -295,10 +295,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     paths, left_out = find_slides(slides, patterns, recursive)
     paths, undecodable = split_undecodable(paths)
     paths, ambiguous = _unique_stems(paths)
-    labels = (None if labels_csv is None else labels_csv.read()[0] if isinstance(labels_csv, LabelSpec)
-              else read_panda_labels(labels_csv))
+    labels, originals = ((None, None) if labels_csv is None else labels_csv.read() if isinstance(labels_csv, LabelSpec)
+                         else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
-    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path)
+    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path, originals)
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
         present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
@@ -312,7 +312,8 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
             extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=4,
                       coords_meaning=COORDS_MEANING, feature_extractor=extractor_spec(extractor),
-                      tiling=params.as_attrs())
+                      tiling=params.as_attrs(), labels=None if labels_csv is None else (
+                          labels_csv if isinstance(labels_csv, LabelSpec) else LabelSpec.preset("panda", labels_csv)).describe())
     writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
                                qc_dir=None if qc_dir is None else str(qc_dir))
     return IngestPlan(spec, items, skipped, writer)
