@@ -438,6 +438,18 @@ def _ct_series_by_uid(sources: Any, logger: Any) -> dict[str, Any]:
     return found
 
 
+def _ct_strip_slices(cohort: Any, found: Any, rows: slice, scores: np.ndarray, coords: np.ndarray
+                     ) -> tuple[list[str], np.ndarray, list[str]] | None:
+    """Files, bag-row order and SOPInstanceUIDs of the slices a CT strip shows, the files found in
+    the series by the UIDs stored at ingest; None when the series folder is gone or lacks a slice."""
+    if found is None or cohort.instance_id_kind != "SOPInstanceUID":
+        return None
+    order = np.argsort(coords[rows, 0])[report.strip_slices(scores[rows])]
+    uids = cohort.instance_ids(rows)[order].tolist()
+    files = dict(zip(found.sop_uids, found.files))
+    return ([files[uid] for uid in uids], order, uids) if all(uid in files for uid in uids) else None
+
+
 def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     """Slide file by stem under a feature cohort's ``slides_dir`` (None without one)."""
     from tasks.ingest.slide_io import find_slides
@@ -540,16 +552,13 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                                                    thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
-            found = series.get(bag_id)
-            chosen = report.strip_slices(scores[rows])
-            order = np.argsort(coords[rows, 0])[chosen]
-            uids = cohort.instance_ids(rows)[order].tolist()
-            files = {} if found is None else dict(zip(found.sop_uids, found.files))
-            if all(uid in files for uid in uids):  # the slices' files, found by their stored SOPInstanceUIDs
+            strip = _ct_strip_slices(cohort, series.get(bag_id), rows, scores, coords)
+            if strip is not None:
                 from tasks.ingest.ct import load_windowed_slices
 
+                files, order, uids = strip
                 figures.append(report.plot_ct_strip(
-                    load_windowed_slices([files[uid] for uid in uids]), coords[rows, 0][order],
+                    load_windowed_slices(files), coords[rows, 0][order],
                     scores[rows][order], predictions["instances/std"][rows][order], bag_file(out / "strips", bag_id, ".png"),
                     sop_uids=uids, kind=kind, title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
