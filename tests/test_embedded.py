@@ -100,6 +100,10 @@ def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted,
     assert (fitted.calibration_slope_, fitted.calibration_intercept_) != (1.0, 0.0)
     with pytest.raises(ValueError, match="closed-form"):
         fitted.predict_bag_proba(X, bags, method="mc")
+    np.testing.assert_allclose(fitted.predict_bag_proba(X, bags, rule="network")[1], expit(_network_bag_logits(fitted, X, bags)),
+                               rtol=1e-10)
+    with pytest.raises(ValueError, match="no std"):
+        fitted.predict_bag_proba(X, bags, rule="network", return_std=True)
 
 
 def test_gp_trains_on_the_networks_training_bags_only(fitted, data):
