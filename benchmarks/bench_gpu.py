@@ -52,7 +52,7 @@ def resident(store: str, args, dtype: str) -> tuple[dict[str, float], object]:
     labels = np.asarray(cohort.bag_labels)
     training = np.flatnonzero(labels >= 0)
     model = VGPMIL(n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
-    X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, 200_000, 0, None)
+    X_sample, sample_labels, sample_offsets, _ = kmeans_sample(cohort, labels, training, 200_000, 0, None)
     updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
     t = time.perf_counter()
     blocks = []

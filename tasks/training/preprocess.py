@@ -9,7 +9,7 @@ import numpy as np
 from distributed import Client
 
 from tasks.store import Partition
-from tasks.training.blocks import FeatureScaling, load_block, read_features
+from tasks.training.blocks import FeatureScaling, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
 from tasks.training.placement import ArrayPlacement
 
@@ -32,17 +32,19 @@ def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], 
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
-                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   scaling: FeatureScaling | None, with_coords: bool = False,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Instances (labelled by their bag's label) for k-means and the automatic kernel choice:
     every training instance, in store order, when there are at most ``cap``; else a seeded sample
-    of whole training bags. Returns rows, labels and the bags' CSR offsets."""
+    of whole training bags. Returns rows, labels, the bags' CSR offsets and, ``with_coords``, the
+    rows' grid coordinates (the neighbour graph of a model that reads them; else ``None``)."""
     sizes = np.diff(cohort.offsets)
     chosen = training
     if sizes[training].sum() > cap:
         rng = np.random.default_rng(random_state if isinstance(random_state, (int, np.integer)) else None)
         shuffled = rng.permutation(training)
         chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
-    X, y, sizes_taken = [], [], []
+    X, y, sizes_taken, coords = [], [], [], []
     runs = np.split(chosen, np.flatnonzero(np.diff(chosen) != 1) + 1)  # consecutive chosen bags: one read each
     for run in runs:
         if run.size:  # read only the chunks holding the chosen bags (a 10⁷ store is ~5 GB; the sample ~0.1 GB)
@@ -50,4 +52,7 @@ def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, ra
             X.append(read_features(stored, scaling))
             y.append(np.repeat(labels[run], np.diff(stored.offsets)))
             sizes_taken.append(np.diff(stored.offsets))
-    return np.concatenate(X), np.concatenate(y), np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
+            if with_coords:
+                coords.append(grid_coords(stored.coords))
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
+    return np.concatenate(X), np.concatenate(y), offsets, np.concatenate(coords) if with_coords else None
