@@ -168,8 +168,11 @@ class WhitenedBlock:
             upper = np.asarray(factor.T, dtype=self.A.dtype, order="F")
             trmm = scipy.linalg.blas.strmm if self.A.dtype == np.float32 else scipy.linalg.blas.dtrmm
             var = np.empty(self.A.shape[0], dtype=self.A.dtype)
+            buffer = np.empty((self.A.shape[1], min(ROWS, self.A.shape[0])), dtype=self.A.dtype, order="F")  # one allocation per call
             for start, stop in row_chunks(self.A.shape[0]):
-                product = trmm(1.0, upper, self.A[start:stop].T, side=0, lower=0)  # Rᵀ A'ᵀ, (M, rows), Fortran order
+                product = buffer[:, : stop - start]
+                product[...] = self.A[start:stop].T
+                product = trmm(1.0, upper, product, side=0, lower=0, overwrite_b=True)  # Rᵀ A'ᵀ in place, (M, rows)
                 var[start:stop] = np.einsum("ij,ij->j", product, product)
         else:
             R = like(factor, self.A, dtype=self.A.dtype)
@@ -187,19 +190,25 @@ class WhitenedBlock:
         ``B = diag(√w) A'`` (a symmetric rank-k update, half the flops of a GEMM)."""
         xp = array_namespace(self.A)
         w = like(weights, self.A, dtype=self.A.dtype)
-        if is_host_array(weights) and np.all(np.asarray(weights) >= 0):
-            root = xp.sqrt(w)
-            return _accumulate(self.A, lambda A, rows: _gram(A * root[rows, None]))
-        return _accumulate(self.A, lambda A, rows: A.T @ (A * w[rows, None]))
+        symmetric = is_host_array(weights) and bool(np.all(np.asarray(weights) >= 0))
+        scale = xp.sqrt(w) if symmetric else w
+        if not is_host_array(self.A):
+            def product(A: Any, rows: slice) -> Any:
+                B = A * scale[rows, None]
+                return B.T @ B if symmetric else A.T @ B
+
+            return _accumulate(self.A, product)
+        buffer = np.empty((min(ROWS, self.A.shape[0]), self.A.shape[1]), dtype=self.A.dtype)  # one allocation per call
+
+        def host_product(A: np.ndarray, rows: slice) -> np.ndarray:
+            B = np.multiply(A, scale[rows, None], out=buffer[: A.shape[0]])
+            return B.T @ B if symmetric else A.T @ B  # NumPy runs BᵀB as a SYRK
+
+        return _accumulate(self.A, host_product)
 
     def project(self, values: np.ndarray) -> np.ndarray:
         """``Σ a'ₙ vₙ`` (an M-vector) on the host."""
         return transposed_product(self.A, like(values, self.A, dtype=self.A.dtype))
-
-
-def _gram(B: Any) -> Any:
-    """``BᵀB`` (NumPy computes the product of an array with its own transpose by SYRK)."""
-    return B.T @ B
 
 
 def _accumulate(A: Any, product: Callable[[Any, slice], Any]) -> np.ndarray:
