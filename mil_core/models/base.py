@@ -78,7 +78,7 @@ class SparseGPMILBase(BaseEstimator):
             raise ValueError(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances})")
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
-        if self.tol < 0:
+        if self.tol is not None and self.tol < 0:  # None: a sampler, which runs all its sweeps
             raise ValueError(f"tol must be >= 0, got {self.tol}")
         if self.early_stopping and not 0 < self.validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
