@@ -119,8 +119,9 @@ def fit_cohort(
         excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
         scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
         features = scaling if transform is None else transform
-        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, features)
-        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
+        X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
+            cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords)  # as model.fit
         checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
