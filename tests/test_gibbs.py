@@ -5,6 +5,7 @@ import pytest
 
 from mil_core import RBF, VGPMILPR, VGPMILPRGibbs, VGPMILPRI
 from tests.conftest import make_toy_bags
+from tests.test_distributed import client, cluster, write_store  # noqa: F401  (the real LocalCluster fixtures)
 from tests.test_probit import chain_coords
 
 
@@ -44,16 +45,17 @@ def test_gibbs_with_coupling_prefers_the_mean_field_moments(tiny):
 
 def test_gibbs_is_seeded_and_validates_its_parameters(tiny):
     X, bags, y, _ = tiny
-    a = VGPMILPRGibbs(n_inducing=4, n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
-    b = VGPMILPRGibbs(n_inducing=4, n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
+    a = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
+    b = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
     np.testing.assert_array_equal(a.v_samples_, b.v_samples_)
     assert a.v_samples_.shape == (20, 4)
+    other = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=4).fit(X, bags, y)
+    assert not np.any(np.isclose(other.v_samples_, a.v_samples_))
     with pytest.raises(ValueError, match="thin"):
         VGPMILPRGibbs(n_inducing=4, thin=0).fit(X, bags, y)
 
 
 # ------------------------------------------------------------------ keyed draws: the chain on the cluster
-from tests.test_distributed import client, cluster, write_store  # noqa: E402,F401  (the real LocalCluster fixtures)
 
 CHAIN = dict(n_inducing=6, kernel=RBF(4.0), n_samples=15, burn_in=5, random_state=0)
 
@@ -127,3 +129,15 @@ def test_draws_are_keyed_by_seed_sweep_and_bag():
     assert np.all((whole > 0) & (whole < 1))
     for other in (_uniforms(8, 4, np.arange(3), sizes), _uniforms(7, 5, np.arange(3), sizes), _uniforms(7, 4, np.array([1, 0, 2]), sizes)):
         assert not np.any(np.isclose(other[:3], whole[:3]))
+
+
+def test_kernel_none_takes_the_variational_models_choice_of_kernel(tiny):
+    """``kernel=None``: the sampler's prior is the one the variational fit of the same model chooses on the
+    training bags (a λ = 0 chain needs no coords for it), by the same bag rule."""
+    X, bags, y, _ = tiny
+    gibbs = VGPMILPRGibbs(n_inducing=6, n_samples=5, burn_in=0, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    variational = VGPMILPR(n_inducing=6, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    assert gibbs.kernel_selection_.shape == (4, 2) and gibbs.auto_max_iter_ is None  # the chain runs all its sweeps
+    np.testing.assert_array_equal(gibbs.kernel_selection_, variational.kernel_selection_)
+    assert gibbs.kernel_ == variational.kernel_
+    assert gibbs.n_iter_ == 5

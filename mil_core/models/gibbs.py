@@ -222,6 +222,10 @@ class VGPMILPRGibbs(VGPMILPRI):
     ----------
     lam, neighbourhood, n_inducing, exact_diag_max, diag_tol, exact_orthant_max, n_mc_samples
         As in :class:`~mil_core.models.probit.VGPMILPRI` (``lam=0`` by default here).
+    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
+        How bags are scored (``predict_bag_proba``, the kernel choice, the pipeline), as in the
+        variational models: ``"orthant"`` is the paper's ``1 − P(m* < 0)`` (Eq. 26), which follows
+        the bag size.
     kernel : RBF or None
         ``None`` chooses the RBF variance on the training bags with the variational model of the same
         posterior (:meth:`_select_kernel`).
@@ -265,6 +269,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         exact_diag_max: int = 2000,
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
+        bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
     ):
@@ -308,6 +313,9 @@ class VGPMILPRGibbs(VGPMILPRI):
         kernel = surrogate._select_kernel(X_sorted, offsets, labels, coords)
         self.kernel_selection_, self.auto_max_iter_ = surrogate.kernel_selection_, None
         return kernel
+
+    def _choice_needs_coords(self) -> bool:
+        return self._lam() > 0
 
     def _variational_model(self) -> VGPMILPRI:
         """VGPMIL-PR-I with this model's prior, coupling and prediction settings (λ = 0 is VGPMIL-PR)."""
