@@ -35,6 +35,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_embedded import EMBEDDED_METHODS  # noqa: E402
 from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for the small sets)
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
@@ -190,6 +191,8 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vgpmil_v1": fit_predict_vgpmil_v1,
     "vgpmilpr_v1": fit_predict_vgpmilpr_v1,
 }
+# ABMIL and EmbeddedGPMIL (issue 15; they need the extra torch), defined in bench_embedded.py
+METHODS |= {name: EMBEDDED_METHODS[name] for name in ("abmil", "embedded_gpmil")}
 
 
 # ------------------------------------------------------------------------------- scoring
