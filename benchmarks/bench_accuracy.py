@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from scipy.stats import spearmanr
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_breast_cancer, load_digits, make_classification, make_multilabel_classification
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
@@ -91,6 +91,54 @@ def large_bags(seed: int, n_bags: int = 40, size_range=(1000, 10000), fraction_r
     return np.concatenate(X), np.concatenate(bags), np.concatenate(y), np.concatenate(inst)
 
 
+def pool_bags(X: np.ndarray, witness: np.ndarray, seed: int, n_bags: int, size_range: tuple[int, int],
+              max_witness_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bags drawn without replacement from a pool of instances with known labels ``witness``: sizes
+    uniform in ``size_range``, labels alternating; a positive bag holds 1 to
+    ``max(1, ⌊max_witness_fraction·n⌋)`` witnesses, a negative bag none."""
+    rng = np.random.default_rng(seed)
+    pos, neg = list(rng.permutation(np.flatnonzero(witness))), list(rng.permutation(np.flatnonzero(~witness)))
+    rows, bags, y = [], [], []
+    for b in range(n_bags):
+        n = int(rng.integers(size_range[0], size_range[1] + 1))
+        k = int(rng.integers(1, max(1, int(max_witness_fraction * n)) + 1)) if b % 2 else 0
+        if len(pos) < k or len(neg) < n - k:
+            raise ValueError(f"pool too small for {n_bags} bags of {size_range} instances")
+        rows += [pos.pop() for _ in range(k)] + [neg.pop() for _ in range(n - k)]
+        bags += [b] * n
+        y += [b % 2] * n
+    rows = np.asarray(rows)
+    return X[rows].astype(np.float64), np.asarray(bags), np.asarray(y), witness[rows].astype(int)
+
+
+def robustness_set(name: str):
+    """Sets built offline that the defaults were not chosen on (checks against tuning to MUSK):
+
+    * ``cancer``: sklearn's breast-cancer table (30 features) in bags of 2–10, a positive bag holding
+      1 to half its instances malignant (Elephant/Fox/Tiger-like bag sizes);
+    * ``text``: bag-of-words counts (``make_multilabel_classification``, 300 words, 6 topics) in bags of
+      10–40 passages; a witness is a passage about topic 0, 1–3 per positive bag (2.5–30 %), the
+      sparse low-witness regime of text MIL;
+    * ``fox``: 230 dense features of which 10 are informative, 10 % label noise (Fox-like: hard,
+      noisy) in bags of 2–13, up to half witnesses.
+    """
+    if name == "cancer":
+        data = load_breast_cancer()
+        return pool_bags(data.data, data.target == 0, 0, 60, (2, 10), 0.5)
+    if name == "text":
+        X, Y = make_multilabel_classification(4000, n_features=300, n_classes=6, n_labels=1, length=60,
+                                              allow_unlabeled=True, random_state=0)
+        return pool_bags(np.log1p(X), Y[:, 0] == 1, 0, 100, (10, 40), 0.08)
+    if name == "fox":
+        X, t = make_classification(2000, n_features=230, n_informative=10, n_redundant=10, flip_y=0.1,
+                                   class_sep=0.8, weights=[0.7], random_state=0)
+        return pool_bags(X, t == 1, 0, 200, (2, 13), 0.5)
+    raise ValueError(f"unknown data set {name!r}")
+
+
+ROBUSTNESS_SETS = ("cancer", "text", "fox")
+
+
 def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean, scale = standardisation(train)
     return (train - mean) / scale, (test - mean) / scale
@@ -104,7 +152,10 @@ def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, 
             train = bags < bags.max() // 2 + 1
             yield from [(f"draw {seed}", *_pair(X, bags, y, inst, train, ~train))]
         return
-    X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
+    if dataset in ROBUSTNESS_SETS:
+        X, bags, y, inst = robustness_set(dataset)
+    else:
+        X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
     keys, first = np.unique(bags, return_index=True)
     splitter = StratifiedKFold(n_splits, shuffle=True, random_state=0)
     for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
