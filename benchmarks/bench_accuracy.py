@@ -116,9 +116,9 @@ def robustness_set(name: str):
 
     * ``cancer``: sklearn's breast-cancer table (30 features) in bags of 2–10, a positive bag holding
       1 to half its instances malignant (Elephant/Fox/Tiger-like bag sizes);
-    * ``text``: bag-of-words counts (``make_multilabel_classification``, 300 words, 6 topics) in bags of
-      10–40 passages; a witness is a passage about topic 0, 1–3 per positive bag (2.5–30 %), the
-      sparse low-witness regime of text MIL;
+    * ``text``: log(1 + bag-of-words counts) (``make_multilabel_classification``, 300 words, 4
+      topics) in bags of 8–30 passages; a witness is a passage about topic 0, 1–4 per positive bag
+      (5 % of all instances), the sparse low-witness regime of text MIL;
     * ``fox``: 230 dense features of which 10 are informative, 10 % label noise (Fox-like: hard,
       noisy) in bags of 2–13, up to half witnesses.
     """
@@ -126,9 +126,9 @@ def robustness_set(name: str):
         data = load_breast_cancer()
         return pool_bags(data.data, data.target == 0, 0, 60, (2, 10), 0.5)
     if name == "text":
-        X, Y = make_multilabel_classification(4000, n_features=300, n_classes=6, n_labels=1, length=60,
+        X, Y = make_multilabel_classification(4000, n_features=300, n_classes=4, n_labels=1, length=100,
                                               allow_unlabeled=True, random_state=0)
-        return pool_bags(np.log1p(X), Y[:, 0] == 1, 0, 100, (10, 40), 0.08)
+        return pool_bags(np.log1p(X), Y[:, 0] == 1, 0, 100, (8, 30), 0.15)
     if name == "fox":
         X, t = make_classification(2000, n_features=230, n_informative=10, n_redundant=10, flip_y=0.1,
                                    class_sep=0.8, weights=[0.7], random_state=0)

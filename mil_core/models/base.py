@@ -29,6 +29,7 @@ AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 _SELECTION_MAX_ITER = 50
 _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
+_SELECTION_TOLERANCE = 0.0
 
 
 def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
@@ -257,7 +258,8 @@ class SparseGPMILBase(BaseEstimator):
                       for i in range(c.shape[0]) if np.isfinite(c[i])]
         if not candidates:
             return None
-        auc, minus_iter, minus_v = max(candidates)
+        best = max(candidates)[0]
+        auc, minus_iter, minus_v = max((c for c in candidates if c[0] >= best - _SELECTION_TOLERANCE), key=lambda c: c[1:])
         self.auto_max_iter_ = -minus_iter if -minus_iter < budget else int(self.max_iter)
         return RBF(variance=-minus_v)
 
