@@ -42,6 +42,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_embedded import EMBEDDED_METHODS  # noqa: E402
 from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for the small sets)
 from bench_reference_vgpmil import load_reference  # noqa: E402
 
@@ -49,6 +50,7 @@ from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
 from mil_core.bags import BAG_RULES, BagIndex, bag_score  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
 from mil_core.inducing import kmeans_inducing_points  # noqa: E402
+from mil_core.models.probit import PROBIT_BAG_RULES  # noqa: E402
 from mil_core.validation import standardisation  # noqa: E402
 
 @dataclass(frozen=True)
@@ -212,11 +214,25 @@ def fit_predict_vgpmil_v1(train: Fold, test: Fold) -> Prediction:
     return _logistic_gp(VGPMIL(kernel=RBF(1.0), damping=0.0, random_state=0))(train, test)
 
 
+def _probit_gp(model) -> Callable[[Fold, Fold], Prediction]:
+    def fit_predict(train: Fold, test: Fold) -> Prediction:
+        model.fit(train.X, train.bags, train.y)
+        scores = {"default": model.predict_bag_proba(test.X, test.bags)[1]}
+        for rule in PROBIT_BAG_RULES:
+            scores[rule] = model.predict_bag_proba(test.X, test.bags, rule=rule)[1]
+        return Prediction(scores, model.predict_instance_proba(test.X), {"v": model.kernel_.variance, "sweeps": model.n_iter_})
+
+    return fit_predict
+
+
 def fit_predict_vgpmilpr(train: Fold, test: Fold) -> Prediction:
-    """Default ``VGPMILPR()`` (its own bag probability, Eq. 7)."""
-    model = VGPMILPR(random_state=0).fit(train.X, train.bags, train.y)
-    return Prediction({"own": model.predict_bag_proba(test.X, test.bags)[1]}, model.predict_instance_proba(test.X),
-                      {"v": model.kernel_.variance, "sweeps": model.n_iter_})
+    """Default ``VGPMILPR()``; every bag rule on the same fit ("orthant" is the paper's Eq. 26)."""
+    return _probit_gp(VGPMILPR(random_state=0))(train, test)
+
+
+def fit_predict_vgpmilpr_v1(train: Fold, test: Fold) -> Prediction:
+    """The previous default: ``VGPMILPR(kernel=RBF(4), bag_rule="orthant")`` (reference only)."""
+    return _probit_gp(VGPMILPR(kernel=RBF(4.0), bag_rule="orthant", random_state=0))(train, test)
 
 
 def fit_predict_vwsgp(train: Fold, test: Fold) -> Prediction:
@@ -260,7 +276,10 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vgpmilpr": fit_predict_vgpmilpr,
     "vwsgp": fit_predict_vwsgp,
     "vgpmil_v1": fit_predict_vgpmil_v1,
+    "vgpmilpr_v1": fit_predict_vgpmilpr_v1,
 }
+# ABMIL and EmbeddedGPMIL (issue 15; they need the extra torch), defined in bench_embedded.py
+METHODS |= {name: EMBEDDED_METHODS[name] for name in ("abmil", "embedded_gpmil")}
 
 
 # ------------------------------------------------------------------------------- scoring
@@ -336,7 +355,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
     parser.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "vgpmil_2017"],
-                        help="default: all but vgpmil_v1 (and vgpmil_2017 only with --reference)")
+                        help="default: all but the *_v1 references (and vgpmil_2017 only with --reference)")
     parser.add_argument("--reference", type=Path, help="folder with the public 2017 vgpmil.py (adds vgpmil_2017)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
@@ -344,7 +363,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reference is not None:
         METHODS["vgpmil_2017"] = reference_method(args.reference)
-    methods = args.methods or [m for m in METHODS if m != "vgpmil_v1"]
+    methods = args.methods or [m for m in METHODS if not m.endswith("_v1")]
     if "vgpmil_2017" in methods and "vgpmil_2017" not in METHODS:
         parser.error("vgpmil_2017 needs --reference PATH (a checkout of the public 2017 code)")
     threads = os.environ.get("OMP_NUM_THREADS", "unset")

@@ -4,13 +4,17 @@
     nice python benchmarks/bench_wsi_memory.py --side 12000    # quicker
     nice python benchmarks/bench_wsi_memory.py --slide /tmp/big.tif --reader tifffile   # reuse a written slide
     nice python benchmarks/bench_wsi_memory.py --compare-readers 8000   # OpenSlide vs tifffile thumbnails
+    nice python benchmarks/bench_wsi_memory.py --side 20000 --before /tmp/gpmil-before   # each ingest step also
+        # with the code of another checkout (e.g. ``git archive <commit> tasks mil_core | tar -x -C /tmp/gpmil-before``)
 
 A single-level tiled TIFF (zlib, 256 px tiles, 0.25 µm/px in its resolution tags; a disc of
 H&E-like tissue on white) is written tile by tile, then each step runs in a fresh Python process
 whose peak resident memory (VmHWM) is its own: opening the slide and reading its thumbnail (the
 lowest level is level 0: read 512 rows at a time), the tile grid with the tissue mask, the whole
 ingest of that slide (256-px tiles at 0.5 µm/px, read at level 0 as 512 px and resized,
-HandcraftedHE, Zarr store), and the report's per-slide outputs from the store (heatmap over the
+HandcraftedHE fitted on the slide first, Zarr store), the same ingest into a second store with the
+first store's fitted extractor (``extractor_from``: the per-slide work of a cohort whose extractor
+is fitted), and the report's per-slide outputs from the store (heatmap over the
 thumbnail, GeoJSON). A last step paints the heatmap of 20 CLAM-style ``.h5`` bags whose level-0
 coordinates reach 100 000 px (the case that allocated a (max+1)^2 grid before). ``base MB`` is
 the peak of a process that only imported the modules. Prints a Markdown table for docs/BENCHMARKS.md.
@@ -19,6 +23,7 @@ the peak of a process that only imported the modules. Prints a Markdown table fo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -97,6 +102,17 @@ def step_ingest(args: dict) -> dict:
     return {"seconds": seconds, "detail": f"{report.n_instances_added} tiles, {report.n_instances_added / seconds:.0f} tiles/s"}
 
 
+def step_ingest_again(args: dict) -> dict:
+    from tasks.ingest.wsi import TilingParams, ingest_slides
+
+    step_base(args)
+    start = time.perf_counter()
+    report = ingest_slides(args["store"] + ".again", [args["slide"]], batch_size=64, extractor_from=args["store"],
+                           params=TilingParams(tile_size=256, target_mpp=0.5, reader=args["reader"]))
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "detail": f"{report.n_instances_added} tiles, {report.n_instances_added / seconds:.0f} tiles/s"}
+
+
 def step_report(args: dict) -> dict:
     import zarr
 
@@ -156,12 +172,16 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=40_000, help="slide side in pixels (default 40 000)")
     parser.add_argument("--slide", type=Path, help="reuse a slide this script wrote before (its --side must match)")
     parser.add_argument("--reader", default="auto", help="auto | openslide | tifffile")
-    parser.add_argument("--steps", default="thumbnail,grid,ingest,report,h5_heatmaps", help="which steps to run")
+    parser.add_argument("--steps", default="thumbnail,grid,ingest,ingest_again,report,h5_heatmaps", help="which steps to run")
+    parser.add_argument("--before", type=Path, help="also run the ingest steps with the tasks/ of this checkout (before/after)")
     parser.add_argument("--compare-readers", type=int, metavar="SIDE", help="only time both readers' thumbnails at this side")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("args", nargs="?", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.step:
+        code = json.loads(options.args).get("code")
+        if code:  # the checkout whose code this step measures
+            sys.path.insert(0, code)
         answer_child_step(STEPS, options.step, options.args)
         return
     print(f"Machine: {machine()}\n")
@@ -184,16 +204,23 @@ def main() -> None:
         for name, label, args in (
             ("thumbnail", "open + thumbnail (≤ 2048 px)", {"slide": str(slide), "reader": options.reader}),
             ("grid", "tile grid: thumbnail + tissue mask + tiles kept", {"slide": str(slide), "reader": options.reader}),
-            ("ingest", "ingest_slides (256 px at 0.5 µm/px, HandcraftedHE, store)",
+            ("ingest", "ingest_slides (256 px at 0.5 µm/px, HandcraftedHE fitted first, store)",
+             {"slide": str(slide), "store": str(tmp / "s.zarr"), "reader": options.reader}),
+            ("ingest_again", "ingest_slides, extractor already fitted (extractor_from)",
              {"slide": str(slide), "store": str(tmp / "s.zarr"), "reader": options.reader}),
             ("report", "report outputs: heatmap over thumbnail + GeoJSON", {"slide": str(slide), "store": str(tmp / "s.zarr"), "out": str(tmp)}),
             ("h5_heatmaps", "20 h5 heatmaps, level-0 coords ≤ 99 500 px", {"out": str(tmp)}),
         ):
             if name not in options.steps.split(","):
                 continue
-            r = run_step(name, **args)
-            print(f"| {label} | {r['seconds']:.1f} | {r['peak_mb']:.0f} | {r['peak_mb'] - base:.0f} | "
-                  f"{r['peak_mb'] / level_mb:.3f} | {r['detail']} |")
+            versions = [("", {})]
+            if options.before and name.startswith("ingest"):
+                versions = [(" — before", {"code": str(options.before.resolve()), "store": str(tmp / "before.zarr")}),
+                            (" — after", {})]
+            for suffix, changes in versions:
+                r = run_step(name, **(args | changes))
+                print(f"| {label}{suffix} | {r['seconds']:.1f} | {r['peak_mb']:.0f} | {r['peak_mb'] - base:.0f} | "
+                      f"{r['peak_mb'] / level_mb:.3f} | {r['detail']} |")
         print(f"\nbase MB = {base:.0f} (imports only).")
 
 

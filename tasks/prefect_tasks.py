@@ -424,17 +424,30 @@ def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, l
 
 
 def _ct_series_by_uid(sources: Any, logger: Any) -> dict[str, Any]:
-    """SeriesInstanceUID → its :class:`tasks.ingest.ct.CTSeries` (files and SOP UIDs in spatial
-    order), reading the headers of each source folder once; empty where the folders are gone."""
+    """SeriesInstanceUID → its :class:`tasks.ingest.ct.CTSeries` (files in spatial order, for the
+    slice images of the strips), reading the headers of each source folder once; empty where the
+    folders are gone (findings still name slices by the SOPInstanceUIDs stored at ingest)."""
     from tasks.ingest.ct import scan_dicom_dir
 
     found: dict[str, Any] = {}
     for folder in sorted(set(map(str, sources))):
         if not Path(folder).is_dir():
-            logger.warning("CT folder %s not found: findings without SOPInstanceUIDs or slice images", folder)
+            logger.warning("CT folder %s not found: no slice images in the strips (findings by SOPInstanceUID come from the store)", folder)
             continue
         found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
     return found
+
+
+def _ct_strip_slices(cohort: Any, found: Any, rows: slice, scores: np.ndarray, coords: np.ndarray
+                     ) -> tuple[list[str], np.ndarray, list[str]] | None:
+    """Files, bag-row order and SOPInstanceUIDs of the slices a CT strip shows, the files found in
+    the series by the UIDs stored at ingest; None when the series folder is gone or lacks a slice."""
+    if found is None or cohort.instance_id_kind != "SOPInstanceUID":
+        return None
+    order = np.argsort(coords[rows, 0])[report.strip_slices(scores[rows])]
+    uids = cohort.instance_ids(rows)[order].tolist()
+    files = dict(zip(found.sop_uids, found.files))
+    return ([files[uid] for uid in uids], order, uids) if all(uid in files for uid in uids) else None
 
 
 def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
@@ -505,17 +518,13 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
 
     uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
-    uncertain[["bag_id", "probability", "std", "label"]].to_csv(out / "uncertain_bags.csv", index=False)
-    sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[["bag_id", "probability", "std", "label"]]), ""]
+    review = ["bag_id", "probability", "std", "label"] + (["original_label"] if (table["original_label"] != "").any() else [])
+    uncertain[review].to_csv(out / "uncertain_bags.csv", index=False)
+    sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[review]), ""]
 
     scores, kind = report.instance_scores(predictions)
     instances = report.instance_table(store, prediction_key)
     series = _ct_series_by_uid(table["source"], logger) if cohort.attrs.get("coords_meaning") == "slice_index" else {}
-    if series:  # CT findings by SOPInstanceUID (slices are stored in spatial order, as the series lists them)
-        uids = np.array([("" if s is None or z >= len(s.sop_uids) else s.sop_uids[z])
-                         for s, z in zip((series.get(b) for b in instances["bag_id"].astype(str)), instances["slice_index"])],
-                        dtype=object)
-        instances.insert(3, "sop_instance_uid", uids)
     instances.to_parquet(out / "instance_predictions.parquet", index=False)
     if len(instances) <= 1_000_000:
         instances.to_csv(out / "instance_predictions.csv", index=False)
@@ -543,17 +552,15 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                                                    thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
         else:
-            found = series.get(bag_id)
-            if found is not None and len(found.files) == rows.stop - rows.start:
+            strip = _ct_strip_slices(cohort, series.get(bag_id), rows, scores, coords)
+            if strip is not None:
                 from tasks.ingest.ct import load_windowed_slices
 
-                chosen = report.strip_slices(scores[rows])
-                order = np.argsort(coords[rows, 0])[chosen]
+                files, order, uids = strip
                 figures.append(report.plot_ct_strip(
-                    load_windowed_slices([found.files[int(coords[rows.start + i, 0])] for i in order]), coords[rows, 0][order],
+                    load_windowed_slices(files), coords[rows, 0][order],
                     scores[rows][order], predictions["instances/std"][rows][order], bag_file(out / "strips", bag_id, ".png"),
-                    sop_uids=[found.sop_uids[int(coords[rows.start + i, 0])] for i in order], kind=kind,
-                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
+                    sop_uids=uids, kind=kind, title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
             figures.append(report.plot_ct_slices(coords[rows, 0], scores[rows], predictions["instances/std"][rows],
                                                  bag_file(out / "slices", bag_id, ".png"), kind=kind, instance_labels=instance_labels[rows],
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))

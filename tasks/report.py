@@ -47,30 +47,42 @@ __all__ = [
     "write_tables",
     "summary_text",
     "instance_table",
+    "original_label_text",
     "tile_geojson",
     "write_geojson",
     "Evaluation",
 ]
 
 
+def original_label_text(value: Any) -> str:
+    """An original label for a table cell: ``3``, ``tumor``, RSNA subtypes as compact JSON, "" for none."""
+    if value is None:
+        return ""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")) if isinstance(value, (dict, list)) else str(value)
+
+
 def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int = 3) -> pd.DataFrame:
-    """One row per bag: id, source, label (−1 unknown), probability, std, predicted label, and the
-    ``top_k`` most suspicious instances (row, coordinates, probability or evidence) as JSON."""
+    """One row per bag: id, source, label (−1 unknown), the original label (the labels file's value,
+    e.g. the ISUP grade; "" if none), probability, std, predicted label, and the ``top_k`` most
+    suspicious instances (row, coordinates, SOPInstanceUID where stored, probability or evidence) as JSON."""
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
     p_inst, kind = instance_scores(pred)
     coords = zarr.open_group(str(store), mode="r")["instances/coords"][: cohort.n_instances]
+    ids = cohort.instance_ids() if cohort.instance_id_kind else None
     suspicious = []
     for b in range(cohort.n_bags):
         rows = cohort.bag_slice(b)
         top = rows.start + np.argsort(-p_inst[rows], kind="stable")[:top_k]
         suspicious.append(json.dumps([
-            {"row": int(r), "coords": coords[r].tolist(), kind: round(float(p_inst[r]), 6)} for r in top
+            {"row": int(r), "coords": coords[r].tolist(), **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
+             kind: round(float(p_inst[r]), 6)} for r in top
         ]))
     table = pd.DataFrame({
         "bag_id": np.asarray(cohort.bag_ids, dtype=str),
         "source": np.asarray(cohort.sources, dtype=str),
         "label": np.asarray(cohort.bag_labels, dtype=int),
+        "original_label": [original_label_text(v) for v in cohort.original_labels],
         "probability": pred["bags/proba"],
         "std": pred["bags/std"],
     })
@@ -81,8 +93,9 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
 
 def instance_table(store: str | Path, run: str) -> pd.DataFrame:
     """One row per instance: ``bag_id``, ``instance`` (index in its bag), the level-0 ``x``, ``y``
-    of its tile (slide and ``.h5`` cohorts) or its ``slice_index`` (CT) or its stored coordinates,
-    the ``probability`` (or ``evidence``) and its ``std``."""
+    of its tile (slide and ``.h5`` cohorts) or its ``slice_index`` and ``sop_instance_uid`` (CT, read
+    from the store: the DICOM folder is not needed) or its stored coordinates, the ``probability``
+    (or ``evidence``) and its ``std``."""
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
     scores, kind = instance_scores(pred)
@@ -99,6 +112,8 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
         columns |= {"x": xy[:, 0], "y": xy[:, 1]}
     elif meaning == "slice_index":
         columns["slice_index"] = coords[:, 0]
+        if cohort.instance_id_kind == "SOPInstanceUID":
+            columns["sop_instance_uid"] = cohort.instance_ids()
     else:
         columns |= {f"coord_{j}": coords[:, j] for j in range(coords.shape[1])}
     columns |= {kind: scores[:n], "std": pred["instances/std"][:n]}

@@ -5,9 +5,11 @@ Layout (see ``docs/STORE.md`` for dtypes, chunks and codecs)::
     <cohort>.zarr/
       instances/features (N, D) float32   instances/bag (N,) int32
       instances/coords   (N, k) int32     instances/label (N,) int8   (-1 = unknown)
+      instances/instance_id (N,) str      (only stores whose spec names ``instance_ids``, e.g. CT SOPInstanceUIDs)
       bags/offsets (B+1,) int64   bags/id (B,) str   bags/label (B,) int8   bags/source (B,) str
+      bags/original_label (B,) str  (the label as the labels file gave it, JSON text; "" = none)
       bags/done (B,) bool
-      staging/<key>/{features,coords,label}   (per-bag work area of the parallel ingest)
+      staging/<key>/{features,coords,label[,instance_id]}   (per-bag work area of the parallel ingest)
       predictions/<run>/...                  (written by ``tasks.training.predict_cohort``)
 
 Instances of bag ``b`` are rows ``offsets[b]:offsets[b+1]``. Bags are appended by one writer
@@ -27,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,9 +53,39 @@ TARGET_CHUNK_BYTES = 4 * 2**20
 
 _NUMERIC_CODEC = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
 _INSTANCE_ARRAYS = ("features", "bag", "coords", "label")
-_BAG_ARRAYS = ("id", "label", "source", "offsets", "done")
+_BAG_ARRAYS = ("id", "label", "source", "original_label", "offsets", "done")
 # Attributes that must agree between an existing store and a new ingest into it.
-_COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extractor", "tiling")
+_COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extractor", "tiling", "instance_ids")
+
+
+# ------------------------------------------------------------------------------ original labels
+def encode_original_label(value: Any) -> str:
+    """The label a labels file gave a bag (ISUP grade ``3``, ``"tumor"``, RSNA subtypes
+    ``{"any": 1, "subdural": 1, ...}``) as the JSON text stored in ``bags/original_label``; ``""``
+    for none (``None``, NaN). NumPy scalars become Python numbers, integral floats integers
+    (``3.0`` read from a CSV column with gaps is grade ``3``)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return None
+            return int(v) if v.is_integer() else v
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        return str(v)  # a date, a decimal: kept as its text
+
+    value = plain(value)
+    return "" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def decode_original_label(text: str) -> Any:
+    """:func:`encode_original_label` reversed (``None`` for ``""``): plain JSON, nothing executed."""
+    return None if not text else json.loads(text)
 
 
 # --------------------------------------------------------------------------------------- specs
@@ -73,6 +105,8 @@ class CohortSpec:
     feature_extractor: dict[str, Any] = field(default_factory=lambda: {"name": "precomputed"})
     tiling: dict[str, Any] | None = None
     chunk_rows: int | None = None
+    instance_ids: str | None = None  # what ``instances/instance_id`` holds (e.g. "SOPInstanceUID"); None: no such array
+    labels: dict[str, Any] | None = None  # where bag labels come from (file, column, target): ``labels`` attribute
 
     def resolved_chunk_rows(self) -> int:
         """Rows per chunk: about 4 MiB of features, a power of two in [1024, 262144]."""
@@ -84,7 +118,9 @@ class CohortSpec:
 
 @dataclass(frozen=True)
 class BagData:
-    """One bag in memory: ``features`` (n, D), ``coords`` (n, k), ``instance_labels`` (n,)."""
+    """One bag in memory: ``features`` (n, D), ``coords`` (n, k), ``instance_labels`` (n,);
+    ``original_label`` is JSON text (:func:`encode_original_label`), ``instance_ids`` (n,) str
+    for stores that keep them."""
 
     bag_id: str
     label: int
@@ -92,6 +128,8 @@ class BagData:
     features: np.ndarray
     coords: np.ndarray
     instance_labels: np.ndarray
+    original_label: str = ""
+    instance_ids: np.ndarray | None = None
 
     @property
     def n_instances(self) -> int:
@@ -154,12 +192,15 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
                            dtype=COORD_DTYPE, fill_value=0, **numeric)
     instances.create_array("label", shape=(0,), chunks=(chunk_rows,), dtype=LABEL_DTYPE,
                            fill_value=UNKNOWN_LABEL, **numeric)
+    if spec.instance_ids is not None:
+        instances.create_array("instance_id", shape=(0,), chunks=(chunk_rows,), dtype=str)
     bags = root.create_group("bags")
     offsets = bags.create_array("offsets", shape=(1,), chunks=(BAG_CHUNK,), dtype=OFFSET_DTYPE,
                                 fill_value=0, **numeric)
     offsets[:] = 0
     bags.create_array("id", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
     bags.create_array("source", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
+    bags.create_array("original_label", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
     bags.create_array("label", shape=(0,), chunks=(BAG_CHUNK,), dtype=LABEL_DTYPE,
                       fill_value=UNKNOWN_LABEL, **numeric)
     bags.create_array("done", shape=(0,), chunks=(BAG_CHUNK,), dtype=bool, fill_value=False)
@@ -172,6 +213,8 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
         "coords_meaning": spec.coords_meaning,
         "feature_extractor": spec.feature_extractor,
         "tiling": spec.tiling,
+        "instance_ids": spec.instance_ids,
+        "labels": spec.labels,
         "chunk_rows": chunk_rows,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
@@ -184,6 +227,8 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
         return create_cohort(path, spec)
     root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+")
     check_compatible(root, spec, path=str(path))
+    if spec.labels is not None and root.attrs.get("labels") is None:
+        root.attrs["labels"] = spec.labels  # a store first filled without labels gets its labels' description
     return root
 
 
@@ -196,12 +241,17 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
     wanted = _as_json({
         "n_features": spec.n_features, "coords_dim": spec.coords_dim,
         "coords_meaning": spec.coords_meaning, "feature_extractor": spec.feature_extractor,
-        "tiling": spec.tiling,
+        "tiling": spec.tiling, "instance_ids": spec.instance_ids,
     })
     for key in _COMPATIBLE_ATTRS:
         if attrs.get(key) != wanted[key]:
             error = FeatureDimensionError if key == "n_features" else StoreMismatchError
             raise error(f"store has {key}={attrs.get(key)!r}, this ingest has {wanted[key]!r}", path=path)
+    stored, given = attrs.get("labels") or {}, _as_json(spec.labels) or {}
+    changed = [k for k in ("column", "target", "positive") if stored and given and stored.get(k) != given.get(k)]
+    if changed:  # the stored original labels would mean two things
+        raise StoreMismatchError(f"store's bag labels come from {stored}, this ingest's from {given} "
+                                 f"({', '.join(changed)} differ): ingest into a new store", path=path)
 
 
 def _as_json(value: Any) -> Any:
@@ -229,13 +279,22 @@ def committed_bag_ids(target: str | Path | zarr.Group) -> np.ndarray:
     return np.asarray(root["bags/id"][: committed_bag_count(root)], dtype=object)
 
 
+def _instance_arrays(root: zarr.Group) -> tuple[str, ...]:
+    """Names of the instance arrays of this store (``instance_id`` where the store keeps it)."""
+    return _INSTANCE_ARRAYS + (("instance_id",) if "instance_id" in root["instances"] else ())
+
+
 def repair(target: str | Path | zarr.Group) -> int:
-    """Drop rows and bags left by an interrupted append; return the number of rows dropped."""
+    """Drop rows and bags left by an interrupted append; return the number of rows dropped.
+    A store written before ``bags/original_label`` existed gets it, empty for its bags."""
     root = _open_root(target, "r+")
+    if "original_label" not in root["bags"]:
+        n = root["bags/id"].shape[0]
+        root["bags"].create_array("original_label", shape=(n,), chunks=(BAG_CHUNK,), dtype=str)
     n_bags = committed_bag_count(root)
     n_rows = int(root["bags/offsets"][n_bags])
     dropped = root["instances/bag"].shape[0] - n_rows
-    for name in _INSTANCE_ARRAYS:
+    for name in _instance_arrays(root):
         array = root[f"instances/{name}"]
         array.resize((n_rows, *array.shape[1:]))
     for name in _BAG_ARRAYS:
@@ -248,10 +307,10 @@ class _RowWriter:
     """Append instance rows in whole, chunk-aligned blocks (the buffer holds at most one chunk)."""
 
     def __init__(self, root: zarr.Group, start_row: int):
-        self._arrays = {name: root[f"instances/{name}"] for name in _INSTANCE_ARRAYS}
+        self._arrays = {name: root[f"instances/{name}"] for name in _instance_arrays(root)}
         self._chunk = self._arrays["features"].chunks[0]
         self._next_row = start_row  # first row not yet written
-        self._buffer: dict[str, list[np.ndarray]] = {name: [] for name in _INSTANCE_ARRAYS}
+        self._buffer: dict[str, list[np.ndarray]] = {name: [] for name in self._arrays}
         self._buffered = 0
 
     def add(self, block: dict[str, np.ndarray]) -> None:
@@ -260,7 +319,7 @@ class _RowWriter:
         while start < n:
             room = self._chunk - (self._next_row + self._buffered) % self._chunk
             stop = min(n, start + room)
-            for name in _INSTANCE_ARRAYS:
+            for name in self._arrays:
                 self._buffer[name].append(block[name][start:stop])
             self._buffered += stop - start
             if (self._next_row + self._buffered) % self._chunk == 0:
@@ -336,7 +395,8 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     first_bag = committed_bag_count(root)
     seen = set(committed_bag_ids(root))
     offsets = [int(root["bags/offsets"][first_bag])]
-    ids, labels, sources = [], [], []
+    ids, labels, sources, originals = [], [], [], []
+    keeps_ids = "instance_id" in root["instances"]
     writer = _RowWriter(root, offsets[0])
     for bag in bags:
         check_text(bag.bag_id, bag.source)
@@ -353,32 +413,53 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
         if bag.label not in (UNKNOWN_LABEL, 0, 1):
             raise IngestError(f"bag label {bag.label!r} is not 0, 1 or {UNKNOWN_LABEL} (unlabelled)",
                               path=bag.source, bag_id=bag.bag_id)
+        _check_original(bag.original_label, path=bag.source, bag_id=bag.bag_id)
+        if keeps_ids != (bag.instance_ids is not None) or keeps_ids and np.shape(bag.instance_ids) != (bag.n_instances,):
+            raise FeatureDimensionError(
+                f"instance ids {None if bag.instance_ids is None else np.shape(bag.instance_ids)} for {bag.n_instances} "
+                f"instances; the store {'keeps' if keeps_ids else 'keeps no'} instance ids ({root.attrs.get('instance_ids')})",
+                path=bag.source, bag_id=bag.bag_id)
         with np.errstate(over="ignore"):  # float32 overflow becomes inf, which finite_rows reports
             features = np.asarray(bag.features, dtype=FEATURE_DTYPE)
         finite_rows(features, "reject", path=bag.source, bag_id=bag.bag_id)
         seen.add(bag.bag_id)
-        writer.add({
+        block = {
             "features": features,
             "bag": np.full(bag.n_instances, first_bag + len(ids), dtype=BAG_INDEX_DTYPE),
             "coords": np.asarray(bag.coords, dtype=COORD_DTYPE),
             "label": np.asarray(bag.instance_labels, dtype=LABEL_DTYPE),
-        })
+        }
+        if keeps_ids:
+            block["instance_id"] = np.asarray(bag.instance_ids, dtype=np.dtypes.StringDType())
+        writer.add(block)
         ids.append(bag.bag_id)
         labels.append(bag.label)
         sources.append(bag.source)
+        originals.append(bag.original_label)
         offsets.append(offsets[-1] + bag.n_instances)
     writer.flush()
     if ids:
-        _write_bag_arrays(root, first_bag, ids, labels, sources, offsets)
+        _write_bag_arrays(root, first_bag, ids, labels, sources, offsets, originals)
     return len(ids)
 
 
+def _check_original(text: str, *, path: str | None, bag_id: str) -> None:
+    """An original label must be the JSON text :func:`encode_original_label` gives (or "")."""
+    try:
+        if not isinstance(text, str) or text and encode_original_label(json.loads(text)) != text:
+            raise ValueError("not in the stored form")
+    except ValueError as error:
+        raise IngestError(f"original label {text!r} is not JSON text from encode_original_label ({error})",
+                          path=path, bag_id=bag_id) from None
+
+
 def _write_bag_arrays(root: zarr.Group, first: int, ids: list[str], labels: list[int],
-                      sources: list[str], offsets: list[int]) -> None:
+                      sources: list[str], offsets: list[int], originals: list[str]) -> None:
     stop = first + len(ids)
     columns = {
         "id": np.asarray(ids, dtype=np.dtypes.StringDType()),
         "source": np.asarray(sources, dtype=np.dtypes.StringDType()),
+        "original_label": np.asarray(originals, dtype=np.dtypes.StringDType()),
         "label": np.asarray(labels, dtype=LABEL_DTYPE),
     }
     for name, values in columns.items():
@@ -399,6 +480,7 @@ def write_cohort_from_arrays(
     *,
     coords: np.ndarray | None = None,
     instance_labels: np.ndarray | None = None,
+    original_labels: np.ndarray | None = None,
     name: str = "cohort",
     chunk_rows: int | None = None,
     feature_extractor: dict[str, Any] | None = None,
@@ -412,7 +494,8 @@ def write_cohort_from_arrays(
     of their first row; rows of a bag keep their order (a stable sort when bags are interleaved).
     ``bag_labels_per_instance`` must be constant within each bag (0, 1, or -1 for unlabelled).
     ``coords`` defaults to the row's index within its bag (``coords_meaning="instance_index"``);
-    ``instance_labels`` defaults to -1 (unknown).
+    ``instance_labels`` defaults to -1 (unknown). ``original_labels`` (per row, constant within a
+    bag: ISUP grades, class names) are kept as each bag's original label (default: none).
     """
     import pandas as pd
 
@@ -434,6 +517,17 @@ def write_cohort_from_arrays(
         raise ValueError("bag_labels_per_instance differs within a bag")
     if not np.isin(bag_labels, (UNKNOWN_LABEL, 0, 1)).all():
         raise ValueError(f"bag labels must be 0, 1 or {UNKNOWN_LABEL}, got {np.unique(bag_labels)}")
+    originals = [""] * len(unique_ids)
+    if original_labels is not None:
+        values = np.asarray(original_labels, dtype=object)
+        if values.shape != (n,):
+            raise ValueError(f"original_labels must have shape ({n},), got {values.shape}")
+        texts = [encode_original_label(v) for v in values]
+        by_bag: dict[int, str] = {}
+        for code, text in zip(codes.tolist(), texts):
+            if by_bag.setdefault(code, text) != text:
+                raise ValueError(f"original_labels differ within bag {str(unique_ids[code])!r}: {by_bag[code]} and {text}")
+        originals = [by_bag[b] for b in range(len(unique_ids))]
     if coords is None:
         coords_dim, coords_meaning = 1, "instance_index"
     else:
@@ -459,7 +553,7 @@ def write_cohort_from_arrays(
     writer.flush()
     if len(unique_ids):
         _write_bag_arrays(root, 0, [str(b) for b in unique_ids], bag_labels.tolist(),
-                          [source] * len(unique_ids), offsets.tolist())
+                          [source] * len(unique_ids), offsets.tolist(), originals)
     return open_cohort(path)
 
 
@@ -469,17 +563,19 @@ def staging_key(bag_id: str) -> str:
     return hashlib.sha1(bag_id.encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
-def staged_status(root: zarr.Group, bag_id: str, *, source: str | None = None, label: int | None = None) -> str:
+def staged_status(root: zarr.Group, bag_id: str, *, source: str | None = None, label: int | None = None,
+                  original_label: str | None = None) -> str:
     """``"complete"``, ``"incomplete"`` (an interrupted write, metadata a full disk left
-    unreadable, or — when ``source``/``label`` are given — staged from another file or with
-    another label: the bag is staged again) or ``"absent"``."""
+    unreadable, or — when ``source``/``label``/``original_label`` are given — staged from another
+    file or with another label: the bag is staged again) or ``"absent"``."""
     try:
         attrs = dict(root[f"staging/{staging_key(bag_id)}"].attrs)
     except KeyError:
         return "absent"
     except (ValueError, OSError):
         return "incomplete"
-    if (source is not None and attrs.get("source") != source) or (label is not None and attrs.get("label") != label):
+    if (source is not None and attrs.get("source") != source) or (label is not None and attrs.get("label") != label) \
+            or (original_label is not None and attrs.get("original_label", "") != original_label):
         return "incomplete"
     return "complete" if attrs.get("complete") else "incomplete"
 
@@ -496,18 +592,25 @@ class StagingWriter:
     attribute is set by :meth:`finish` after all data is written.
     """
 
-    def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject"):
+    def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject",
+                 original_label: str = ""):
         check_text(bag_id, source)
+        _check_original(original_label, path=source, bag_id=bag_id)
         root = _open_root(store_path, "r+")
         self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
         self._chunk_rows = root.attrs["chunk_rows"]
         self._group = root["staging"].create_group(staging_key(bag_id), overwrite=True)
-        self._group.attrs.update({"bag_id": bag_id, "label": int(label), "source": source, "complete": False})
+        self._group.attrs.update({"bag_id": bag_id, "label": int(label), "source": source,
+                                  "original_label": original_label, "complete": False})
         self._arrays = {
             "features": self._create("features", (0, self._n_features), FEATURE_DTYPE),
             "coords": self._create("coords", (0, self._coords_dim), COORD_DTYPE),
             "label": self._create("label", (0,), LABEL_DTYPE),
         }
+        self.instance_ids = root.attrs.get("instance_ids")  # what the store's instance ids are, or None
+        if self.instance_ids is not None:
+            self._arrays["instance_id"] = self._group.create_array(
+                "instance_id", shape=(0,), chunks=(self._chunk_rows,), dtype=str)
         self.bag_id, self.source, self.n_instances = bag_id, source, 0
         self.nonfinite, self.n_dropped, self._n_seen = nonfinite, 0, 0
 
@@ -515,9 +618,17 @@ class StagingWriter:
         chunks = (self._chunk_rows, *shape[1:])
         return self._group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_NUMERIC_CODEC)
 
-    def write(self, features: np.ndarray, coords: np.ndarray, instance_labels: np.ndarray) -> None:
-        """Append a batch of rows (checked against the store's feature dimension)."""
+    def write(self, features: np.ndarray, coords: np.ndarray, instance_labels: np.ndarray,
+              instance_ids: Sequence[str] | None = None) -> None:
+        """Append a batch of rows (checked against the store's feature dimension); ``instance_ids``
+        (one string per row) are required by, and only by, a store that keeps them."""
         n = features.shape[0]
+        if (self.instance_ids is not None) != (instance_ids is not None) or \
+                instance_ids is not None and len(instance_ids) != n:
+            raise FeatureDimensionError(
+                f"{'no' if instance_ids is None else len(instance_ids)} instance ids for {n} rows; the store "
+                f"{'keeps one ' + self.instance_ids + ' per instance' if self.instance_ids else 'keeps no instance ids'}",
+                path=self.source, bag_id=self.bag_id)
         if features.ndim != 2 or features.shape[1] != self._n_features:
             raise FeatureDimensionError(
                 f"features of shape {features.shape}; the store has {self._n_features} features",
@@ -530,12 +641,15 @@ class StagingWriter:
             features = np.asarray(features, dtype=FEATURE_DTYPE)
         keep = finite_rows(features, self.nonfinite, path=self.source, bag_id=self.bag_id, first_row=self._n_seen)
         self._n_seen += n
+        columns = {"features": features, "coords": coords, "label": instance_labels}
+        if instance_ids is not None:
+            columns["instance_id"] = np.asarray(list(instance_ids), dtype=np.dtypes.StringDType())
         if keep is not None:
-            features, coords, instance_labels = features[keep], coords[keep], instance_labels[keep]
+            columns = {name: values[keep] for name, values in columns.items()}
             self.n_dropped += n - int(keep.sum())
-            n = features.shape[0]
+            n = int(keep.sum())
         stop = self.n_instances + n
-        for name, values in (("features", features), ("coords", coords), ("label", instance_labels)):
+        for name, values in columns.items():
             array = self._arrays[name]
             array.resize((stop, *array.shape[1:]))
             array[self.n_instances:stop] = values
@@ -559,7 +673,8 @@ def read_staged(root: zarr.Group, bag_id: str) -> BagData:
         raise RuntimeError(f"staged bag {bag_id!r} is incomplete")
     return BagData(bag_id=attrs["bag_id"], label=attrs["label"], source=attrs["source"],
                    features=group["features"][:], coords=group["coords"][:],
-                   instance_labels=group["label"][:])
+                   instance_labels=group["label"][:], original_label=attrs.get("original_label", ""),
+                   instance_ids=group["instance_id"][:] if "instance_id" in group else None)
 
 
 def drop_staged(root: zarr.Group, bag_ids: Iterable[str]) -> None:
@@ -593,7 +708,9 @@ class Cohort:
         self.bag_ids: np.ndarray = np.asarray(bags["id"][:n_bags], dtype=object)
         self.bag_labels: np.ndarray = bags["label"][:n_bags]
         self.sources: np.ndarray = np.asarray(bags["source"][:n_bags], dtype=object)
-        self._instances = {name: self._root[f"instances/{name}"] for name in _INSTANCE_ARRAYS}
+        self._original_texts: np.ndarray = (np.asarray(bags["original_label"][:n_bags], dtype=object)
+                                            if "original_label" in bags else np.full(n_bags, "", dtype=object))
+        self._instances = {name: self._root[f"instances/{name}"] for name in _instance_arrays(self._root)}
 
     def __repr__(self) -> str:
         return (f"Cohort({str(self.path)!r}, name={self.name!r}, n_bags={self.n_bags}, "
@@ -602,6 +719,29 @@ class Cohort:
     @property
     def name(self) -> str:
         return self.attrs["cohort_name"]
+
+    @property
+    def original_labels(self) -> np.ndarray:
+        """(B,) object array: each bag's label as its labels file gave it (an ISUP grade ``3``, a class
+        name, RSNA subtypes as a dict), ``None`` where there was none; the binary target is
+        :attr:`bag_labels`, where the labels came from is ``attrs["labels"]``."""
+        out = np.empty(self.n_bags, dtype=object)
+        for b, text in enumerate(self._original_texts):
+            out[b] = decode_original_label(text)
+        return out
+
+    @property
+    def instance_id_kind(self) -> str | None:
+        """What :meth:`instance_ids` holds (``"SOPInstanceUID"`` for CT), or None if the store keeps none."""
+        return self.attrs.get("instance_ids")
+
+    def instance_ids(self, rows: slice | None = None) -> np.ndarray:
+        """(rows,) object array of instance ids (CT: each slice's SOPInstanceUID), read from the
+        store; ``rows`` defaults to every committed instance. Raises if the store keeps none."""
+        if "instance_id" not in self._instances:
+            raise KeyError(f"store {self.path} keeps no instance ids (coords_meaning {self.attrs.get('coords_meaning')!r})")
+        rows = rows or slice(0, self.n_instances)
+        return np.asarray(self._instances["instance_id"][rows], dtype=object)
 
     @property
     def n_bags(self) -> int:

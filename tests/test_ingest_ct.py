@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,48 @@ def test_process_workers_give_the_same_store_as_the_inline_ingest(tmp_path):
     a, b = open_cohort(tmp_path / "inline.zarr"), open_cohort(tmp_path / "pool.zarr")
     assert list(a.bag_ids) == list(b.bag_ids)
     np.testing.assert_array_equal(a.read_bags(0, 3).features, b.read_bags(0, 3).features)
+
+
+def test_findings_name_slices_by_the_sop_uids_stored_at_ingest_after_the_dicom_folder_is_gone(tmp_path):
+    """SOPInstanceUIDs are stored per slice at ingest: with the DICOM folder moved away after
+    ingest, the instance and bag tables of a real prediction run still name each slice."""
+    import shutil
+
+    from distributed import Client, LocalCluster
+
+    from mil_core import VGPMIL
+    from tasks import report
+    from tasks.training import predict_cohort
+
+    scans = make_ct_cohort(tmp_path / "dicom", 4, n_slices=6, size=32, positive_fraction=0.5, seed=11)
+    ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "dicom" / "labels.csv")
+    shutil.move(tmp_path / "dicom", tmp_path / "moved")
+    cohort = open_cohort(tmp_path / "ct.zarr")
+    assert cohort.instance_id_kind == "SOPInstanceUID"
+    stored = cohort.read_bags(0, cohort.n_bags)
+    model = VGPMIL(n_inducing=4, max_iter=3, tol=0.1, random_state=0).fit(
+        stored.features.astype(np.float64), stored.bag, cohort.bag_labels[stored.bag])
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        predict_cohort(model, tmp_path / "ct.zarr", client, run="p")
+    instances = report.instance_table(tmp_path / "ct.zarr", "p")
+    assert list(instances.columns[:4]) == ["bag_id", "instance", "slice_index", "sop_instance_uid"]
+    by_series = {s.series_uid: s for s in scans}
+    for uid in cohort.bag_ids:
+        rows = instances[instances["bag_id"] == uid]
+        assert rows["sop_instance_uid"].tolist() == list(by_series[uid].sop_uids)  # in slice order, each its own slice
+    bags = report.bag_table(tmp_path / "ct.zarr", "p", top_k=2)
+    top = json.loads(bags.at[0, "most_suspicious"])
+    assert all(t["SOPInstanceUID"] in by_series[cohort.bag_ids[0]].sop_uids for t in top)
+    assert bags["original_label"].str.contains('"any":').all()
+
+
+def test_a_ct_store_keeps_no_bag_without_its_slice_uids(tmp_path):
+    from tasks.ingest.errors import FeatureDimensionError
+    from tasks.store import BagData, append_bags
+
+    make_ct_cohort(tmp_path / "dicom", 1, n_slices=4, size=32, seed=1)
+    ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom")
+    bag = open_cohort(tmp_path / "ct.zarr").read_bags(0, 1)
+    with pytest.raises(FeatureDimensionError, match="keeps instance ids \\(SOPInstanceUID\\)"):
+        append_bags(tmp_path / "ct.zarr", [BagData("x", 0, "/x", bag.features, bag.coords, bag.instance_labels)])
+    assert open_cohort(tmp_path / "ct.zarr").n_bags == 1

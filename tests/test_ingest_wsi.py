@@ -153,3 +153,95 @@ def test_a_dask_client_gives_the_same_store_as_the_serial_ingest(slides, tmp_pat
     a, b = open_cohort(tmp_path / "serial.zarr"), open_cohort(tmp_path / "dask.zarr")
     assert list(a.bag_ids) == list(b.bag_ids)
     np.testing.assert_array_equal(a.read_bags(0, a.n_bags).features, b.read_bags(0, b.n_bags).features)
+
+
+# ------------------------------------------------------------------ single-level slides: one read
+def _single_level_slide(path: Path, side: int = 2048, hole: tuple[int, int] | None = (768, 1280), seed: int = 0) -> Path:
+    """A single-level tiled TIFF: a square of H&E-like tissue (noisy) on white, with a white hole."""
+    import tifffile
+
+    rng = np.random.default_rng(seed)
+    rgb = np.full((side, side, 3), 245, dtype=np.uint8)
+    tissue = np.clip(np.array([200, 120, 170]) + rng.normal(0, 20, (side - 512, side - 512, 3)), 0, 255)
+    rgb[256:side - 256, 256:side - 256] = tissue.astype(np.uint8)
+    if hole is not None:
+        rgb[hole[0]:hole[1], hole[0]:hole[1]] = 255
+    tifffile.imwrite(path, rgb, tile=(256, 256), photometric="rgb", compression="zlib",
+                     resolution=(1e4 / 0.5, 1e4 / 0.5), resolutionunit="CENTIMETER", metadata=None)
+    return path
+
+
+class _MeanColour:
+    """Per-tile mean and std of each channel (independent of the batch a tile is in)."""
+
+    n_features = 6
+
+    def __call__(self, tiles: np.ndarray) -> np.ndarray:
+        tiles = tiles.astype(np.float64)
+        return np.concatenate([tiles.mean(axis=(1, 2)), tiles.std(axis=(1, 2))], axis=1).astype(np.float32)
+
+
+@pytest.fixture
+def decoded_pixels(monkeypatch):
+    """Pixels of the tile level each TiffSlide.read decodes (within the level), summed."""
+    from tasks.ingest.slide_io import TiffSlide
+
+    read, counter = TiffSlide.read, {"pixels": 0}
+
+    def counting(self, level, rows, cols):
+        height, width = self.level_shapes[level]
+        counter["pixels"] += max(0, min(rows.stop, height) - rows.start) * max(0, min(cols.stop, width) - cols.start)
+        return read(self, level, rows, cols)
+
+    monkeypatch.setattr(TiffSlide, "read", counting)
+    return counter
+
+
+@pytest.mark.parametrize("hole", [None, (768, 1280)])
+def test_a_single_level_slide_is_read_once_and_gives_the_tiles_and_features_of_two_passes(tmp_path, decoded_pixels, hole):
+    """The one-pass tiler keeps exactly the tiles the thumbnail-then-tiles path keeps, with the same
+    features, decoding the level once; tiles kept only because the mask fills a hole (no saturated
+    pixel within the filters' reach: never featurised in the pass) are read again, and only they."""
+    from tasks.ingest.wsi import features_in_one_pass, iter_tile_batches, reads_once
+
+    path = _single_level_slide(tmp_path / "single.tif", hole=hole)
+    params = TilingParams(tile_size=128, mask_max_side=256, min_object_fraction=0.08, reader="tifffile")
+    extractor = _MeanColour()
+    with open_slide(path, "tifffile") as slide:
+        assert reads_once(slide, params) and len(slide.level_shapes) == 1
+        level_pixels = slide.level_shapes[0][0] * slide.level_shapes[0][1]
+        decoded_pixels["pixels"] = 0
+        reference = tile_grid(slide, params)
+        expected = np.concatenate([extractor(t) for t, _ in iter_tile_batches(slide, reference, 16)])
+        two_passes = decoded_pixels["pixels"] / level_pixels
+        decoded_pixels["pixels"] = 0
+        grid, features, (thumb, downsample) = features_in_one_pass(slide, params, extractor, batch_size=16)
+        one_pass = decoded_pixels["pixels"] / level_pixels
+    np.testing.assert_array_equal(grid.coords, reference.coords)
+    np.testing.assert_array_equal(grid.mask, reference.mask)
+    np.testing.assert_array_equal(features, expected)
+    white = expected[:, 3:].max(axis=1) == 0  # kept tiles without a single tissue pixel: the filled hole
+    assert int(white.sum()) == (0 if hole is None else 16)  # the 4 x 4 tiles of the hole
+    assert two_passes > 1.4
+    reread = 0 if hole is None else 4  # the hole's inner 2 x 2 tiles: no tissue within the filters' reach
+    assert one_pass == pytest.approx(1.0 + reread * 128 * 128 / level_pixels, abs=1e-9)
+
+
+def test_ingesting_a_single_level_slide_stores_what_the_two_pass_path_computes(tmp_path):
+    from tasks.ingest.features import extractor_from_spec
+    from tasks.ingest.wsi import iter_tile_batches
+
+    (tmp_path / "slides").mkdir()
+    path = _single_level_slide(tmp_path / "slides" / "single.tif")
+    params = TilingParams(tile_size=128, mask_max_side=256, min_object_fraction=0.08)
+    ingest_slides(tmp_path / "s.zarr", tmp_path / "slides", params=params, fit_tiles=32, batch_size=7,
+                  qc_dir=tmp_path / "qc")
+    cohort = open_cohort(tmp_path / "s.zarr")
+    stored = cohort.read_bags(0, 1)
+    extractor = extractor_from_spec(cohort.attrs["feature_extractor"])
+    with open_slide(path) as slide:
+        grid = tile_grid(slide, params)
+        expected = np.concatenate([extractor(t) for t, _ in iter_tile_batches(slide, grid, 64)])
+    np.testing.assert_array_equal(stored.coords, grid.coords)
+    np.testing.assert_allclose(stored.features, expected, rtol=1e-6, atol=1e-6)
+    assert (tmp_path / "qc" / safe_filename("single", ".png")).stat().st_size > 0

@@ -7,9 +7,11 @@
 - Stored values become HU with ``RescaleSlope``/``RescaleIntercept`` *before* windowing.
 - Windows (centre/width, HU): brain 40/80, blood 80/200, soft tissue 40/380; each maps
   ``[c - w/2, c + w/2]`` linearly to [0, 1] (clipped) and they are stacked as channels.
-- One instance per slice; coords = slice index in spatial order. RSNA-style labels
-  (``ID_<SOPInstanceUID>_any, Label``) give instance labels; the bag label is 1 if any slice is
-  positive.
+- One instance per slice; coords = slice index in spatial order; each slice's SOPInstanceUID is
+  stored with it (``instances/instance_id``), so findings name slices without the DICOM folder.
+  RSNA-style labels (``ID_<SOPInstanceUID>_any, Label``) give instance labels; the bag label is 1 if
+  any slice is positive; the bag's original label is every subtype the file gives, positive if any
+  slice is (``{"any": 1, "epidural": 0, "subdural": 1, ...}``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, InvalidSeriesError, MissingLabelError, UnreadableFileError
-from tasks.store import UNKNOWN_LABEL, CohortSpec
+from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
 
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
@@ -190,16 +192,47 @@ def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]
     return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
 
-def read_rsna_labels(path: str | Path) -> dict[str, int]:
-    """SOPInstanceUID → 0/1 from an RSNA-style CSV (``ID_<SOPInstanceUID>_any, Label``; other subtypes ignored)."""
+def read_rsna_subtypes(path: str | Path) -> dict[str, dict[str, int]]:
+    """SOPInstanceUID → {subtype: 0/1} from an RSNA-style CSV (``ID_<SOPInstanceUID>_<subtype>, Label``)."""
     from tasks.ingest.labels import read_labels_csv
 
     table = read_labels_csv(path, dtype={"ID": str})
     if not {"ID", "Label"} <= set(table.columns):
         raise IngestError(f"labels CSV needs columns ID, Label; has {list(table.columns)}", path=str(path))
-    rows = table[table["ID"].str.endswith("_any")]
-    sop_uids = rows["ID"].str.slice(3, -4)  # strip "ID_" and "_any"
-    return dict(zip(sop_uids, rows["Label"].astype(int)))
+    parts = table["ID"].str.extract(r"^ID_(?P<uid>.+)_(?P<subtype>[A-Za-z]+)$")
+    if parts["uid"].isna().any():
+        row = int(np.flatnonzero(parts["uid"].isna().to_numpy())[0])
+        raise IngestError(f"row {row + 2}: ID {table['ID'].iat[row]!r} is not ID_<SOPInstanceUID>_<subtype>", path=str(path))
+    values = pd_numeric(table["Label"])
+    if (bad := np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))).size:
+        row = int(bad[0])
+        raise IngestError(f"row {row + 2}: Label {table['Label'].iat[row]!r} of {table['ID'].iat[row]} is not an integer "
+                          "(0 or 1)", path=str(path))
+    subtypes: dict[str, dict[str, int]] = defaultdict(dict)  # values other than 0/1 are refused per scan
+    for uid, subtype, value in zip(parts["uid"], parts["subtype"], values.astype(int).tolist()):
+        subtypes[uid][subtype] = value
+    return dict(subtypes)
+
+
+def pd_numeric(column) -> np.ndarray:
+    """A column as float64 (NaN where a cell is not a number)."""
+    import pandas as pd
+
+    return pd.to_numeric(column, errors="coerce").to_numpy(dtype=np.float64)
+
+
+def read_rsna_labels(path: str | Path) -> dict[str, int]:
+    """SOPInstanceUID → 0/1 of its ``_any`` row, from an RSNA-style CSV."""
+    return {uid: sub["any"] for uid, sub in read_rsna_subtypes(path).items() if "any" in sub}
+
+
+def scan_subtypes(sop_uids: Iterable[str], subtypes: dict[str, dict[str, int]]) -> dict[str, int]:
+    """A scan's original label: each subtype the labels give its slices, 1 if any slice has it."""
+    out: dict[str, int] = {}
+    for uid in sop_uids:
+        for subtype, value in subtypes.get(uid, {}).items():
+            out[subtype] = max(out.get(subtype, 0), value)
+    return out
 
 
 def load_windowed_slices(files: Iterable[str]) -> np.ndarray:
@@ -221,12 +254,12 @@ def load_windowed_slices(files: Iterable[str]) -> np.ndarray:
 
 def ct_bag_writer(item, writer, *, extractor, batch_size: int = 32) -> None:
     """Ingest worker for one series (``item.payload``: ``files`` and ``instance_labels`` in slice order)."""
-    files = item.payload["files"]
+    files, sop_uids = item.payload["files"], item.payload["sop_uids"]
     labels = np.asarray(item.payload["instance_labels"], dtype=np.int8)
     for start in range(0, len(files), batch_size):
         stop = min(start + batch_size, len(files))
         windows = load_windowed_slices(files[start:stop])
-        writer.write(extractor(windows), np.arange(start, stop)[:, None], labels[start:stop])
+        writer.write(extractor(windows), np.arange(start, stop)[:, None], labels[start:stop], sop_uids[start:stop])
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -252,15 +285,16 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
     extractor = extractor or HandcraftedCT()
     series, errors = scan_dicom_dir(dicom_root)
     skipped = [Skipped.from_error(error) for error in errors]
-    slice_labels = None if labels_csv is None else read_rsna_labels(labels_csv)
+    subtypes = None if labels_csv is None else read_rsna_subtypes(labels_csv)
     items = []
     for s in series:
         source = str(Path(s.files[0]).parent)
-        if slice_labels is None:
+        payload = {"files": list(s.files), "sop_uids": list(s.sop_uids)}
+        if subtypes is None:
             items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
-                                    {"files": list(s.files), "instance_labels": [UNKNOWN_LABEL] * len(s.files)}))
+                                    payload | {"instance_labels": [UNKNOWN_LABEL] * len(s.files)}))
             continue
-        instance = np.array([slice_labels.get(uid, UNKNOWN_LABEL) for uid in s.sop_uids])
+        instance = np.array([subtypes.get(uid, {}).get("any", UNKNOWN_LABEL) for uid in s.sop_uids])
         if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
             skipped.append(Skipped.from_error(MissingLabelError("slice labels must be 0 or 1", path=source,
                                                                 bag_id=s.series_uid)))
@@ -271,8 +305,11 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
                 f"{labels_csv} and none is positive", path=source, bag_id=s.series_uid)))
             continue
         items.append(IngestItem(s.series_uid, source, int((instance == 1).any()),
-                                {"files": list(s.files), "instance_labels": instance.tolist()}))
+                                payload | {"instance_labels": instance.tolist()},
+                                encode_original_label(scan_subtypes(s.sop_uids, subtypes))))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=1,
                       coords_meaning="slice_index", feature_extractor=extractor_spec(extractor),
-                      tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]})
+                      tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]}, instance_ids="SOPInstanceUID",
+                      labels=None if labels_csv is None else {"file": str(labels_csv), "column": "RSNA subtypes of the slices",
+                                                              "target": "any", "positive": None})
     return IngestPlan(spec, items, skipped, functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size))

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 
-from tasks.ingest.errors import DuplicateIdError, NoTissueError
+from tasks.ingest.errors import DuplicateIdError, LabelChangedError, NoTissueError
 from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (
+    UNKNOWN_LABEL,
     CohortSpec,
     NonFinitePolicy,
     StagingWriter,
@@ -54,12 +55,14 @@ BagWriter = Callable[["IngestItem", StagingWriter], None]
 
 @dataclass(frozen=True)
 class IngestItem:
-    """One bag to ingest: its id, source file, bag label (-1 unlabelled) and reader-specific payload."""
+    """One bag to ingest: its id, source file, bag label (-1 unlabelled), reader-specific payload and
+    the label as the labels file gave it (JSON text, :func:`tasks.store.encode_original_label`)."""
 
     bag_id: str
     source: str
     label: int
     payload: Any = None
+    original_label: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ def stage_item(store: str, item: IngestItem, bag_writer: BagWriter, nonfinite: N
     per-slide task fails with it; :func:`run_ingest` turns it into a :class:`Skipped` entry).
     """
     try:
-        writer = StagingWriter(store, item.bag_id, item.label, item.source, nonfinite=nonfinite)
+        writer = StagingWriter(store, item.bag_id, item.label, item.source, nonfinite=nonfinite,
+                               original_label=item.original_label)
         bag_writer(item, writer)
         if writer.n_instances == 0:
             raise NoTissueError("no instances were produced", path=item.source, bag_id=item.bag_id)
@@ -157,7 +161,8 @@ class IngestRun:
 
     Opening it creates the store from ``spec`` (or checks an existing store against it), repairs an
     interrupted append and sorts ``items`` into already committed (same bag id and source), rejected
-    (duplicate ids) and pending. ``to_run`` are the pending items still to stage: a bag staged
+    (duplicate ids; a committed bag whose labels file now gives another label: the store keeps the
+    label it has, a relabelled cohort is a new store) and pending. ``to_run`` are the pending items still to stage: a bag staged
     completely by an interrupted run is committed without recomputing it. Staging (one item at a
     time, in parallel, each into its own staging group: :func:`stage_item`) happens elsewhere;
     :meth:`record` is told of each outcome and commits finished bags in item order,
@@ -175,7 +180,10 @@ class IngestRun:
         self.root = open_or_create_cohort(self.store, spec)
         repair(self.root)
         n_committed = committed_bag_count(self.root)
-        committed = dict(zip(self.root["bags/id"][:n_committed].tolist(), self.root["bags/source"][:n_committed].tolist()))
+        bags = self.root["bags"]
+        committed = dict(zip(bags["id"][:n_committed].tolist(), bags["source"][:n_committed].tolist()))
+        stored_label = dict(zip(bags["id"][:n_committed].tolist(),
+                                zip(bags["label"][:n_committed].tolist(), bags["original_label"][:n_committed].tolist())))
         self.skipped = list(skipped)
         self.already_done: list[str] = []
         self.pending: list[IngestItem] = []
@@ -185,7 +193,14 @@ class IngestRun:
                 self.skipped.append(Skipped.from_error(DuplicateIdError(
                     f"bag id also given by {first_source[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
             elif item.bag_id in committed and committed[item.bag_id] == item.source:
-                self.already_done.append(item.bag_id)
+                label, original = stored_label[item.bag_id]
+                if item.label != UNKNOWN_LABEL and (label, original) != (item.label, item.original_label):
+                    self.skipped.append(Skipped.from_error(LabelChangedError(
+                        f"bag already in the store with label {label} (original {original or 'none'}); the labels "
+                        f"file now gives {item.label} (original {item.original_label or 'none'}). The store keeps "
+                        "its label: ingest into a new store to relabel", path=item.source, bag_id=item.bag_id)))
+                else:
+                    self.already_done.append(item.bag_id)
             elif item.bag_id in committed:
                 self.skipped.append(Skipped.from_error(DuplicateIdError(
                     f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
@@ -194,7 +209,8 @@ class IngestRun:
             first_source.setdefault(item.bag_id, item.source)
         self._index = {item.bag_id: i for i, item in enumerate(self.pending)}
         self._finished: dict[int, bool] = {i: True for i, item in enumerate(self.pending)  # pending index -> staged?
-                                           if staged_status(self.root, item.bag_id, source=item.source, label=item.label) == "complete"}
+                                           if staged_status(self.root, item.bag_id, source=item.source, label=item.label,
+                                                            original_label=item.original_label) == "complete"}
         self.to_run = [item for i, item in enumerate(self.pending) if i not in self._finished]
         self.added: list[str] = []
         self.dropped_nonfinite: dict[str, int] = {}

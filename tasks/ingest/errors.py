@@ -53,3 +53,7 @@ class NonFiniteFeaturesError(IngestError):
 class InvalidSeriesError(IngestError):
     """A DICOM series that is not one complete CT scan (modality, rescale tags, missing or
     duplicate slices, mixed series)."""
+
+
+class LabelChangedError(IngestError):
+    """A bag already in the store whose labels file now gives another label (binary or original)."""

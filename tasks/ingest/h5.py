@@ -79,11 +79,12 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     found by file stem, used for heatmap backgrounds).
     """
     paths = sorted(Path(files).glob("*.h5")) if isinstance(files, (str, Path)) else [Path(f) for f in files]
-    labels = None
+    labels, originals, described = None, None, None
     if labels_csv is not None:
-        labels = LabelSpec(str(labels_csv), id_column, label_column, positive, target).read()[0]
+        label_spec = LabelSpec(str(labels_csv), id_column, label_column, positive, target)
+        (labels, originals), described = label_spec.read(), label_spec.describe()
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
-                                     None if labels_csv is None else str(labels_csv))
+                                     None if labels_csv is None else str(labels_csv), originals)
     n_features = existing_n_features(store)
     for item in list(items):
         if n_features is not None:
@@ -97,6 +98,6 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
         raise IngestError("no readable .h5 feature file", path=str(files))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
                       coords_meaning="x,y (level-0 pixels, as in the .h5)",
-                      tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())})
+                      tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())}, labels=described)
     return run_ingest(store, spec, items, h5_bag_writer, skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path)

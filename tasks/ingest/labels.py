@@ -9,6 +9,9 @@ column and either the positive values or a target expression such as ``isup_grad
 ``diagnosis in ['tumor', 'metastasis'] and not qc_fail`` (parsed, never evaluated as Python: only
 column names, constants, comparisons, ``in``, ``and``/``or``/``not`` are accepted). Presets:
 ``panda`` (``image_id``, ``isup_grade > 0``). RSNA slice labels are read by :mod:`tasks.ingest.ct`.
+
+The value of the label column itself (an ISUP grade, a class name) goes with each item as its
+*original label* and is kept in the store beside the binary target (``bags/original_label``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 from tasks.ingest.driver import IngestItem, Skipped
 from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError
-from tasks.store import UNKNOWN_LABEL
+from tasks.store import UNKNOWN_LABEL, encode_original_label
 
 
 def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: str) -> dict[str, int | Exception]:
@@ -43,8 +46,10 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
 
 
 def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str, int | Exception] | None,
-                    labels_path: str | None) -> tuple[list[IngestItem], list[Skipped]]:
-    """Attach bag labels (-1 without a labels table); unlabelled or badly labelled bags are skipped."""
+                    labels_path: str | None, originals: dict[str, Any] | None = None) -> tuple[list[IngestItem], list[Skipped]]:
+    """Attach bag labels (-1 without a labels table) and original labels (``originals``: bag id →
+    the labels file's value); unlabelled or badly labelled bags are skipped."""
+    originals = originals or {}
     items, skipped = [], []
     for bag_id, source, payload in candidates:
         if labels is None:
@@ -56,7 +61,7 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
         if isinstance(label, Exception):
             skipped.append(Skipped.from_error(label, IngestItem(bag_id, source, UNKNOWN_LABEL)))
         else:
-            items.append(IngestItem(bag_id, source, int(label), payload))
+            items.append(IngestItem(bag_id, source, int(label), payload, encode_original_label(originals.get(bag_id))))
     return items, skipped
 
 
@@ -102,8 +107,9 @@ def binary(value: Any) -> int:
     return int(number)
 
 
-def read_panda_labels(path: str | Path) -> dict[str, int | Exception]:
-    """image_id → 1 if ``isup_grade > 0`` else 0, from a PANDA-style CSV."""
+def read_panda_labels(path: str | Path) -> tuple[dict[str, int | Exception], dict[str, Any]]:
+    """image_id → 1 if ``isup_grade > 0`` else 0 (or the row's error), and image_id → its ISUP
+    grade (the original label), from a PANDA-style CSV."""
     table = read_labels_csv(path, dtype={"image_id": str})
     if "isup_grade" not in table.columns:
         raise IngestError(f"labels CSV has no isup_grade column (columns: {list(table.columns)})", path=str(path))
@@ -114,7 +120,7 @@ def read_panda_labels(path: str | Path) -> dict[str, int | Exception]:
             raise ValueError("isup_grade must be an integer 0..5")
         return int(grade > 0)
 
-    return label_lookup(table, "image_id", label_of, str(path))
+    return label_lookup(table, "image_id", label_of, str(path)), dict(zip(table["image_id"].astype(str), table["isup_grade"]))
 
 
 # ------------------------------------------------------------------------------ label specs
@@ -218,6 +224,12 @@ class LabelSpec:
                 return int(text in positives)
             return in_positives
         return lambda row: binary(row[self.label_column])
+
+    def describe(self) -> dict[str, Any]:
+        """Where the labels come from, as the store records it (``labels`` attribute): the original
+        labels of two ingests into one store must mean the same (same column, target, positives)."""
+        return {"file": str(self.file), "id_column": self.id_column, "column": self.label_column,
+                "target": self.target, "positive": None if self.positive is None else list(self.positive)}
 
     def read(self) -> tuple[dict[str, int | Exception], dict[str, Any]]:
         """bag id → 0/1 (or the row's error), and bag id → the original value of ``label_column``."""

@@ -53,11 +53,13 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     ``labels_dir/<bag>.npy`` (the bag label), optional ``inst_labels_dir`` and ``coords_dir``."""
     feature_files = sorted(Path(features_dir).glob("*.npy"))
     labels: dict[str, int | Exception] | None = None
+    originals: dict[str, Any] = {}
     if labels_dir is not None:
         labels = {}
         for path in sorted(Path(labels_dir).glob("*.npy")):
             try:
-                labels[path.stem] = binary(np.load(path).reshape(-1)[0])
+                originals[path.stem] = np.load(path, allow_pickle=False).reshape(-1)[0]
+                labels[path.stem] = binary(originals[path.stem])
             except Exception as error:
                 labels[path.stem] = MissingLabelError(f"unusable label file: {error}", path=str(path), bag_id=path.stem)
 
@@ -67,7 +69,7 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
 
     candidates = [(p.stem, str(p), {"features": str(p), "inst_labels": optional(inst_labels_dir, p.stem),
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
-    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir))
+    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir), originals)
     n_features, coords_dim = existing_n_features(store), None
     for item in items:
         try:
@@ -80,6 +82,8 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     if n_features is None:
         raise IngestError("no readable feature file", path=str(features_dir))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features,
-                      coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index")
+                      coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index",
+                      labels=None if labels_dir is None else {"file": str(labels_dir), "column": "labels/<bag>.npy",
+                                                              "target": None, "positive": None})
     return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path)

@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, default_report_path
-from tasks.ingest.errors import BadValueError, DuplicateIdError, IngestError, MissingLabelError, NonFiniteFeaturesError, UnreadableFileError
+from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
+                                 NonFiniteFeaturesError, UnreadableFileError)
 from tasks.lease import writer_lease
 from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
-                         finite_rows, open_or_create_cohort, repair)
+                         encode_original_label, finite_rows, open_or_create_cohort, repair)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class FeatureTable:
     """Instance rows of a cohort: ``X`` (N, D), ``bag_ids`` (N,), per-row bag ``labels`` (N,).
 
     ``coords`` (N, k) and ``instance_labels`` (N,) are optional; ``source`` names the file.
+    ``original_labels`` (N,), optional, constant within a bag: the label the bag's target was
+    derived from (an ISUP grade, a class name), kept as the bag's original label; without it the
+    original label is the bag label itself (none for -1).
     ``row_problems``: file row → why its features are NaN (a cell that is not a number).
     """
 
@@ -38,6 +42,7 @@ class FeatureTable:
     coords: np.ndarray | None = None
     instance_labels: np.ndarray | None = None
     row_problems: dict[int, str] = field(default_factory=dict)
+    original_labels: np.ndarray | None = None
 
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1) -> FeatureTable:
@@ -62,11 +67,13 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
 
 
 def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_column: str = "label",
-                       instance_label_column: str | None = None,
+                       instance_label_column: str | None = None, original_label_column: str | None = None,
                        feature_columns: list[str] | None = None) -> FeatureTable:
     """A Parquet table with a bag-id column, a bag-label column and feature columns.
 
-    ``feature_columns`` defaults to every other numeric column. The file is read a row group and
+    ``original_label_column`` (e.g. ``isup_grade``) holds the label the 0/1 target came from, kept
+    in the store as each bag's original label. ``feature_columns`` defaults to every other numeric
+    column. The file is read a row group and
     8 columns at a time into one preallocated float32 array, so peak memory is the features plus
     8 columns of one row group.
     """
@@ -78,14 +85,14 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     except Exception as error:
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     schema = parquet.schema_arrow
-    missing = {bag_column, label_column, instance_label_column} - set(schema.names) - {None}
+    missing = {bag_column, label_column, instance_label_column, original_label_column} - set(schema.names) - {None}
     if missing:
         raise IngestError(f"Parquet table lacks columns {sorted(missing)}", path=str(path))
     if feature_columns is None:
-        reserved = {bag_column, label_column, instance_label_column}
+        reserved = {bag_column, label_column, instance_label_column, original_label_column}
         feature_columns = [f.name for f in schema if f.name not in reserved
                            and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
-    others = [c for c in (bag_column, label_column, instance_label_column) if c is not None]
+    others = [c for c in (bag_column, label_column, instance_label_column, original_label_column) if c is not None]
     X = np.empty((parquet.metadata.num_rows, len(feature_columns)), dtype=np.float32)
     columns: dict[str, list[np.ndarray]] = {c: [] for c in others}
     start = 0
@@ -106,11 +113,13 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     merged = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
     return FeatureTable(
         X=X, bag_ids=merged[bag_column].astype(str).astype(object), labels=merged[label_column], source=str(path),
-        instance_labels=None if instance_label_column is None else merged[instance_label_column])
+        instance_labels=None if instance_label_column is None else merged[instance_label_column],
+        original_labels=None if original_label_column is None else merged[original_label_column])
 
 
 def read_npz_table(path: str | Path) -> FeatureTable:
-    """A NumPy ``.npz`` with arrays ``X``, ``bag_ids``, ``labels`` and optionally ``coords``, ``instance_labels``."""
+    """A NumPy ``.npz`` with arrays ``X``, ``bag_ids``, ``labels`` and optionally ``coords``,
+    ``instance_labels``, ``original_labels`` (numbers or fixed-width strings; nothing pickled is loaded)."""
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
@@ -121,7 +130,7 @@ def read_npz_table(path: str | Path) -> FeatureTable:
         raise IngestError(f".npz lacks arrays {sorted(missing)}", path=str(path))
     return FeatureTable(X=arrays["X"], bag_ids=arrays["bag_ids"].astype(str).astype(object),
                         labels=arrays["labels"], source=str(path), coords=arrays.get("coords"),
-                        instance_labels=arrays.get("instance_labels"))
+                        instance_labels=arrays.get("instance_labels"), original_labels=arrays.get("original_labels"))
 
 
 def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,
@@ -151,6 +160,8 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         repair(root)
         n_committed = committed_bag_count(root)
         committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
+        stored_labels = dict(zip(root["bags/id"][:n_committed].tolist(),
+                                 zip(root["bags/label"][:n_committed].tolist(), root["bags/original_label"][:n_committed].tolist())))
         codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
         order = np.argsort(codes, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
@@ -162,18 +173,35 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
             for b, bag_id in enumerate(map(str, ids)):
                 rows = order[offsets[b]:offsets[b + 1]]
                 rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
-                if bag_id in committed:
-                    if committed[bag_id] == table.source:
-                        done.append(bag_id)
-                    else:
-                        skipped.append(Skipped.from_error(DuplicateIdError(
-                            f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
+                if bag_id in committed and committed[bag_id] != table.source:
+                    skipped.append(Skipped.from_error(DuplicateIdError(
+                        f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
                     continue
                 labels = np.unique(np.asarray(table.labels[rows]))
                 if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
                     skipped.append(Skipped.from_error(MissingLabelError(
                         f"bag label must be one of 0, 1, -1 and equal on all rows; got {labels.tolist()}",
                         path=table.source, bag_id=bag_id)))
+                    continue
+                if table.original_labels is None:
+                    original = "" if labels[0] == UNKNOWN_LABEL else encode_original_label(labels[0])
+                else:
+                    originals = {encode_original_label(v) for v in np.asarray(table.original_labels[rows], dtype=object)}
+                    if len(originals) != 1:
+                        skipped.append(Skipped.from_error(MissingLabelError(
+                            f"original label must be equal on all rows of a bag; got {sorted(originals)}",
+                            path=table.source, bag_id=bag_id)))
+                        continue
+                    original = originals.pop()
+                if bag_id in committed:  # from this file: done, unless the file now labels it otherwise
+                    if labels[0] != UNKNOWN_LABEL and stored_labels[bag_id] != (int(labels[0]), original):
+                        skipped.append(Skipped.from_error(LabelChangedError(
+                            f"bag already in the store with label {stored_labels[bag_id][0]} (original "
+                            f"{stored_labels[bag_id][1] or 'none'}); the file now gives {int(labels[0])} (original "
+                            f"{original or 'none'}). The store keeps its label: ingest into a new store to relabel",
+                            path=table.source, bag_id=bag_id)))
+                    else:
+                        done.append(bag_id)
                     continue
                 features = np.asarray(X[rows])
                 instance_coords = np.arange(len(features))[:, None] if coords is None else coords[rows]
@@ -202,7 +230,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                 added.append(bag_id)
                 rows_added += len(features)
                 yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
-                              coords=instance_coords, instance_labels=instance_labels)
+                              coords=instance_coords, instance_labels=instance_labels, original_label=original)
 
         append_bags(root, bags())
         report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),

@@ -33,7 +33,7 @@ import numpy as np
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
-from tasks.ingest.slide_io import SLIDE_PATTERNS, SlideReader, find_slides, open_slide
+from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
 
@@ -142,19 +142,24 @@ def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.nd
 
 def tile_grid(slide: SlideReader, params: TilingParams) -> TileGrid:
     """Tissue mask on the thumbnail and the kept tiles of the level-0 grid (row-major order)."""
-    geometry = tile_geometry(slide, params)
     thumb, mask_downsample = slide.thumbnail(params.mask_max_side)
-    mask = tissue_mask(thumb, params)
+    return grid_from_mask(slide, params, tissue_mask(thumb, params), mask_downsample)
+
+
+def _mask_edges(n: int, side0: float, mask_downsample: float, limit: int) -> np.ndarray:
+    """Mask rows (or columns) where each of ``n`` tiles of level-0 side ``side0`` starts, and the end."""
+    return np.clip(np.round(np.arange(n + 1) * (side0 / mask_downsample)).astype(np.int64), 0, limit)
+
+
+def grid_from_mask(slide: SlideReader, params: TilingParams, mask: np.ndarray, mask_downsample: float) -> TileGrid:
+    """The kept tiles of the level-0 grid (row-major order) under a tissue mask of the thumbnail."""
+    geometry = tile_geometry(slide, params)
     height, width = slide.level_shapes[0]
     n_rows, n_cols = int(height // geometry.side0), int(width // geometry.side0)
     # Tissue fraction of each tile: box sums of the mask over the tile's footprint (summed-area table).
     table = np.pad(mask.astype(np.float64).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
-    scale = geometry.side0 / mask_downsample
-
-    def edges(n: int, limit: int) -> np.ndarray:
-        return np.clip(np.round(np.arange(n + 1) * scale).astype(np.int64), 0, limit)
-
-    ys, xs = edges(n_rows, mask.shape[0]), edges(n_cols, mask.shape[1])
+    ys = _mask_edges(n_rows, geometry.side0, mask_downsample, mask.shape[0])
+    xs = _mask_edges(n_cols, geometry.side0, mask_downsample, mask.shape[1])
     area = np.maximum(np.diff(ys)[:, None] * np.diff(xs)[None, :], 1)
     box = table[ys[1:]][:, xs[1:]] - table[ys[:-1]][:, xs[1:]] - table[ys[1:]][:, xs[:-1]] + table[ys[:-1]][:, xs[:-1]]
     fraction = box / area
@@ -191,12 +196,18 @@ def iter_tile_batches(slide: SlideReader, grid: TileGrid, batch_size: int) -> It
         yield _resize(np.stack(tiles), grid.tile_size), coords
 
 
-def write_qc_thumbnail(path: str | Path, slide: SlideReader, grid: TileGrid, max_side: int = 1024) -> Path:
-    """PNG of the slide's thumbnail with the kept tiles outlined in green and the mask edge in blue."""
+def write_qc_thumbnail(path: str | Path, slide: SlideReader, grid: TileGrid, max_side: int = 1024,
+                       thumbnail: tuple[np.ndarray, float] | None = None) -> Path:
+    """PNG of the slide's thumbnail with the kept tiles outlined in green and the mask edge in blue
+    (``thumbnail``: one already read, ``(pixels, downsample)``, subsampled to ``max_side``)."""
     import matplotlib.image
     from scipy import ndimage
 
-    thumb, thumb_downsample = slide.thumbnail(max_side)
+    if thumbnail is None:
+        thumb, thumb_downsample = slide.thumbnail(max_side)
+    else:
+        every = max(1, int(np.ceil(max(thumbnail[0].shape[:2]) / max_side)))
+        thumb, thumb_downsample = thumbnail[0][::every, ::every], thumbnail[1] * every
     image = thumb[..., :3].copy()
     mask = ndimage.zoom(grid.mask.astype(np.uint8), np.array(image.shape[:2]) / grid.mask.shape, order=0).astype(bool)
     mask = mask[: image.shape[0], : image.shape[1]]
@@ -237,20 +248,130 @@ def sample_tiles(path: str | Path, params: TilingParams, n: int, rng: np.random.
         return np.concatenate([tiles for tiles, _ in iter_tile_batches(slide, picked, 64)])  # 64 reads at a time
 
 
+def reads_once(slide: SlideReader, params: TilingParams) -> bool:
+    """Whether tiles are read from the level the thumbnail is read from (a single-level slide, or
+    tiles at the lowest level): then :func:`features_in_one_pass` reads that level once."""
+    return tile_geometry(slide, params).level == len(slide.level_shapes) - 1
+
+
+def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, batch_size: int = 64
+                         ) -> tuple[TileGrid, np.ndarray, tuple[np.ndarray, float]]:
+    """Tissue mask, tile grid and the kept tiles' features from one read of the tile level.
+
+    The level is read a tile row at a time (a band of ``read_size`` rows, full width); each band
+    gives its rows of the thumbnail (the same pixels :meth:`SlideReader.thumbnail` takes) and its
+    tiles. The tissue mask needs the whole thumbnail, so tiles are featurised when they *could* be
+    tissue: their thumbnail footprint, widened by the reach of the median filter and the closing
+    (``median_kernel // 2 + close_size`` px), holds a pixel more saturated than ``min_saturation``;
+    no other tile can reach ``min_tissue`` except through hole filling, and the few kept tiles
+    featurised no earlier (filled holes) are read once more at the end. Memory: the bands of the
+    tile rows not yet decided (two, unless the reach spans more rows), one batch of tiles, the
+    thumbnail and the candidate tiles' features. Returns the grid, its kept tiles' features (K, D)
+    and the thumbnail with its downsample.
+    """
+    from collections import deque
+
+    g = tile_geometry(slide, params)
+    downsample = slide.downsamples[g.level]
+    height, width = slide.level_shapes[g.level]
+    step = max(1, int(np.ceil(max(height, width) / params.mask_max_side)))
+    thumb = np.empty((-(-height // step), -(-width // step), 3), dtype=np.uint8)
+    saturated = np.zeros(thumb.shape[:2], dtype=bool)  # raw saturation > min_saturation, per thumbnail pixel
+    mask_downsample = downsample * step
+    n_rows, n_cols = int(slide.level_shapes[0][0] // g.side0), int(slide.level_shapes[0][1] // g.side0)
+    ys = _mask_edges(n_rows, g.side0, mask_downsample, thumb.shape[0])
+    xs = _mask_edges(n_cols, g.side0, mask_downsample, thumb.shape[1])
+    reach = params.median_kernel // 2 + params.close_size
+    tile_y = [int(round(round(r * g.side0) / downsample)) for r in range(n_rows)]
+    tile_x = [int(round(round(c * g.side0) / downsample)) for c in range(n_cols)]
+    band_width = max(width, tile_x[-1] + g.read_size if tile_x else 0)
+    covered = 0  # level rows [0, covered) are in the thumbnail
+
+    def take(rows: np.ndarray, first: int) -> None:
+        """Thumbnail rows (every ``step``-th level row and column) of level rows ``first…``."""
+        nonlocal covered
+        wanted = np.arange(-(-max(first, covered) // step) * step, min(first + len(rows), height), step)
+        if wanted.size:
+            part = rows[wanted - first, :width:step]
+            thumb[wanted // step] = part
+            brightest, darkest = part.max(axis=-1), part.min(axis=-1)
+            saturation = (brightest.astype(np.uint16) - darkest) * 255 // np.maximum(brightest, 1)
+            saturated[wanted // step] = saturation > params.min_saturation
+        covered = max(covered, min(first + len(rows), height))
+
+    def fill_thumbnail(stop: int) -> None:
+        """Read the level rows [covered, stop) that no band covers, for the thumbnail only."""
+        for start in range(covered, min(stop, height), STRIP_ROWS):
+            take(slide.read(g.level, slice(start, min(start + STRIP_ROWS, stop, height)), slice(0, width)), start)
+
+    features: dict[tuple[int, int], np.ndarray] = {}
+    batch: list[np.ndarray] = []
+    batch_keys: list[tuple[int, int]] = []
+
+    def flush() -> None:
+        if batch:
+            for key, row in zip(batch_keys, np.asarray(extractor(_resize(np.stack(batch), params.tile_size)))):
+                features[key] = row
+            batch.clear()
+            batch_keys.clear()
+
+    def featurise_candidates(r: int, band: np.ndarray) -> None:
+        near = saturated[max(0, ys[r] - reach):ys[r + 1] + reach].any(axis=0)
+        for c in range(n_cols):
+            if near[max(0, xs[c] - reach):xs[c + 1] + reach].any():
+                batch.append(band[:, tile_x[c]:tile_x[c] + g.read_size])
+                batch_keys.append((r, c))
+                if len(batch) >= batch_size:
+                    flush()
+
+    pending: deque[tuple[int, np.ndarray]] = deque()
+    for r in range(n_rows):
+        fill_thumbnail(tile_y[r])
+        band = slide.read(g.level, slice(tile_y[r], tile_y[r] + g.read_size), slice(0, band_width))
+        take(band, tile_y[r])
+        pending.append((r, band))
+        while pending and (ys[pending[0][0] + 1] + reach) * step <= covered:
+            featurise_candidates(*pending.popleft())
+    fill_thumbnail(height)
+    while pending:
+        featurise_candidates(*pending.popleft())
+    flush()
+
+    grid = grid_from_mask(slide, params, tissue_mask(thumb, params), mask_downsample)
+    missed = [i for i, (r, c) in enumerate(grid.coords[:, :2].tolist()) if (r, c) not in features]
+    if missed:  # kept only through hole filling: read these few tiles again
+        picked = TileGrid(grid.geometry, grid.tile_size, grid.shape, grid.coords[missed], grid.tissue[missed],
+                          grid.mask, grid.mask_downsample)
+        for tiles, coords in iter_tile_batches(slide, picked, batch_size):
+            for (r, c), row in zip(coords[:, :2].tolist(), np.asarray(extractor(tiles))):
+                features[(r, c)] = row
+    kept = [features[(r, c)] for r, c in grid.coords[:, :2].tolist()]
+    n_features = int(getattr(extractor, "n_features", 0))
+    return grid, (np.stack(kept) if kept else np.zeros((0, n_features), dtype=np.float32)), (thumb, mask_downsample)
+
+
 def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_size: int = 64,
                      qc_dir: str | None = None) -> None:
     """Ingest worker for one slide: tile grid → tile batches → features → the bag's staging writer.
 
-    Raises :class:`NoTissueError` when no tile is kept. Writes ``<qc_dir>/<safe_filename(bag_id)>.png`` if asked.
+    A slide whose tiles come from the level its thumbnail is read from (a single-level slide) is
+    read once (:func:`features_in_one_pass`); a pyramid's thumbnail comes from its lowest level and
+    its tiles from the tile level. Raises :class:`NoTissueError` when no tile is kept. Writes
+    ``<qc_dir>/<safe_filename(bag_id)>.png`` if asked.
     """
     with open_slide(item.source, params.reader) as slide:
-        grid = tile_grid(slide, params)
+        if reads_once(slide, params):
+            grid, features, thumbnail = features_in_one_pass(slide, params, extractor, batch_size)
+            batches = ((features[i:i + batch_size], grid.coords[i:i + batch_size]) for i in range(0, len(features), batch_size))
+        else:
+            grid, thumbnail = tile_grid(slide, params), None
+            batches = ((extractor(tiles), coords) for tiles, coords in iter_tile_batches(slide, grid, batch_size))
         if not len(grid.coords):
             raise NoTissueError(f"no tile has >= {params.min_tissue:.0%} tissue", path=item.source, bag_id=item.bag_id)
         if qc_dir is not None:
-            write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid)
-        for tiles, coords in iter_tile_batches(slide, grid, batch_size):
-            writer.write(extractor(tiles), coords, np.full(len(coords), -1, dtype=np.int8))
+            write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid, thumbnail=thumbnail)
+        for batch_features, coords in batches:
+            writer.write(batch_features, coords, np.full(len(coords), -1, dtype=np.int8))
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -295,10 +416,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     paths, left_out = find_slides(slides, patterns, recursive)
     paths, undecodable = split_undecodable(paths)
     paths, ambiguous = _unique_stems(paths)
-    labels = (None if labels_csv is None else labels_csv.read()[0] if isinstance(labels_csv, LabelSpec)
-              else read_panda_labels(labels_csv))
+    labels, originals = ((None, None) if labels_csv is None else labels_csv.read() if isinstance(labels_csv, LabelSpec)
+                         else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
-    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path)
+    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path, originals)
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
         present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
@@ -312,7 +433,8 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
             extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=4,
                       coords_meaning=COORDS_MEANING, feature_extractor=extractor_spec(extractor),
-                      tiling=params.as_attrs())
+                      tiling=params.as_attrs(), labels=None if labels_csv is None else (
+                          labels_csv if isinstance(labels_csv, LabelSpec) else LabelSpec.preset("panda", labels_csv)).describe())
     writer = functools.partial(slide_bag_writer, params=params, extractor=extractor, batch_size=batch_size,
                                qc_dir=None if qc_dir is None else str(qc_dir))
     return IngestPlan(spec, items, skipped, writer)
