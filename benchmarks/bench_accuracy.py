@@ -46,7 +46,7 @@ from bench_embedded import EMBEDDED_METHODS  # noqa: E402
 from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for the small sets)
 from bench_reference_vgpmil import load_reference  # noqa: E402
 
-from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs  # noqa: E402
 from mil_core.bags import BAG_RULES, BagIndex, bag_score  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
 from mil_core.inducing import kmeans_inducing_points  # noqa: E402
@@ -235,6 +235,15 @@ def fit_predict_vgpmilpr_v1(train: Fold, test: Fold) -> Prediction:
     return _probit_gp(VGPMILPR(kernel=RBF(4.0), bag_rule="orthant", random_state=0))(train, test)
 
 
+def fit_predict_gibbs(train: Fold, test: Fold) -> Prediction:
+    """Default ``VGPMILPRGibbs()`` (the exact sampler of the VGPMIL-PR model: 500 + 2,000 sweeps); every bag
+    rule on the same chain. Only when named: its within-bag updates are sequential (slow in large bags)."""
+    model = VGPMILPRGibbs(random_state=0)
+    prediction = _probit_gp(model)(train, test)
+    prediction.extra["rhat"] = model.rhat_
+    return prediction
+
+
 def fit_predict_vwsgp(train: Fold, test: Fold) -> Prediction:
     """Default ``VWSGP()``: σ(Σ evidence); instance scores are evidences (a ranking)."""
     model = VWSGP(random_state=0).fit(train.X, train.bags, train.y)
@@ -277,6 +286,7 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vwsgp": fit_predict_vwsgp,
     "vgpmil_v1": fit_predict_vgpmil_v1,
     "vgpmilpr_v1": fit_predict_vgpmilpr_v1,
+    "gibbs": fit_predict_gibbs,
 }
 # ABMIL and EmbeddedGPMIL (issue 15; they need the extra torch), defined in bench_embedded.py
 METHODS |= {name: EMBEDDED_METHODS[name] for name in ("abmil", "embedded_gpmil")}
@@ -355,7 +365,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
     parser.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "vgpmil_2017"],
-                        help="default: all but the *_v1 references (and vgpmil_2017 only with --reference)")
+                        help="default: all but the *_v1 references and gibbs (and vgpmil_2017 only with --reference)")
     parser.add_argument("--reference", type=Path, help="folder with the public 2017 vgpmil.py (adds vgpmil_2017)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
@@ -363,7 +373,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reference is not None:
         METHODS["vgpmil_2017"] = reference_method(args.reference)
-    methods = args.methods or [m for m in METHODS if not m.endswith("_v1")]
+    methods = args.methods or [m for m in METHODS if not m.endswith("_v1") and m != "gibbs"]
     if "vgpmil_2017" in methods and "vgpmil_2017" not in METHODS:
         parser.error("vgpmil_2017 needs --reference PATH (a checkout of the public 2017 code)")
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
