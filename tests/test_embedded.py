@@ -83,7 +83,7 @@ def _network_bag_logits(model, X, bags):
 
 def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted, data):
     (X_train, bags_train, y_train, _), (X, bags, _, _) = data
-    keys, p = fitted.predict_bag_proba(X, bags)
+    _, p = fitted.predict_bag_proba(X, bags)
     pooled = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")[1]
     score = 0.5 * (_network_bag_logits(fitted, X, bags) + np.log(pooled / (1 - pooled)))
     np.testing.assert_allclose(p, expit(fitted.calibration_slope_ * score + fitted.calibration_intercept_), rtol=1e-10)
@@ -92,7 +92,6 @@ def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted,
     val_keys = train_keys[fitted.validation_bags_]
     assert 0 < val_keys.size < train_keys.size
     rows = np.isin(bags_train, val_keys)
-    _, p_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows])
     val_labels = np.array([y_train[bags_train == k][0] for k in val_keys])
     pooled_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows], rule="attention", method="probit")[1]
     val_score = 0.5 * (_network_bag_logits(fitted, X_train[rows], bags_train[rows]) + np.log(pooled_val / (1 - pooled_val)))
