@@ -231,12 +231,21 @@ def test_platt_recovers_a_known_map_and_stays_finite_on_separable_bags():
     rng = np.random.default_rng(0)
     s = rng.normal(size=20_000)
     y = (rng.random(s.size) < expit(2.0 * s - 1.0)).astype(int)
-    assert fit_platt(s, y) == pytest.approx((2.0, -1.0), abs=0.1)
-    slope, intercept = fit_platt(np.array([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0]), np.array([0, 0, 0, 1, 1, 1]))
+    assert fit_platt(s, y) == pytest.approx((2.0, -1.0), abs=0.1)  # the prior is negligible here
+    slope, intercept = fit_platt(np.array([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0]), np.array([0, 0, 0, 1, 1, 1]), slope_prior_std=None)
     assert 0 < slope < 10 and np.isfinite(intercept)  # Platt's smoothed targets: no runaway to infinity
-    # smoothed targets 1/5 and 4/5 at scores ±1: σ(a ± c) hits them exactly
-    assert fit_platt(np.array([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1, 1])) == pytest.approx(
-        (np.log(4.0), 0.0), abs=1e-8)
+    # smoothed targets 1/5 and 4/5 at scores ±1: σ(a ± c) hits them exactly; the prior on log a pulls towards 1
+    separable = np.array([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1, 1])
+    assert fit_platt(*separable, slope_prior_std=None) == pytest.approx((np.log(4.0), 0.0), abs=1e-6)
+    assert 1.0 < fit_platt(*separable)[0] < np.log(4.0) - 0.05
+
+
+def test_platt_never_reverses_the_ranking():
+    """Four validation bags that happen to rank the wrong way must not flip the model's ranking."""
+    slope, _ = fit_platt(np.array([1.0, 2.0, -1.0, -2.0]), np.array([0, 0, 1, 1]))
+    assert slope > 0.1
+    scores = np.array([-2.0, 0.0, 3.0])
+    assert np.all(np.diff(expit(slope * scores)) > 0)
     with pytest.raises(ValueError, match="both classes"):
         fit_platt([0.1, 0.2], [1, 1])
     with pytest.raises(ValueError, match="finite"):
