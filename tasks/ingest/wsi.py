@@ -33,7 +33,7 @@ import numpy as np
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
-from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide
+from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_id
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
 
@@ -382,7 +382,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
                   report_path: str | Path | None = None, on_progress=None,
                   patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestReport:
     """Tile slides (a folder, searched for ``patterns`` recursively, or a list; bag id = file stem =
-    PANDA ``image_id``) into the store.
+    PANDA ``image_id``, or the folder name of a DICOM-WSI) into the store.
 
     ``params`` is a :class:`TilingParams`; ``extractor`` defaults to
     :class:`tasks.ingest.features.HandcraftedHE`. An extractor that needs fitting is fitted once on
@@ -419,10 +419,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     labels, originals = ((None, None) if labels_csv is None else labels_csv.read() if isinstance(labels_csv, LabelSpec)
                          else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
-    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path, originals)
+    items, unlabelled = labelled_items(((slide_id(p), str(p), None) for p in paths), labels, labels_path, originals)
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
-        present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
+        present = {slide_id(p) for p in paths} | {s.bag_id for s in ambiguous}
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
                     for bag_id in labels if bag_id not in present]
@@ -445,8 +445,8 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
     ambiguous: both are skipped, never one of them picked silently."""
     by_stem: dict[str, list[Path]] = {}
     for path in paths:
-        by_stem.setdefault(path.stem, []).append(path)
-    unique = [p for p in paths if len(by_stem[p.stem]) == 1]
+        by_stem.setdefault(slide_id(path), []).append(path)
+    unique = [p for p in paths if len(by_stem[slide_id(p)]) == 1]
     ambiguous = [Skipped(path=str(group[0].parent), bag_id=stem, error="DuplicateIdError",
                          reason=f"{len(group)} files for one slide id: {', '.join(p.name for p in group)}; keep one")
                  for stem, group in by_stem.items() if len(group) > 1]
