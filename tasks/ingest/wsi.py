@@ -261,15 +261,18 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
     The level is read a tile row at a time (a band of ``read_size`` rows, full width); each band
     gives its rows of the thumbnail (the same pixels :meth:`SlideReader.thumbnail` takes) and its
     tiles. The tissue mask needs the whole thumbnail, so tiles are featurised when they *could* be
-    tissue: their thumbnail footprint, widened by the reach of the median filter and the closing
-    (``median_kernel // 2 + close_size`` px), holds a pixel more saturated than ``min_saturation``;
-    no other tile can reach ``min_tissue`` except through hole filling, and the few kept tiles
-    featurised no earlier (filled holes) are read once more at the end. Memory: the bands of the
+    tissue: pixels within the reach of the median filter and the closing (``median_kernel // 2 +
+    close_size`` thumbnail px) of a pixel more saturated than ``min_saturation`` cover at least
+    ``min_tissue`` of their footprint (the mask before hole filling lies within that reach); the
+    few kept tiles featurised no earlier (tissue only through filled holes) are read once more at
+    the end. Memory: the bands of the
     tile rows not yet decided (two, unless the reach spans more rows), one batch of tiles, the
     thumbnail and the candidate tiles' features. Returns the grid, its kept tiles' features (K, D)
     and the thumbnail with its downsample.
     """
     from collections import deque
+
+    from scipy import ndimage
 
     g = tile_geometry(slide, params)
     downsample = slide.downsamples[g.level]
@@ -282,6 +285,7 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
     ys = _mask_edges(n_rows, g.side0, mask_downsample, thumb.shape[0])
     xs = _mask_edges(n_cols, g.side0, mask_downsample, thumb.shape[1])
     reach = params.median_kernel // 2 + params.close_size
+    square = np.ones((2 * reach + 1, 2 * reach + 1), dtype=bool)
     tile_y = [int(round(round(r * g.side0) / downsample)) for r in range(n_rows)]
     tile_x = [int(round(round(c * g.side0) / downsample)) for c in range(n_cols)]
     band_width = max(width, tile_x[-1] + g.read_size if tile_x else 0)
@@ -316,10 +320,15 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
             batch_keys.clear()
 
     def featurise_candidates(r: int, band: np.ndarray) -> None:
-        near = saturated[max(0, ys[r] - reach):ys[r + 1] + reach].any(axis=0)
+        # Tissue (before hole filling) lies within ``reach`` of a saturated pixel: a tile can reach
+        # min_tissue only if that neighbourhood covers at least min_tissue of its footprint.
+        top = max(0, ys[r] - reach)
+        grown = ndimage.binary_dilation(saturated[top:ys[r + 1] + reach], structure=square)[ys[r] - top:ys[r + 1] - top]
+        columns = np.concatenate([[0], grown.sum(axis=0).cumsum()])
         for c in range(n_cols):
-            if near[max(0, xs[c] - reach):xs[c + 1] + reach].any():
-                batch.append(band[:, tile_x[c]:tile_x[c] + g.read_size])
+            area = max((ys[r + 1] - ys[r]) * (xs[c + 1] - xs[c]), 1)
+            if (columns[xs[c + 1]] - columns[xs[c]]) / area >= params.min_tissue:
+                batch.append(band[:, tile_x[c]:tile_x[c] + g.read_size].copy())  # a copy: no view keeps the band alive
                 batch_keys.append((r, c))
                 if len(batch) >= batch_size:
                     flush()
