@@ -1,116 +1,186 @@
 """EmbeddedGPMIL and the ABMIL baseline on the folds of ``bench_accuracy.py`` (issue 15). Needs the extra ``torch``.
 
-Two tables, both on bench_accuracy's identical folds (stratified 5-fold CV over bags, seed 0,
-features standardised on the training fold, a column with std < 1e-12 left unscaled):
+Two tables from one set of fits (each method is fitted once per fold), both on bench_accuracy's
+identical folds (stratified 5-fold CV over bags, seed 0, features standardised on the training
+fold, a column with std < 1e-12 left unscaled):
 
-* ``--table``: bench_accuracy's rows for these methods (bag AUC per bag rule, size correlation,
-  instance AUC where instance labels are known, fit time);
-* default: calibration. Every bag is held out once; the held-out bag probabilities of all folds
-  are pooled and scored by the expected calibration error (10 equal-width bins,
-  ``ECE = Σ_k n_k/n |positive fraction_k − mean p_k|``), the Brier score and the reliability
-  diagram's bins, plus the instance AUC on digits bags.
+* bench_accuracy's rows for these methods (bag AUC per bag score, size correlation, instance AUC
+  where instance labels are known, fit time);
+* calibration: every bag is held out once; the held-out bag probabilities of all folds are
+  pooled and scored by the expected calibration error (10 equal-width bins,
+  :func:`mil_core.calibration.expected_calibration_error`), the Brier score and the reliability
+  diagram's bins, before and after each method's Platt scaling. ``--figure PATH`` also draws the
+  reliability diagrams (PNG).
 
-    python benchmarks/bench_embedded.py --table --datasets musk1 musk2 digits
-    python benchmarks/bench_embedded.py --datasets digits musk1 musk2
+    python benchmarks/bench_embedded.py --datasets musk1 musk2 digits --figure docs/figures/reliability_embedded.png
 
-``fit_predict_abmil`` and ``fit_predict_embedded_gpmil`` have bench_accuracy's method signature;
-``EMBEDDED_METHODS`` can be added to its ``METHODS``.
+``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_d8`` and
+``_d128`` on request) have bench_accuracy's method signature; bench_accuracy's ``METHODS``
+includes ``abmil`` and ``embedded_gpmil``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+from scipy.special import expit, logit
 from sklearn.metrics import roc_auc_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mil_core import ABMIL, EmbeddedGPMIL
 from mil_core.bags import BagIndex
+from mil_core.calibration import expected_calibration_error, reliability_bins
 
-RULES = ("top_fraction", "max", "mean", "noisy_or")  # the GP's own bag rules, beside the attention rule
+GP_RULES = ("top_fraction", "max", "mean", "noisy_or")  # the GP's own bag rules
+
+
+def _uncalibrated(p: np.ndarray, model) -> np.ndarray:
+    """``σ(s)`` from a Platt-calibrated ``σ(a s + c)``: the same score before calibration."""
+    return expit((logit(p) - model.calibration_intercept_) / model.calibration_slope_)
 
 
 def fit_predict_abmil(train, test):
     """The ABMIL baseline (Ilse et al. 2018, gated attention), untuned: Adam lr 5e-4, weight decay
-    5e-4, 50 epochs. Instance scores: the network's classifier on each instance alone."""
+    5e-4, 50 epochs on all training bags. Instance scores: the network's classifier on each instance alone."""
     from bench_accuracy import Prediction
 
     model = ABMIL(random_state=0).fit(train.X, train.bags, train.y)
     return Prediction({"own": model.predict_bag_proba(test.X, test.bags)[1]}, model.predict_instance_proba(test.X))
 
 
-def fit_predict_embedded_gpmil(train, test):
-    """Default ``EmbeddedGPMIL()`` (seed 000 §6.3): the GP's instance probabilities pooled by the
-    network's attention (its default rule, ``default``) and by the GP's own bag rules."""
+def fit_predict_abmil_platt(train, test):
+    """``ABMIL(calibration="platt")``: the same untuned network trained on 80 % of the training bags,
+    its bag logit Platt-scaled on the other 20 % (``own``; ``uncalibrated``: its sigmoid)."""
     from bench_accuracy import Prediction
 
-    model = EmbeddedGPMIL(random_state=0).fit(train.X, train.bags, train.y)
-    scores = {"default": model.predict_bag_proba(test.X, test.bags, method="probit")[1]}
-    for rule in RULES:
+    model = ABMIL(calibration="platt", random_state=0).fit(train.X, train.bags, train.y)
+    p = model.predict_bag_proba(test.X, test.bags)[1]
+    return Prediction({"own": p, "uncalibrated": _uncalibrated(p, model)}, model.predict_instance_proba(test.X),
+                      {"a": model.calibration_slope_})
+
+
+def fit_predict_embedded_gpmil(train, test, n_components: int = 32):
+    """Default ``EmbeddedGPMIL()`` (seed 000 §6.3). ``default``: the calibrated average of the
+    network's and the GP's bag evidence; ``uncalibrated``: the same before Platt scaling;
+    ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
+    network's own bag probability; then the GP's own bag rules on the same fit."""
+    from bench_accuracy import Prediction
+
+    model = EmbeddedGPMIL(n_components=n_components, random_state=0).fit(train.X, train.bags, train.y)
+    p = model.predict_bag_proba(test.X, test.bags)[1]
+    scores = {"default": p, "uncalibrated": _uncalibrated(p, model)}
+    scores["attention"] = model.predict_bag_proba(test.X, test.bags, rule="attention")[1]
+    scores["network"] = model.predict_bag_proba(test.X, test.bags, rule="network")[1]
+    for rule in GP_RULES:
         scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
     return Prediction(scores, model.predict_instance_proba(test.X, method="probit"),
-                      {"v": model.gp_.kernel_.variance, "sweeps": model.gp_.n_iter_})
+                      {"v": model.gp_.kernel_.variance, "sweeps": model.gp_.n_iter_, "a": model.calibration_slope_})
 
 
-EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "embedded_gpmil": fit_predict_embedded_gpmil}
+EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil_platt,
+                    "embedded_gpmil": fit_predict_embedded_gpmil,
+                    # seed 000's other embedding widths (not default methods of a run)
+                    "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
+                    "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128)}
+DEFAULT_METHODS = ["abmil", "abmil_platt", "embedded_gpmil"]
 
 
-def reliability(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> tuple[float, list[tuple[int, float, float]]]:
-    """ECE over ``n_bins`` equal-width bins and the non-empty bins' ``(count, mean p, positive fraction)``."""
-    bins = np.minimum((p * n_bins).astype(int), n_bins - 1)
-    rows, ece = [], 0.0
-    for k in range(n_bins):
-        inside = bins == k
-        if inside.any():
-            rows.append((int(inside.sum()), float(p[inside].mean()), float(y[inside].mean())))
-            ece += inside.mean() * abs(p[inside].mean() - y[inside].mean())
-    return float(ece), rows
+def _once(fit_predict):
+    """``fit_predict`` remembering its prediction per (train, test) fold content, so the two tables
+    of one run share the fits."""
+    cache = {}
+
+    def wrapped(train, test):
+        key = (hashlib.sha1(np.ascontiguousarray(train.X)).hexdigest(), hashlib.sha1(np.ascontiguousarray(test.X)).hexdigest())
+        if key not in cache:
+            cache[key] = fit_predict(train, test)
+        return cache[key]
+
+    return wrapped
+CALIBRATION_ROWS = ("default", "own", "uncalibrated")  # bag scores whose calibration is reported
 
 
-def calibration(methods: dict, datasets: list[str], n_splits: int) -> None:
+def calibration(methods: dict, datasets: list[str], n_splits: int, figure: str | None) -> None:
     from bench_accuracy import folds
 
-    print("| data | method | bag AUC (pooled) | ECE | Brier | instance AUC | reliability bins (n, mean p, positive fraction) |")
-    print("|---|---|---|---|---|---|---|")
+    curves = {}
+    print("| data | method | bag probability | bag AUC (fold mean) | bag AUC (pooled) | ECE | Brier | instance AUC | "
+          "reliability bins (n, mean p, positive fraction) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for dataset in datasets:
         for name, fit_predict in methods.items():
-            probs, truth, instance_auc = [], [], []
+            probs, truth, fold_auc, instance_auc = {}, [], {}, []
             for _, train, test in folds(dataset, n_splits, 1):
                 prediction = fit_predict(train, test)
                 index = BagIndex.from_ids(test.bags)
-                probs.append(prediction.bag.get("default", prediction.bag.get("own")))
                 truth.append(test.y[index.order][index.offsets[:-1]])
+                for key in CALIBRATION_ROWS:
+                    if key in prediction.bag:
+                        probs.setdefault(key, []).append(prediction.bag[key])
+                        fold_auc.setdefault(key, []).append(roc_auc_score(truth[-1], prediction.bag[key]))
                 if prediction.instance is not None and test.instance_labels is not None:
                     instance_auc.append(roc_auc_score(test.instance_labels, prediction.instance))
-            p, y = np.concatenate(probs), np.concatenate(truth)
-            ece, rows = reliability(p, y)
-            bins = "; ".join(f"{n}, {c:.2f}, {a:.2f}" for n, c, a in rows)
+            y = np.concatenate(truth)
             inst = f"{np.mean(instance_auc):.3f}" if instance_auc else "—"
-            print(f"| {dataset} | {name} | {roc_auc_score(y, p):.3f} | {ece:.3f} | {np.mean((p - y) ** 2):.3f} | {inst} | {bins} |", flush=True)
+            for key, parts in probs.items():
+                p = np.concatenate(parts)
+                bins = reliability_bins(p, y)
+                curves[(dataset, name, key)] = bins
+                cells = "; ".join(f"{n}, {c:.2f}, {a:.2f}" for n, c, a in bins)
+                print(f"| {dataset} | {name} | {key} | {np.mean(fold_auc[key]):.3f} | {roc_auc_score(y, p):.3f} | "
+                      f"{expected_calibration_error(p, y):.3f} | {np.mean((p - y) ** 2):.3f} | {inst} | {cells} |", flush=True)
+    if figure:
+        plot_reliability(curves, datasets, figure)
+
+
+def plot_reliability(curves: dict, datasets: list[str], path: str) -> None:
+    """One panel per data set: positive fraction against mean probability per bin (marker area ∝ bag count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 4.2), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets, strict=True):
+        ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--")
+        for (d, name, key), bins in curves.items():
+            if d != dataset:
+                continue
+            n, mean, fraction = (np.array(column) for column in zip(*bins, strict=True))
+            line, = ax.plot(mean, fraction, marker="", lw=1.2, label=f"{name} ({key})")
+            ax.scatter(mean, fraction, s=8 + 2 * n, color=line.get_color(), alpha=0.6)
+        ax.set(title=dataset, xlabel="mean predicted bag probability", ylabel="fraction of positive bags", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits"])
-    parser.add_argument("--methods", nargs="+", default=list(EMBEDDED_METHODS), choices=list(EMBEDDED_METHODS))
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(EMBEDDED_METHODS))
     parser.add_argument("--folds", type=int, default=5)
-    parser.add_argument("--table", action="store_true", help="bench_accuracy's table for these methods instead of calibration")
+    parser.add_argument("--figure", help="also save the reliability diagrams to this PNG")
     args = parser.parse_args()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, python {platform.python_version()}")
-    methods = {m: EMBEDDED_METHODS[m] for m in args.methods}
-    if not args.table:
-        calibration(methods, args.datasets, args.folds)
-        return
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
+          f"python {platform.python_version()}")
     import bench_accuracy
 
+    methods = {m: _once(EMBEDDED_METHODS[m]) for m in args.methods}
     bench_accuracy.METHODS.update(methods)
     bench_accuracy.print_table(list(methods), args.datasets, args.folds, 1)
+    print()
+    calibration(methods, args.datasets, args.folds, args.figure)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def grid_bags(n_bags: int, side: int, layout: str, n_pos: int, seed: int, shift:
 
 def scores(model: VGPMILPRI, X, bags, y, h, coords) -> tuple[float, float, float]:
     """Instance AUC alone (Σ* = 1) and in the test bag's context (Eq. 24–25 with Σ*), bag AUC."""
-    keys, p_bag = model.predict_bag_proba(X, bags, coords=coords)
+    keys, p_bag = model.predict_bag_proba(X, bags, coords=coords, rule="orthant")
     truth = np.array([y[bags == k][0] for k in keys])
     in_context = model.predict_instance_proba(X, bag_ids=bags, coords=coords)
     return roc_auc_score(h, model.predict_instance_proba(X)), roc_auc_score(h, in_context), roc_auc_score(truth, p_bag)

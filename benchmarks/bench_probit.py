@@ -84,12 +84,12 @@ def tissue_run(model, data: tuple, test: tuple, lam: float | None) -> dict[str, 
     model.fit(X, bags, y, coords=coords if coupled else None)
     fit_s = time.perf_counter() - start
     start = time.perf_counter()
-    keys, p_bag = model.predict_bag_proba(Xt, bags_t, coords=coords_t if coupled else None)
+    keys, p_bag = model.predict_bag_proba(Xt, bags_t, coords=coords_t if coupled else None, rule="orthant")
     p_inst = model.predict_instance_proba(Xt)
     predict_s = time.perf_counter() - start
     truth = keys % 2
     p_ctx = model.predict_instance_proba(Xt, bag_ids=bags_t, coords=coords_t) if coupled else p_inst
-    p_bag_indep = model.predict_bag_proba(Xt, bags_t)[1] if coupled else p_bag
+    p_bag_indep = model.predict_bag_proba(Xt, bags_t, rule="orthant")[1] if coupled else p_bag
     hat_inst, hat_ctx, hat_bag = p_inst > 0.5, p_ctx > 0.5, p_bag > 0.5
     return dict(
         inst_auc=roc_auc_score(h_t, p_inst),

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 def _model_classes() -> dict[str, type]:
     import mil_core
 
-    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL", "EmbeddedGPMIL"]
+    names = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VWSGP", "AbSMIL", "EmbeddedGPMIL",
+             "VGPMILPRGibbs"]
     return {name: getattr(mil_core, name) for name in names if hasattr(mil_core, name)}
 
 

@@ -118,12 +118,14 @@ def bag_logits(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray
 # ---------------------------------------------------------------------------------- training
 @dataclass(frozen=True)
 class NetworkFit:
-    """A trained network: its parameters (NumPy float32), the loss traces and the kept epoch."""
+    """A trained network: its parameters (NumPy float32), the loss traces, the kept epoch and the
+    inner validation bags (indices into the bags it was given; empty without early stopping)."""
 
     params: dict[str, np.ndarray]
     train_loss: np.ndarray
     validation_loss: np.ndarray
     best_epoch: int
+    validation_bags: np.ndarray
 
 
 def _init_params(n_features: int, hidden: tuple[int, ...], n_components: int, attention_dim: int,
@@ -190,6 +192,7 @@ def fit_attention_network(
     validation_fraction: float,
     n_epochs_no_change: int,
     seed: int,
+    hold_out: bool = False,
 ) -> NetworkFit:
     """Train the gated-attention network on bags (rows of bag ``b`` are
     ``X_sorted[offsets[b]:offsets[b+1]]``, label ``labels[b]``) by Adam on the bag cross-entropy,
@@ -199,8 +202,10 @@ def fit_attention_network(
     With ``early_stopping`` a stratified ``validation_fraction`` of the bags is held out, the
     network is scored on it after every epoch, training stops after ``n_epochs_no_change`` epochs
     without a lower validation loss, and the parameters of the best epoch are kept. Without it the
-    network trains ``max_epochs`` epochs on all bags and the last epoch is kept. Deterministic
-    for a given ``seed``.
+    network trains ``max_epochs`` epochs and the last epoch is kept, on all bags unless
+    ``hold_out`` asks for the same validation split anyway (kept out for a post-hoc calibration).
+    The held-out bags are returned in ``NetworkFit.validation_bags``. Deterministic for a given
+    ``seed``.
     """
     torch = _import_torch()
     hidden = tuple(hidden)
@@ -209,9 +214,10 @@ def fit_attention_network(
     rng = np.random.default_rng(seed)
     bags = np.arange(labels.shape[0])
     train_bags, val_bags = bags, bags[:0]
-    if early_stopping:
+    if early_stopping or hold_out:
         if np.bincount(labels, minlength=2).min() < 2:
-            raise ValueError("early stopping needs at least 2 training bags of each class for its validation split")
+            raise ValueError("the inner validation split (early stopping, calibration) needs at least 2 training bags "
+                             f"of each class; got {np.bincount(labels, minlength=2).tolist()} (negative, positive)")
         train_bags, val_bags = train_test_split(bags, test_size=validation_fraction, stratify=labels,
                                                 random_state=int(rng.integers(2**31 - 1)))
     train_rows = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in train_bags])
@@ -251,7 +257,8 @@ def fit_attention_network(
                 break
         kept, best_epoch = (best[2], best[1]) if early_stopping else (learnt, max_epochs)
         state = {k: v.numpy().copy() for k, v in fixed.items()} | {k: v.detach().numpy().copy() for k, v in kept.items()}
-    return NetworkFit(params=state, train_loss=np.asarray(train_loss), validation_loss=np.asarray(val_loss), best_epoch=best_epoch)
+    return NetworkFit(params=state, train_loss=np.asarray(train_loss), validation_loss=np.asarray(val_loss), best_epoch=best_epoch,
+                      validation_bags=np.sort(val_bags))
 
 
 def network_arrays(state: dict[str, np.ndarray], dtype: Any = np.float64) -> dict[str, np.ndarray]:

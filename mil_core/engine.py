@@ -56,12 +56,15 @@ Stats = TypeVar("Stats", bound="Summable")
 class BagBlock:
     """A block of whole bags: rows ``X`` (n, D), CSR ``offsets`` (b + 1) local to the block,
     bag ``labels`` (b,) in {0, 1} (−1 for unlabelled bags at prediction time), and optionally
-    integer instance ``coords`` (n, d) in the same row order (used by VGPMIL-PR-I's neighbour graph)."""
+    integer instance ``coords`` (n, d) in the same row order (used by VGPMIL-PR-I's neighbour graph).
+    ``bag_index`` (b,): each bag's position among all the bags of the fit, where a model keys per-bag
+    random streams by it (the Gibbs sampler: its draws then do not depend on the partitioning)."""
 
     X: Any
     offsets: np.ndarray
     labels: np.ndarray
     coords: np.ndarray | None = None
+    bag_index: np.ndarray | None = None
 
     @property
     def n_instances(self) -> int:
@@ -250,13 +253,14 @@ def optimise(
     glob: Any,
     *,
     max_iter: int,
-    tol: float,
+    tol: float | None,
     monitor: Callable[[int, Any], bool] | None = None,
     resume_from: FitTrace | None = None,
 ) -> FitTrace:
     """The shared fit loop: ``stats = sweep(global)`` (map + reduce, done by an executor), then
     ``global_update``. Stops when the relative change of the objective falls below ``tol``, after
-    ``max_iter`` iterations, or when ``monitor(iteration, global)`` returns True.
+    ``max_iter`` iterations, or when ``monitor(iteration, global)`` returns True. ``tol=None`` (a
+    sampler) runs all ``max_iter`` iterations, with no convergence test and no warning.
 
     ``resume_from`` continues a checkpointed run (its ``glob``, objective trace and ``n_iter``;
     ``glob`` is then ignored), so that an interrupted fit ends where an uninterrupted one would.
@@ -277,7 +281,7 @@ def optimise(
             raise FloatingPointError(f"objective became {objective} at iteration {it}")
         if hyper_step is not None:
             trace.glob = hyper_step(sweep, it, trace.glob)
-        if it > 1:
+        if it > 1 and tol is not None:
             previous = trace.objective[-2]
             if abs(objective - previous) <= tol * max(abs(previous), 1.0):
                 trace.converged = True
@@ -286,7 +290,7 @@ def optimise(
         if trace.converged:
             break
     else:
-        if not trace.converged and len(trace.objective) >= 2:
+        if not trace.converged and len(trace.objective) >= 2 and tol is not None:
             change = abs(trace.objective[-1] - trace.objective[-2]) / max(abs(trace.objective[-2]), 1.0)
             warnings.warn(f"the fit stopped at max_iter={max_iter} without converging: the last relative change of the "
                           f"objective was {change:.1e} > tol={tol:g}; raise max_iter (or tol)", ConvergenceWarning, stacklevel=2)

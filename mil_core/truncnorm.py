@@ -20,14 +20,15 @@ from scipy.special import log_ndtr, ndtri_exp
 from .bags import segment_logsumexp
 
 __all__ = [
-    "log_inverse_mills",
-    "upper_truncated_moments",
-    "upper_truncated_entropy",
-    "sample_upper_truncated",
-    "log_neg_log_ndtr",
     "log1mexp",
+    "log_inverse_mills",
+    "log_neg_log_ndtr",
     "positive_bag_log_normaliser",
     "positive_bag_means",
+    "sample_upper_truncated",
+    "upper_truncated_entropy",
+    "upper_truncated_moments",
+    "upper_truncated_quantile",
 ]
 
 _LOG_SQRT_2PI = 0.5 * np.log(2.0 * np.pi)
@@ -60,13 +61,19 @@ def upper_truncated_entropy(mean: np.ndarray, sd: np.ndarray) -> np.ndarray:
     return 0.5 * np.log(2.0 * np.pi * np.e * sd**2) + log_ndtr(beta) - 0.5 * beta * r
 
 
-def sample_upper_truncated(mean: np.ndarray, sd: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Exact draws from ``N(mean, sd²)`` truncated to ``(−∞, 0)`` by the inverse CDF in log space
-    (``Φ⁻¹`` of ``log u + log Φ(β)`` via ``ndtri_exp``), valid for any finite mean/sd."""
-    mean, sd = np.broadcast_arrays(np.asarray(mean, dtype=np.float64), np.asarray(sd, dtype=np.float64))
-    log_u = np.log(rng.uniform(size=mean.shape))
-    z = ndtri_exp(log_u + log_ndtr(-mean / sd))
+def upper_truncated_quantile(mean: np.ndarray, sd: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The ``u``-quantile (``0 < u < 1``) of ``N(mean, sd²)`` truncated to ``(−∞, 0)``, by the inverse CDF
+    in log space (``Φ⁻¹`` of ``log u + log Φ(β)`` via ``ndtri_exp``), valid for any finite mean/sd: an
+    exact draw for a uniform ``u`` (the Gibbs sampler keys its uniforms, :mod:`mil_core.models.gibbs`)."""
+    mean, sd, u = np.broadcast_arrays(np.asarray(mean, dtype=np.float64), np.asarray(sd, dtype=np.float64), np.asarray(u, dtype=np.float64))
+    z = ndtri_exp(np.log(u) + log_ndtr(-mean / sd))
     return np.minimum(mean + sd * z, 0.0)
+
+
+def sample_upper_truncated(mean: np.ndarray, sd: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Exact draws from ``N(mean, sd²)`` truncated to ``(−∞, 0)`` (:func:`upper_truncated_quantile` of uniforms)."""
+    mean, sd = np.broadcast_arrays(np.asarray(mean, dtype=np.float64), np.asarray(sd, dtype=np.float64))
+    return upper_truncated_quantile(mean, sd, rng.uniform(size=mean.shape))
 
 
 def log_neg_log_ndtr(alpha: np.ndarray) -> np.ndarray:

@@ -170,15 +170,21 @@ def test_a_cohort_without_both_classes_cannot_be_trained(tmp_path, toy_bags, cli
         fit_cohort(VGPMIL(**PARAMS), path, client)
 
 
-def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_store):
+@pytest.mark.parametrize("kernel", [RBF(4.0), None], ids=["fixed-kernel", "kernel-choice"])
+def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_store, kernel):
+    """With ``kernel=None`` the cluster fit chooses the kernel on the store's coordinates, as
+    ``model.fit`` does on the coords it is given: same choice, same fit."""
     from mil_core import VGPMILPRI
 
     path, (X, bags, y) = toy_store
     coords = np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]
-    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=RBF(4.0))  # the cluster's k-means sample has no coords to choose a kernel with
+    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=kernel)
     serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
     model = VGPMILPRI(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert model.kernel_selection_.shape == ((4, 2) if kernel is None else (0, 2))
+    np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
+    assert model.kernel_.variance == serial.kernel_.variance and model.auto_max_iter_ == serial.auto_max_iter_
     assert_same_fit(model, serial)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy.special import expit
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
@@ -19,6 +20,7 @@ from mil_core.attention import (
     instance_embedding,
     network_arrays,
 )
+from mil_core.calibration import expected_calibration_error, fit_platt, reliability_bins
 from mil_core.persist import load, save
 from tests.conftest import make_toy_bags
 
@@ -66,11 +68,72 @@ def test_held_out_bags_and_instances_are_found(fitted, data):
 
 def test_attention_rule_is_the_weighted_mean_of_instance_probabilities(fitted, data):
     _, (X, bags, _, _) = data
-    keys, p = fitted.predict_bag_proba(X, bags, method="probit")
+    keys, p = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")
     p_inst = fitted.predict_instance_proba(X, method="probit")
     alpha = fitted.predict_attention(X, bags)
     expected = [np.sum(alpha[bags == k] * p_inst[bags == k]) for k in keys]
     np.testing.assert_allclose(p, expected, rtol=1e-12)
+
+
+def _network_bag_logits(model, X, bags):
+    params = network_arrays(model.network_state_)
+    return np.array([bag_logits(params, instance_embedding(params, X[bags == k]), np.array([0, np.sum(bags == k)]))[0]
+                     for k in np.unique(bags)])
+
+
+def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted, data):
+    (X_train, bags_train, y_train, _), (X, bags, _, _) = data
+    keys, p = fitted.predict_bag_proba(X, bags)
+    pooled = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")[1]
+    score = 0.5 * (_network_bag_logits(fitted, X, bags) + np.log(pooled / (1 - pooled)))
+    np.testing.assert_allclose(p, expit(fitted.calibration_slope_ * score + fitted.calibration_intercept_), rtol=1e-10)
+    # the calibration is Platt scaling of that score on the inner validation bags, which the GP never saw
+    train_keys = np.unique(bags_train)
+    val_keys = train_keys[fitted.validation_bags_]
+    assert 0 < val_keys.size < train_keys.size
+    rows = np.isin(bags_train, val_keys)
+    _, p_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows])
+    val_labels = np.array([y_train[bags_train == k][0] for k in val_keys])
+    pooled_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows], rule="attention", method="probit")[1]
+    val_score = 0.5 * (_network_bag_logits(fitted, X_train[rows], bags_train[rows]) + np.log(pooled_val / (1 - pooled_val)))
+    assert (fitted.calibration_slope_, fitted.calibration_intercept_) == pytest.approx(fit_platt(val_score, val_labels), rel=1e-9)
+    assert (fitted.calibration_slope_, fitted.calibration_intercept_) != (1.0, 0.0)
+    with pytest.raises(ValueError, match="closed-form"):
+        fitted.predict_bag_proba(X, bags, method="mc")
+    np.testing.assert_allclose(fitted.predict_bag_proba(X, bags, rule="network")[1], expit(_network_bag_logits(fitted, X, bags)),
+                               rtol=1e-10)
+    with pytest.raises(ValueError, match="no std"):
+        fitted.predict_bag_proba(X, bags, rule="network", return_std=True)
+
+
+def test_gp_trains_on_the_networks_training_bags_only(fitted, data):
+    (X, bags, y, _), _ = data
+    train_keys = np.unique(bags)[fitted.gp_training_bags(np.unique(bags).size)]
+    rows = np.isin(bags, train_keys)
+    gp = clone(fitted.gp_).fit(fitted.transform(X[rows]), bags[rows], y[rows])
+    np.testing.assert_allclose(gp.q_.mean, fitted.gp_.q_.mean, rtol=1e-10, atol=1e-12)
+    everything = clone(fitted.gp_).fit(fitted.transform(X), bags, y)
+    assert not np.allclose(everything.q_.mean, fitted.gp_.q_.mean)
+
+
+def test_bag_std_is_the_gp_std_through_the_calibration_map(fitted, data):
+    _, (X, bags, _, _) = data
+    _, p, sd = fitted.predict_bag_proba(X, bags, return_std=True)
+    _, pooled, pooled_sd = fitted.predict_bag_proba(X, bags, rule="attention", return_std=True, method="probit")
+    delta = p * (1 - p) * 0.5 * abs(fitted.calibration_slope_) * pooled_sd / (pooled * (1 - pooled))
+    np.testing.assert_allclose(sd, np.minimum(delta, np.sqrt(p * (1 - p))), rtol=1e-10)
+    assert np.all(sd > 0) and np.all(sd <= np.sqrt(p * (1 - p)))
+
+
+def test_without_calibration_the_score_is_the_plain_average(data):
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    model = small_model(calibration=None).fit(X, bags, y)
+    assert (model.calibration_slope_, model.calibration_intercept_) == (1.0, 0.0)
+    pooled = model.predict_bag_proba(X_test, bags_test, rule="attention", method="probit")[1]
+    score = 0.5 * (_network_bag_logits(model, X_test, bags_test) + np.log(pooled / (1 - pooled)))
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1], expit(score), rtol=1e-10)
+    with pytest.raises(ValueError, match="calibration must be 'platt' or None"):
+        small_model(calibration="isotonic").fit(X, bags, y)
 
 
 def test_deterministic_with_random_state(fitted, data):
@@ -148,6 +211,44 @@ def test_abmil_baseline(data):
     alpha = model.predict_attention(X_test, bags_test)
     np.testing.assert_allclose([alpha[bags_test == k].sum() for k in keys], 1.0)
     assert model.network_train_loss_.shape == (NET["max_epochs"],) and model.network_validation_loss_.size == 0
+    assert model.validation_bags_.size == 0 and (model.calibration_slope_, model.calibration_intercept_) == (1.0, 0.0)
+
+
+def test_abmil_platt_calibration_on_held_out_bags(data):
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    model = ABMIL(**NET, calibration="platt", random_state=0).fit(X, bags, y)
+    assert model.network_validation_loss_.size == 0  # held out for the calibration, not for stopping
+    assert model.network_train_loss_.shape == (NET["max_epochs"],)
+    val_keys = np.unique(bags)[model.validation_bags_]
+    rows = np.isin(bags, val_keys)
+    val_labels = np.array([y[bags == k][0] for k in val_keys])
+    slope, intercept = fit_platt(_network_bag_logits(model, X[rows], bags[rows]), val_labels)
+    assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx((slope, intercept), rel=1e-9)
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1],
+                               expit(slope * _network_bag_logits(model, X_test, bags_test) + intercept), rtol=1e-6)
+
+
+def test_platt_recovers_a_known_map_and_stays_finite_on_separable_bags():
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=20_000)
+    y = (rng.random(s.size) < expit(2.0 * s - 1.0)).astype(int)
+    assert fit_platt(s, y) == pytest.approx((2.0, -1.0), abs=0.1)
+    slope, intercept = fit_platt(np.array([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0]), np.array([0, 0, 0, 1, 1, 1]))
+    assert 0 < slope < 10 and np.isfinite(intercept)  # Platt's smoothed targets: no runaway to infinity
+    # smoothed targets 1/5 and 4/5 at scores ±1: σ(a ± c) hits them exactly
+    assert fit_platt(np.array([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1, 1])) == pytest.approx(
+        (np.log(4.0), 0.0), abs=1e-8)
+    with pytest.raises(ValueError, match="both classes"):
+        fit_platt([0.1, 0.2], [1, 1])
+    with pytest.raises(ValueError, match="finite"):
+        fit_platt([0.1, np.nan], [0, 1])
+
+
+def test_reliability_bins_and_ece_by_hand():
+    p = np.array([0.05, 0.05, 0.15, 0.95, 0.95, 0.95, 0.95])
+    y = np.array([0, 1, 0, 1, 1, 1, 0])
+    assert reliability_bins(p, y) == [(2, pytest.approx(0.05), 0.5), (1, pytest.approx(0.15), 0.0), (4, pytest.approx(0.95), 0.75)]
+    assert expected_calibration_error(p, y) == pytest.approx((2 * 0.45 + 1 * 0.15 + 4 * 0.2) / 7)
 
 
 def test_early_stopping_keeps_the_best_validation_epoch(data):
@@ -219,12 +320,14 @@ def test_pipeline_fit_on_a_store_equals_fit_and_saves_as_a_trained_model(tmp_pat
         for name, value in serial.network_state_.items():
             np.testing.assert_array_equal(model.network_state_[name], value, err_msg=name)
         np.testing.assert_allclose(model.gp_.q_.mean, serial.gp_.q_.mean, rtol=1e-6, atol=1e-8)
+        np.testing.assert_array_equal(model.validation_bags_, serial.validation_bags_)
+        assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx(
+            (serial.calibration_slope_, serial.calibration_intercept_), rel=1e-6)
         save_model(tmp_path / "model", TrainedModel(model, summary.scaling))
         restored = load_model(tmp_path / "model").estimator
-        predict_cohort(restored, path, client, run="p", partition_bytes=2_000, instance_kwargs={"method": "probit"},
-                       bag_kwargs={"method": "probit"})
+        predict_cohort(restored, path, client, run="p", partition_bytes=2_000, instance_kwargs={"method": "probit"})
     out = read_predictions(path, "p")
-    np.testing.assert_allclose(out["bags/proba"], serial.predict_bag_proba(X, bags, method="probit")[1], rtol=1e-6)
+    np.testing.assert_allclose(out["bags/proba"], serial.predict_bag_proba(X, bags)[1], rtol=1e-6)
     assert np.all(np.isfinite(out["bags/std"]))
 
 

@@ -393,6 +393,23 @@ def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_print
     assert open_cohort(tmp_path / "new.zarr").attrs["feature_extractor"] == trained.attrs["feature_extractor"]
 
 
+def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
+    """The sampler from the config: its chain on the cluster is the serial chain (keyed draws), so the
+    report's bag probabilities are those of ``fit`` on the same bags; the trace is the chain's log density."""
+    from mil_core import VGPMILPRGibbs
+
+    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "random_state": 0}
+    result = pipeline(write_config(tmp_path, cohort, model={"name": "VGPMILPRGibbs", "params": params}, training={"standardize": False}))
+    table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
+    X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32
+    serial = VGPMILPRGibbs(**params).fit(X, bags, y)
+    np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X, bags)[1], rtol=1e-8)
+    info = json.loads((Path(result["train"].path) / "model.json").read_text())
+    assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["elbo"]) == 25
+    np.testing.assert_allclose(info["elbo"], serial.objective_, rtol=1e-9)
+
+
 def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
     from mil_core import AbSMIL
 

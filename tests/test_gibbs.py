@@ -5,6 +5,7 @@ import pytest
 
 from mil_core import RBF, VGPMILPR, VGPMILPRGibbs, VGPMILPRI
 from tests.conftest import make_toy_bags
+from tests.test_distributed import client, cluster, write_store  # noqa: F401  (the real LocalCluster fixtures)
 from tests.test_probit import chain_coords
 
 
@@ -44,9 +45,99 @@ def test_gibbs_with_coupling_prefers_the_mean_field_moments(tiny):
 
 def test_gibbs_is_seeded_and_validates_its_parameters(tiny):
     X, bags, y, _ = tiny
-    a = VGPMILPRGibbs(n_inducing=4, n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
-    b = VGPMILPRGibbs(n_inducing=4, n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
+    a = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
+    b = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
     np.testing.assert_array_equal(a.v_samples_, b.v_samples_)
     assert a.v_samples_.shape == (20, 4)
+    other = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=4).fit(X, bags, y)
+    assert not np.any(np.isclose(other.v_samples_, a.v_samples_))
     with pytest.raises(ValueError, match="thin"):
         VGPMILPRGibbs(n_inducing=4, thin=0).fit(X, bags, y)
+
+
+# ------------------------------------------------------------------ keyed draws: the chain on the cluster
+
+CHAIN = dict(n_inducing=6, kernel=RBF(4.0), n_samples=15, burn_in=5, random_state=0)
+
+
+def chain_store(tmp_path, unlabelled=()):
+    X, bags, y, _ = make_toy_bags(n_bags=16, seed=2)
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
+    path = write_store(tmp_path / "gibbs.zarr", X, bags, y, unlabelled=unlabelled)
+    return path, X, bags, y, chain_coords(bags)  # the store's coords: each instance's index in its bag
+
+
+def assert_same_chain(distributed, serial):
+    np.testing.assert_array_equal(distributed.gp_.Z, serial.gp_.Z)
+    assert distributed.v_samples_.shape == serial.v_samples_.shape == (serial.n_samples, serial.n_inducing)
+    np.testing.assert_allclose(distributed.v_samples_, serial.v_samples_, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(distributed.objective_, serial.objective_, rtol=1e-9)
+    np.testing.assert_allclose(distributed.q_.cov, serial.q_.cov, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize(("mode", "lam"), [("persist", 0.0), ("stream", 0.5)])
+def test_the_chain_on_the_cluster_draws_the_serial_chain(tmp_path, client, mode, lam):
+    """Partitions of whole bags on two worker processes, unlabelled bags in the store between them: the
+    keyed draws give the serial samples to round-off, and the cluster's predictions are the model's."""
+    from tasks.training import fit_cohort, predict_cohort, read_predictions
+
+    unlabelled = {1, 6}
+    path, X, bags, y, coords = chain_store(tmp_path, unlabelled)
+    labelled = ~np.isin(bags, list(unlabelled))
+    serial = VGPMILPRGibbs(lam=lam, **CHAIN).fit(X[labelled], bags[labelled], y[labelled], coords=coords[labelled])
+    model = VGPMILPRGibbs(lam=lam, **CHAIN)
+    summary = fit_cohort(model, path, client, partition_bytes=400, mode=mode, resume=False)
+    assert summary.n_partitions > 3 and summary.mode == mode and summary.n_iter == 20
+    assert_same_chain(model, serial)
+    predict_cohort(model, path, client, run="gibbs", partition_bytes=400)
+    out = read_predictions(path, "gibbs")
+    # coupled bags' exact orthant probabilities come from SciPy's randomised Genz integration (~1e-6 scatter)
+    np.testing.assert_allclose(out["bags/proba"], serial.predict_bag_proba(X, bags, coords=coords)[1], rtol=1e-5 if lam else 1e-10)
+
+
+def test_an_interrupted_chain_resumes_where_it_stopped(tmp_path, client):
+    """The checkpoint holds the chain's state (v, sweep, kept samples; each partition's m): a resumed run
+    draws the sweeps the interrupted one did not, with the same keys."""
+    from tasks.training import fit_cohort
+
+    path, X, bags, y, coords = chain_store(tmp_path)
+    serial = VGPMILPRGibbs(**CHAIN).fit(X, bags, y, coords=coords)
+
+    class Stop(Exception):
+        pass
+
+    def die(iteration, objective):
+        if iteration == 11:
+            raise Stop
+
+    with pytest.raises(Stop):
+        fit_cohort(VGPMILPRGibbs(**CHAIN), path, client, run="chain", partition_bytes=400, checkpoint_every=4, on_iteration=die)
+    resumed = VGPMILPRGibbs(**CHAIN)
+    summary = fit_cohort(resumed, path, client, run="chain", partition_bytes=400, checkpoint_every=4)
+    assert summary.resumed_from == 8
+    assert_same_chain(resumed, serial)
+
+
+def test_draws_are_keyed_by_seed_sweep_and_bag():
+    """What the equality above rests on: a bag's uniforms depend on (seed, sweep, bag) only, and different
+    keys give different (independent-looking) streams."""
+    from mil_core.models.gibbs import _uniforms
+
+    sizes = np.array([3, 5, 2])
+    whole = _uniforms(7, 4, np.arange(3), sizes)
+    np.testing.assert_array_equal(np.r_[_uniforms(7, 4, np.array([0, 1]), sizes[:2]), _uniforms(7, 4, np.array([2]), sizes[2:])], whole)
+    assert np.all((whole > 0) & (whole < 1))
+    for other in (_uniforms(8, 4, np.arange(3), sizes), _uniforms(7, 5, np.arange(3), sizes), _uniforms(7, 4, np.array([1, 0, 2]), sizes)):
+        assert not np.any(np.isclose(other[:3], whole[:3]))
+
+
+def test_kernel_none_takes_the_variational_models_choice_of_kernel(tiny):
+    """``kernel=None``: the sampler's prior is the one the variational fit of the same model chooses on the
+    training bags (a λ = 0 chain needs no coords for it), by the same bag rule."""
+    X, bags, y, _ = tiny
+    gibbs = VGPMILPRGibbs(n_inducing=6, n_samples=5, burn_in=0, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    variational = VGPMILPR(n_inducing=6, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    assert gibbs.kernel_selection_.shape == (4, 2) and gibbs.auto_max_iter_ is None  # the chain runs all its sweeps
+    np.testing.assert_array_equal(gibbs.kernel_selection_, variational.kernel_selection_)
+    assert gibbs.kernel_ == variational.kernel_
+    assert gibbs.n_iter_ == 5

@@ -162,3 +162,101 @@ def test_validation_and_scikit_learn_conventions(toy_bags):
         VGPMILPRI(moments="ep", n_inducing=5).fit(X, bags, y, coords=chain_coords(bags))
     model = VGPMILPRI(lam=2.0, neighbourhood=8, n_inducing=7)
     assert clone(model).get_params() == model.get_params()
+
+
+def _size_anti_predictive_bags(seed=0):
+    """Negative bags large (40–60 instances), positive bags small (4–8) with one witness: the
+    noisy-OR/orthant score of a negative bag grows with its many weak instances."""
+    rng = np.random.default_rng(seed)
+    X, bags, y = [], [], []
+    for b in range(40):
+        label = b % 2
+        size = int(rng.integers(4, 9)) if label else int(rng.integers(40, 61))
+        x = rng.normal(size=(size, 2))
+        x[:label, 0] += 5.0
+        X.append(x); bags += [b] * size; y += [label] * size
+    return np.concatenate(X), np.array(bags), np.array(y)
+
+
+def test_default_bag_rule_ranks_bags_where_the_papers_orthant_probability_follows_size():
+    from scipy.stats import spearmanr
+
+    model = VGPMILPR(n_inducing=10, kernel=RBF(4.0), max_iter=50, random_state=0).fit(*_size_anti_predictive_bags())
+    X, bags, y = _size_anti_predictive_bags(seed=1)
+    keys, p_default = model.predict_bag_proba(X, bags)
+    _, p_orthant = model.predict_bag_proba(X, bags, rule="orthant")
+    truth = np.array([y[bags == k][0] for k in keys])
+    sizes = np.array([np.sum(bags == k) for k in keys])
+    assert model.bag_rule == "top_fraction"
+    assert roc_auc_score(truth, p_default) > 0.9
+    assert roc_auc_score(truth, p_default) > roc_auc_score(truth, p_orthant) + 0.1
+    negatives = truth == 0
+    assert spearmanr(p_orthant[negatives], sizes[negatives])[0] > abs(spearmanr(p_default[negatives], sizes[negatives])[0]) + 0.2
+
+
+def test_orthant_rule_is_eq_26_and_the_rules_score_instance_probabilities(toy_bags):
+    from scipy.special import ndtr
+
+    from mil_core.bags import bag_score
+    from mil_core.models.probit import PROBIT_BAG_RULES
+
+    X, bags, y, _ = toy_bags
+    model = VGPMILPR(n_inducing=10, kernel=RBF(4.0), max_iter=20, random_state=0).fit(X, bags, y)
+    keys, p_orthant = model.predict_bag_proba(X, bags, rule="orthant")
+    mean, var = model.predict_latent(X)
+    by_hand = np.array([1.0 - np.prod(ndtr(-mean[bags == k] / np.sqrt(1.0 + var[bags == k]))) for k in keys])  # Eq. 26, Σ* = I
+    np.testing.assert_allclose(p_orthant, by_hand, rtol=1e-12)
+    order = np.argsort(bags, kind="stable")
+    offsets = np.r_[0, np.cumsum([np.sum(bags == k) for k in keys])]
+    for rule in PROBIT_BAG_RULES[:-1]:
+        np.testing.assert_allclose(model.predict_bag_proba(X, bags, rule=rule)[1],
+                                   bag_score(model.predict_instance_proba(X)[order], offsets, rule), rtol=1e-12)
+    with pytest.raises(ValueError, match="bag rule must be one of"):
+        model.predict_bag_proba(X, bags, rule="median")
+    with pytest.raises(ValueError, match="bag rule must be one of"):
+        clone(model).set_params(bag_rule="median").fit(X, bags, y)  # validation scores bags too
+
+
+def test_bag_score_std_is_the_spread_of_the_rule_over_latent_draws(toy_bags):
+    from scipy.special import ndtr
+
+    X, bags, y, _ = toy_bags
+    model = VGPMILPR(n_inducing=10, kernel=RBF(4.0), max_iter=20, n_mc_samples=4000, random_state=0).fit(X, bags, y)
+    keys, p, sd = model.predict_bag_proba(X, bags, rule="max", return_std=True)
+    rng = np.random.default_rng(5)
+    for k in keys[:3]:
+        mean, var = model.predict_latent(X[bags == k])
+        draws = ndtr(mean[:, None] + np.sqrt(var)[:, None] * rng.standard_normal((mean.size, 100_000))).max(axis=0)
+        np.testing.assert_allclose(sd[keys == k], draws.std(), atol=0.02)
+    assert np.all(sd > 0)
+
+
+def test_coupled_bag_rules_use_the_in_context_instance_probabilities_in_validation_too(toy_bags):
+    from mil_core.bags import bag_score
+
+    X, bags, y, _ = toy_bags
+    coords = chain_coords(bags)
+    model = VGPMILPRI(lam=1.0, n_inducing=10, kernel=RBF(4.0), max_iter=15, bag_rule="mean", random_state=0)
+    model.fit(X, bags, y, coords=coords)
+    keys, p = model.predict_bag_proba(X, bags, coords=coords)
+    order = np.argsort(bags, kind="stable")
+    offsets = np.r_[0, np.cumsum([np.sum(bags == k) for k in keys])]
+    in_context = model.predict_instance_proba(X, bag_ids=bags, coords=coords)[order]
+    np.testing.assert_allclose(p, bag_score(in_context, offsets, "mean"), rtol=1e-12)
+    assert not np.allclose(p, bag_score(model.predict_instance_proba(X)[order], offsets, "mean"), atol=1e-3)
+    # what early stopping and the kernel choice score: the same rule on the same state
+    state = model._bag_proba_from_state(model.gp_, model.q_, X[order], offsets, coords=coords[order][:, None])
+    np.testing.assert_allclose(state, p, rtol=1e-12)
+    _, sd = model.predict_bag_proba(X, bags, coords=coords, return_std=True)[1:]
+    assert np.all(np.isfinite(sd)) and np.all(sd > 0)
+
+
+def test_vgpmil_pr_chooses_its_kernel_and_reads_no_coordinates(toy_bags):
+    from mil_core.models.base import uses_coords
+
+    X, bags, y, _ = toy_bags
+    model = VGPMILPR(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
+    assert model.kernel_selection_.shape == (4, 2)  # kernel=None chooses (it needs no coords)
+    assert not uses_coords(model) and uses_coords(VGPMILPRI())
+    with pytest.raises(ValueError, match="does not use instance coordinates"):
+        VGPMILPR(n_inducing=5).fit(X, bags, y, coords=chain_coords(bags))

@@ -10,7 +10,7 @@ from ..persist import allow_types
 from .absmil import AbSMIL, AbSMILState
 from .attention_mil import ABMIL
 from .embedded import EmbeddedGPMIL
-from .gibbs import VGPMILPRGibbs
+from .gibbs import GibbsChain, GibbsState, VGPMILPRGibbs
 from .probit import VGPMILPR, VGPMILPRI
 from .vgpmil import GVGPMIL, VGPMIL, PsiVGPMIL
 from .hyper import HyperState
@@ -21,4 +21,4 @@ __all__ = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VGPMILPRG
 
 # What a saved model or a training checkpoint may hold (mil_core.persist builds nothing else).
 allow_types(VGPMIL, GVGPMIL, PsiVGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs, VWSGP, AbSMIL, ABMIL, EmbeddedGPMIL,
-            HyperState, LamState, LamLocal, AbSMILState)
+            HyperState, LamState, LamLocal, AbSMILState, GibbsState, GibbsChain)

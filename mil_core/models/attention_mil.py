@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,9 @@ from ..attention import (
     instance_logits,
     network_arrays,
 )
+from ..calibration import fit_platt
 from ..validation import check_features, check_mil_data
-from .base import store_params
+from .base import store_params, take_bags
 
 __all__ = ["ABMIL", "AttentionNetworkParams"]
 
@@ -30,11 +32,13 @@ class AttentionNetworkParams:
     parameters are documented there)."""
 
     def _network_fit(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, seed: int) -> NetworkFit:
+        if self.calibration not in ("platt", None):
+            raise ValueError(f"calibration must be 'platt' or None, got {self.calibration!r}")
         return fit_attention_network(
             X_sorted, offsets, labels, hidden=tuple(self.hidden), n_components=self.n_components,
             attention_dim=self.attention_dim, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             max_epochs=self.max_epochs, early_stopping=self.early_stopping, validation_fraction=self.validation_fraction,
-            n_epochs_no_change=self.n_epochs_no_change, seed=seed,
+            n_epochs_no_change=self.n_epochs_no_change, seed=seed, hold_out=self.calibration is not None,
         )
 
     def _store_network(self, fit: NetworkFit, n_features: int) -> None:
@@ -44,6 +48,16 @@ class AttentionNetworkParams:
         self.network_train_loss_ = fit.train_loss
         self.network_validation_loss_ = fit.validation_loss
         self.network_best_epoch_ = fit.best_epoch
+        self.validation_bags_ = fit.validation_bags
+
+    def _fit_calibration(self, score: Callable[[np.ndarray, np.ndarray], np.ndarray], X_val: np.ndarray,
+                         val_offsets: np.ndarray, val_labels: np.ndarray) -> None:
+        """Platt scaling (``calibration="platt"``) of ``score(X_val, val_offsets)`` on the held-out
+        bags (given as CSR rows, with their labels); the identity otherwise."""
+        slope, intercept = 1.0, 0.0
+        if self.calibration == "platt":
+            slope, intercept = fit_platt(score(X_val, val_offsets), val_labels)
+        self.calibration_slope_, self.calibration_intercept_ = slope, intercept
 
     def _embed(self, X: Any) -> np.ndarray:
         """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows."""
@@ -88,6 +102,10 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     early_stopping, validation_fraction, n_epochs_no_change
         Hold out a stratified fraction of the bags, stop when their loss has not improved for
         ``n_epochs_no_change`` epochs, keep the best epoch's parameters.
+    calibration : {"platt", None}, default=None
+        ``"platt"``: hold out the same stratified ``validation_fraction`` of the bags (also
+        without early stopping) and fit Platt scaling of the bag logit on them
+        (:func:`mil_core.calibration.fit_platt`); ``None``: the network's own sigmoid.
     random_state : int, RandomState or None
         Seeds the initial weights, the bag order and the validation split.
 
@@ -100,6 +118,10 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         Mean bag cross-entropy per epoch (validation: only with ``early_stopping``).
     network_best_epoch_ : int
         The epoch whose parameters were kept.
+    validation_bags_ : ndarray of int
+        The held-out bags (positions in ``np.unique(bag_ids)``; empty when none were held out).
+    calibration_slope_, calibration_intercept_ : float
+        Platt's ``a`` and ``c`` (1 and 0 without calibration).
     n_features_in_, classes_
     """
 
@@ -115,6 +137,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         early_stopping: bool = False,
         validation_fraction: float = 0.2,
         n_epochs_no_change: int = 10,
+        calibration: str | None = None,
         random_state: Any = None,
     ):
         store_params(self, locals())
@@ -122,17 +145,23 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        X = np.asarray(X, dtype=np.float64)
-        fit = self._network_fit(X[bags.order], bags.offsets, labels, _seed(self.random_state))
+        X_sorted = np.asarray(X, dtype=np.float64)[bags.order]
+        fit = self._network_fit(X_sorted, bags.offsets, labels, _seed(self.random_state))
         self._store_network(fit, X.shape[1])
+        X_val, val_offsets = take_bags(X_sorted, bags.offsets, self.validation_bags_)
+        self._fit_calibration(self._bag_logits, X_val, val_offsets, labels[self.validation_bags_])
         return self
 
+    def _bag_logits(self, X_sorted: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return bag_logits(network_arrays(self.network_state_), self._embed(X_sorted), offsets)
+
     def predict_bag_proba(self, X: Any, bag_ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``keys, p``: ``p(T_b = 1) = σ(cᵀ z_b + c₀)`` for each bag, ``keys = np.unique(bag_ids)``."""
-        H = self._embed(X)
-        _, bags, _ = check_mil_data(H, bag_ids)
-        params = network_arrays(self.network_state_)
-        return bags.keys, _sigmoid(np, bag_logits(params, H[bags.order], bags.offsets))
+        """``keys, p``: ``p(T_b = 1) = σ(a (cᵀ z_b + c₀) + c)`` for each bag (``a = 1, c = 0``
+        without calibration: the network's sigmoid), ``keys = np.unique(bag_ids)``."""
+        check_is_fitted(self, "network_state_")
+        X, bags, _ = check_mil_data(X, bag_ids)
+        logits = self._bag_logits(np.asarray(X)[bags.order], bags.offsets)
+        return bags.keys, _sigmoid(np, self.calibration_slope_ * logits + self.calibration_intercept_)
 
     def predict_instance_proba(self, X: Any) -> np.ndarray:
         """``σ(cᵀ h_n + c₀)``: the probability the network gives a bag made of instance n alone."""

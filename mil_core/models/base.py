@@ -78,7 +78,7 @@ class SparseGPMILBase(BaseEstimator):
             raise ValueError(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances})")
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
-        if self.tol < 0:
+        if self.tol is not None and self.tol < 0:  # None: a sampler, which runs all its sweeps
             raise ValueError(f"tol must be >= 0, got {self.tol}")
         if self.early_stopping and not 0 < self.validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
@@ -157,12 +157,17 @@ class SparseGPMILBase(BaseEstimator):
         self.classes_ = np.array([0, 1])
         kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, np.empty((0, 2))
         X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
-        if kernel is None and offsets is not None and (coords is not None or not uses_coords(self)):
+        if kernel is None and offsets is not None and (coords is not None or not self._choice_needs_coords()):
             kernel = self._select_kernel(X_host, offsets, instance_labels[offsets[:-1]], coords)
         self.kernel_ = (kernel or RBF(variance=AUTO_VARIANCES[1])).resolve(self.n_features_in_)
         Z = kmeans_inducing_points(X_host, instance_labels, self.n_inducing, random_state=self.random_state)
         self.gp_ = SparseGP.build(self.kernel_, Z)
         return self._make_updates(self.gp_)
+
+    def _choice_needs_coords(self) -> bool:
+        """Whether :meth:`_select_kernel` needs instance coords: for models that read them (the Gibbs
+        reference reads none at λ = 0)."""
+        return uses_coords(self)
 
     def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
         """``kernel=None``: the RBF variance from ``AUTO_VARIANCES`` (ℓ = √D) *and* the number of

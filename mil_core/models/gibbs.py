@@ -5,34 +5,208 @@ Target: ``p(v, m | y)`` for ``v ~ N(0, I)`` (whitened ``u = Lv``), ``m_b | v ~ N
 and the hard MIL bag likelihood — the model whose mean-field posterior the variational fit
 approximates (the FITC residual only adds a constant to its ELBO). Alternating exact conditionals:
 
-* ``v | m ~ N((I + G')⁻¹ A'ᵀm, (I + G')⁻¹)``, ``G' = Σ_b A'_bᵀΣ_bA'_b`` (seed 003 Eq. 7–9 with
-  ``q(m)`` a point mass);
 * ``m_i | m_{−i}, v, y``: the Gaussian conditional ``N(μ_i + (λ/P_ii)Σ_{j~i}(m_j − μ_j), 1/P_ii)``
   (``μ = Σ_b A'_b v``, ``P = I + λC``), truncated to ``m_i < 0`` in a negative bag; in a positive
   bag truncated to ``m_i ≥ 0`` when all other instances of the bag are negative, else
   unconstrained (seed 003 Eq. 13–14). Instance ``k`` of every bag is updated at once (bags are
-  conditionally independent given ``v``), instances of a bag one after another.
+  conditionally independent given ``v``), instances of a bag one after another;
+* ``v | m ~ N((I + G')⁻¹ A'ᵀm, (I + G')⁻¹)``, ``G' = Σ_b A'_bᵀΣ_bA'_b`` (seed 003 Eq. 7–9 with
+  ``q(m)`` a point mass).
+
+Map → sum → small solve (DESIGN §1–2): a sweep is the m-step on every partition of whole bags,
+which returns ``r'_p = A'_pᵀm_p`` (and the constant ``G'_p``), the sum, and the v-step on the
+client (an M×M Cholesky and one M-dimensional draw). The chain's randomness is *keyed*, not
+streamed: bag ``b``'s uniforms at sweep ``t`` come from the counter-based Philox generator keyed by
+``(seed, t, b)`` (``b``: the bag's position among the fit's bags, ``BagBlock.bag_index``), and the
+v-step's normals from the key ``(seed, t)``. Every draw is therefore a function of what it
+belongs to, not of the order in which a process happens to ask for it, so a fit split into any
+partitions, on any number of workers, resumed from any checkpoint, draws exactly the numbers of
+the serial fit and gives its samples to round-off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import scipy.linalg
 import scipy.sparse
+from scipy.special import ndtri
 
-from .._backend import take_rows
+from .._backend import cholesky_with_jitter, take_rows
 from ..bags import segment_sum
-from ..engine import BagBlock, GaussianQ
+from ..engine import (
+    BagBlock,
+    FitTrace,
+    GaussianQ,
+    SerialExecutor,
+    SparseGP,
+    Summable,
+    optimise,
+)
 from ..ising import Neighbourhood
 from ..kernels import RBF
-from ..truncnorm import sample_upper_truncated
+from ..truncnorm import upper_truncated_quantile
 from ..validation import check_mil_data
 from .base import store_params
 from .probit import VGPMILPRI
+from .probit_updates import ProbitBags, ProbitMILUpdates
 
-__all__ = ["VGPMILPRGibbs"]
+__all__ = ["GibbsChain", "GibbsState", "GibbsUpdates", "VGPMILPRGibbs", "split_rhat"]
+
+_LOG_2PI = float(np.log(2.0 * np.pi))
+_WORD = 1 << 32  # sweeps and bag positions each fill 32 bits of the second Philox key word
+
+
+def _stream(seed: int, sweep: int, stream: int) -> np.random.Generator:
+    """The generator of one ``(sweep, stream)`` of a chain: Philox keyed by ``(seed, sweep·2³² + stream)``.
+
+    Philox is a keyed bijection of its counter: distinct keys give independent streams that can be
+    made in any order on any process (Salmon et al. 2011). Stream 0 is the v-step; bag ``b`` is ``b + 1``.
+    """
+    key = np.array([seed, sweep * _WORD + stream], dtype=np.uint64)
+    return np.random.Generator(np.random.Philox(key=key))
+
+
+def _uniforms(seed: int, sweep: int, bag_index: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """One uniform in (0, 1) per instance of the block (row order), bag by bag from its own stream."""
+    return np.concatenate([_stream(seed, sweep, int(b) + 1).random(int(n)) for b, n in zip(bag_index, sizes)]) + 2.0**-54
+
+
+@dataclass(frozen=True)
+class GibbsState:
+    """The chain on the client after ``sweep`` sweeps: the last ``v`` and the kept samples (k, M)."""
+
+    v: np.ndarray
+    sweep: int
+    samples: np.ndarray
+
+
+@dataclass(frozen=True)
+class GibbsChain:
+    """A partition's part of the chain: the current ``m`` (block row order) and the sum of its kept values."""
+
+    m: np.ndarray
+    m_sum: np.ndarray
+
+
+@dataclass(frozen=True)
+class GibbsBags:
+    """A prepared partition: the probit model's block (``G'_p``, the coupling ``Σ_b``), the bags' stream keys
+    and, per within-bag position ``k``, the rows updated together (with their rows of the coupling)."""
+
+    probit: ProbitBags
+    bag_index: np.ndarray
+    steps: tuple[tuple[np.ndarray, np.ndarray, Any], ...]
+
+
+@dataclass(frozen=True)
+class GibbsStats(Summable):
+    """A partition's contribution to a sweep: ``G'_p`` (constant), ``r'_p = A'_pᵀm_p`` and ``log p(m_p | v)``."""
+
+    precision: np.ndarray
+    shift: np.ndarray
+    log_density: float
+    n_instances: int
+
+
+@dataclass(frozen=True)
+class GibbsUpdates:
+    """The sampler as :class:`~mil_core.engine.PartitionUpdates`: the m-step is the partition step, the
+    v-step the global update. ``seed`` keys every draw (module docstring); sweeps after ``burn_in``,
+    every ``thin``-th, are kept."""
+
+    probit: ProbitMILUpdates
+    seed: int
+    burn_in: int
+    thin: int
+
+    def prepare(self, block: BagBlock) -> GibbsBags:
+        bags = self.probit.prepare(block)
+        n_bags = bags.offsets.shape[0] - 1
+        bag_index = np.arange(n_bags) if block.bag_index is None else np.asarray(block.bag_index, dtype=np.int64)
+        if bag_index.shape != (n_bags,) or (n_bags and not 0 <= bag_index.min() <= bag_index.max() < _WORD - 1):
+            raise ValueError(f"bag_index must hold one position in [0, 2^32 - 1) per bag ({n_bags}), got shape {bag_index.shape}")
+        P = bags.coupling.precision
+        off_diagonal = None if bags.coupling.identity else (scipy.sparse.diags(P.diagonal()) - P).tocsr()
+        sizes = np.diff(bags.offsets)
+        steps = []
+        for k in range(int(sizes.max(initial=0))):
+            has = np.flatnonzero(sizes > k)
+            rows = bags.offsets[:-1][has] + k
+            steps.append((rows, has, None if off_diagonal is None else off_diagonal[rows]))
+        return GibbsBags(probit=bags, bag_index=bag_index, steps=tuple(steps))
+
+    def init_local(self, block: GibbsBags) -> GibbsChain:
+        """A valid start: every instance below zero but the first of each positive bag."""
+        offsets = block.probit.offsets
+        m = np.full(int(offsets[-1]), -0.5)
+        m[offsets[:-1][block.probit.labels == 1]] = 0.5
+        return GibbsChain(m=m, m_sum=np.zeros_like(m))
+
+    def init_global(self) -> GibbsState:
+        M = self.probit.gp.n_inducing
+        return GibbsState(v=np.zeros(M), sweep=0, samples=np.zeros((0, M)))
+
+    def kept(self, sweep: int) -> bool:
+        return sweep > self.burn_in and (sweep - self.burn_in - 1) % self.thin == 0
+
+    def partition_step(self, block: GibbsBags, chain: GibbsChain, state: GibbsState) -> tuple[GibbsStats, GibbsChain]:
+        """The m-step of sweep ``state.sweep + 1`` on one partition (module docstring)."""
+        bags, sweep = block.probit, state.sweep + 1
+        offsets, coupling = bags.offsets, bags.coupling
+        mu = coupling.solve(bags.features.latent_mean(state.v))
+        pdiag = coupling.precision.diagonal()
+        cond_sd = 1.0 / np.sqrt(pdiag)
+        u = _uniforms(self.seed, sweep, block.bag_index, np.diff(offsets))
+        m = chain.m.copy()
+        positive_bag = bags.labels == 1
+        n_nonneg = segment_sum((m >= 0).astype(np.int64), offsets)
+        for rows, bag, coupling_rows in block.steps:
+            mean = mu[rows] if coupling_rows is None else mu[rows] + (coupling_rows @ (m - mu)) / pdiag[rows]
+            sd = cond_sd[rows]
+            was_nonneg = m[rows] >= 0
+            pos = positive_bag[bag]
+            others_nonneg = n_nonneg[bag] - was_nonneg
+            must_be_positive = pos & (others_nonneg == 0)
+            free = pos & (others_nonneg > 0)
+            new = upper_truncated_quantile(mean, sd, u[rows])  # negative bags: m < 0
+            new = np.where(must_be_positive, -upper_truncated_quantile(-mean, sd, u[rows]), new)  # m ≥ 0
+            new = np.where(free, mean + sd * ndtri(u[rows]), new)
+            n_nonneg[bag] += (new >= 0).astype(np.int64) - was_nonneg
+            m[rows] = new
+        residual = m - mu
+        log_density = -0.5 * float(residual @ (coupling.precision @ residual)) + 0.5 * float(np.sum(bags.logdet_precision)) \
+            - 0.5 * m.shape[0] * _LOG_2PI
+        stats = GibbsStats(precision=bags.gram, shift=bags.features.project(m), log_density=log_density, n_instances=int(m.shape[0]))
+        return stats, GibbsChain(m=m, m_sum=chain.m_sum + m if self.kept(sweep) else chain.m_sum)
+
+    def global_update(self, stats: GibbsStats, state: GibbsState) -> tuple[GibbsState, float]:
+        """The v-step of sweep ``state.sweep + 1``; the objective is ``log p(v, m)`` of the state the m-step
+        saw (the previous ``v``, the new ``m``): a trace of the chain, not a bound."""
+        sweep, M = state.sweep + 1, state.v.shape[0]
+        chol, _ = cholesky_with_jitter(np.eye(M) + 0.5 * (stats.precision + stats.precision.T), initial_relative_jitter=0.0)
+        mean = scipy.linalg.cho_solve((chol, True), stats.shift, check_finite=False)
+        v = mean + scipy.linalg.solve_triangular(chol.T, _stream(self.seed, sweep, 0).standard_normal(M), lower=False)
+        samples = np.vstack([state.samples, v]) if self.kept(sweep) else state.samples
+        log_joint = stats.log_density - 0.5 * float(state.v @ state.v) - 0.5 * M * _LOG_2PI
+        return GibbsState(v=v, sweep=sweep, samples=samples), log_joint
+
+
+def split_rhat(samples: np.ndarray) -> float:
+    """The largest split-R̂ (Gelman et al., BDA3 §11.4) over the columns of one chain's samples: the
+    two halves' between/within variance ratio; ≈ 1 when the halves agree, NaN below 4 samples."""
+    n = samples.shape[0] // 2
+    if n < 2:
+        return float("nan")
+    halves = np.stack([samples[:n], samples[-n:]])  # (2, n, M)
+    within = halves.var(axis=1, ddof=1).mean(axis=0)
+    between = n * halves.mean(axis=1).var(axis=0, ddof=1)
+    var_plus = (n - 1) / n * within + between / n
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rhat = np.sqrt(np.where(within > 0, var_plus / within, 1.0))
+    return float(np.max(rhat))
 
 
 class VGPMILPRGibbs(VGPMILPRI):
@@ -40,12 +214,21 @@ class VGPMILPRGibbs(VGPMILPRI):
 
     Same inducing points as the variational estimators with the same ``n_inducing`` and
     ``random_state`` (k-means on the training instances), and the same prediction methods,
-    applied to the Gaussian ``q_`` moment-matched to the posterior samples of ``v``.
+    applied to the Gaussian ``q_`` moment-matched to the posterior samples of ``v``. Runs on the
+    serial executor (:meth:`fit`) and on the Dask executor (``tasks.training.fit_cohort``) with the
+    same draws (module docstring).
 
     Parameters
     ----------
-    lam, neighbourhood, n_inducing, kernel, exact_diag_max, diag_tol, exact_orthant_max, n_mc_samples
+    lam, neighbourhood, n_inducing, exact_diag_max, diag_tol, exact_orthant_max, n_mc_samples
         As in :class:`~mil_core.models.probit.VGPMILPRI` (``lam=0`` by default here).
+    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
+        How bags are scored (``predict_bag_proba``, the kernel choice, the pipeline), as in the
+        variational models: ``"orthant"`` is the paper's ``1 − P(m* < 0)`` (Eq. 26), which follows
+        the bag size.
+    kernel : RBF or None
+        ``None`` chooses the RBF variance on the training bags with the variational model of the same
+        posterior (:meth:`_select_kernel`).
     n_samples : int, default=2000
         Kept samples.
     burn_in : int, default=500
@@ -53,7 +236,7 @@ class VGPMILPRGibbs(VGPMILPRI):
     thin : int, default=1
         Keep every ``thin``-th sweep after burn-in.
     random_state : int or None
-        Seed of k-means and of the sampler.
+        Seed of k-means and of the sampler's keys.
 
     Attributes
     ----------
@@ -62,8 +245,15 @@ class VGPMILPRGibbs(VGPMILPRI):
     q_ : GaussianQ
         Their mean and covariance.
     m_mean_ : ndarray (N,)
-        Posterior mean of ``m`` for each training instance, in the input row order.
-    gp_, kernel_, n_features_in_, classes_
+        Posterior mean of ``m`` for each training instance, in the input row order (:meth:`fit` only;
+        the cluster fit keeps each partition's running sum on its worker).
+    objective_ : ndarray (n_iter_,)
+        ``log p(v, m)`` after each sweep's m-step (a trace of the chain).
+    rhat_ : float
+        The largest split-R̂ of the v samples; ``converged_`` is ``rhat_ < 1.05``.
+    kernel_selection_ : ndarray (k, 2)
+        With ``kernel=None``: each variance tried and its mean held-out bag AUC.
+    gp_, kernel_, n_iter_, n_features_in_, classes_
     """
 
     def __init__(
@@ -79,79 +269,81 @@ class VGPMILPRGibbs(VGPMILPRI):
         exact_diag_max: int = 2000,
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
+        bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
     ):
         store_params(self, locals())
 
-    # the shared parameter checks of the base class read these
-    max_iter, tol, early_stopping, moments = 1, 0.0, False, "diagonal"
+    # the shared parameter checks and executors read these: a sampler has no tolerance (``None``: it runs
+    # all its sweeps) and no early stopping
+    tol, early_stopping, moments = None, False, "diagonal"
     learn_lam, coupling_form = False, "ising"
+
+    @property
+    def max_iter(self) -> int:
+        """The sweeps the chain runs: ``burn_in + n_samples · thin``."""
+        return int(self.burn_in) + int(self.n_samples) * int(self.thin)
+
+    def _check_common_params(self, n_instances: int) -> None:
+        for name, low in (("n_samples", 1), ("burn_in", 0), ("thin", 1)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, np.integer)) and value >= low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.max_iter >= _WORD:
+            raise ValueError(f"burn_in + n_samples * thin must be below 2^32 sweeps, got {self.max_iter}")
+        super()._check_common_params(n_instances)
+
+    def _make_updates(self, gp: SparseGP) -> GibbsUpdates:
+        seed = np.random.SeedSequence(self.random_state).generate_state(1, np.uint64)[0] if not isinstance(
+            self.random_state, np.random.RandomState) else self.random_state.randint(2**63 - 1, dtype=np.int64)
+        probit = ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
+        return GibbsUpdates(probit=probit, seed=int(seed), burn_in=int(self.burn_in), thin=int(self.thin))
+
+    def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
+        """``kernel=None``: the RBF variance that the variational fit of the same model (VGPMIL-PR-I with this
+        λ; VGPMIL-PR at λ = 0) chooses by held-out bag AUC on a 2-fold split of the training bags
+        (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`); sets ``kernel_selection_``.
+
+        Why the variational surrogate: the choice is of the model (its prior), not of the inference, and
+        eight short closed-form fits cost a fraction of one chain, where eight chains would cost eight
+        times the fit. Its chosen number of sweeps is not used: the sampler runs its chain.
+        """
+        surrogate = self._variational_model()
+        kernel = surrogate._select_kernel(X_sorted, offsets, labels, coords)
+        self.kernel_selection_, self.auto_max_iter_ = surrogate.kernel_selection_, None
+        return kernel
+
+    def _choice_needs_coords(self) -> bool:
+        return self._lam() > 0
+
+    def _variational_model(self) -> VGPMILPRI:
+        """VGPMIL-PR-I with this model's prior, coupling and prediction settings (λ = 0 is VGPMIL-PR)."""
+        shared = {name: value for name, value in self.get_params().items() if name in VGPMILPRI().get_params()}
+        return VGPMILPRI(**shared)
 
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> VGPMILPRGibbs:
         """Sample the posterior given instances, bag ids, per-instance bag labels (and coords)."""
-        if not (self.n_samples >= 1 and self.burn_in >= 0 and self.thin >= 1):
-            raise ValueError(f"need n_samples >= 1, burn_in >= 0, thin >= 1; got {self.n_samples}, {self.burn_in}, {self.thin}")
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
         X_sorted = take_rows(X, bags.order)
         offsets = bags.offsets
-        updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)))
-        block = updates.prepare(BagBlock(X=X_sorted, offsets=offsets, labels=labels, coords=coords_sorted))
-        samples, m_mean = _run_sampler(block, self.n_samples, self.burn_in, self.thin, np.random.default_rng(self.random_state))
-        self.v_samples_ = samples
-        self.q_ = GaussianQ(mean=samples.mean(axis=0), cov=np.atleast_2d(np.cov(samples, rowvar=False)))
-        self.m_mean_ = np.empty_like(m_mean)
-        self.m_mean_[bags.order] = m_mean
+        updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)), offsets=offsets, coords=coords_sorted)
+        block = BagBlock(X=X_sorted, offsets=offsets, labels=labels, coords=coords_sorted, bag_index=np.arange(bags.n_bags))
+        executor = SerialExecutor(updates, [block])
+        trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol)
+        self._finish_fit(trace)
+        self.m_mean_ = np.empty(X.shape[0])
+        self.m_mean_[bags.order] = executor.locals[0].m_sum / self.n_samples
         return self
 
-
-def _run_sampler(block, n_samples: int, burn_in: int, thin: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """The Gibbs chain on one prepared block (module docstring); returns kept ``v`` samples and
-    the posterior mean of ``m`` (block row order)."""
-    features = block.features  # A' stays where it is; A'v and A'ᵀm are its only products
-    M = features.A.shape[1]
-    offsets, labels = block.offsets, block.labels
-    sizes = np.diff(offsets)
-    coupling = block.coupling
-    P = coupling.precision
-    pdiag = P.diagonal()
-    cond_sd = 1.0 / np.sqrt(pdiag)
-    off_diagonal = (scipy.sparse.diags(pdiag) - P).tocsr()
-    steps = []
-    for k in range(int(sizes.max())):
-        has = sizes > k
-        rows = offsets[:-1][has] + k
-        steps.append((rows, np.flatnonzero(has), off_diagonal[rows]))
-    chol = np.linalg.cholesky(np.eye(M) + block.gram)
-    positive_bag = labels == 1
-    # a valid start: negatives below zero, one instance of each positive bag above
-    m = np.full(int(offsets[-1]), -0.5)
-    m[offsets[:-1][positive_bag]] = 0.5
-    n_nonneg = segment_sum((m >= 0).astype(np.int64), offsets)
-    v = np.zeros(M)
-    kept, m_sum = [], np.zeros_like(m)
-    for sweep in range(burn_in + n_samples * thin):
-        mu = coupling.solve(features.latent_mean(v))
-        for rows, bag, coupling_rows in steps:
-            mean = mu[rows] + (coupling_rows @ (m - mu)) / pdiag[rows]
-            sd = cond_sd[rows]
-            was_nonneg = m[rows] >= 0
-            others_nonneg = n_nonneg[bag] - was_nonneg
-            pos = positive_bag[bag]
-            must_be_positive = pos & (others_nonneg == 0)
-            free = pos & (others_nonneg > 0)
-            draw = sample_upper_truncated(mean, sd, rng)  # negative bags
-            flipped = -sample_upper_truncated(-mean, sd, rng)  # m ≥ 0
-            normal = mean + sd * rng.standard_normal(mean.shape)
-            new = np.where(must_be_positive, flipped, np.where(free, normal, draw))
-            n_nonneg[bag] += (new >= 0).astype(np.int64) - was_nonneg
-            m[rows] = new
-        shift = features.project(m)
-        mean_v = scipy.linalg.cho_solve((chol, True), shift)
-        v = mean_v + scipy.linalg.solve_triangular(chol.T, rng.standard_normal(M), lower=False)
-        if sweep >= burn_in and (sweep - burn_in) % thin == 0:
-            kept.append(v.copy())
-            m_sum += m
-    return np.asarray(kept), m_sum / len(kept)
+    def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
+        samples = trace.glob.samples
+        self.v_samples_ = samples
+        self.q_ = GaussianQ(mean=samples.mean(axis=0), cov=np.atleast_2d(np.cov(samples, rowvar=False)) if samples.shape[0] > 1
+                            else np.zeros((samples.shape[1],) * 2))
+        self.objective_ = np.asarray(trace.objective)
+        self.n_iter_ = trace.n_iter
+        self.rhat_ = split_rhat(samples)
+        self.converged_ = bool(self.rhat_ < 1.05)

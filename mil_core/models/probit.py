@@ -5,23 +5,28 @@ learning the Ising strength λ is in :mod:`mil_core.models.ising_hyper`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from scipy.special import log_ndtr, ndtr, owens_t
 
 from .._backend import take_rows
-from ..bags import BagIndex, segment_sum
+from ..bags import BAG_RULES, BagIndex, bag_score, segment_sum
 from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
 from ..predictive import sample_latent
-from .base import SparseGPMILBase, store_params
+from .base import SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates
 
-__all__ = ["VGPMILPR", "VGPMILPRI"]
+__all__ = ["VGPMILPR", "VGPMILPRI", "PROBIT_BAG_RULES"]
+
+PROBIT_BAG_RULES: tuple[str, ...] = (*BAG_RULES, "orthant")
+"""Bag rules of the probit family: the instance-probability rules of :func:`mil_core.bags.bag_score`
+and ``"orthant"``, the paper's ``1 − P(m* < 0)`` (seed 002 Eq. 26)."""
 
 
 def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,6 +42,10 @@ def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.n
 class _ProbitGPMIL(SparseGPMILBase):
     """Fit plumbing and predictions (seed 002 Sec. 2.5, Eq. 21–26) of the probit family."""
 
+    bag_rule: str = "orthant"
+    """The rule of a subclass whose ``__init__`` takes no ``bag_rule`` (the Gibbs reference scores
+    bags as the paper does); VGPMIL-PR and VGPMIL-PR-I take it as a parameter."""
+
     def _lam(self) -> float:
         return 0.0
 
@@ -44,6 +53,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         return {}
 
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates:
+        self._rule(None)  # validation and the kernel choice score bags by it: check it before the fit
         return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
 
     def _fitted_lam(self) -> float:
@@ -63,7 +73,14 @@ class _ProbitGPMIL(SparseGPMILBase):
         if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
             lam, glob = glob.lam, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return self._bag_proba(mean, var, offsets, coords, lam, return_std=False)[0]
+        return self._bag_proba(mean, var, offsets, coords, lam, self._rule(None), return_std=False)[0]
+
+    def _rule(self, rule: str | None) -> str:
+        """The bag rule of a prediction: ``rule``, or the estimator's ``bag_rule``."""
+        rule = self.bag_rule if rule is None else rule
+        if rule not in PROBIT_BAG_RULES:
+            raise ValueError(f"bag rule must be one of {', '.join(PROBIT_BAG_RULES)}, got {rule!r}")
+        return rule
 
     def predict_instance_proba(self, X: Any, *, return_std: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Instance probability ``p(h* = 1) = p(m* > 0) = Φ(μ*/√(1 + σ*²))`` (Eq. 25 with
@@ -75,35 +92,79 @@ class _ProbitGPMIL(SparseGPMILBase):
         return (p, sd) if return_std else p
 
     def predict_bag_proba(
-        self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None, return_orthant_error: bool = False
+        self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None, return_orthant_error: bool = False,
+        rule: str | None = None,
     ):
-        """Bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26): ``keys, p``, then ``std`` when
-        ``return_std`` and ``orthant_error`` when ``return_orthant_error``.
+        """Bag score by the bag ``rule`` (default: the estimator's ``bag_rule``): ``keys, p``, then
+        ``std`` when ``return_std`` and ``orthant_error`` when ``return_orthant_error``.
 
+        ``rule="orthant"`` is the paper's bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26).
         As in the logistic family (DESIGN §3), the latent ``f*`` are taken independent across
         instances (FITC-diagonal predictive), so ``m* ~ N(Σ*μ*, Σ* + Σ* diag(σ*²) Σ*)``.
         Without coupling (VGPMIL-PR, or no coords) that is ``1 − Π Φ(−μ*/√(1 + σ*²))``, exact,
-        in log space. With coupling (``coords`` given to VGPMIL-PR-I) the orthant probability is
-        computed exactly (scipy) for bags of ≤ ``exact_orthant_max`` instances and by the GHK
-        sampler on the sparse Cholesky factor, with a standard error, for larger bags
-        (:mod:`mil_core.orthant`): ``orthant_error`` is that standard error per bag (0 where the
-        probability is exact).
+        in log space: the noisy-OR of the instance probabilities, which grows with the bag size
+        and saturates in bags of 10³+ instances. With coupling (``coords`` given to VGPMIL-PR-I) the
+        orthant probability is computed exactly (scipy) for bags of ≤ ``exact_orthant_max``
+        instances and by the GHK sampler on the sparse Cholesky factor, with a standard error, for
+        larger bags (:mod:`mil_core.orthant`): ``orthant_error`` is that standard error per bag (0
+        where the probability is exact, and for the other rules).
 
-        ``std`` is the posterior spread of the bag probability over ``f*`` (Monte Carlo,
+        The other rules (:data:`PROBIT_BAG_RULES`) apply :func:`mil_core.bags.bag_score` to the
+        instance probabilities ``p(m*_i > 0)`` (Eq. 25; VGPMIL-PR-I with ``coords``: in the context
+        of their bag, Eq. 24, as :meth:`VGPMILPRI.predict_instance_proba`).
+
+        ``std`` is the posterior spread of the bag score over ``f*`` (Monte Carlo,
         ``n_mc_samples`` draws, seeded by ``random_state``).
         """
+        rule = self._rule(rule)
         X, bags = self._check_predict_input(X, bag_ids)
         coords_sorted = None if coords is None else check_coords(coords, bags)
         mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
-        p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), return_std=return_std)
+        p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), rule, return_std=return_std)
         return (bags.keys, p) + ((std,) if return_std else ()) + ((orthant_error,) if return_orthant_error else ())
 
     def _bag_proba(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float, *, return_std: bool
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float, rule: str, *,
+        return_std: bool,
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Bag probabilities, their spread over ``f*`` (``None`` unless ``return_std``) and the
-        standard errors of the sampled orthant probabilities (0 where exact)."""
+        """Bag scores by ``rule``, their spread over ``f*`` (``None`` unless ``return_std``) and
+        the standard errors of the sampled orthant probabilities (0 where exact or not asked)."""
         coupling = self._coupling(offsets, coords, lam)
+        if rule == "orthant":
+            return self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=return_std)
+        n_bags = offsets.shape[0] - 1
+        rng = np.random.default_rng(self.random_state)
+        p = bag_score(self._instance_proba_in_context(mean, var, coupling, rng)[0], offsets, rule)
+        std = self._rule_spread(mean, var, offsets, coupling, rule, rng) if return_std else None
+        return p, std, np.zeros(n_bags)
+
+    def _instance_proba_in_context(
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``p(m*_i > 0)`` and its spread over ``f*`` (bag order): ``Φ(μ*/√(1 + σ*²))`` without
+        coupling (Eq. 25, ``Σ* = 1``), the marginals of Eq. 24 with it."""
+        return _phi_and_spread(mean, var)
+
+    def _given_latent(self, coupling: CARCoupling | None) -> Callable[[np.ndarray], np.ndarray]:
+        """``f ↦ p(m*_i > 0 | f*)`` for draws ``f`` (n, k) of the latent: ``Φ(f*)`` without coupling."""
+        return ndtr
+
+    def _rule_spread(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coupling: CARCoupling | None, rule: str, rng: np.random.Generator
+    ) -> np.ndarray:
+        """Monte Carlo spread of the ``rule`` score over ``f* ~ N(mean, var)`` (``n_mc_samples``
+        draws, ≤ 2²² values at a time: the draws are columns, independent of one another)."""
+        L, n = self.n_mc_samples, max(int(offsets[-1]), 1)
+        chunk = max(1, (1 << 22) // n)
+        given_latent = self._given_latent(coupling)
+        draws = [bag_score(given_latent(sample_latent(mean, var, min(chunk, L - start), rng)), offsets, rule) for start in range(0, L, chunk)]
+        return np.concatenate(draws, axis=1).std(axis=1)
+
+    def _orthant_bag_proba(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling, *,
+        return_std: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """The paper's ``1 − P(m* < 0)`` (Eq. 26), its spread and the GHK standard errors."""
         n_bags = offsets.shape[0] - 1
         sizes = np.diff(offsets)
         independent = coupling.edge_count == 0
@@ -111,8 +172,10 @@ class _ProbitGPMIL(SparseGPMILBase):
         std = np.zeros(n_bags) if return_std else None
         orthant_error = np.zeros(n_bags)
         rng = np.random.default_rng(self.random_state)
-        if return_std and np.any(independent):
-            std[independent] = self._independent_spread(mean, var, offsets, np.flatnonzero(independent), rng)
+        if return_std and np.any(independent):  # noisy-OR of p(m*_i > 0 | f*) = Φ(f*_i)
+            alone = np.flatnonzero(independent)
+            (mean_alone, alone_offsets), var_alone = take_bags(mean, offsets, alone), take_bags(var, offsets, alone)[0]
+            std[alone] = self._rule_spread(mean_alone, var_alone, alone_offsets, None, "noisy_or", rng)
         for b in np.flatnonzero(~independent):
             rows = slice(offsets[b], offsets[b + 1])
             exact = sizes[b] <= self.exact_orthant_max
@@ -141,23 +204,6 @@ class _ProbitGPMIL(SparseGPMILBase):
         estimate = orthant_probability_importance(mean, var, bag_coupling, n_draws=self.n_mc_samples, rng=rng)
         return estimate.log_p, estimate.std_error, estimate.spread
 
-    def _independent_spread(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, bags: np.ndarray, rng: np.random.Generator
-    ) -> np.ndarray:
-        """Monte Carlo spread of ``1 − Π Φ(−f*_i)`` over ``f* ~ N(mean, var)`` for the given bags."""
-        L = self.n_mc_samples
-        values = []
-        for b in bags:
-            rows = slice(offsets[b], offsets[b + 1])
-            chunk = max(1, (1 << 22) // max(offsets[b + 1] - offsets[b], 1))
-            draws = []
-            for start in range(0, L, chunk):
-                k = min(chunk, L - start)
-                f = sample_latent(mean[rows], var[rows], k, rng)
-                draws.append(-np.expm1(np.sum(log_ndtr(-f), axis=0)))
-            values.append(np.concatenate(draws).std())
-        return np.asarray(values)
-
 
 _COMMON_PARAMS = """
     n_inducing : int, default=100
@@ -171,6 +217,11 @@ _COMMON_PARAMS = """
         Validation bag-AUC early stopping with patience; the best iterate is kept.
     block_size
         Instances per partition of whole bags (results do not depend on it).
+    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
+        How a bag is scored, in ``predict_bag_proba``, in validation (early stopping, kernel
+        choice) and in the pipeline: a rule of :func:`mil_core.bags.bag_score` on the instance
+        probabilities, or ``"orthant"``, the paper's ``1 − P(m* < 0)`` (Eq. 26), which follows the
+        bag size (``docs/MODELS.md``, "Probit family").
     n_mc_samples
         Monte Carlo draws for prediction spreads (and orthant importance sampling).
     random_state
@@ -213,16 +264,11 @@ class VGPMILPR(_ProbitGPMIL):
         validation_fraction: float = 0.2,
         n_iter_no_change: int = 10,
         block_size: int = 65536,
+        bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
     ):
         store_params(self, locals())
-
-    def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
-        """VGPMIL-PR ignores neighbours; coords are accepted (validated) and unused."""
-        if coords is not None:
-            check_coords(coords, bags)
-        return None
 
 
 class VGPMILPRI(_ProbitGPMIL):
@@ -284,6 +330,7 @@ class VGPMILPRI(_ProbitGPMIL):
         exact_diag_max: int = 2000,
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
+        bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
         learn_lam: bool = False,
@@ -347,13 +394,34 @@ class VGPMILPRI(_ProbitGPMIL):
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
         mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
-        noise = np.ones_like(mean) if self.coupling_form == "smoother" else coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
-        smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples,
-                                                      rng=np.random.default_rng(self.random_state))
-        p_sorted, sd_sorted = _phi_and_spread(coupling.solve(mean) / np.sqrt(noise), smoothed_var / noise)
+        p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))
         p, sd = np.empty_like(p_sorted), np.empty_like(sd_sorted)
         p[bags.order], sd[bags.order] = p_sorted, sd_sorted
         return (p, sd) if return_std else p
+
+    def _instance_proba_in_context(
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The marginals of Eq. 24: ``Φ((Σ*μ*)_i / √(N* + Σ* diag(σ*²) Σ*)_ii)``, ``N* = diag Σ*`` (``1``
+        for the smoother form); ``diag`` by :meth:`~mil_core.ising.CARCoupling.smoothed_variance`."""
+        if coupling.identity:
+            return super()._instance_proba_in_context(mean, var, coupling, rng)
+        noise = self._noise_diagonal(coupling)
+        smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples, rng=rng)
+        return _phi_and_spread(coupling.solve(mean) / np.sqrt(noise), smoothed_var / noise)
+
+    def _noise_diagonal(self, coupling: CARCoupling) -> np.ndarray:
+        """``diag Cov(m* | f*)``: ``diag Σ*`` (the paper's form) or ``1`` (the smoother form)."""
+        if self.coupling_form == "smoother":
+            return np.ones(int(coupling.offsets[-1]))
+        return coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
+
+    def _given_latent(self, coupling: CARCoupling | None) -> Callable[[np.ndarray], np.ndarray]:
+        """``f ↦ p(m*_i > 0 | f*) = Φ((Σ*f*)_i / √N*_ii)`` for draws ``f`` (n, k)."""
+        if coupling is None or coupling.identity:
+            return super()._given_latent(coupling)
+        scale = 1.0 / np.sqrt(self._noise_diagonal(coupling))[:, None]
+        return lambda f: ndtr(coupling.solve(f) * scale)
 
     def _noise_covariance(self, Sigma: np.ndarray) -> np.ndarray:
         """The smoother form's noise is ``I`` (``m* = Σ*f* + ε``, ``ε ~ N(0, I)``)."""

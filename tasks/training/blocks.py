@@ -45,18 +45,23 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
     hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
-    graph); ``scaling`` standardises the features.
+    graph); ``scaling`` standardises the features. ``bag_index`` is each kept bag's position among the
+    store's training bags (as in ``model.fit`` on those bags, when the store holds them in id order).
     """
-    stored = open_cohort(path).read_partition(partition)
-    labels = np.asarray(stored.bag_labels)
-    keep = labels >= 0
+    cohort = open_cohort(path)
+    stored = cohort.read_partition(partition)
+    training = np.asarray(cohort.bag_labels) >= 0  # every bag of the store, for the bags' positions among the fit's
     if exclude_bags is not None and exclude_bags.size:
-        keep &= ~np.isin(np.arange(partition.bag_start, partition.bag_stop), exclude_bags)
+        training[exclude_bags] = False
+    keep = training[partition.bag_start : partition.bag_stop]
     kept = np.flatnonzero(keep)
+    labels = np.asarray(stored.bag_labels)
     offsets = np.asarray(stored.offsets)
     X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
     coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
-    return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords)
+    bag_index = np.cumsum(training)[partition.bag_start + kept] - 1
+    return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords,
+                    bag_index=bag_index)
 
 
 def grid_coords(coords) -> np.ndarray:

@@ -5,7 +5,8 @@ the executor's map → sum form); the GP then trains through :func:`~tasks.train
 on the Dask cluster, every partition embedded on its worker by the stored network (NumPy).
 
 Memory bound: the client holds every labelled training instance once, as float64, while the
-network trains: ``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
+network trains (then the inner validation bags', 20 % by default, for the calibration):
+``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
 feature extractor with fewer dimensions, or a sub-cohort, beyond what the client holds).
 """
 
@@ -63,7 +64,8 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
                         **fit_kwargs: Any) -> TrainingSummary:
     """Fit ``model`` on the labelled bags of ``store``: the network on the client (its own inner
     validation split of bags), then a clone of ``model.gp`` through :func:`fit_cohort` on the
-    embedded features (``fit_kwargs`` go there). Sets the fitted attributes of ``model.fit``;
+    embedded features of the network's training bags (``fit_kwargs`` go there), then the
+    calibration on the client from the inner validation bags. Sets the fitted attributes of ``model.fit``;
     predictions go through :func:`~tasks.training.predict.predict_cohort` with the returned
     summary's ``scaling``, like any model."""
     store = str(store)
@@ -75,8 +77,12 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     network_seed, gp_seed = model._seeds()
     X_sorted, offsets, bag_labels = _training_bags(store, scaling)
     model.fit_embedding(X_sorted, offsets, bag_labels, seed=network_seed)
+    validation = model.validation_bags_
+    X_val, val_offsets = take_bags(X_sorted, offsets, validation)  # the inner validation bags calibrate
     del X_sorted
     gp = model._gp_clone(gp_seed)
-    summary = fit_cohort(gp, store, client, transform=EmbeddedFeatures(model, scaling), **fit_kwargs)
+    summary = fit_cohort(gp, store, client, transform=EmbeddedFeatures(model, scaling), exclude_bags=labelled[validation],
+                         **fit_kwargs)
     model.gp_ = gp
+    model.fit_calibration(X_val, val_offsets, bag_labels[validation])
     return dataclasses.replace(summary, scaling=scaling)

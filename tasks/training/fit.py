@@ -64,6 +64,7 @@ def fit_cohort(
     standardize: bool = False,
     on_iteration: Callable[[int, float], None] | None = None,
     transform: Callable[[np.ndarray], np.ndarray] | None = None,
+    exclude_bags: np.ndarray | None = None,
 ) -> TrainingSummary:
     """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
@@ -84,6 +85,8 @@ def fit_cohort(
     ``on_iteration(i, objective)`` is called after each iteration (progress reporting).
     ``transform``: a fitted feature map the model trains on in place of ``standardize``
     (:mod:`tasks.training.embedded`: a learnt embedding); such a fit does not resume.
+    ``exclude_bags``: global bag indices kept out of training as if unlabelled (an embedding's
+    inner validation bags).
     Holds the
     store's writer lease (:mod:`tasks.lease`): a concurrent writer of the store fails at once.
     """
@@ -93,6 +96,8 @@ def fit_cohort(
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     labels = np.asarray(cohort.bag_labels)
     labelled = np.flatnonzero(labels >= 0)
+    if exclude_bags is not None:
+        labelled = np.setdiff1d(labelled, exclude_bags)
     if np.unique(labels[labelled]).size < 2:
         raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {np.unique(labels).tolist()}")
     sizes = np.diff(cohort.offsets)
@@ -101,6 +106,7 @@ def fit_cohort(
         _, val_positions = model._split_validation(labels[labelled])
         validation = labelled[val_positions]
     training = np.setdiff1d(labelled, validation)
+    held_out = validation if exclude_bags is None else np.union1d(validation, exclude_bags)
     partitions = [p for p in cohort.partitions(partition_bytes) if np.any((training >= p.bag_start) & (training < p.bag_stop))]
 
     checkpoint = Checkpoint(store, run)
@@ -119,8 +125,9 @@ def fit_cohort(
         excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
         scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
         features = scaling if transform is None else transform
-        X_sample, sample_labels, sample_offsets = kmeans_sample(cohort, labels, training, max_kmeans_sample, model.random_state, features)
-        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
+        X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
+            cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords)  # as model.fit
         checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
@@ -128,7 +135,7 @@ def fit_cohort(
     mode = resolve_mode(client, cohort, model, mode, memory_fraction, placement, device_memory)
     log.info("training %s on %s: %d partitions, mode=%s, device=%s", type(model).__name__, store, len(partitions), mode, device)
     executor = DaskExecutor(
-        client, updates, store, partitions, mode=mode, placement=placement, split_every=split_every, exclude_bags=validation,
+        client, updates, store, partitions, mode=mode, placement=placement, split_every=split_every, exclude_bags=held_out,
         locals_from=checkpoint if latest is not None else None, locals_iteration=latest, with_coords=uses_coords(model),
         scaling=features,
     )

@@ -13,6 +13,7 @@ from tasks.store import Partition
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
     FeatureScaling,
+    grid_coords,
     load_block,
     read_features,
 )
@@ -38,17 +39,19 @@ def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], 
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
-                   scaling: FeatureScaling | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   scaling: FeatureScaling | None, with_coords: bool = False,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Instances (labelled by their bag's label) for k-means and the automatic kernel choice:
     every training instance, in store order, when there are at most ``cap``; else a seeded sample
-    of whole training bags. Returns rows, labels and the bags' CSR offsets."""
+    of whole training bags. Returns rows, labels, the bags' CSR offsets and, ``with_coords``, the
+    rows' grid coordinates (the neighbour graph of a model that reads them; else ``None``)."""
     sizes = np.diff(cohort.offsets)
     chosen = training
     if sizes[training].sum() > cap:
         rng = np.random.default_rng(random_state if isinstance(random_state, (int, np.integer)) else None)
         shuffled = rng.permutation(training)
         chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
-    X, y, sizes_taken = [], [], []
+    X, y, sizes_taken, coords = [], [], [], []
     for p in cohort.partitions(DEFAULT_PARTITION_BYTES):
         local = chosen[(chosen >= p.bag_start) & (chosen < p.bag_stop)] - p.bag_start
         if local.size:
@@ -57,4 +60,7 @@ def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, ra
             X.append(rows)
             y.append(np.repeat(labels[local + p.bag_start], np.diff(offsets)))
             sizes_taken.append(np.diff(offsets))
-    return np.concatenate(X), np.concatenate(y), np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
+            if with_coords:
+                coords.append(take_bags(grid_coords(stored.coords), np.asarray(stored.offsets), local)[0])
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
+    return np.concatenate(X), np.concatenate(y), offsets, np.concatenate(coords) if with_coords else None
