@@ -265,10 +265,9 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
     close_size`` thumbnail px) of a pixel more saturated than ``min_saturation`` cover at least
     ``min_tissue`` of their footprint (the mask before hole filling lies within that reach); the
     few kept tiles featurised no earlier (tissue only through filled holes) are read once more at
-    the end. Memory: the bands of the
-    tile rows not yet decided (two, unless the reach spans more rows), one batch of tiles, the
-    thumbnail and the candidate tiles' features. Returns the grid, its kept tiles' features (K, D)
-    and the thumbnail with its downsample.
+    the end. Memory: the bands of the tile rows not yet decided (two, unless the reach spans more
+    rows), one batch of tiles, the thumbnail and the candidate tiles' features. Returns the grid,
+    its kept tiles' features (K, D) and the thumbnail with its downsample.
     """
     from collections import deque
 
