@@ -4,6 +4,7 @@ diagonal vs mean-field moments), after seed 002's Tables 1–3. Prints Markdown 
 
     python benchmarks/bench_probit.py --part musk
     python benchmarks/bench_probit.py --part tissue   # 3 min 24 s on 2 shared cores (3 draws × 9 fits)
+    python benchmarks/bench_probit.py --part defaults # VGPMILPR() / VGPMILPRI() on tissue bags of varying size
 """
 
 from __future__ import annotations
@@ -60,6 +61,70 @@ def tissue(n_bags: int, side: int, shift: float, seed: int, n_features: int = 8)
     X[:, 0] += shift * h
     bags = np.repeat(np.arange(n_bags), side * side)
     return X, bags, bags % 2, h, np.tile(grid, (n_bags, 1))
+
+
+def tissue_of_varying_size(n_bags: int, sides: tuple[int, int], shift: float, seed: int, n_features: int = 8):
+    """:func:`tissue` with each bag's grid side uniform in ``sides`` (so bag sizes vary ~6×; the
+    lesions do not grow with the bag, so a larger positive bag is relatively less positive)."""
+    rng = np.random.default_rng(seed)
+    X, bags, h, coords = [], [], [], []
+    for b in range(n_bags):
+        side = int(rng.integers(sides[0], sides[1] + 1))
+        r, c = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+        grid = np.column_stack([r.ravel(), c.ravel()])
+        lesion = np.zeros(side * side, dtype=bool)
+        for _ in range(rng.integers(1, 3) if b % 2 else 0):
+            centre, radius = rng.uniform(1.5, side - 2.5, size=2), rng.uniform(1.5, 3.5)
+            lesion |= np.hypot(*(grid - centre).T) <= radius
+        x = rng.normal(size=(side * side, n_features))
+        x[:, 0] += shift * lesion
+        X.append(x), bags.append(np.full(side * side, b)), h.append(lesion.astype(int)), coords.append(grid)
+    bags = np.concatenate(bags)
+    return np.concatenate(X), bags, bags % 2, np.concatenate(h), np.concatenate(coords)
+
+
+def defaults_experiment(n_bags: int, sides: tuple[int, int], shift: float, seeds: int) -> None:
+    """Default ``VGPMILPR()`` and ``VGPMILPRI()`` (kernel choice, ``bag_rule="top_fraction"``) against
+    the paper's setting (``kernel=RBF(1)``, 200 sweeps, orthant rule), every rule scored on each fit:
+    bag AUC, within-class Spearman correlation of bag score with bag size, instance AUC (PR-I: in
+    context), fit seconds; mean ± sd over ``seeds`` train/test draws."""
+    from scipy.stats import spearmanr
+
+    from mil_core.models.probit import PROBIT_BAG_RULES
+
+    configs = {
+        "VGPMILPR()": lambda seed: VGPMILPR(random_state=seed),
+        "VGPMILPRI()": lambda seed: VGPMILPRI(random_state=seed),
+        "VGPMILPRI(kernel=RBF(1), bag_rule='orthant')": lambda seed: VGPMILPRI(kernel=RBF(1.0), bag_rule="orthant", random_state=seed),
+    }
+    rows: dict[tuple[str, str], list[tuple[float, ...]]] = {}
+    for seed in range(seeds):
+        data = tissue_of_varying_size(n_bags, sides, shift, 2 * seed)
+        test = tissue_of_varying_size(n_bags, sides, shift, 2 * seed + 1)
+        scaler = StandardScaler().fit(data[0])
+        X, Xt = scaler.transform(data[0]), scaler.transform(test[0])
+        bags_t, h_t, coords_t = test[1], test[3], test[4]
+        truth = np.unique(bags_t) % 2
+        sizes = np.bincount(bags_t)
+        for name, make in configs.items():
+            model = make(seed)
+            coupled = isinstance(model, VGPMILPRI)
+            start = time.perf_counter()
+            model.fit(X, data[1], data[2], coords=data[4] if coupled else None)
+            fit_s = time.perf_counter() - start
+            context = dict(coords=coords_t) if coupled else {}
+            p_inst = model.predict_instance_proba(Xt, bag_ids=bags_t, **context) if coupled else model.predict_instance_proba(Xt)
+            for rule in ("default", *PROBIT_BAG_RULES):
+                p = model.predict_bag_proba(Xt, bags_t, **context, **({} if rule == "default" else {"rule": rule}))[1]
+                rho = np.mean([spearmanr(p[truth == c], sizes[truth == c])[0] for c in (0, 1)])
+                rows.setdefault((name, rule), []).append((roc_auc_score(truth, p), rho, roc_auc_score(h_t, p_inst), fit_s, model.kernel_.variance))
+        print(f"seed {seed} done", flush=True)
+    print(f"\n{seeds} draws × ({n_bags} training + {n_bags} test bags of {sides[0]}²–{sides[1]}² tiles, lesion shift {shift})\n")
+    print("| model | bag rule | bag AUC | size ρ (within class) | instance AUC | fit s | chosen v |\n|---|---|---|---|---|---|---|")
+    for (name, rule), values in rows.items():
+        a = np.array(values)
+        print(f"| {name} | {rule} | {a[:, 0].mean():.3f} ± {a[:, 0].std():.3f} | {a[:, 1].mean():+.2f} | {a[:, 2].mean():.3f} | "
+              f"{a[:, 3].mean():.1f} | {np.median(a[:, 4]):g} |", flush=True)
 
 
 INSTANCE_COLUMNS = {
@@ -150,7 +215,7 @@ def tissue_experiment(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["musk", "tissue", "all"], default="all")
+    parser.add_argument("--part", choices=["musk", "tissue", "defaults", "all"], default="all")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--inducing", type=int, default=50)
     parser.add_argument("--max-iter", type=int, default=100)
@@ -161,6 +226,7 @@ def main() -> None:
     parser.add_argument("--tissue-shift", type=float, default=2.5, help="lesion feature shift (noise sd 1)")
     parser.add_argument("--tissue-seeds", type=int, default=3, help="independent train/test draws")
     parser.add_argument("--tissue-variance", type=float, default=1.0, help="RBF variance for the tissue part")
+    parser.add_argument("--defaults-sides", nargs=2, type=int, default=[8, 20], help="grid sides of the defaults part's bags")
     args = parser.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}\n")
     if args.part in ("musk", "all"):
@@ -171,6 +237,8 @@ def main() -> None:
             args.tissue_bags, args.tissue_side, args.tissue_shift, args.tissue_seeds, args.inducing,
             args.tissue_variance, args.max_iter, args.lams, args.mc,
         )
+    if args.part == "defaults":
+        defaults_experiment(args.tissue_bags, tuple(args.defaults_sides), args.tissue_shift, args.tissue_seeds)
 
 
 if __name__ == "__main__":

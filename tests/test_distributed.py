@@ -186,6 +186,10 @@ def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_stor
     np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
     assert model.kernel_.variance == serial.kernel_.variance and model.auto_max_iter_ == serial.auto_max_iter_
     assert_same_fit(model, serial)
+    if kernel is None:  # the pipeline scores bags by the estimator's bag_rule, in the bags' context
+        predict_cohort(model, path, client, run="pri", partition_bytes=2_000)
+        _, p_bag = model.predict_bag_proba(X, bags, coords=coords)
+        np.testing.assert_allclose(read_predictions(path, "pri")["bags/proba"], p_bag, rtol=1e-10)
 
 
 def test_vwsgp_trains_and_predicts_on_the_cluster(client, toy_store):

@@ -59,19 +59,32 @@ _LOG_2PI = float(np.log(2.0 * np.pi))
 _WORD = 1 << 32  # sweeps and bag positions each fill 32 bits of the second Philox key word
 
 
-def _stream(seed: int, sweep: int, stream: int) -> np.random.Generator:
-    """The generator of one ``(sweep, stream)`` of a chain: Philox keyed by ``(seed, sweep·2³² + stream)``.
+def _key(seed: int, sweep: int, stream: int) -> np.ndarray:
+    """The Philox key of one ``(sweep, stream)`` of a chain: ``(seed, sweep·2³² + stream)``.
 
     Philox is a keyed bijection of its counter: distinct keys give independent streams that can be
     made in any order on any process (Salmon et al. 2011). Stream 0 is the v-step; bag ``b`` is ``b + 1``.
     """
-    key = np.array([seed, sweep * _WORD + stream], dtype=np.uint64)
-    return np.random.Generator(np.random.Philox(key=key))
+    return np.array([seed, sweep * _WORD + stream], dtype=np.uint64)
+
+
+def _stream(seed: int, sweep: int, stream: int) -> np.random.Generator:
+    return np.random.Generator(np.random.Philox(key=_key(seed, sweep, stream)))
 
 
 def _uniforms(seed: int, sweep: int, bag_index: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """One uniform in (0, 1) per instance of the block (row order), bag by bag from its own stream."""
-    return np.concatenate([_stream(seed, sweep, int(b) + 1).random(int(n)) for b, n in zip(bag_index, sizes)]) + 2.0**-54
+    """One uniform in (0, 1) per instance of the block (row order), bag by bag from its own stream (one
+    generator re-keyed per bag: a fresh one would also draw OS entropy it does not use)."""
+    bits = np.random.Philox(key=_key(seed, sweep, 0))
+    generator = np.random.Generator(bits)
+    out = np.empty(int(np.sum(sizes)))
+    start = 0
+    for b, n in zip(bag_index.tolist(), sizes.tolist()):
+        bits.state = {"bit_generator": "Philox", "state": {"counter": np.zeros(4, np.uint64), "key": _key(seed, sweep, b + 1)},
+                      "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        out[start : start + n] = generator.random(n)
+        start += n
+    return out + 2.0**-54
 
 
 @dataclass(frozen=True)
@@ -169,11 +182,12 @@ class GibbsUpdates:
             was_nonneg = m[rows] >= 0
             pos = positive_bag[bag]
             others_nonneg = n_nonneg[bag] - was_nonneg
-            must_be_positive = pos & (others_nonneg == 0)
-            free = pos & (others_nonneg > 0)
-            new = upper_truncated_quantile(mean, sd, u[rows])  # negative bags: m < 0
-            new = np.where(must_be_positive, -upper_truncated_quantile(-mean, sd, u[rows]), new)  # m ≥ 0
-            new = np.where(free, mean + sd * ndtri(u[rows]), new)
+            must_be_positive = pos & (others_nonneg == 0)  # m ≥ 0; else, in a positive bag, unconstrained
+            ur = u[rows]
+            new = mean + sd * ndtri(ur)  # free: the Gaussian conditional
+            below = ~pos  # negative bags: m < 0
+            new[below] = upper_truncated_quantile(mean[below], sd[below], ur[below])
+            new[must_be_positive] = -upper_truncated_quantile(-mean[must_be_positive], sd[must_be_positive], ur[must_be_positive])
             n_nonneg[bag] += (new >= 0).astype(np.int64) - was_nonneg
             m[rows] = new
         residual = m - mu

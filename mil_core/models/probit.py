@@ -42,10 +42,6 @@ def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.n
 class _ProbitGPMIL(SparseGPMILBase):
     """Fit plumbing and predictions (seed 002 Sec. 2.5, Eq. 21–26) of the probit family."""
 
-    bag_rule: str = "orthant"
-    """The rule of a subclass whose ``__init__`` takes no ``bag_rule`` (the Gibbs reference scores
-    bags as the paper does); VGPMIL-PR and VGPMIL-PR-I take it as a parameter."""
-
     def _lam(self) -> float:
         return 0.0
 
