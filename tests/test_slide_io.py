@@ -152,6 +152,11 @@ def test_dicom_wsi_folders_are_discovered_and_tiled_like_the_same_pixels_in_a_ti
     assert len(dicom.coords) > 10
     np.testing.assert_array_equal(dicom.coords, tiff.coords)
     np.testing.assert_allclose(dicom.features, tiff.features, rtol=1e-5, atol=1e-5)
+    from tasks.ingest.wsi import heatmap_background  # the report paints heatmaps over the folder's thumbnail
+
+    thumbnail, downsample, side = heatmap_background(root / "site_a" / "case-1.v2", cohort.attrs["tiling"])
+    np.testing.assert_array_equal(thumbnail, tissue[::4, ::4])  # level 1, whole: at most 1024 px a side
+    assert (downsample, side) == (4.0, 256.0)
     from tasks.ingest.ct import scan_dicom_dir  # and the CT reader names the slide for what it is
 
     series, errors = scan_dicom_dir(root / "site_a")
