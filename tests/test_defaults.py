@@ -141,16 +141,16 @@ def _witness_bags(n_bags, size, n_witnesses, shift, seed, n_features=3):
 
 
 def test_auto_bag_rule_follows_the_witness_rate():
-    """Many weak witnesses per positive bag: averaging pools the evidence ("mean"); one strong
-    witness among 40: the mean dilutes it and a top rule wins."""
+    """``bag_rule="auto"``: many weak witnesses per positive bag, averaging pools the evidence
+    ("mean"); one strong witness among 40, the mean dilutes it and a top rule wins."""
     many_weak = _witness_bags(40, 10, lambda rng: int(rng.integers(6, 10)), 0.7, seed=0)
     one_strong = _witness_bags(40, 40, lambda rng: 1, 4.0, seed=0)
-    chosen = {name: VGPMIL(n_inducing=10, max_iter=20, random_state=0).fit(*data).bag_rule_
+    chosen = {name: VGPMIL(n_inducing=10, max_iter=20, bag_rule="auto", random_state=0).fit(*data).bag_rule_
               for name, data in (("many_weak", many_weak), ("one_strong", one_strong))}
     assert chosen == {"many_weak": "mean", "one_strong": "top_fraction"}
-    fixed = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=5, random_state=0).fit(*many_weak)
+    fixed = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=5, bag_rule="auto", random_state=0).fit(*many_weak)
     assert fixed.bag_rule_ == "top_fraction"  # "auto" without a kernel choice
-    assert VGPMIL(n_inducing=10, max_iter=20, bag_rule="max", random_state=0).fit(*many_weak).bag_rule_ == "max"
+    assert VGPMIL(n_inducing=10, max_iter=20, random_state=0).fit(*many_weak).bag_rule_ == "top_fraction"  # the default
     with pytest.raises(ValueError, match="bag_rule must be 'auto' or one of"):
         VGPMIL(n_inducing=10, kernel=RBF(4.0), bag_rule="median").fit(*many_weak)
 

@@ -29,8 +29,6 @@ AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 _SELECTION_MAX_ITER = 50
 _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
-_SELECTION_TOLERANCE = 0.02
-"""Held-out AUC within which a shorter (then lower-variance) candidate counts as tied with the best."""
 
 
 def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
@@ -185,8 +183,7 @@ class SparseGPMILBase(BaseEstimator):
         """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by the mean held-out bag AUC (the estimator's bag rule) over a stratified 2-fold
         split of the training bags. Each candidate runs up to ``min(max_iter, 50)`` sweeps and is
-        scored every 5; every point within 0.02 of the best mean AUC counts as tied (a few bag
-        pairs of a small split: noise), and ties go to fewer sweeps, then the smaller variance. Models with several
+        scored every 5; ties go to fewer sweeps, then the smaller variance. Models with several
         :meth:`_auto_bag_rules` score each checkpoint with each; the rule with the best AUC averaged
         over all (variance, sweeps) points is chosen first (``bag_rule_``), then the variance and
         sweeps under it. Sets
@@ -265,8 +262,7 @@ class SparseGPMILBase(BaseEstimator):
                       for i in range(c.shape[0]) if np.isfinite(c[i])]
         if not candidates:
             return None
-        best = max(candidates)[0]
-        auc, minus_iter, minus_v = max((c for c in candidates if c[0] >= best - _SELECTION_TOLERANCE), key=lambda c: c[1:])
+        auc, minus_iter, minus_v = max(candidates)
         self.auto_max_iter_ = -minus_iter if -minus_iter < budget else int(self.max_iter)
         return RBF(variance=-minus_v)
 
