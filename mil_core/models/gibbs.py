@@ -15,9 +15,8 @@ approximates (the FITC residual only adds a constant to its ELBO). Alternating e
 * a scale move (marginal augmentation: Liu & Sabatti 2000, van Dyk & Meng 2001): the bag likelihood
   depends on the signs of ``m`` only, so ``m ← g·m`` with ``g² ~ Gamma(N/2, rate Q/2)``,
   ``Q = mᵀ(P − A'(I + G')⁻¹A'ᵀ)m`` (``m``'s marginal precision, ``v`` integrated out), leaves the posterior
-  invariant; it moves the overall magnitude of the latent field, the direction in which the two-block
-  scan mixes worst (digits bags, v = 16, three seeds: effective sample size of the mean latent 4–5 of
-  2,000 without it, 13–44 with it; largest split-R̂ 1.33–1.39 without, 1.19–1.55 with);
+  invariant; it moves the overall magnitude of the latent field, a direction in which the two-block
+  scan mixes slowly (``docs/BENCHMARKS.md``, "Gibbs reference": effective sample sizes with and without it);
 * ``v | m ~ N((I + G')⁻¹ A'ᵀm, (I + G')⁻¹)``, ``G' = Σ_b A'_bᵀΣ_bA'_b`` (seed 003 Eq. 7–9 with
   ``q(m)`` a point mass).
 
