@@ -1,7 +1,7 @@
 """Held-out accuracy of the default models against a [mean, max] logistic regression (issue 15).
 
-Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2 and
-digits bags; on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
+Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2,
+digits bags and the robustness sets ``cancer``, ``text``, ``fox`` (:func:`robustness_set`); on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
 instances) one half of the bags trains and the other half tests, for several draws. Features are
 standardised on the training fold (a column with std < 1e-12 is left unscaled). Reported per
 method (and, for instance-level models, per bag rule): bag AUC, instance AUC where instance labels
@@ -14,6 +14,13 @@ it to ``METHODS``; it gets standardised features and returns bag scores in ``np.
     python benchmarks/bench_accuracy.py                           # everything (~1 h on 2 busy cores)
     python benchmarks/bench_accuracy.py --datasets musk1 --methods lr_mean_max vgpmil
     python benchmarks/bench_accuracy.py --elbo-trace              # convergence with H = 1e12
+    python benchmarks/bench_accuracy.py --reference /tmp/vgpmil   # adds the public 2017 code as a method
+
+``--reference`` points at a checkout of github.com/manuelhaussmann/vgpmil (never copied into this
+repository) and adds the method ``vgpmil_2017``: that code with its own defaults (50 inducing points by
+its OpenCV k-means, 10 iterations, H = 1e12, its normalisation) and the RBF kernel of the paper
+(v = 1, ℓ = √D); bag score = the max of its instance predictions (the paper's MIL rule). Without
+OpenCV importable, it gets our k-means inducing points (the table says which).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 from scipy.stats import spearmanr
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_breast_cancer, load_digits, make_classification, make_multilabel_classification
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
@@ -37,10 +44,12 @@ from sklearn.model_selection import StratifiedKFold
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_embedded import EMBEDDED_METHODS  # noqa: E402
 from bench_logistic import digits_bags, load_musk  # noqa: E402  (one home for the small sets)
+from bench_reference_vgpmil import load_reference  # noqa: E402
 
-from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP  # noqa: E402
-from mil_core.bags import BAG_RULES, BagIndex  # noqa: E402
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs  # noqa: E402
+from mil_core.bags import BAG_RULES, BagIndex, bag_score  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
+from mil_core.inducing import kmeans_inducing_points  # noqa: E402
 from mil_core.models.probit import PROBIT_BAG_RULES  # noqa: E402
 from mil_core.validation import standardisation  # noqa: E402
 
@@ -84,6 +93,54 @@ def large_bags(seed: int, n_bags: int = 40, size_range=(1000, 10000), fraction_r
     return np.concatenate(X), np.concatenate(bags), np.concatenate(y), np.concatenate(inst)
 
 
+def pool_bags(X: np.ndarray, witness: np.ndarray, seed: int, n_bags: int, size_range: tuple[int, int],
+              max_witness_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bags drawn without replacement from a pool of instances with known labels ``witness``: sizes
+    uniform in ``size_range``, labels alternating; a positive bag holds 1 to
+    ``max(1, ⌊max_witness_fraction·n⌋)`` witnesses, a negative bag none."""
+    rng = np.random.default_rng(seed)
+    pos, neg = list(rng.permutation(np.flatnonzero(witness))), list(rng.permutation(np.flatnonzero(~witness)))
+    rows, bags, y = [], [], []
+    for b in range(n_bags):
+        n = int(rng.integers(size_range[0], size_range[1] + 1))
+        k = int(rng.integers(1, max(1, int(max_witness_fraction * n)) + 1)) if b % 2 else 0
+        if len(pos) < k or len(neg) < n - k:
+            raise ValueError(f"pool too small for {n_bags} bags of {size_range} instances")
+        rows += [pos.pop() for _ in range(k)] + [neg.pop() for _ in range(n - k)]
+        bags += [b] * n
+        y += [b % 2] * n
+    rows = np.asarray(rows)
+    return X[rows].astype(np.float64), np.asarray(bags), np.asarray(y), witness[rows].astype(int)
+
+
+def robustness_set(name: str):
+    """Sets built offline that the defaults were not chosen on (checks against tuning to MUSK):
+
+    * ``cancer``: sklearn's breast-cancer table (30 features) in bags of 2–10, a positive bag holding
+      1 to half its instances malignant (Elephant/Fox/Tiger-like bag sizes);
+    * ``text``: log(1 + bag-of-words counts) (``make_multilabel_classification``, 300 words, 4
+      topics) in bags of 8–30 passages; a witness is a passage about topic 0, 1–4 per positive bag
+      (5 % of all instances), the sparse low-witness regime of text MIL;
+    * ``fox``: 230 dense features of which 10 are informative, 10 % label noise (Fox-like: hard,
+      noisy) in bags of 2–13, up to half witnesses.
+    """
+    if name == "cancer":
+        data = load_breast_cancer()
+        return pool_bags(data.data, data.target == 0, 0, 60, (2, 10), 0.5)
+    if name == "text":
+        X, Y = make_multilabel_classification(4000, n_features=300, n_classes=4, n_labels=1, length=100,
+                                              allow_unlabeled=True, random_state=0)
+        return pool_bags(np.log1p(X), Y[:, 0] == 1, 0, 100, (8, 30), 0.15)
+    if name == "fox":
+        X, t = make_classification(2000, n_features=230, n_informative=10, n_redundant=10, flip_y=0.1,
+                                   class_sep=0.8, weights=[0.7], random_state=0)
+        return pool_bags(X, t == 1, 0, 200, (2, 13), 0.5)
+    raise ValueError(f"unknown data set {name!r}")
+
+
+ROBUSTNESS_SETS = ("cancer", "text", "fox")
+
+
 def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean, scale = standardisation(train)
     return (train - mean) / scale, (test - mean) / scale
@@ -97,7 +154,10 @@ def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, 
             train = bags < bags.max() // 2 + 1
             yield from [(f"draw {seed}", *_pair(X, bags, y, inst, train, ~train))]
         return
-    X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
+    if dataset in ROBUSTNESS_SETS:
+        X, bags, y, inst = robustness_set(dataset)
+    else:
+        X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
     keys, first = np.unique(bags, return_index=True)
     splitter = StratifiedKFold(n_splits, shuffle=True, random_state=0)
     for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
@@ -175,11 +235,47 @@ def fit_predict_vgpmilpr_v1(train: Fold, test: Fold) -> Prediction:
     return _probit_gp(VGPMILPR(kernel=RBF(4.0), bag_rule="orthant", random_state=0))(train, test)
 
 
+def fit_predict_gibbs(train: Fold, test: Fold) -> Prediction:
+    """Default ``VGPMILPRGibbs()`` (the exact sampler of the VGPMIL-PR model: 500 + 2,000 sweeps); every bag
+    rule on the same chain. Only when named: its within-bag updates are sequential (slow in large bags)."""
+    model = VGPMILPRGibbs(random_state=0)
+    prediction = _probit_gp(model)(train, test)
+    prediction.extra["rhat"] = model.rhat_
+    return prediction
+
+
 def fit_predict_vwsgp(train: Fold, test: Fold) -> Prediction:
     """Default ``VWSGP()``: σ(Σ evidence); instance scores are evidences (a ranking)."""
     model = VWSGP(random_state=0).fit(train.X, train.bags, train.y)
     return Prediction({"own": model.predict_bag_proba(test.X, test.bags, method="probit")[1]},
                       model.predict_instance_evidence(test.X), {"v": model.kernel_.variance, "sweeps": model.n_iter_})
+
+
+def reference_method(folder: Path) -> Callable[[Fold, Fold], Prediction]:
+    """The public 2017 VGPMIL code (``folder``/vgpmil.py) with its defaults and the paper's kernel."""
+    try:  # its k-means; load_reference keeps a real cv2 and stands in only for a missing one
+        import cv2
+    except ImportError:
+        cv2 = None
+    reference, helpers = load_reference(folder)
+
+    def fit_predict(train: Fold, test: Fold) -> Prediction:
+        np.random.seed(0)  # its q(u), π and ξ start at random
+        Z = None
+        if cv2 is not None:
+            cv2.setRNGSeed(0)
+        else:
+            Z = kmeans_inducing_points(train.X, train.y, 50, random_state=0)
+        model = reference.vgpmil(helpers.RBF(lengthscale=float(np.sqrt(train.X.shape[1])), variance=1.0))
+        index = BagIndex.from_ids(train.bags)
+        model.train(train.X[index.order], train.y[index.order].astype(np.float64), train.bags[index.order], Z=Z)
+        test_index = BagIndex.from_ids(test.bags)
+        p = np.empty(test.X.shape[0])
+        p[test_index.order] = np.ravel(model.predict(test.X[test_index.order]))
+        return Prediction({"max": bag_score(p[test_index.order], test_index.offsets, "max")}, p,
+                          {"opencv_kmeans": float(cv2 is not None)})
+
+    return fit_predict
 
 
 METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
@@ -190,6 +286,7 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vwsgp": fit_predict_vwsgp,
     "vgpmil_v1": fit_predict_vgpmil_v1,
     "vgpmilpr_v1": fit_predict_vgpmilpr_v1,
+    "gibbs": fit_predict_gibbs,
 }
 # ABMIL and EmbeddedGPMIL (issue 15; they need the extra torch), defined in bench_embedded.py
 METHODS |= {name: EMBEDDED_METHODS[name] for name in ("abmil", "embedded_gpmil")}
@@ -267,18 +364,25 @@ def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
-    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if not m.endswith("_v1")], choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "vgpmil_2017"],
+                        help="default: all but the *_v1 references and gibbs (and vgpmil_2017 only with --reference)")
+    parser.add_argument("--reference", type=Path, help="folder with the public 2017 vgpmil.py (adds vgpmil_2017)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
     args = parser.parse_args()
+    if args.reference is not None:
+        METHODS["vgpmil_2017"] = reference_method(args.reference)
+    methods = args.methods or [m for m in METHODS if not m.endswith("_v1") and m != "gibbs"]
+    if "vgpmil_2017" in methods and "vgpmil_2017" not in METHODS:
+        parser.error("vgpmil_2017 needs --reference PATH (a checkout of the public 2017 code)")
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
           f"python {platform.python_version()}")
     if args.elbo_trace:
         elbo_traces()
         return
-    print_table(args.methods, args.datasets, args.folds, args.draws)
+    print_table(methods, args.datasets, args.folds, args.draws)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,14 @@ LocalCluster of 1 and 2 single-threaded workers, in persist and stream mode. Pri
 
 Flop counts per instance-iteration: persist mode reuses the whitened features a'ₙ, so a sweep is
 E f, Var f (2M² + 2M) and the Gram statistics (2M²): ≈ 4M². Stream mode recomputes K(x, Z) (2MD)
-and the triangular solve (M²) every sweep: ≈ 2MD + 5M². The roofline is the measured float64
-GEMM rate of one core times the number of workers.
+and the triangular solve (M²) every sweep: ≈ 2MD + 5M². The roofline is the measured GEMM rate
+of one core in the fit's ``--dtype`` times the number of cores used (workers × threads). The
+kernel is pinned (RBF, v = 1, ℓ = √D) so that the automatic kernel choice is not timed.
+
+The 10⁷ figures of ``docs/BENCHMARKS.md`` (store written once, ~5 GB, then reused)::
+
+    python benchmarks/bench_distributed.py --workdir /scratch --sizes 10000000 --bag-size-range 100 1000 \
+        --models VGPMIL --workers 2 --modes persist --dtype float32 --iterations 9 --log-iterations
 """
 
 from __future__ import annotations
@@ -28,16 +34,16 @@ import numpy as np
 from distributed import Client, LocalCluster
 from threadpoolctl import threadpool_limits
 
-from mil_core import VGPMIL, VWSGP
+from mil_core import RBF, VGPMIL, VWSGP
 
 MODELS = {"VGPMIL": VGPMIL, "VWSGP": VWSGP}
 from tasks.store import BagData, CohortSpec, append_bags, create_cohort
 from tasks.training import fit_cohort
 
 
-def gemm_flops_per_core(n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-``repeats`` float64 GEMM rate on one thread."""
-    a, b = np.random.default_rng(0).standard_normal((2, n, n))
+def gemm_flops_per_core(n: int = 1024, repeats: int = 5, dtype: str = "float64") -> float:
+    """Best-of-``repeats`` GEMM rate on one thread in ``dtype``."""
+    a, b = np.random.default_rng(0).standard_normal((2, n, n)).astype(dtype)
     best = np.inf
     with threadpool_limits(1):
         for _ in range(repeats):
@@ -75,9 +81,10 @@ def write_cohort(path: Path, n_instances: int, n_features: int, bag_size: int | 
     append_bags(path, bags())
 
 
-def worker_peak_rss_mib(client: Client) -> float:
+def worker_peak_rss_mib(client: Client) -> list[float]:
+    """Each worker process's peak resident memory (``ru_maxrss``), in MiB."""
     peaks = client.run(lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    return max(peaks.values()) / 1024
+    return [peaks[w] / 1024 for w in sorted(peaks)]
 
 
 def log_iteration(stamps: list[float], iteration: int, t0: float, live: bool) -> None:
@@ -88,13 +95,15 @@ def log_iteration(stamps: list[float], iteration: int, t0: float, live: bool) ->
 
 
 def run(store: Path, model_name: str, workers: int, mode: str, args) -> dict:
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
+    with LocalCluster(n_workers=workers, threads_per_worker=args.threads_per_worker, processes=True, dashboard_address=":0",
                       memory_limit=args.memory_limit) as cluster, Client(cluster) as client:
         stamps = []
-        model = MODELS[model_name](n_inducing=args.inducing, max_iter=args.iterations + 1, tol=0.0, random_state=0)
+        # the kernel is pinned (RBF, v = 1, ℓ = √D): kernel=None would time the automatic kernel choice, not the engine
+        model = MODELS[model_name](n_inducing=args.inducing, kernel=RBF(variance=1.0), max_iter=args.iterations + 1, tol=0.0,
+                                   random_state=0)
         t0 = time.perf_counter()
-        fit_cohort(model, store, client, run=f"bench-{model_name}-{workers}-{mode}", resume=False, mode=mode,
-                   partition_bytes=args.partition_mib * 2**20, checkpoint_every=10**6,
+        fit_cohort(model, store, client, run=f"bench-{model_name}-{workers}-{mode}-{args.dtype}", resume=False, mode=mode,
+                   partition_bytes=args.partition_mib * 2**20, checkpoint_every=10**6, compute_dtype=args.dtype,
                    on_iteration=lambda i, _: log_iteration(stamps, i, t0, args.log_iterations))
         total = time.perf_counter() - t0
         per_iter = (stamps[-1] - stamps[0]) / (len(stamps) - 1)  # first sweep includes loading
@@ -113,21 +122,23 @@ def main() -> None:
     parser.add_argument("--bag-size", type=int, default=100)
     parser.add_argument("--bag-size-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
                         help="bag sizes drawn uniformly from [LOW, HIGH] instead of --bag-size")
-    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=5, help="sweeps after the first (the first loads and whitens)")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64", help="compute_dtype of the fit (A' in float32)")
+    parser.add_argument("--threads-per-worker", type=int, default=1)
     parser.add_argument("--partition-mib", type=int, default=64)
     parser.add_argument("--memory-limit", default="auto")
     parser.add_argument("--log-iterations", action="store_true", help="print each iteration's time to stderr as it ends")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
 
-    roof = gemm_flops_per_core()
+    roof = gemm_flops_per_core(dtype=args.dtype)
     M, D = args.inducing, args.features
     flops = {"persist": 4 * M * M + 2 * M, "stream": 2 * M * D + 5 * M * M}
     print(f"machine: {platform.machine()}, {platform.processor() or ''} python {platform.python_version()}; "
-          f"float64 GEMM, one core: {roof / 1e9:.1f} GFLOP/s; D={D}, M={M}, bags of "
+          f"{args.dtype} GEMM, one core: {roof / 1e9:.1f} GFLOP/s; D={D}, M={M}, bags of "
           f"{'-'.join(map(str, args.bag_size_range)) if args.bag_size_range else args.bag_size}, "
-          f"partitions of {args.partition_mib} MiB\n")
-    print("| model | N | workers | mode | s / iteration | instance-iterations / s | GFLOP/s | fraction of roofline | first iteration s | end to end s | peak worker RSS MiB |")
+          f"partitions of {args.partition_mib} MiB, compute_dtype {args.dtype}, {args.threads_per_worker} thread(s) per worker\n")
+    print("| model | N | workers | mode | s / iteration | instance-iterations / s | GFLOP/s | fraction of roofline | first iteration s | end to end s | peak RSS MiB per worker |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpmil-bench-"))
     try:
@@ -145,7 +156,8 @@ def main() -> None:
                         # VWSGP's step works on per-bag sums: the per-instance flop count does not apply
                         gflops = rate * flops[mode] / 1e9 if model_name == "VGPMIL" else float("nan")
                         print(f"| {model_name} | {n:.0e} | {workers} | {mode} | {r['seconds_per_iteration']:.3f} | {rate:.3g} | {gflops:.1f} | "
-                              f"{gflops * 1e9 / (roof * workers):.2f} | {r['first_iteration']:.1f} | {r['total']:.0f} | {r['peak_rss_mib']:.0f} |", flush=True)
+                              f"{gflops * 1e9 / (roof * workers * args.threads_per_worker):.2f} | {r['first_iteration']:.1f} | {r['total']:.0f} | "
+                              f"{' / '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} |", flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

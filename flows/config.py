@@ -211,7 +211,8 @@ class TrainingConfig(_Strict):
 class PredictionConfig(_Strict):
     """``store``: cohort to predict (default: the training store); the MIL ``rule`` and instance
     probability ``method`` apply to the logistic family. ``rule: null`` (default) uses the
-    estimator's own ``bag_rule`` (:func:`mil_core.bags.bag_score`), so the pipeline scores bags
+    estimator's fitted ``bag_rule_`` (its ``bag_rule``, or the rule its kernel choice picked for
+    ``"auto"``; :func:`mil_core.bags.bag_score`), so the pipeline scores bags
     exactly as the estimator does in validation and ``predict_bag_proba``."""
 
     store: Path | None = None

@@ -22,14 +22,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from functools import reduce
+from functools import cached_property, reduce
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import scipy.linalg
+import scipy.linalg.blas
+from array_api_compat import device
 from sklearn.exceptions import ConvergenceWarning
 
-from ._backend import array_namespace, cholesky_with_jitter, like, solve_lower, to_numpy
+from ._backend import (
+    array_namespace,
+    cholesky_with_jitter,
+    is_host_array,
+    like,
+    solve_lower,
+    to_numpy,
+)
 from .kernels import RBF
 
 __all__ = [
@@ -93,11 +102,24 @@ class SparseGP:
     def whiten(self, X: Any) -> WhitenedBlock:
         """``A' = K(X, Z) L⁻ᵀ`` (rows a'ₙ) and the FITC residual ``k(xₙ, xₙ) − ‖a'ₙ‖² ≥ 0``.
 
-        One GEMM for the kernel block and one triangular solve, in the namespace of ``X`` and in
-        float64. Float32 ``X`` gives float32 ``A'`` (half the memory, float32 GEMMs in the
-        sweeps) whose statistics are still accumulated in float64 (:func:`transposed_product`).
+        Kernel block and triangular solve in float64 in the namespace of ``X``, over chunks of
+        rows (:func:`_chunk_rows`) written into one C-ordered (n, M) array: on the host the
+        temporaries of a chunk stay in cache instead of costing ~10 passes over n×M freshly
+        allocated memory (3× faster on a 64 MiB partition), and the
+        row-major A' makes the sweeps' GEMMs fast. Float32 ``X`` gives float32 ``A'`` (half the
+        memory, float32 GEMMs in the sweeps) whose statistics are still accumulated in float64.
         """
-        return self.whiten_cross(self.kernel(like(self.Z, X), X), self.kernel.diag(X), dtype=X.dtype)
+        xp = array_namespace(X)
+        n, dtype = X.shape[0], (xp.float32 if X.dtype == xp.float32 else xp.float64)
+        Z = like(self.Z, X, dtype=xp.float64)
+        A = xp.empty((n, self.n_inducing), dtype=dtype, device=device(X))
+        resid = xp.empty((n,), dtype=xp.float64, device=device(X))
+        for start, stop in row_chunks(n, _chunk_rows(X)):
+            chunk = X[start:stop, ...]
+            part = self.whiten_cross(self.kernel(chunk, Z).T, self.kernel.diag(chunk), dtype=dtype)
+            A[start:stop, ...] = part.A
+            resid[start:stop] = part.resid
+        return WhitenedBlock(A=A, resid=resid)
 
     def whiten_cross(self, Kzx: Any, diag: Any, dtype: Any = None) -> WhitenedBlock:
         """:meth:`whiten` from an already computed ``K(Z, X)`` (M, n) and ``diag K(X, X)`` (n,),
@@ -111,6 +133,25 @@ class SparseGP:
         return WhitenedBlock(A=A, resid=resid)
 
 
+ROWS = 1 << 13
+DEVICE_ROWS = 1 << 16
+
+
+def row_chunks(n: int, rows: int | None = None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of consecutive chunks of at most ``rows`` (default :data:`ROWS`) rows
+    covering ``n`` rows (none for n = 0)."""
+    rows = rows or ROWS
+    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+
+def _chunk_rows(x: Any) -> int:
+    """Rows per chunk of the whitening and the moments: :data:`ROWS` (cache-sized) on the host,
+    :data:`DEVICE_ROWS` on a device (fewer kernel launches; GPU memory is not the constraint).
+    Float32 statistics are summed over chunks of :data:`ROWS` everywhere (their rounding error
+    grows with the chunk length)."""
+    return ROWS if is_host_array(x) else DEVICE_ROWS
+
+
 @dataclass(frozen=True)
 class WhitenedBlock:
     """Whitened features ``A'`` (n, M) and FITC residual variances (n,), in the input's namespace."""
@@ -119,11 +160,27 @@ class WhitenedBlock:
     resid: Any
 
     def latent_moments(self, q: GaussianQ) -> tuple[np.ndarray, np.ndarray]:
-        """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30)."""
+        """Host float64 ``E fₙ = a'ₙᵀm'`` and ``Var fₙ = a'ₙᵀS'a'ₙ + resid`` (DESIGN §1, Eq. 30),
+        in the dtype of A'. With ``S' = RRᵀ`` (:attr:`GaussianQ.cov_factor`) the variance is
+        ``‖Rᵀa'ₙ‖²``: on the host one triangular BLAS product (TRMM) per chunk of rows, about
+        half the flops and a third of the time of the GEMM ``A'S'``; a GEMM by R elsewhere."""
         xp = array_namespace(self.A)
-        m, S = like(q.mean, self.A, dtype=self.A.dtype), like(q.cov, self.A, dtype=self.A.dtype)
-        mean = self.A @ m
-        var = xp.sum((self.A @ S) * self.A, axis=1)
+        factor = q.cov_factor
+        mean = self.A @ like(q.mean, self.A, dtype=self.A.dtype)
+        if is_host_array(self.A):
+            upper = np.asarray(factor.T, dtype=self.A.dtype, order="F")
+            trmm = scipy.linalg.blas.strmm if self.A.dtype == np.float32 else scipy.linalg.blas.dtrmm
+            var = np.empty(self.A.shape[0], dtype=self.A.dtype)
+            buffer = np.empty((self.A.shape[1], min(ROWS, self.A.shape[0])), dtype=self.A.dtype, order="F")  # one allocation per call
+            for start, stop in row_chunks(self.A.shape[0]):
+                product = buffer[:, : stop - start]
+                product[...] = self.A[start:stop].T
+                product = trmm(1.0, upper, product, side=0, lower=0, overwrite_b=True)  # Rᵀ A'ᵀ in place, (M, rows)
+                var[start:stop] = np.einsum("ij,ij->j", product, product)
+        else:
+            R = like(factor, self.A, dtype=self.A.dtype)
+            var = xp.concat([xp.sum((self.A[start:stop, ...] @ R) ** 2, axis=1) for start, stop in row_chunks(self.A.shape[0], DEVICE_ROWS)]
+                            or [xp.zeros((0,), dtype=self.A.dtype, device=device(self.A))])
         return _host64(mean), np.maximum(_host64(var) + _host64(self.resid), 0.0)
 
     def latent_mean(self, mean: np.ndarray) -> np.ndarray:
@@ -131,13 +188,41 @@ class WhitenedBlock:
         return _host64(self.A @ like(mean, self.A, dtype=self.A.dtype))
 
     def weighted_gram(self, weights: np.ndarray) -> np.ndarray:
-        """``Σ wₙ a'ₙa'ₙᵀ`` as one GEMM, returned on the host in float64."""
+        """``Σ wₙ a'ₙa'ₙᵀ`` on the host in float64, summed over chunks of rows (float64 sums of
+        float32 chunk products for float32 A'). Non-negative host weights: ``BᵀB`` with
+        ``B = diag(√w) A'`` (a symmetric rank-k update, half the flops of a GEMM)."""
+        xp = array_namespace(self.A)
         w = like(weights, self.A, dtype=self.A.dtype)
-        return transposed_product(self.A, self.A * w[:, None])
+        symmetric = is_host_array(weights) and bool(np.all(np.asarray(weights) >= 0))
+        scale = xp.sqrt(w) if symmetric else w
+        if not is_host_array(self.A):
+            def product(A: Any, rows: slice) -> Any:
+                B = A * scale[rows, None]
+                return B.T @ B if symmetric else A.T @ B
+
+            return _accumulate(self.A, product)
+        buffer = np.empty((min(ROWS, self.A.shape[0]), self.A.shape[1]), dtype=self.A.dtype)  # one allocation per call
+
+        def host_product(A: np.ndarray, rows: slice) -> np.ndarray:
+            B = np.multiply(A, scale[rows, None], out=buffer[: A.shape[0]])
+            return B.T @ B if symmetric else A.T @ B  # NumPy runs BᵀB as a SYRK
+
+        return _accumulate(self.A, host_product)
 
     def project(self, values: np.ndarray) -> np.ndarray:
         """``Σ a'ₙ vₙ`` (an M-vector) on the host."""
         return transposed_product(self.A, like(values, self.A, dtype=self.A.dtype))
+
+
+def _accumulate(A: Any, product: Callable[[Any, slice], Any]) -> np.ndarray:
+    """``Σ_chunks product(A[chunk], chunk)`` in float64 where ``A`` lives, returned on the host."""
+    xp = array_namespace(A)
+    out = None
+    for start, stop in row_chunks(A.shape[0]):
+        part = product(A[start:stop, ...], slice(start, stop))
+        part = part if part.dtype == xp.float64 else xp.astype(part, xp.float64)
+        out = part if out is None else out + part
+    return np.zeros((A.shape[1], A.shape[1])) if out is None else to_numpy(out)
 
 
 FLOAT32_ROWS = 1 << 12
@@ -193,10 +278,15 @@ class GaussianQ:
     def prior(cls, n_inducing: int) -> GaussianQ:
         return cls(mean=np.zeros(n_inducing), cov=np.eye(n_inducing))
 
+    @cached_property
+    def cov_factor(self) -> np.ndarray:
+        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64; jitter only if rounding left S'
+        indefinite), computed once per q."""
+        return cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)[0]
+
     def kl_to_prior(self) -> float:
         """KL(N(m', S') ‖ N(0, I)) = ½(tr S' + m'ᵀm' − M − log det S')."""
-        chol, _ = cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)
-        logdet = 2.0 * np.sum(np.log(np.diag(chol)))
+        logdet = 2.0 * np.sum(np.log(np.diag(self.cov_factor)))
         return 0.5 * float(np.trace(self.cov) + self.mean @ self.mean - self.mean.shape[0] - logdet)
 
 

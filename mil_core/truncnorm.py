@@ -65,7 +65,6 @@ def upper_truncated_quantile(mean: np.ndarray, sd: np.ndarray, u: np.ndarray) ->
     """The ``u``-quantile (``0 < u < 1``) of ``N(mean, sd²)`` truncated to ``(−∞, 0)``, by the inverse CDF
     in log space (``Φ⁻¹`` of ``log u + log Φ(β)`` via ``ndtri_exp``), valid for any finite mean/sd: an
     exact draw for a uniform ``u`` (the Gibbs sampler keys its uniforms, :mod:`mil_core.models.gibbs`)."""
-    mean, sd, u = np.broadcast_arrays(np.asarray(mean, dtype=np.float64), np.asarray(sd, dtype=np.float64), np.asarray(u, dtype=np.float64))
     z = ndtri_exp(np.log(u) + log_ndtr(-mean / sd))
     return np.minimum(mean + sd * z, 0.0)
 

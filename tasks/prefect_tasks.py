@@ -408,7 +408,7 @@ def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, l
             logger.info("no slide for %s in %s: heatmap without a thumbnail", bag_id, tiling["slides_dir"])
             return None, None
         source = slides[bag_id]
-    if not Path(source).is_file():
+    if not Path(source).exists():  # a file, or a DICOM-WSI folder
         logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
         return None, None
     try:
@@ -452,11 +452,11 @@ def _ct_strip_slices(cohort: Any, found: Any, rows: slice, scores: np.ndarray, c
 
 def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     """Slide file by stem under a feature cohort's ``slides_dir`` (None without one)."""
-    from tasks.ingest.slide_io import find_slides
+    from tasks.ingest.slide_io import find_slides, slide_id
 
     if not tiling or "slides_dir" not in tiling or not Path(tiling["slides_dir"]).is_dir():
         return None
-    return {path.stem: str(path) for path in find_slides(tiling["slides_dir"])[0]}
+    return {slide_id(path): str(path) for path in find_slides(tiling["slides_dir"])[0]}
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)

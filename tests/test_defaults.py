@@ -126,3 +126,78 @@ def test_estimator_rule_is_used_by_default_and_std_matches_it(toy_bags):
     assert np.all(sd > 0) and np.all(sd < 0.3)
     with pytest.raises(ValueError, match="rule must be one of"):
         model.predict_bag_proba(X, bags, rule="median")
+
+
+def _witness_bags(n_bags, size, n_witnesses, shift, seed, n_features=3):
+    """Alternating labels; a positive bag's first ``n_witnesses(rng)`` rows are shifted along x0."""
+    rng = np.random.default_rng(seed)
+    X, bags, y = [], [], []
+    for b in range(n_bags):
+        x = rng.normal(size=(size, n_features))
+        if b % 2:
+            x[: n_witnesses(rng), 0] += shift
+        X.append(x); bags += [b] * size; y += [b % 2] * size
+    return np.concatenate(X), np.array(bags), np.array(y)
+
+
+def test_auto_bag_rule_follows_the_witness_rate():
+    """``bag_rule="auto"``: many weak witnesses per positive bag, averaging pools the evidence
+    ("mean"); one strong witness among 40, the mean dilutes it and a top rule wins."""
+    many_weak = _witness_bags(40, 10, lambda rng: int(rng.integers(6, 10)), 0.7, seed=0)
+    one_strong = _witness_bags(40, 40, lambda rng: 1, 4.0, seed=0)
+    chosen = {name: VGPMIL(n_inducing=10, max_iter=20, bag_rule="auto", random_state=0).fit(*data).bag_rule_
+              for name, data in (("many_weak", many_weak), ("one_strong", one_strong))}
+    assert chosen == {"many_weak": "mean", "one_strong": "top_fraction"}
+    fixed = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=5, bag_rule="auto", random_state=0).fit(*many_weak)
+    assert fixed.bag_rule_ == "top_fraction"  # "auto" without a kernel choice
+    assert VGPMIL(n_inducing=10, max_iter=20, random_state=0).fit(*many_weak).bag_rule_ == "top_fraction"  # the default
+    with pytest.raises(ValueError, match="bag_rule must be 'auto' or one of"):
+        VGPMIL(n_inducing=10, kernel=RBF(4.0), bag_rule="median").fit(*many_weak)
+
+
+def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away():
+    """G-VGPMIL's bound has a finite fixed point for an instance of latent variance s only when
+    s <= 4α² − 2β: a far larger variance sends the many negatives to f → −∞."""
+    X, bags, y = _witness_bags(20, 300, lambda rng: 3, 3.0, seed=1)
+    bounded = GVGPMIL(n_inducing=10, kernel=RBF(2.0), max_iter=30, random_state=0).fit(X, bags, y)
+    runaway = GVGPMIL(n_inducing=10, kernel=RBF(64.0), max_iter=30, random_state=0).fit(X, bags, y)
+    assert np.abs(bounded.predict_latent(X)[0]).max() < 5.0
+    assert runaway.predict_latent(X)[0].max() < -100.0
+    assert GVGPMIL()._auto_variances() == (0.25, 0.5, 1.0, 2.0)
+    assert GVGPMIL(alpha=2.0, beta=1.0)._auto_variances()[-1] == 14.0  # 4·2² − 2·1
+    assert GVGPMIL(alpha=0.5, beta=2.5)._auto_variances() == AUTO_VARIANCES  # no safe variance: the common grid
+
+
+def test_kernel_choice_never_picks_a_degenerate_candidate():
+    """A candidate whose held-out bag scores saturate into ties gets AUC 0.5 from the ties; it is
+    excluded (nan in ``kernel_selection_``), not compared."""
+
+    class WideGrid(GVGPMIL):
+        def _auto_variances(self):
+            return (2.0, 1e4)
+
+    X, bags, y = _witness_bags(20, 300, lambda rng: 3, 3.0, seed=1)
+    model = WideGrid(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
+    assert model.kernel_.variance == 2.0
+    assert np.isfinite(model.kernel_selection_[0, 1]) and np.isnan(model.kernel_selection_[1, 1])
+
+
+def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_bags():
+    """The offline sets that check the defaults are not tuned to MUSK (``benchmarks/bench_accuracy.py``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_accuracy
+    finally:
+        sys.path.pop(0)
+    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13))):
+        X, bags, y, witness = bench_accuracy.robustness_set(name)
+        keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
+        per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+        assert np.all(np.diff(y[np.argsort(bags, kind="stable")])[np.cumsum(counts)[:-1] - 1] != 0)  # labels alternate
+        assert np.all((per_bag > 0) == (y[first] == 1)), name  # a bag is positive iff it holds a witness
+        assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
+    with pytest.raises(ValueError, match="pool too small"):
+        bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)

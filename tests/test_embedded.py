@@ -83,7 +83,7 @@ def _network_bag_logits(model, X, bags):
 
 def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted, data):
     (X_train, bags_train, y_train, _), (X, bags, _, _) = data
-    keys, p = fitted.predict_bag_proba(X, bags)
+    _, p = fitted.predict_bag_proba(X, bags)
     pooled = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")[1]
     score = 0.5 * (_network_bag_logits(fitted, X, bags) + np.log(pooled / (1 - pooled)))
     np.testing.assert_allclose(p, expit(fitted.calibration_slope_ * score + fitted.calibration_intercept_), rtol=1e-10)
@@ -92,7 +92,6 @@ def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted,
     val_keys = train_keys[fitted.validation_bags_]
     assert 0 < val_keys.size < train_keys.size
     rows = np.isin(bags_train, val_keys)
-    _, p_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows])
     val_labels = np.array([y_train[bags_train == k][0] for k in val_keys])
     pooled_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows], rule="attention", method="probit")[1]
     val_score = 0.5 * (_network_bag_logits(fitted, X_train[rows], bags_train[rows]) + np.log(pooled_val / (1 - pooled_val)))
@@ -232,12 +231,21 @@ def test_platt_recovers_a_known_map_and_stays_finite_on_separable_bags():
     rng = np.random.default_rng(0)
     s = rng.normal(size=20_000)
     y = (rng.random(s.size) < expit(2.0 * s - 1.0)).astype(int)
-    assert fit_platt(s, y) == pytest.approx((2.0, -1.0), abs=0.1)
-    slope, intercept = fit_platt(np.array([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0]), np.array([0, 0, 0, 1, 1, 1]))
+    assert fit_platt(s, y) == pytest.approx((2.0, -1.0), abs=0.1)  # the prior is negligible here
+    slope, intercept = fit_platt(np.array([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0]), np.array([0, 0, 0, 1, 1, 1]), slope_prior_std=None)
     assert 0 < slope < 10 and np.isfinite(intercept)  # Platt's smoothed targets: no runaway to infinity
-    # smoothed targets 1/5 and 4/5 at scores ±1: σ(a ± c) hits them exactly
-    assert fit_platt(np.array([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1, 1])) == pytest.approx(
-        (np.log(4.0), 0.0), abs=1e-8)
+    # smoothed targets 1/5 and 4/5 at scores ±1: σ(a ± c) hits them exactly; the prior on log a pulls towards 1
+    separable = np.array([-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]), np.array([0, 0, 0, 1, 1, 1])
+    assert fit_platt(*separable, slope_prior_std=None) == pytest.approx((np.log(4.0), 0.0), abs=1e-6)
+    assert 1.0 < fit_platt(*separable)[0] < np.log(4.0) - 0.05
+
+
+def test_platt_never_reverses_the_ranking():
+    """Four validation bags that happen to rank the wrong way must not flip the model's ranking."""
+    slope, _ = fit_platt(np.array([1.0, 2.0, -1.0, -2.0]), np.array([0, 0, 1, 1]))
+    assert slope > 0.1
+    scores = np.array([-2.0, 0.0, 3.0])
+    assert np.all(np.diff(expit(slope * scores)) > 0)
     with pytest.raises(ValueError, match="both classes"):
         fit_platt([0.1, 0.2], [1, 1])
     with pytest.raises(ValueError, match="finite"):

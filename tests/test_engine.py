@@ -105,3 +105,31 @@ def test_blocks_hold_whole_bags_and_cover_every_bag():
     assert all(a < b for a, b in blocks) and all(b1 == a2 for (_, b1), (a2, _) in zip(blocks, blocks[1:]))
     with pytest.raises(ValueError):
         split_into_blocks(offsets, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_whitening_and_sweep_statistics_in_row_chunks_equal_the_one_shot_formulas(monkeypatch, dtype):
+    """A' = K(X, Z)L⁻ᵀ, the FITC residual, E f, Var f = diag(A'S'A'ᵀ) + resid and Σ w a'a'ᵀ (weights of
+    both signs) computed chunk by chunk (a last, shorter chunk included) equal the formulas on all rows."""
+    import scipy.linalg
+
+    from mil_core import engine
+
+    monkeypatch.setattr(engine, "ROWS", 64)
+    rng = np.random.default_rng(3)
+    X, M = rng.normal(size=(150, 3)), 12
+    gp = SparseGP.build(RBF(1.3, 1.1).resolve(3), X[::13][:M])
+    whitened = gp.whiten(X.astype(dtype))
+    A = scipy.linalg.solve_triangular(gp.chol, gp.kernel(gp.Z, X), lower=True).T
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == np.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    assert whitened.A.dtype == dtype and whitened.A.flags.c_contiguous
+    np.testing.assert_allclose(whitened.A, A, **tol)
+    np.testing.assert_allclose(whitened.resid, np.clip(1.3 - np.sum(A * A, axis=1), 0, None), **tol)
+
+    B = rng.normal(size=(M, M))
+    q = GaussianQ(mean=rng.normal(size=M), cov=B @ B.T / M + 0.1 * np.eye(M))
+    mean, var = whitened.latent_moments(q)
+    np.testing.assert_allclose(mean, A @ q.mean, **tol)
+    np.testing.assert_allclose(var, np.einsum("ij,jk,ik->i", A, q.cov, A) + whitened.resid, **tol)
+    for weights in (rng.random(150), rng.normal(size=150)):
+        np.testing.assert_allclose(whitened.weighted_gram(weights), A.T @ (A * weights[:, None]), **tol)

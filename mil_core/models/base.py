@@ -150,7 +150,7 @@ class SparseGPMILBase(BaseEstimator):
 
         With ``kernel=None`` and the bags' CSR ``offsets`` (whole bags in ``X_train``; and ``coords``
         for models that read them), the kernel variance is chosen by :meth:`_select_kernel`;
-        otherwise it is ``AUTO_VARIANCES[1]``.
+        otherwise it is the second of :meth:`_auto_variances` (4 for most models).
         Also the entry point of executors that train outside :meth:`fit` (``tasks.training``).
         """
         self.n_features_in_ = X_train.shape[1]
@@ -159,10 +159,20 @@ class SparseGPMILBase(BaseEstimator):
         X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
         if kernel is None and offsets is not None and (coords is not None or not self._choice_needs_coords()):
             kernel = self._select_kernel(X_host, offsets, instance_labels[offsets[:-1]], coords)
-        self.kernel_ = (kernel or RBF(variance=AUTO_VARIANCES[1])).resolve(self.n_features_in_)
+        self.kernel_ = (kernel or RBF(variance=self._auto_variances()[1])).resolve(self.n_features_in_)
         Z = kmeans_inducing_points(X_host, instance_labels, self.n_inducing, random_state=self.random_state)
         self.gp_ = SparseGP.build(self.kernel_, Z)
         return self._make_updates(self.gp_)
+
+    def _auto_variances(self) -> tuple[float, ...]:
+        """Kernel variances that ``kernel=None`` tries (ascending); models whose likelihood is
+        improper for large latent variances override it (G-VGPMIL)."""
+        return AUTO_VARIANCES
+
+    def _auto_bag_rules(self) -> tuple[str | None, ...]:
+        """Bag rules that ``kernel=None`` chooses from with the kernel (set as ``bag_rule_`` on the
+        candidate fits while they are scored); ``(None,)``: the model's own bag score only."""
+        return (None,)
 
     def _choice_needs_coords(self) -> bool:
         """Whether :meth:`_select_kernel` needs instance coords: for models that read them (the Gibbs
@@ -170,13 +180,19 @@ class SparseGPMILBase(BaseEstimator):
         return uses_coords(self)
 
     def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
-        """``kernel=None``: the RBF variance from ``AUTO_VARIANCES`` (ℓ = √D) *and* the number of
+        """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by the mean held-out bag AUC (the estimator's bag rule) over a stratified 2-fold
         split of the training bags. Each candidate runs up to ``min(max_iter, 50)`` sweeps and is
-        scored every 5; ties go to fewer sweeps, then the smaller variance. Sets
+        scored every 5; ties go to fewer sweeps, then the smaller variance. Models with several
+        :meth:`_auto_bag_rules` score each checkpoint with each; the rule with the best AUC averaged
+        over all (variance, sweeps) points is chosen first (``bag_rule_``), then the variance and
+        sweeps under it. Sets
         ``kernel_selection_`` (rows: variance, its best mean AUC) and ``auto_max_iter_`` (the sweeps the final
         fit may run). Above 20,000 instances the split runs on a seeded per-bag subsample.
-        Returns ``None`` (the fallback kernel) when a class has fewer than 2 bags.
+        Returns ``None`` (the fallback kernel) when a class has fewer than 2 bags, or when every
+        candidate is degenerate: a checkpoint whose held-out bag scores are non-finite or all equal
+        (a fit that ran away, its probabilities saturated into ties) is never chosen, whatever the
+        AUC of 0.5 its ties give.
 
         Why: v = 1 keeps instance probabilities near ½, the best v differs by data set, and with a
         large v the held-out AUC of a fit can fall as it runs on (MUSK2: 0.81 after 25 sweeps,
@@ -202,7 +218,8 @@ class SparseGPMILBase(BaseEstimator):
         checkpoints = np.unique(np.r_[np.arange(_SELECTION_EVERY, budget + 1, _SELECTION_EVERY), budget])
         overrides = {"early_stopping": False, **{k: False for k in ("learn_kernel", "learn_inducing", "learn_psi") if k in self.get_params()}}
         folds = StratifiedKFold(2, shuffle=True, random_state=rng.randint(2**31 - 1)).split(labels, labels)
-        curves: dict[float, list[np.ndarray]] = {v: [] for v in AUTO_VARIANCES}
+        variances, rules = self._auto_variances(), self._auto_bag_rules()
+        curves: dict[tuple[float, str | None], list[np.ndarray]] = {(v, r): [] for v in variances for r in rules}
         for train, val in folds:
             X_tr, tr_offsets = take_bags(X_sel, sel_offsets, train)
             X_val, val_offsets = take_bags(X_sel, sel_offsets, val)
@@ -211,26 +228,40 @@ class SparseGPMILBase(BaseEstimator):
             val_coords = {} if coords_sel is None else {"coords": take_bags(coords_sel, sel_offsets, val)[0]}
             smallest_class = min(np.sum(y_tr == 0), np.sum(y_tr == 1))
             n_inducing = int(max(2, min(self.n_inducing, 2 * smallest_class)))
-            for v in AUTO_VARIANCES:
+            for v in variances:
                 model = clone(self).set_params(kernel=RBF(variance=v), n_inducing=n_inducing, **overrides)
                 updates = model._start_fit(X_tr, y_tr)
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
-                curve: list[float] = []
+                curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
                 def score(iteration: int, glob: Any, model=model, curve=curve) -> bool:
                     if iteration in checkpoints:
-                        p = model._bag_proba_from_state(model.gp_, glob, X_val, val_offsets, **val_coords)
-                        curve.append(float(roc_auc_score(labels[val], p)))
+                        for rule in rules:  # one fit, scored by every candidate rule
+                            if rule is not None:
+                                model.bag_rule_ = rule
+                            p = model._bag_proba_from_state(model.gp_, glob, X_val, val_offsets, **val_coords)
+                            degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
+                            curve[rule].append(np.nan if degenerate else float(roc_auc_score(labels[val], p)))
                     return False
 
                 with warnings.catch_warnings():  # stopping at the budget is the point here
                     warnings.simplefilter("ignore", ConvergenceWarning)
                     optimise(executor.sweep, updates, updates.init_global(), max_iter=budget, tol=self.tol, monitor=score)
-                curve += [curve[-1] if curve else 0.5] * (checkpoints.shape[0] - len(curve))  # converged early: it stays
-                curves[v].append(np.asarray(curve))
-        mean_curves = {v: np.mean(c, axis=0) for v, c in curves.items()}
-        self.kernel_selection_ = np.array([[v, c.max()] for v, c in mean_curves.items()])
-        candidates = [(round(float(c[i]), 9), -int(checkpoints[i]), -v) for v, c in mean_curves.items() for i in range(c.shape[0])]
+                for rule, points in curve.items():  # converged early: it stays
+                    points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
+                    curves[v, rule].append(np.asarray(points))
+        mean_curves = {key: np.mean(c, axis=0) for key, c in curves.items()}  # nan where a fold was degenerate
+        rule = rules[0]
+        if len(rules) > 1:  # the rule first, by its AUC over every (v, sweeps) point: steadier than one maximum
+            overall = [np.nanmean(np.concatenate([mean_curves[v, r] for v in variances])) for r in rules]
+            rule = rules[int(np.nanargmax(overall))] if np.any(np.isfinite(overall)) else rule
+            self.bag_rule_ = rule
+        mean_curves = {v: mean_curves[v, rule] for v in variances}
+        self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in mean_curves.items()])
+        candidates = [(round(float(c[i]), 9), -int(checkpoints[i]), -v) for v, c in mean_curves.items()
+                      for i in range(c.shape[0]) if np.isfinite(c[i])]
+        if not candidates:
+            return None
         auc, minus_iter, minus_v = max(candidates)
         self.auto_max_iter_ = -minus_iter if -minus_iter < budget else int(self.max_iter)
         return RBF(variance=-minus_v)

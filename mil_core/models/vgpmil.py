@@ -32,7 +32,10 @@ from ..predictive import probit_scale, sample_latent
 from .base import SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
 
-__all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
+__all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL", "AUTO_BAG_RULES"]
+
+AUTO_BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean")
+"""Rules ``bag_rule="auto"`` chooses from (noisy-OR is left out: its ranking follows bag size)."""
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -135,7 +138,19 @@ class _LogisticGPMIL(SparseGPMILBase):
         if isinstance(glob, HyperState):
             gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule)
+        return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule_)
+
+    def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
+                   coords: np.ndarray | None = None) -> PsiMILUpdates | HyperMILUpdates:
+        """``bag_rule_``: the estimator's rule, or with ``"auto"`` the kernel choice's (``top_fraction``
+        where there is none: a fixed kernel), then the base class's start."""
+        if self.bag_rule != "auto" and self.bag_rule not in BAG_RULES:
+            raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(BAG_RULES)}, got {self.bag_rule!r}")
+        self.bag_rule_ = "top_fraction" if self.bag_rule == "auto" else self.bag_rule
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords)
+
+    def _auto_bag_rules(self) -> tuple[str | None, ...]:
+        return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)
 
     def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
@@ -188,13 +203,13 @@ class _LogisticGPMIL(SparseGPMILBase):
     ):
         """Bag probability by a MIL rule: ``keys, p`` or ``keys, p, std``; ``keys = np.unique(bag_ids)``.
 
-        ``rule`` (default: the estimator's ``bag_rule``) combines the instance probabilities
+        ``rule`` (default: the fitted ``bag_rule_``) combines the instance probabilities
         (:func:`mil_core.bags.bag_score`): ``"noisy_or"`` is the paper's ``1 − Π(1 − pₙ)``
         (Eq. 34–35, in log space), ``"top_fraction"`` the mean of the top 5 %, ``"max"``, ``"mean"``.
         The std is the Monte Carlo spread of the same rule applied to draws of ``σ(f*)`` (Eq. 37),
         drawn bag by bag.
         """
-        rule = self.bag_rule if rule is None else rule
+        rule = self.bag_rule_ if rule is None else rule
         if rule not in BAG_RULES:
             raise ValueError(f"rule must be one of {', '.join(BAG_RULES)}, got {rule!r}")
         X, bags = self._check_predict_input(X, bag_ids)
@@ -238,8 +253,9 @@ _COMMON_PARAMS = """
     n_inducing : int, default=100
         Number of inducing points M (k-means, half from each bag class).
     kernel : RBF or None
-        Kernel; ``None`` (default) chooses the variance v ∈ {1, 4, 16, 64} of
-        ``RBF(v, length_scale=√D)`` by a 2-fold split of the training bags
+        Kernel; ``None`` (default) chooses the variance v ∈ {1, 4, 16, 64} (G-VGPMIL: 0.25 … 2,
+        see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, the number of sweeps and
+        (``bag_rule="auto"``) the bag rule by a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float, default=100
         Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4).
@@ -251,9 +267,13 @@ _COMMON_PARAMS = """
         Each sweep's q(y) is ``damping·π_old + (1 − damping)·π_new`` (Eq. 25 damped): without it
         the fixed point can cycle with period 2 (H = 1e12 on MUSK1: bag scores move by 0.23 per
         sweep forever); 0.5 converges there for both E[max] rules.
-    bag_rule : {"top_fraction", "max", "mean", "noisy_or"}, default="top_fraction"
+    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "auto"}, default="top_fraction"
         How instance probabilities make a bag score, in ``predict_bag_proba``, in validation
         (early stopping, kernel choice) and in the pipeline (:func:`mil_core.bags.bag_score`).
+        ``"auto"``: with ``kernel=None`` the kernel choice's split also picks one of
+        ``top_fraction``, ``max``, ``mean``; with a fixed kernel ``top_fraction``. Not the default:
+        on the text-like and large-bag sets its pick cost 0.08–0.10 bag AUC (``docs/MODELS.md``).
+        The rule used is ``bag_rule_``.
     max_iter, tol
         Closed-form sweeps and relative ELBO tolerance.
     early_stopping, validation_fraction, n_iter_no_change
@@ -278,7 +298,7 @@ _COMMON_PARAMS = """
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
         ELBO per iteration (with ``emax="max"`` a monitor, not a bound).
-    n_iter_, converged_, kernel_, n_features_in_, classes_
+    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_
     validation_auc_, best_iteration_
         When ``early_stopping``.
     hyper_objective_, psi_
@@ -310,7 +330,7 @@ class PsiVGPMIL(_LogisticGPMIL):
         H: float = 100.0,
         emax: EmaxRule = "max",
         damping: float = 0.5,
-        bag_rule: BagRule = "top_fraction",
+        bag_rule: BagRule | Literal["auto"] = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -349,7 +369,7 @@ class VGPMIL(_LogisticGPMIL):
         H: float = 100.0,
         emax: EmaxRule = "max",
         damping: float = 0.5,
-        bag_rule: BagRule = "top_fraction",
+        bag_rule: BagRule | Literal["auto"] = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -408,7 +428,7 @@ class GVGPMIL(_LogisticGPMIL):
         H: float = 100.0,
         emax: EmaxRule = "max",
         damping: float = 0.5,
-        bag_rule: BagRule = "top_fraction",
+        bag_rule: BagRule | Literal["auto"] = "top_fraction",
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -428,3 +448,16 @@ class GVGPMIL(_LogisticGPMIL):
 
     def _psi(self) -> Psi:
         return GammaMixture(alpha=self.alpha, beta=self.beta)
+
+    def _auto_variances(self) -> tuple[float, ...]:
+        """``kernel=None`` tries v ∈ v_max·(1/8, 1/4, 1/2, 1) with ``v_max = 4α² − 2β`` (α = β = 1:
+        0.25 … 2): below it every instance has a finite fixed point (Notes), whatever its position.
+
+        An instance with π ≈ 0 and latent variance s is stationary where ``−½ = θ(c)·f``,
+        ``c² = f² + s`` (Eq. 38), i.e. ``f²/2 + 2αf + β + s/2 = 0``, which has a real root only
+        when ``s ≤ 4α² − 2β``. Far from the inducing points s is the prior variance v, so a larger
+        v lets those instances run to f → −∞ (the large-bag collapse to bag AUC 0.50,
+        ``docs/MODELS.md``). Where ``4α² − 2β ≤ 0`` no variance is safe and the logistic
+        family's grid is kept."""
+        bound = 4.0 * self.alpha**2 - 2.0 * self.beta
+        return tuple(bound * f for f in (0.125, 0.25, 0.5, 1.0)) if bound > 0 else super()._auto_variances()

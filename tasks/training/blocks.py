@@ -33,15 +33,18 @@ class FeatureScaling:
 persist.allow_types(FeatureScaling)  # saved with models and checkpoints
 
 
-def read_features(stored: Any, scaling: FeatureScaling | None) -> np.ndarray:
-    X = np.asarray(stored.features, dtype=np.float64)
-    return X if scaling is None else scaling(X)
+def read_features(stored: Any, scaling: FeatureScaling | None, dtype: str = "float64") -> np.ndarray:
+    """Stored features, standardised by ``scaling`` (in float64), as ``dtype``: a float32 fit of
+    unscaled float32 features takes the stored array without a float64 round trip."""
+    if scaling is None:
+        return np.asarray(stored.features, dtype=dtype)
+    return np.asarray(scaling(np.asarray(stored.features, dtype=np.float64)), dtype=dtype)
 
 
 
 def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclude_bags: np.ndarray | None = None,
                with_coords: bool = False, scaling: FeatureScaling | None = None) -> BagBlock:
-    """The labelled bags of ``partition`` as an engine block (float64, placed by ``placement``).
+    """The labelled bags of ``partition`` as an engine block (in the dtype of ``placement``, placed by it).
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
     hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
@@ -57,7 +60,7 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
     kept = np.flatnonzero(keep)
     labels = np.asarray(stored.bag_labels)
     offsets = np.asarray(stored.offsets)
-    X, new_offsets = take_bags(read_features(stored, scaling), offsets, kept)
+    X, new_offsets = take_bags(read_features(stored, scaling, placement.dtype), offsets, kept)
     coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
     bag_index = np.cumsum(training)[partition.bag_start + kept] - 1
     return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords,

@@ -102,32 +102,49 @@ class DaskExecutor:
         self.exclude, self.with_coords, self.scaling = exclude_bags, with_coords, scaling
         self.token = uuid.uuid4().hex[:8]
         self.resources = self.placement.resources
+        self.homes = self._homes()
         self.iteration = locals_iteration or 0
         self._restore_from: tuple[Checkpoint, int] | None = None
         self.updates = self._submit(identity, updates, key=f"model-updates-{self.token}")
         if mode == "persist":
             self.blocks = [
-                self._submit(_prepare, self.updates, store, p, self.placement, self.exclude, with_coords, scaling, key=f"load-partition-{p.index}-{self.token}")
-                for p in self.partitions
+                self._submit(_prepare, self.updates, store, p, self.placement, self.exclude, with_coords, scaling, key=f"load-partition-{p.index}-{self.token}",
+                             home=i)
+                for i, p in enumerate(self.partitions)
             ]
         if locals_from is not None:
-            self.locals = [self._restore_local(locals_from, locals_iteration, p) for p in self.partitions]
+            self.locals = [self._restore_local(locals_from, locals_iteration, i) for i in range(len(self.partitions))]
         elif mode == "persist":
             self.locals = [
-                self._submit(_init_local, self.updates, b, key=f"init-local-{p.index}-{self.token}")
-                for p, b in zip(self.partitions, self.blocks)
+                self._submit(_init_local, self.updates, b, key=f"init-local-{p.index}-{self.token}", home=i)
+                for i, (p, b) in enumerate(zip(self.partitions, self.blocks))
             ]
         else:
             self.locals = [
-                self._submit(_stream_init_local, self.updates, store, p, self.placement, self.exclude, with_coords, scaling, key=f"init-local-{p.index}-{self.token}")
-                for p in self.partitions
+                self._submit(_stream_init_local, self.updates, store, p, self.placement, self.exclude, with_coords, scaling,
+                             key=f"init-local-{p.index}-{self.token}", home=i)
+                for i, p in enumerate(self.partitions)
             ]
 
-    def _submit(self, fn: Callable, *args: Any, key: str) -> Future:
-        return self.client.submit(fn, *args, key=key, pure=False, resources=self.resources)
+    def _homes(self) -> list[str | None]:
+        """The worker each partition is placed on: round-robin over the workers that can run its
+        tasks (those with the placement's resources), in partition order. A scheduler left to
+        itself may load 5 partitions on one worker and 3 on the other (8 partitions, 2 workers:
+        1.6× instead of 2×); a partition's load, local state and steps all go to its home, which
+        is only a preference (``allow_other_workers``): a lost worker's partitions are recomputed
+        elsewhere, and workers that join later get work by stealing."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        eligible = sorted(address for address, w in workers.items()
+                          if all(w.get("resources", {}).get(name, 0) >= amount for name, amount in (self.resources or {}).items()))
+        return [eligible[i % len(eligible)] if eligible else None for i in range(len(self.partitions))]
 
-    def _restore_local(self, checkpoint: Checkpoint, iteration: int, p: Partition) -> Future:
-        return self._submit(_load_local, checkpoint, iteration, p.index, key=f"restore-local-{iteration}-{p.index}-{self.token}")
+    def _submit(self, fn: Callable, *args: Any, key: str, home: int | None = None) -> Future:
+        where = {} if home is None or self.homes[home] is None else {"workers": [self.homes[home]], "allow_other_workers": True}
+        return self.client.submit(fn, *args, key=key, pure=False, resources=self.resources, **where)
+
+    def _restore_local(self, checkpoint: Checkpoint, iteration: int, i: int) -> Future:
+        p = self.partitions[i]
+        return self._submit(_load_local, checkpoint, iteration, p.index, key=f"restore-local-{iteration}-{p.index}-{self.token}", home=i)
 
     def sweep(self, glob: Any) -> Any:
         """One map + tree reduction with the global state ``glob``; returns the summed statistics."""
@@ -135,19 +152,19 @@ class DaskExecutor:
         it, token = self.iteration, self.token
         if self._restore_from is not None:
             checkpoint, saved = self._restore_from
-            self.locals = [self._restore_local(checkpoint, saved, p) for p in self.partitions]
+            self.locals = [self._restore_local(checkpoint, saved, i) for i in range(len(self.partitions))]
             self._restore_from = None
         q = self.client.submit(identity, glob, key=f"q-{it}-{token}", pure=False)
         results = []
         for i, p in enumerate(self.partitions):
             key = f"partition-step-{it}-{p.index}-{token}"
             if self.mode == "persist":
-                results.append(self._submit(_partition_step, self.updates, self.blocks[i], self.locals[i], q, key=key))
+                results.append(self._submit(_partition_step, self.updates, self.blocks[i], self.locals[i], q, key=key, home=i))
             else:
                 results.append(
                     self._submit(
                         _stream_partition_step, self.updates, self.store, p, self.placement, self.exclude, self.with_coords, self.scaling,
-                        self.locals[i], q, key=key,
+                        self.locals[i], q, key=key, home=i,
                     )
                 )
         stats = [self.client.submit(operator.getitem, r, 0, key=f"statistics-{it}-{i}-{token}") for i, r in enumerate(results)]

@@ -8,15 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 from distributed import Client
 
-from mil_core.models.base import take_bags
 from tasks.store import Partition
-from tasks.training.blocks import (
-    DEFAULT_PARTITION_BYTES,
-    FeatureScaling,
-    grid_coords,
-    load_block,
-    read_features,
-)
+from tasks.training.blocks import FeatureScaling, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
 from tasks.training.placement import ArrayPlacement
 
@@ -52,15 +45,14 @@ def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, ra
         shuffled = rng.permutation(training)
         chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
     X, y, sizes_taken, coords = [], [], [], []
-    for p in cohort.partitions(DEFAULT_PARTITION_BYTES):
-        local = chosen[(chosen >= p.bag_start) & (chosen < p.bag_stop)] - p.bag_start
-        if local.size:
-            stored = cohort.read_partition(p)
-            rows, offsets = take_bags(read_features(stored, scaling), np.asarray(stored.offsets), local)
-            X.append(rows)
-            y.append(np.repeat(labels[local + p.bag_start], np.diff(offsets)))
-            sizes_taken.append(np.diff(offsets))
+    runs = np.split(chosen, np.flatnonzero(np.diff(chosen) != 1) + 1)  # consecutive chosen bags: one read each
+    for run in runs:
+        if run.size:  # read only the chunks holding the chosen bags (a 10⁷ store is ~5 GB; the sample ~0.1 GB)
+            stored = cohort.read_bags(int(run[0]), int(run[-1]) + 1)
+            X.append(read_features(stored, scaling))
+            y.append(np.repeat(labels[run], np.diff(stored.offsets)))
+            sizes_taken.append(np.diff(stored.offsets))
             if with_coords:
-                coords.append(take_bags(grid_coords(stored.coords), np.asarray(stored.offsets), local)[0])
+                coords.append(grid_coords(stored.coords))
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
     return np.concatenate(X), np.concatenate(y), offsets, np.concatenate(coords) if with_coords else None
