@@ -1,7 +1,7 @@
 """Held-out accuracy of the default models against a [mean, max] logistic regression (issue 15).
 
-Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2 and
-digits bags; on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
+Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2,
+digits bags and the robustness sets ``cancer``, ``text``, ``fox`` (:func:`robustness_set`); on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
 instances) one half of the bags trains and the other half tests, for several draws. Features are
 standardised on the training fold (a column with std < 1e-12 is left unscaled). Reported per
 method (and, for instance-level models, per bag rule): bag AUC, instance AUC where instance labels

@@ -222,6 +222,14 @@ def main() -> None:
                 print(f"| {label}{suffix} | {r['seconds']:.1f} | {r['peak_mb']:.0f} | {r['peak_mb'] - base:.0f} | "
                       f"{r['peak_mb'] / level_mb:.3f} | {r['detail']} |")
         print(f"\nbase MB = {base:.0f} (imports only).")
+        if options.before and "ingest_again" in options.steps.split(","):
+            from tasks.store import open_cohort
+
+            before, after = open_cohort(str(tmp / "before.zarr") + ".again"), open_cohort(str(tmp / "s.zarr") + ".again")
+            a, b = before.read_bags(0, 1), after.read_bags(0, 1)
+            same = a.coords.shape == b.coords.shape and bool((a.coords == b.coords).all())
+            gap = float(abs(a.features - b.features).max()) if same else float("nan")
+            print(f"before/after stores: same tiles {same}, max |feature difference| {gap:.3g}")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
-    if getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
+    if hasattr(gp, "rhat_") and not gp.converged_:  # a sampler: its chain, not a tolerance
+        warnings.append(f"the chain's largest split-R-hat is {gp.rhat_:.2f} > 1.05 after {gp.n_iter_} sweeps: its samples "
+                        "are not yet from the posterior; run a longer chain (model.params.n_samples, thin, burn_in)")
+        logger.warning(warnings[-1])
+    elif getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
         warnings.append(f"the fit stopped at max_iter={gp.max_iter} without converging (tol={gp.tol}): raise "
                         "model.params.max_iter, or check the ELBO trace (elbo.png)")
         logger.warning(warnings[-1])
@@ -408,7 +412,7 @@ def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, l
             logger.info("no slide for %s in %s: heatmap without a thumbnail", bag_id, tiling["slides_dir"])
             return None, None
         source = slides[bag_id]
-    if not Path(source).is_file():
+    if not Path(source).exists():  # a file, or a DICOM-WSI folder
         logger.warning("slide %s not found: heatmap without the slide thumbnail", source)
         return None, None
     try:
@@ -452,11 +456,11 @@ def _ct_strip_slices(cohort: Any, found: Any, rows: slice, scores: np.ndarray, c
 
 def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     """Slide file by stem under a feature cohort's ``slides_dir`` (None without one)."""
-    from tasks.ingest.slide_io import find_slides
+    from tasks.ingest.slide_io import find_slides, slide_id
 
     if not tiling or "slides_dir" not in tiling or not Path(tiling["slides_dir"]).is_dir():
         return None
-    return {path.stem: str(path) for path in find_slides(tiling["slides_dir"])[0]}
+    return {slide_id(path): str(path) for path in find_slides(tiling["slides_dir"])[0]}
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)

@@ -150,8 +150,12 @@ def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, m
 
     def rows(frame: pd.DataFrame) -> list[str]:
         width = max([len(str(b)) for b in frame["bag_id"]] + [6])
-        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}"
-                + ("" if r.label < 0 else f"  (label {r.label})") for r in frame.itertuples()]
+        def label(r: Any) -> str:
+            original = getattr(r, "original_label", "")
+            shown = [f"label {r.label}"] * (r.label >= 0) + [f"original {original}"] * bool(original)
+            return f"  ({', '.join(shown)})" if shown else ""
+
+        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}{label(r)}" for r in frame.itertuples()]
 
     lines += ["most likely positive:"] + rows(table.sort_values("probability", ascending=False).head(top))
     lines += ["least certain (highest std):"] + rows(table.sort_values("std", ascending=False).head(min(top, 3)))

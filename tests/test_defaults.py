@@ -180,3 +180,24 @@ def test_kernel_choice_never_picks_a_degenerate_candidate():
     model = WideGrid(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
     assert model.kernel_.variance == 2.0
     assert np.isfinite(model.kernel_selection_[0, 1]) and np.isnan(model.kernel_selection_[1, 1])
+
+
+def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_bags():
+    """The offline sets that check the defaults are not tuned to MUSK (``benchmarks/bench_accuracy.py``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_accuracy
+    finally:
+        sys.path.pop(0)
+    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13))):
+        X, bags, y, witness = bench_accuracy.robustness_set(name)
+        keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
+        per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+        assert np.all(np.diff(y[np.argsort(bags, kind="stable")])[np.cumsum(counts)[:-1] - 1] != 0)  # labels alternate
+        assert np.all((per_bag > 0) == (y[first] == 1)), name  # a bag is positive iff it holds a witness
+        assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
+    with pytest.raises(ValueError, match="pool too small"):
+        bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)

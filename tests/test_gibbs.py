@@ -124,11 +124,38 @@ def test_draws_are_keyed_by_seed_sweep_and_bag():
     from mil_core.models.gibbs import _uniforms
 
     sizes = np.array([3, 5, 2])
-    whole = _uniforms(7, 4, np.arange(3), sizes)
-    np.testing.assert_array_equal(np.r_[_uniforms(7, 4, np.array([0, 1]), sizes[:2]), _uniforms(7, 4, np.array([2]), sizes[2:])], whole)
-    assert np.all((whole > 0) & (whole < 1))
+    whole, per_bag = _uniforms(7, 4, np.arange(3), sizes)
+    parts = [_uniforms(7, 4, np.array([0, 1]), sizes[:2]), _uniforms(7, 4, np.array([2]), sizes[2:])]
+    np.testing.assert_array_equal(np.r_[parts[0][0], parts[1][0]], whole)
+    np.testing.assert_array_equal(np.r_[parts[0][1], parts[1][1]], per_bag)
+    assert np.all((whole > 0) & (whole < 1)) and np.all((per_bag > 0) & (per_bag < 1))
     for other in (_uniforms(8, 4, np.arange(3), sizes), _uniforms(7, 5, np.arange(3), sizes), _uniforms(7, 4, np.array([1, 0, 2]), sizes)):
-        assert not np.any(np.isclose(other[:3], whole[:3]))
+        assert not np.any(np.isclose(other[0][:3], whole[:3]))
+
+
+def test_a_bag_without_neighbours_is_drawn_whole_from_its_exact_conditional():
+    """The block draw of ``m_b | v, y_b`` against rejection sampling from ``N(μ_b, I)`` given "not all
+    negative"; a negative bag stays below zero; a bag whose instances are all far below zero still draws
+    its first non-negative instance by the right odds (log space)."""
+    from scipy.special import log_ndtr
+
+    from mil_core.models.gibbs import _uncoupled_bag_draws
+
+    rng = np.random.default_rng(0)
+    mu, n = np.array([-1.0, 0.3, -2.0]), 100_000
+    m = _uncoupled_bag_draws(np.tile(mu, n), np.arange(0, 3 * n + 1, 3), np.ones(n, bool), rng.random(3 * n), rng.random(n)).reshape(n, 3)
+    z = rng.normal(mu, 1.0, (4 * n, 3))
+    z = z[(z >= 0).any(axis=1)]
+    np.testing.assert_allclose((m >= 0).mean(axis=0), (z >= 0).mean(axis=0), atol=0.006)
+    np.testing.assert_allclose(m.mean(axis=0), z.mean(axis=0), atol=0.015)
+    np.testing.assert_allclose(m.std(axis=0), z.std(axis=0), atol=0.015)
+    negative = _uncoupled_bag_draws(np.array([2.0, 5.0]), np.array([0, 2]), np.array([False]), np.array([0.3, 0.9]), np.array([0.5]))
+    assert np.all(negative < 0)
+    far = np.array([-8.0, -8.5, -7.9])  # P(J = j) ∝ Φ(μ_j) Π_{i<j} Φ(−μ_i) ≈ Φ(μ_j)
+    m = _uncoupled_bag_draws(np.tile(far, n), np.arange(0, 3 * n + 1, 3), np.ones(n, bool), rng.random(3 * n), rng.random(n)).reshape(n, 3)
+    odds = np.exp(log_ndtr(far) - np.logaddexp.reduce(log_ndtr(far)))
+    np.testing.assert_allclose((m >= 0).mean(axis=0), odds, atol=0.006)
+    assert np.all((m >= 0).sum(axis=1) >= 1)
 
 
 def test_kernel_none_takes_the_variational_models_choice_of_kernel(tiny):

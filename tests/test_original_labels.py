@@ -169,3 +169,14 @@ def test_ct_scans_keep_the_rsna_subtypes_of_their_slices(tmp_path):
         assert original == {"any": y, "epidural": 0, "intraparenchymal": y, "intraventricular": 0,
                             "subarachnoid": 0, "subdural": 0} and label == y
     assert {s.label for s in scans} == {0, 1}
+
+
+def test_the_terminal_summary_shows_the_original_label_beside_the_target():
+    from tasks.report import original_label_text, summary_text
+
+    table = pd.DataFrame({"bag_id": ["a", "b", "c"], "probability": [0.9, 0.2, 0.5], "std": [0.1, 0.1, 0.3],
+                          "label": [1, 0, -1],
+                          "original_label": [original_label_text(3), original_label_text({"any": 0}), ""]})
+    text = summary_text(table)
+    assert "a       p = 0.900 ± 0.100  (label 1, original 3)" in text
+    assert '(label 0, original {"any":0})' in text and "c       p = 0.500 ± 0.300\n" in text + "\n"

@@ -98,3 +98,67 @@ def test_discovery_is_recursive_and_names_every_file_left_out(tissue, tmp_path):
     assert {item.bag_id for item in plan.items} == {"deep", "top", "scanner_export"}
     assert [(s.path, s.error) for s in plan.skipped] == [(str(tmp_path / "notes.bin"), "UnreadableFileError")]
     assert plan.spec.coords_dim == 4 and plan.spec.coords_meaning.startswith("tile_row,tile_col,x,y")
+
+
+def test_openslide_opens_a_dicom_wsi_folder_with_the_pixels_and_scale_written(tissue, tmp_path):
+    from tasks.ingest.synthetic import write_dicom_wsi
+
+    _, files = write_dicom_wsi(tmp_path / "slide-7", tissue, mpp=0.5, series_key="s7")
+    assert [f.name for f in files] == ["level0.dcm", "level1.dcm"]
+    with open_slide(tmp_path / "slide-7") as slide:
+        assert (slide.reader, slide.vendor) == ("openslide", "dicom")
+        assert slide.level_shapes == [(1024, 1536), (256, 384)] and slide.downsamples == [1.0, 4.0]
+        assert slide.mpp == pytest.approx(0.5) and slide.magnification == 20.0
+        np.testing.assert_array_equal(slide.read(0, slice(100, 160), slice(300, 420)), tissue[100:160, 300:420])
+        np.testing.assert_array_equal(slide.read(1, slice(10, 20), slice(5, 25)), tissue[::4, ::4][10:20, 5:25])
+    with pytest.raises(UnreadableFileError, match="read by OpenSlide"):
+        open_slide(tmp_path / "slide-7", reader="tifffile")
+
+
+def test_dicom_wsi_folders_are_discovered_and_tiled_like_the_same_pixels_in_a_tiff(tissue, tmp_path):
+    """A DICOM-WSI folder is one slide (bag id = folder name) and gives the tiles and features of
+    the same pixels written as a TIFF; a CT series, a WSI OpenSlide refuses and a folder of two WSI
+    series are listed with their reasons."""
+    from tasks.ingest.synthetic import write_ct_series, write_dicom_wsi
+    from tasks.ingest.wsi import ingest_slides
+    from tasks.store import open_cohort
+
+    root = tmp_path / "cohort"
+    write_dicom_wsi(root / "site_a" / "case-1.v2", tissue, mpp=0.5, series_key="case-1")
+    write_pyramid(root / "case-2.tiff", tissue, mpp=0.5)
+    write_dicom_wsi(root / "planar", tissue, mpp=0.5, series_key="planar", levels=1, PlanarConfiguration=1)
+    write_dicom_wsi(root / "two", tissue, mpp=0.5, series_key="two-a", levels=1)
+    (root / "two" / "level0.dcm").rename(root / "two" / "a.dcm")
+    write_dicom_wsi(root / "two", tissue, mpp=0.5, series_key="two-b", levels=1)
+    write_ct_series(root / "ct", np.zeros((3, 16, 16)), series_key="ct")
+    (root / "broken").mkdir()
+    (root / "broken" / "x.dcm").write_bytes(b"no DICOM here")
+
+    slides, left_out = find_slides(root)
+    assert slides == [root / "case-2.tiff", root / "planar", root / "site_a" / "case-1.v2"]
+    reasons = {e.path: e.reason for e in left_out}
+    assert "SOP class CT Image Storage (Modality CT); CT series are ingested with ingest.kind ct" in reasons[str(root / "ct")]
+    assert "holds 2 DICOM-WSI series" in reasons[str(root / "two")]
+    assert "not a readable DICOM file" in reasons[str(root / "broken" / "x.dcm")]
+
+    params = TilingParams(tile_size=128, target_mpp=1.0, min_tissue=0.3)
+    report = ingest_slides(tmp_path / "s.zarr", root, params=params, fit_tiles=64)
+    assert sorted(report.added) == ["case-1.v2", "case-2"]
+    refused = {s.bag_id: s for s in report.skipped if s.bag_id == "planar"}["planar"]
+    assert refused.error == "UnreadableFileError" and "PlanarConfiguration value 1 != 0" in refused.reason
+    cohort = open_cohort(tmp_path / "s.zarr")
+    dicom, tiff = (cohort.read_bags(b, b + 1) for b in (list(cohort.bag_ids).index("case-1.v2"), list(cohort.bag_ids).index("case-2")))
+    assert cohort.sources[list(cohort.bag_ids).index("case-1.v2")] == str(root / "site_a" / "case-1.v2")
+    assert len(dicom.coords) > 10
+    np.testing.assert_array_equal(dicom.coords, tiff.coords)
+    np.testing.assert_allclose(dicom.features, tiff.features, rtol=1e-5, atol=1e-5)
+    from tasks.ingest.wsi import heatmap_background  # the report paints heatmaps over the folder's thumbnail
+
+    thumbnail, downsample, side = heatmap_background(root / "site_a" / "case-1.v2", cohort.attrs["tiling"])
+    np.testing.assert_array_equal(thumbnail, tissue[::4, ::4])  # level 1, whole: at most 1024 px a side
+    assert (downsample, side) == (4.0, 256.0)
+    from tasks.ingest.ct import scan_dicom_dir  # and the CT reader names the slide for what it is
+
+    series, errors = scan_dicom_dir(root / "site_a")
+    assert series == [] and "Modality 'SM', not CT (level0.dcm); a DICOM whole-slide image is ingested with " \
+        "ingest.kind wsi" in errors[0].reason

@@ -9,13 +9,20 @@ approximates (the FITC residual only adds a constant to its ELBO). Alternating e
   (``μ = Σ_b A'_b v``, ``P = I + λC``), truncated to ``m_i < 0`` in a negative bag; in a positive
   bag truncated to ``m_i ≥ 0`` when all other instances of the bag are negative, else
   unconstrained (seed 003 Eq. 13–14). Instance ``k`` of every bag is updated at once (bags are
-  conditionally independent given ``v``), instances of a bag one after another;
+  conditionally independent given ``v``), instances of a bag one after another. A bag without
+  neighbours (every bag at λ = 0) is drawn whole from ``m_b | v, y_b`` instead
+  (:func:`_uncoupled_bag_draws`: exact, vectorised over bags, no loop over instances);
+* a scale move (marginal augmentation: Liu & Sabatti 2000, van Dyk & Meng 2001): the bag likelihood
+  depends on the signs of ``m`` only, so ``m ← g·m`` with ``g² ~ Gamma(N/2, rate Q/2)``,
+  ``Q = mᵀ(P − A'(I + G')⁻¹A'ᵀ)m`` (``m``'s marginal precision, ``v`` integrated out), leaves the posterior
+  invariant; it moves the overall magnitude of the latent field, a direction in which the two-block
+  scan mixes slowly (``docs/BENCHMARKS.md``, "Gibbs reference": effective sample sizes with and without it);
 * ``v | m ~ N((I + G')⁻¹ A'ᵀm, (I + G')⁻¹)``, ``G' = Σ_b A'_bᵀΣ_bA'_b`` (seed 003 Eq. 7–9 with
   ``q(m)`` a point mass).
 
 Map → sum → small solve (DESIGN §1–2): a sweep is the m-step on every partition of whole bags,
-which returns ``r'_p = A'_pᵀm_p`` (and the constant ``G'_p``), the sum, and the v-step on the
-client (an M×M Cholesky and one M-dimensional draw). The chain's randomness is *keyed*, not
+which returns ``r'_p = A'_pᵀm_p``, ``m_pᵀP_pm_p`` (and the constant ``G'_p``), the sum, and the scale
+move and v-step on the client (an M×M Cholesky, one Gamma and one M-dimensional draw). The chain's randomness is *keyed*, not
 streamed: bag ``b``'s uniforms at sweep ``t`` come from the counter-based Philox generator keyed by
 ``(seed, t, b)`` (``b``: the bag's position among the fit's bags, ``BagBlock.bag_index``), and the
 v-step's normals from the key ``(seed, t)``. Every draw is therefore a function of what it
@@ -47,7 +54,7 @@ from ..engine import (
 )
 from ..ising import Neighbourhood
 from ..kernels import RBF
-from ..truncnorm import upper_truncated_quantile
+from ..truncnorm import log_neg_log_ndtr, upper_truncated_quantile
 from ..validation import check_mil_data
 from .base import store_params
 from .probit import VGPMILPRI
@@ -72,28 +79,70 @@ def _stream(seed: int, sweep: int, stream: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=_key(seed, sweep, stream)))
 
 
-def _uniforms(seed: int, sweep: int, bag_index: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """One uniform in (0, 1) per instance of the block (row order), bag by bag from its own stream (one
-    generator re-keyed per bag: a fresh one would also draw OS entropy it does not use)."""
+def _uniforms(seed: int, sweep: int, bag_index: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Uniforms in (0, 1) of one sweep from each bag's own stream: one per instance (block row order) and
+    one per bag (which instance of an uncoupled positive bag is its first non-negative one). One generator
+    re-keyed per bag: a fresh one would also draw OS entropy it does not use."""
     bits = np.random.Philox(key=_key(seed, sweep, 0))
     generator = np.random.Generator(bits)
-    out = np.empty(int(np.sum(sizes)))
+    per_instance, per_bag = np.empty(int(np.sum(sizes))), np.empty(sizes.shape[0])
     start = 0
-    for b, n in zip(bag_index.tolist(), sizes.tolist()):
+    for i, (b, n) in enumerate(zip(bag_index.tolist(), sizes.tolist())):
         bits.state = {"bit_generator": "Philox", "state": {"counter": np.zeros(4, np.uint64), "key": _key(seed, sweep, b + 1)},
                       "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
-        out[start : start + n] = generator.random(n)
+        draws = generator.random(n + 1)
+        per_instance[start : start + n], per_bag[i] = draws[:n], draws[n]
         start += n
-    return out + 2.0**-54
+    return per_instance + 2.0**-54, per_bag + 2.0**-54
+
+
+def _uncoupled_bag_draws(mu: np.ndarray, offsets: np.ndarray, positive: np.ndarray, u: np.ndarray, u_bag: np.ndarray) -> np.ndarray:
+    """Exact joint draws of ``m_b ~ N(μ_b, I)`` under each bag's MIL constraint (bags without neighbours).
+
+    A negative bag's instances are independent, truncated to ``m < 0``. A positive bag (``m`` not all
+    negative) is drawn by its first non-negative instance ``J``: ``P(J = j) ∝ Π_{i<j} Φ(−μ_i) · Φ(μ_j)``,
+    whose CDF telescopes to ``(1 − e^{−t_j}) / (1 − e^{−t_n})`` with ``t_j = Σ_{i≤j} −log Φ(−μ_i)``; then the
+    instances before ``J`` are truncated to ``m < 0``, ``m_J`` to ``m ≥ 0`` and those after are free. The
+    sums are taken bag by bag, scaled by the bag's largest term (``log(−log Φ(−μ))`` in log space), so a
+    bag whose instances are all far below zero keeps its relative precision and the draw does not depend
+    on the bags beside it. One block draw replaces a bag's single-site updates (seed 003 Eq. 13–14) and
+    mixes at least as well.
+    """
+    sizes = np.diff(offsets)
+    positive_row = np.repeat(positive, sizes)
+    m = mu + ndtri(u)
+    negative_row = ~positive_row
+    m[negative_row] = upper_truncated_quantile(mu[negative_row], 1.0, u[negative_row])
+    if not positive.any():
+        return m
+    log_tau = log_neg_log_ndtr(mu)
+    top = np.maximum.reduceat(log_tau, offsets[:-1])
+    scaled = np.exp(log_tau - np.repeat(top, sizes))  # in (0, 1], the bag's largest term is 1
+    partial = np.empty_like(scaled)
+    for a, z in zip(offsets[:-1].tolist(), offsets[1:].tolist()):  # bag by bag: no bag's sum depends on another's
+        np.cumsum(scaled[a:z], out=partial[a:z])
+    total = partial[offsets[1:] - 1]
+    t_n = np.exp(top) * total
+    with np.errstate(over="ignore", invalid="ignore"):  # the branch not taken may overflow
+        threshold = np.where(t_n < 1e-10, u_bag * total, -np.log1p(u_bag * np.expm1(-t_n)) * np.exp(-top))
+    first = np.minimum(segment_sum((partial < np.repeat(threshold, sizes)).astype(np.int64), offsets), sizes - 1)
+    position = np.arange(mu.shape[0]) - np.repeat(offsets[:-1], sizes)
+    before = positive_row & (position < np.repeat(first, sizes))
+    at = positive_row & (position == np.repeat(first, sizes))
+    m[before] = upper_truncated_quantile(mu[before], 1.0, u[before])
+    m[at] = -upper_truncated_quantile(-mu[at], 1.0, u[at])
+    return m
 
 
 @dataclass(frozen=True)
 class GibbsState:
-    """The chain on the client after ``sweep`` sweeps: the last ``v`` and the kept samples (k, M)."""
+    """The chain on the client after ``sweep`` sweeps: the last ``v``, the kept samples (k, M) and the last
+    scale move ``g`` (the partitions' ``m`` are ``g`` times what they hold; they apply it next sweep)."""
 
     v: np.ndarray
     sweep: int
     samples: np.ndarray
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -106,21 +155,27 @@ class GibbsChain:
 
 @dataclass(frozen=True)
 class GibbsBags:
-    """A prepared partition: the probit model's block (``G'_p``, the coupling ``Σ_b``), the bags' stream keys
-    and, per within-bag position ``k``, the rows updated together (with their rows of the coupling)."""
+    """A prepared partition: the probit model's block (``G'_p``, the coupling ``Σ_b``), the bags' stream keys,
+    the bags without neighbours (``alone``: their rows and CSR offsets; drawn a bag at a time) and, for the
+    others, per within-bag position ``k`` the rows updated together (with their rows of the coupling)."""
 
     probit: ProbitBags
     bag_index: np.ndarray
     steps: tuple[tuple[np.ndarray, np.ndarray, Any], ...]
+    alone: np.ndarray
+    alone_rows: np.ndarray
+    alone_offsets: np.ndarray
 
 
 @dataclass(frozen=True)
 class GibbsStats(Summable):
-    """A partition's contribution to a sweep: ``G'_p`` (constant), ``r'_p = A'_pᵀm_p`` and ``log p(m_p | v)``."""
+    """A partition's contribution to a sweep: ``G'_p`` (constant), ``r'_p = A'_pᵀm_p``, ``log p(m_p | v)`` and
+    ``m_pᵀP_pm_p`` (for the scale move)."""
 
     precision: np.ndarray
     shift: np.ndarray
     log_density: float
+    quadratic: float
     n_instances: int
 
 
@@ -142,14 +197,19 @@ class GibbsUpdates:
         if bag_index.shape != (n_bags,) or (n_bags and not 0 <= bag_index.min() <= bag_index.max() < _WORD - 1):
             raise ValueError(f"bag_index must hold one position in [0, 2^32 - 1) per bag ({n_bags}), got shape {bag_index.shape}")
         P = bags.coupling.precision
-        off_diagonal = None if bags.coupling.identity else (scipy.sparse.diags(P.diagonal()) - P).tocsr()
+        coupled = bags.coupling.edge_count > 0
+        off_diagonal = (scipy.sparse.diags(P.diagonal()) - P).tocsr()
         sizes = np.diff(bags.offsets)
         steps = []
-        for k in range(int(sizes.max(initial=0))):
-            has = np.flatnonzero(sizes > k)
+        for k in range(int(sizes[coupled].max(initial=0))):
+            has = np.flatnonzero(coupled & (sizes > k))
             rows = bags.offsets[:-1][has] + k
-            steps.append((rows, has, None if off_diagonal is None else off_diagonal[rows]))
-        return GibbsBags(probit=bags, bag_index=bag_index, steps=tuple(steps))
+            steps.append((rows, has, off_diagonal[rows]))
+        alone = np.flatnonzero(~coupled)
+        alone_rows = np.repeat(bags.offsets[:-1][alone] - np.concatenate([[0], np.cumsum(sizes[alone])[:-1]]), sizes[alone]) \
+            + np.arange(int(sizes[alone].sum()))
+        return GibbsBags(probit=bags, bag_index=bag_index, steps=tuple(steps), alone=alone, alone_rows=alone_rows,
+                         alone_offsets=np.concatenate([[0], np.cumsum(sizes[alone])]).astype(np.int64))
 
     def init_local(self, block: GibbsBags) -> GibbsChain:
         """A valid start: every instance below zero but the first of each positive bag."""
@@ -172,12 +232,15 @@ class GibbsUpdates:
         mu = coupling.solve(bags.features.latent_mean(state.v))
         pdiag = coupling.precision.diagonal()
         cond_sd = 1.0 / np.sqrt(pdiag)
-        u = _uniforms(self.seed, sweep, block.bag_index, np.diff(offsets))
-        m = chain.m.copy()
+        u, u_bag = _uniforms(self.seed, sweep, block.bag_index, np.diff(offsets))
+        m = chain.m * state.scale  # the previous sweep's scale move
+        m_sum = chain.m_sum + m if self.kept(state.sweep) else chain.m_sum
         positive_bag = bags.labels == 1
+        rows = block.alone_rows
+        m[rows] = _uncoupled_bag_draws(mu[rows], block.alone_offsets, positive_bag[block.alone], u[rows], u_bag[block.alone])
         n_nonneg = segment_sum((m >= 0).astype(np.int64), offsets)
-        for rows, bag, coupling_rows in block.steps:
-            mean = mu[rows] if coupling_rows is None else mu[rows] + (coupling_rows @ (m - mu)) / pdiag[rows]
+        for rows, bag, coupling_rows in block.steps:  # bags with neighbours: single-site, in order within a bag
+            mean = mu[rows] + (coupling_rows @ (m - mu)) / pdiag[rows]
             sd = cond_sd[rows]
             was_nonneg = m[rows] >= 0
             pos = positive_bag[bag]
@@ -193,19 +256,24 @@ class GibbsUpdates:
         residual = m - mu
         log_density = -0.5 * float(residual @ (coupling.precision @ residual)) + 0.5 * float(np.sum(bags.logdet_precision)) \
             - 0.5 * m.shape[0] * _LOG_2PI
-        stats = GibbsStats(precision=bags.gram, shift=bags.features.project(m), log_density=log_density, n_instances=int(m.shape[0]))
-        return stats, GibbsChain(m=m, m_sum=chain.m_sum + m if self.kept(sweep) else chain.m_sum)
+        stats = GibbsStats(precision=bags.gram, shift=bags.features.project(m), log_density=log_density,
+                           quadratic=float(m @ (coupling.precision @ m)), n_instances=int(m.shape[0]))
+        return stats, GibbsChain(m=m, m_sum=m_sum)
 
     def global_update(self, stats: GibbsStats, state: GibbsState) -> tuple[GibbsState, float]:
-        """The v-step of sweep ``state.sweep + 1``; the objective is ``log p(v, m)`` of the state the m-step
-        saw (the previous ``v``, the new ``m``): a trace of the chain, not a bound."""
+        """The scale move and the v-step of sweep ``state.sweep + 1`` (module docstring); the objective is
+        ``log p(v, m)`` of the state the m-step saw (the previous ``v``, the new ``m``): a trace of the chain,
+        not a bound."""
         sweep, M = state.sweep + 1, state.v.shape[0]
         chol, _ = cholesky_with_jitter(np.eye(M) + 0.5 * (stats.precision + stats.precision.T), initial_relative_jitter=0.0)
         mean = scipy.linalg.cho_solve((chol, True), stats.shift, check_finite=False)
-        v = mean + scipy.linalg.solve_triangular(chol.T, _stream(self.seed, sweep, 0).standard_normal(M), lower=False)
+        rng = _stream(self.seed, sweep, 0)
+        quadratic = stats.quadratic - float(stats.shift @ mean)  # mᵀ(P − A'(I + G')⁻¹A'ᵀ)m: m's marginal precision
+        scale = float(np.sqrt(rng.gamma(0.5 * stats.n_instances, 2.0 / quadratic))) if quadratic > 0 else 1.0
+        v = scale * mean + scipy.linalg.solve_triangular(chol.T, rng.standard_normal(M), lower=False)
         samples = np.vstack([state.samples, v]) if self.kept(sweep) else state.samples
         log_joint = stats.log_density - 0.5 * float(state.v @ state.v) - 0.5 * M * _LOG_2PI
-        return GibbsState(v=v, sweep=sweep, samples=samples), log_joint
+        return GibbsState(v=v, sweep=sweep, samples=samples, scale=scale), log_joint
 
 
 def split_rhat(samples: np.ndarray) -> float:
@@ -348,8 +416,10 @@ class VGPMILPRGibbs(VGPMILPRI):
         executor = SerialExecutor(updates, [block])
         trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol)
         self._finish_fit(trace)
+        chain, state = executor.locals[0], trace.glob
+        m_sum = chain.m_sum + state.scale * chain.m if updates.kept(state.sweep) else chain.m_sum  # the last scale move
         self.m_mean_ = np.empty(X.shape[0])
-        self.m_mean_[bags.order] = executor.locals[0].m_sum / self.n_samples
+        self.m_mean_[bags.order] = m_sum / self.n_samples
         return self
 
     def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:

@@ -130,7 +130,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     for path, header in zip(files, headers):
         modality = header.get("Modality")
         if modality is not None and str(modality).upper() != "CT":
-            return refuse(f"Modality {str(modality)!r}, not CT ({Path(path).name})")
+            hint = "; a DICOM whole-slide image is ingested with ingest.kind wsi" if str(modality).upper() == "SM" else ""
+            return refuse(f"Modality {str(modality)!r}, not CT ({Path(path).name}){hint}")
         for tag in ("RescaleSlope", "RescaleIntercept"):
             try:
                 float(header[tag].value)

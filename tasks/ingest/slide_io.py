@@ -11,6 +11,15 @@ memory is bounded by one block of the lowest level plus the thumbnail, never a w
 
 :func:`find_slides` lists the slides of a folder (recursively, by glob patterns) and names every
 other file it leaves out.
+
+DICOM-WSI (VL Whole Slide Microscopy Image Storage) is a *folder*: one file per pyramid level (and
+label/overview images), all of one SeriesInstanceUID. Discovery reads the headers of the ``.dcm``
+files (no pixels) and takes each folder holding one such series as one slide (bag id = the folder's
+name); OpenSlide opens it from any of its files and finds the others. ``.dcm`` files of other SOP
+classes (a CT series: ``ingest.kind ct``), unreadable ones and folders mixing several WSI series are
+listed with the reason. OpenSlide 4 reads TILED_FULL/TILED_SPARSE levels encoded as JPEG baseline,
+JPEG 2000 or uncompressed RGB (Explicit VR Little Endian); for any other file its own error is the
+reason given.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from tasks.ingest.errors import IngestError, UnreadableFileError
 Reader = Literal["auto", "openslide", "tifffile"]
 STRIP_ROWS = 512
 STRIP_COLS = 4096
-SLIDE_PATTERNS = ("*.svs", "*.tif", "*.tiff", "*.ndpi", "*.mrxs", "*.scn", "*.bif", "*.vms", "*.btf", "*.svslide")
+SLIDE_PATTERNS = ("*.svs", "*.tif", "*.tiff", "*.ndpi", "*.mrxs", "*.scn", "*.bif", "*.vms", "*.btf", "*.svslide", "*.dcm")
+VL_WHOLE_SLIDE_MICROSCOPY = "1.2.840.10008.5.1.4.1.1.77.1.6"
 _NOT_SLIDES = {".csv", ".tsv", ".json", ".txt", ".md", ".yaml", ".yml", ".xml", ".geojson", ".png", ".jpg"}
 
 
@@ -198,14 +208,41 @@ def _resolution_mpp(page) -> float | None:
     return None if microns is None or per_unit <= 1.0 else _float(microns / per_unit)
 
 
+def slide_id(path: str | Path) -> str:
+    """The bag id of a slide: the file's stem, or the folder's name for a DICOM-WSI folder."""
+    path = Path(path)
+    return path.name if path.is_dir() else path.stem
+
+
+def _open_dicom_folder(folder: Path, reader: Reader) -> SlideReader:
+    """A DICOM-WSI folder, opened by OpenSlide from its first file OpenSlide recognises as DICOM-WSI."""
+    import openslide
+
+    if reader == "tifffile":
+        raise UnreadableFileError("a DICOM-WSI folder is read by OpenSlide (reader auto or openslide), not tifffile",
+                                  path=str(folder))
+    for path in sorted(folder.glob("*.dcm")):
+        try:
+            if openslide.OpenSlide.detect_format(str(path)) == "dicom":
+                return OpenSlideSlide(path)
+        except UnreadableFileError:
+            raise
+        except Exception:  # an unreadable file among the series': OpenSlide's open of another one says more
+            continue
+    raise UnreadableFileError("no file of the folder is a DICOM whole-slide image OpenSlide recognises", path=str(folder))
+
+
 def open_slide(path: str | Path, reader: Reader = "auto") -> SlideReader:
-    """Open a slide with OpenSlide if it recognises a vendor format, else with tifffile.
+    """Open a slide with OpenSlide if it recognises a vendor format, else with tifffile; a
+    folder is a DICOM-WSI (OpenSlide).
 
     ``auto`` takes tifffile for what OpenSlide calls a generic TIFF when tifffile opens it: the
     pixels are the same, tifffile decodes them about 5x faster (bench_wsi_memory --compare-readers)
     and sees SubIFD pyramids whole where OpenSlide sees the base level only. A file neither
     opens raises :class:`UnreadableFileError` giving both readers' reasons.
     """
+    if Path(path).is_dir():
+        return _open_dicom_folder(Path(path), reader)
     path = str(path)
     reasons = []
     if reader in ("auto", "openslide"):
@@ -237,7 +274,8 @@ def find_slides(source: str | Path | Sequence[str | Path], patterns: Sequence[st
     ``recursive``), or the given list; and one error per other file left out, with the reason.
 
     Tables, images and notes (``.csv``, ``.json``, ``.png``, …) and the companion files inside a
-    MIRAX slide's folder are not reported.
+    MIRAX slide's folder are not reported. ``.dcm`` files become DICOM-WSI folders
+    (:func:`dicom_slide_folders`).
     """
     if not isinstance(source, (str, Path)):
         return [Path(s) for s in source], []
@@ -252,4 +290,44 @@ def find_slides(source: str | Path | Sequence[str | Path], patterns: Sequence[st
     left_out = [UnreadableFileError(f"not a slide: the name matches none of the patterns {list(patterns)}", path=str(p))
                 for p in files if p not in chosen and p.suffix.lower() not in _NOT_SLIDES
                 and not p.name.startswith(".") and p.parent not in mirax_dirs]
-    return slides, left_out
+    dicom = [p for p in slides if p.suffix.lower() == ".dcm"]
+    folders, reasons = dicom_slide_folders(dicom)
+    return sorted([p for p in slides if p.suffix.lower() != ".dcm"] + folders), left_out + reasons
+
+
+def dicom_slide_folders(files: Sequence[Path]) -> tuple[list[Path], list[IngestError]]:
+    """The DICOM-WSI slides among ``.dcm`` files: each folder holding one VL Whole Slide Microscopy
+    series; and a reason for every other file (one per folder and SOP class: a CT series is one
+    entry), for unreadable headers and for folders holding several WSI series."""
+    import pydicom
+    from pydicom.uid import UID
+
+    by_folder: dict[Path, dict[str, set[str]]] = {}
+    others: dict[tuple[Path, str, str], int] = {}
+    reasons: list[IngestError] = []
+    for path in files:
+        try:
+            header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID", "SeriesInstanceUID", "Modality"])
+            sop_class, series = str(header.SOPClassUID), str(header.SeriesInstanceUID)
+        except Exception as error:  # pydicom raises InvalidDicomError, EOFError, AttributeError, ...
+            reasons.append(UnreadableFileError(f"not a readable DICOM file: {type(error).__name__}: {error}", path=str(path)))
+            continue
+        if sop_class == VL_WHOLE_SLIDE_MICROSCOPY:
+            by_folder.setdefault(path.parent, {}).setdefault(series, set()).add(path.name)
+        else:
+            key = (path.parent, sop_class, str(header.get("Modality", "?")))
+            others[key] = others.get(key, 0) + 1
+    for (folder, sop_class, modality), count in sorted(others.items()):
+        hint = "; CT series are ingested with ingest.kind ct" if modality == "CT" else ""
+        reasons.append(UnreadableFileError(
+            f"not a whole-slide image: {count} DICOM file(s) of SOP class {UID(sop_class).name} (Modality {modality}){hint}",
+            path=str(folder)))
+    folders = []
+    for folder, series in sorted(by_folder.items()):
+        if len(series) == 1:
+            folders.append(folder)
+        else:
+            reasons.append(UnreadableFileError(
+                f"folder holds {len(series)} DICOM-WSI series ({', '.join(sorted(series))}); one slide per folder expected",
+                path=str(folder)))
+    return folders, reasons

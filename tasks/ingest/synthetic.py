@@ -188,6 +188,72 @@ def make_slide_cohort(out_dir: str | Path, n_slides: int, *, map_shape: tuple[in
     return slides
 
 
+VL_WHOLE_SLIDE_MICROSCOPY = "1.2.840.10008.5.1.4.1.1.77.1.6"
+
+
+def write_dicom_wsi(out_dir: str | Path, rgb: np.ndarray, *, mpp: float, series_key: str, tile: int = 256,
+                    levels: int = 2, level_factor: int = 4, magnification: float = 20.0,
+                    **overrides) -> tuple[str, list[Path]]:
+    """Write ``rgb`` (H, W, 3) uint8 as a DICOM whole-slide image: one VL Whole Slide Microscopy
+    Image Storage file per pyramid level in ``out_dir``, each a multi-frame TILED_FULL image of
+    ``tile`` × ``tile`` RGB frames (row-major, edge frames padded white), uncompressed Explicit VR
+    Little Endian, ImageType ORIGINAL\\PRIMARY\\VOLUME\\NONE, pixel spacing (mm) in the shared
+    functional groups and the objective power in the optical path. ``overrides``: attributes set on
+    every file after the others (to write a slide a reader must refuse). UIDs derive from
+    ``series_key``. Returns the SeriesInstanceUID and the files, level 0 first.
+    """
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    study_uid = generate_uid(entropy_srcs=[series_key, "study"])
+    series_uid = generate_uid(entropy_srcs=[series_key, "series"])
+    paths = []
+    for level in range(levels):
+        d = level_factor ** level
+        image = rgb[::d, ::d]
+        if level and min(image.shape[:2]) < tile:
+            break
+        height, width = image.shape[:2]
+        padded = np.full((-(-height // tile) * tile, -(-width // tile) * tile, 3), 255, dtype=np.uint8)
+        padded[:height, :width] = image
+        frames = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile, 3).swapaxes(1, 2)
+        sop_uid = generate_uid(entropy_srcs=[series_key, "level", str(level)])
+        meta = FileMetaDataset()
+        meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = VL_WHOLE_SLIDE_MICROSCOPY, sop_uid
+        meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds = Dataset()
+        ds.file_meta = meta
+        ds.SOPClassUID, ds.SOPInstanceUID = VL_WHOLE_SLIDE_MICROSCOPY, sop_uid
+        ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
+        ds.PatientID, ds.Modality = series_key, "SM"
+        ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
+        ds.Rows = ds.Columns = tile
+        ds.TotalPixelMatrixRows, ds.TotalPixelMatrixColumns = height, width
+        ds.NumberOfFrames = frames.shape[0] * frames.shape[1]
+        ds.DimensionOrganizationType = "TILED_FULL"
+        ds.TotalPixelMatrixFocalPlanes, ds.NumberOfOpticalPaths = 1, 1
+        ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
+        ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+        measures = Dataset()
+        measures.PixelSpacing = [mpp * d / 1000.0] * 2  # mm
+        measures.SliceThickness = 0.001
+        shared = Dataset()
+        shared.PixelMeasuresSequence = [measures]
+        ds.SharedFunctionalGroupsSequence = [shared]
+        optical_path = Dataset()
+        optical_path.OpticalPathIdentifier, optical_path.ObjectiveLensPower = "1", magnification
+        ds.OpticalPathSequence = [optical_path]
+        ds.PixelData = np.ascontiguousarray(frames).tobytes()
+        for keyword, value in overrides.items():
+            setattr(ds, keyword, value)
+        path = out_dir / f"level{level}.dcm"
+        ds.save_as(path, enforce_file_format=True)
+        paths.append(path)
+    return series_uid, paths
+
+
 # ------------------------------------------------------------------------------------------- CT
 RSNA_SUBTYPES = ("epidural", "intraparenchymal", "intraventricular", "subarachnoid", "subdural", "any")
 

@@ -33,7 +33,7 @@ import numpy as np
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
-from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide
+from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_id
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
 
@@ -261,15 +261,17 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
     The level is read a tile row at a time (a band of ``read_size`` rows, full width); each band
     gives its rows of the thumbnail (the same pixels :meth:`SlideReader.thumbnail` takes) and its
     tiles. The tissue mask needs the whole thumbnail, so tiles are featurised when they *could* be
-    tissue: their thumbnail footprint, widened by the reach of the median filter and the closing
-    (``median_kernel // 2 + close_size`` px), holds a pixel more saturated than ``min_saturation``;
-    no other tile can reach ``min_tissue`` except through hole filling, and the few kept tiles
-    featurised no earlier (filled holes) are read once more at the end. Memory: the bands of the
-    tile rows not yet decided (two, unless the reach spans more rows), one batch of tiles, the
-    thumbnail and the candidate tiles' features. Returns the grid, its kept tiles' features (K, D)
-    and the thumbnail with its downsample.
+    tissue: pixels within the reach of the median filter and the closing (``median_kernel // 2 +
+    close_size`` thumbnail px) of a pixel more saturated than ``min_saturation`` cover at least
+    ``min_tissue`` of their footprint (the mask before hole filling lies within that reach); the
+    few kept tiles featurised no earlier (tissue only through filled holes) are read once more at
+    the end. Memory: the bands of the tile rows not yet decided (two, unless the reach spans more
+    rows), one batch of tiles, the thumbnail and the candidate tiles' features. Returns the grid,
+    its kept tiles' features (K, D) and the thumbnail with its downsample.
     """
     from collections import deque
+
+    from scipy import ndimage
 
     g = tile_geometry(slide, params)
     downsample = slide.downsamples[g.level]
@@ -282,6 +284,7 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
     ys = _mask_edges(n_rows, g.side0, mask_downsample, thumb.shape[0])
     xs = _mask_edges(n_cols, g.side0, mask_downsample, thumb.shape[1])
     reach = params.median_kernel // 2 + params.close_size
+    square = np.ones((2 * reach + 1, 2 * reach + 1), dtype=bool)
     tile_y = [int(round(round(r * g.side0) / downsample)) for r in range(n_rows)]
     tile_x = [int(round(round(c * g.side0) / downsample)) for c in range(n_cols)]
     band_width = max(width, tile_x[-1] + g.read_size if tile_x else 0)
@@ -316,10 +319,15 @@ def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, ba
             batch_keys.clear()
 
     def featurise_candidates(r: int, band: np.ndarray) -> None:
-        near = saturated[max(0, ys[r] - reach):ys[r + 1] + reach].any(axis=0)
+        # Tissue (before hole filling) lies within ``reach`` of a saturated pixel: a tile can reach
+        # min_tissue only if that neighbourhood covers at least min_tissue of its footprint.
+        top = max(0, ys[r] - reach)
+        grown = ndimage.binary_dilation(saturated[top:ys[r + 1] + reach], structure=square)[ys[r] - top:ys[r + 1] - top]
+        columns = np.concatenate([[0], grown.sum(axis=0).cumsum()])
         for c in range(n_cols):
-            if near[max(0, xs[c] - reach):xs[c + 1] + reach].any():
-                batch.append(band[:, tile_x[c]:tile_x[c] + g.read_size])
+            area = max((ys[r + 1] - ys[r]) * (xs[c + 1] - xs[c]), 1)
+            if (columns[xs[c + 1]] - columns[xs[c]]) / area >= params.min_tissue:
+                batch.append(band[:, tile_x[c]:tile_x[c] + g.read_size].copy())  # a copy: no view keeps the band alive
                 batch_keys.append((r, c))
                 if len(batch) >= batch_size:
                     flush()
@@ -382,7 +390,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
                   report_path: str | Path | None = None, on_progress=None,
                   patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestReport:
     """Tile slides (a folder, searched for ``patterns`` recursively, or a list; bag id = file stem =
-    PANDA ``image_id``) into the store.
+    PANDA ``image_id``, or the folder name of a DICOM-WSI) into the store.
 
     ``params`` is a :class:`TilingParams`; ``extractor`` defaults to
     :class:`tasks.ingest.features.HandcraftedHE`. An extractor that needs fitting is fitted once on
@@ -419,10 +427,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     labels, originals = ((None, None) if labels_csv is None else labels_csv.read() if isinstance(labels_csv, LabelSpec)
                          else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
-    items, unlabelled = labelled_items(((p.stem, str(p), None) for p in paths), labels, labels_path, originals)
+    items, unlabelled = labelled_items(((slide_id(p), str(p), None) for p in paths), labels, labels_path, originals)
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
-        present = {p.stem for p in paths} | {s.bag_id for s in ambiguous}
+        present = {slide_id(p) for p in paths} | {s.bag_id for s in ambiguous}
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
                     for bag_id in labels if bag_id not in present]
@@ -445,8 +453,8 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
     ambiguous: both are skipped, never one of them picked silently."""
     by_stem: dict[str, list[Path]] = {}
     for path in paths:
-        by_stem.setdefault(path.stem, []).append(path)
-    unique = [p for p in paths if len(by_stem[p.stem]) == 1]
+        by_stem.setdefault(slide_id(path), []).append(path)
+    unique = [p for p in paths if len(by_stem[slide_id(p)]) == 1]
     ambiguous = [Skipped(path=str(group[0].parent), bag_id=stem, error="DuplicateIdError",
                          reason=f"{len(group)} files for one slide id: {', '.join(p.name for p in group)}; keep one")
                  for stem, group in by_stem.items() if len(group) > 1]
