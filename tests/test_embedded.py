@@ -262,9 +262,11 @@ def test_reliability_bins_and_ece_by_hand():
 def test_early_stopping_keeps_the_best_validation_epoch(data):
     (X, bags, y, _), _ = data
     model = ABMIL(**(NET | {"max_epochs": 40}), early_stopping=True, n_epochs_no_change=3, random_state=0).fit(X, bags, y)
-    losses = model.network_validation_loss_
-    assert model.network_best_epoch_ == int(np.argmin(losses)) + 1
-    assert losses.size < 40 or model.network_best_epoch_ > 37
+    losses, aucs = model.network_validation_loss_, model.network_validation_auc_
+    assert losses.shape == aucs.shape and np.all((aucs >= 0) & (aucs <= 1))
+    # the best epoch: highest validation AUC, ties to the lower loss, then the earlier epoch
+    assert model.network_best_epoch_ == max(range(losses.size), key=lambda i: (aucs[i], -losses[i])) + 1
+    assert losses.size == 40 or losses.size == model.network_best_epoch_ + 3
 
 
 @pytest.mark.parametrize(("params", "message"), [
