@@ -141,7 +141,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
     }
-    if getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
+    if hasattr(gp, "rhat_") and not gp.converged_:  # a sampler: its chain, not a tolerance
+        warnings.append(f"the chain's largest split-R-hat is {gp.rhat_:.2f} > 1.05 after {gp.n_iter_} sweeps: its samples "
+                        "are not yet from the posterior; run a longer chain (model.params.n_samples, thin, burn_in)")
+        logger.warning(warnings[-1])
+    elif getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
         warnings.append(f"the fit stopped at max_iter={gp.max_iter} without converging (tol={gp.tol}): raise "
                         "model.params.max_iter, or check the ELBO trace (elbo.png)")
         logger.warning(warnings[-1])

@@ -207,6 +207,26 @@ def test_vgpmil_pri_on_gpu_workers_solves_the_car_system_on_the_device(tmp_path,
     assert_same_fit(model, serial)
 
 
+def test_the_gibbs_chain_on_gpu_workers_is_the_host_chain(tmp_path, data, gpu_client, monkeypatch):
+    """The sampler's m-step on device partitions (A' stays there; N-vectors and M-vectors come back), its
+    keyed draws giving the serial host chain."""
+    from tasks.training import fit_cohort
+    from tests.test_distributed import write_store
+
+    client, _ = gpu_client
+    X, bags, y, _ = data
+    X = X.astype(np.float32).astype(np.float64)
+    path = write_store(tmp_path / "gibbs.zarr", X, bags, y)
+    params = dict(n_inducing=M, kernel=RBF(4.0), n_samples=8, burn_in=2, random_state=0)
+    serial = VGPMILPRGibbs(**params).fit(X, bags, y)
+    model = VGPMILPRGibbs(**params)
+    with count_transfers(monkeypatch) as log:
+        summary = fit_cohort(model, path, client, partition_bytes=1_500, mode="persist", gpu_namespace=NAMESPACE, resume=False)
+    assert summary.device == "gpu" and summary.n_partitions > 2
+    _assert_only_documented(log, model, X, n_max=X.shape[0], kmeans_copies=0)
+    np.testing.assert_allclose(model.v_samples_, serial.v_samples_, rtol=1e-8, atol=1e-10)
+
+
 def test_persist_or_stream_is_chosen_from_device_memory(tmp_path, data, gpu_client):
     from tasks.store import open_cohort
     from tasks.training.placement import ArrayPlacement, resolve_mode

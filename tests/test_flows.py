@@ -408,6 +408,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
     info = json.loads((Path(result["train"].path) / "model.json").read_text())
     assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["elbo"]) == 25
     np.testing.assert_allclose(info["elbo"], serial.objective_, rtol=1e-9)
+    assert not serial.converged_ and any("split-R-hat" in w and "n_samples" in w for w in info["warnings"])  # 20 samples: far from mixed
 
 
 def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):

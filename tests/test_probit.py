@@ -222,7 +222,7 @@ def test_bag_score_std_is_the_spread_of_the_rule_over_latent_draws(toy_bags):
 
     X, bags, y, _ = toy_bags
     model = VGPMILPR(n_inducing=10, kernel=RBF(4.0), max_iter=20, n_mc_samples=4000, random_state=0).fit(X, bags, y)
-    keys, p, sd = model.predict_bag_proba(X, bags, rule="max", return_std=True)
+    keys, _, sd = model.predict_bag_proba(X, bags, rule="max", return_std=True)
     rng = np.random.default_rng(5)
     for k in keys[:3]:
         mean, var = model.predict_latent(X[bags == k])

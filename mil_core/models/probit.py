@@ -12,7 +12,7 @@ import numpy as np
 from scipy.special import log_ndtr, ndtr, owens_t
 
 from .._backend import take_rows
-from ..bags import BAG_RULES, BagIndex, bag_score, segment_sum
+from ..bags import BAG_RULES, BagIndex, bag_score, log_prob_all_negative, segment_sum
 from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
@@ -22,7 +22,7 @@ from .base import SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates
 
-__all__ = ["VGPMILPR", "VGPMILPRI", "PROBIT_BAG_RULES"]
+__all__ = ["PROBIT_BAG_RULES", "VGPMILPR", "VGPMILPRI"]
 
 PROBIT_BAG_RULES: tuple[str, ...] = (*BAG_RULES, "orthant")
 """Bag rules of the probit family: the instance-probability rules of :func:`mil_core.bags.bag_score`
@@ -141,20 +141,25 @@ class _ProbitGPMIL(SparseGPMILBase):
         coupling (Eq. 25, ``Σ* = 1``), the marginals of Eq. 24 with it."""
         return _phi_and_spread(mean, var)
 
-    def _given_latent(self, coupling: CARCoupling | None) -> Callable[[np.ndarray], np.ndarray]:
+    def _given_latent(self, coupling: CARCoupling) -> Callable[[np.ndarray], np.ndarray]:
         """``f ↦ p(m*_i > 0 | f*)`` for draws ``f`` (n, k) of the latent: ``Φ(f*)`` without coupling."""
         return ndtr
 
     def _rule_spread(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coupling: CARCoupling | None, rule: str, rng: np.random.Generator
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coupling: CARCoupling, rule: str, rng: np.random.Generator
     ) -> np.ndarray:
-        """Monte Carlo spread of the ``rule`` score over ``f* ~ N(mean, var)`` (``n_mc_samples``
-        draws, ≤ 2²² values at a time: the draws are columns, independent of one another)."""
-        L, n = self.n_mc_samples, max(int(offsets[-1]), 1)
-        chunk = max(1, (1 << 22) // n)
+        """Monte Carlo spread of the ``rule`` score over ``f* ~ N(mean, var)``."""
         given_latent = self._given_latent(coupling)
-        draws = [bag_score(given_latent(sample_latent(mean, var, min(chunk, L - start), rng)), offsets, rule) for start in range(0, L, chunk)]
-        return np.concatenate(draws, axis=1).std(axis=1)
+        return self._latent_spread(mean, var, lambda f: bag_score(given_latent(f), offsets, rule), rng)
+
+    def _latent_spread(
+        self, mean: np.ndarray, var: np.ndarray, score: Callable[[np.ndarray], np.ndarray], rng: np.random.Generator
+    ) -> np.ndarray:
+        """Spread of the bag scores ``score(f)`` (B, k) over ``n_mc_samples`` draws ``f`` (n, k) of
+        ``f* ~ N(mean, var)``, ≤ 2²² values at a time (the draws are columns, independent)."""
+        L, n = self.n_mc_samples, max(mean.shape[0], 1)
+        chunk = max(1, (1 << 22) // n)
+        return np.concatenate([score(sample_latent(mean, var, min(chunk, L - start), rng)) for start in range(0, L, chunk)], axis=1).std(axis=1)
 
     def _orthant_bag_proba(
         self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling, *,
@@ -168,10 +173,11 @@ class _ProbitGPMIL(SparseGPMILBase):
         std = np.zeros(n_bags) if return_std else None
         orthant_error = np.zeros(n_bags)
         rng = np.random.default_rng(self.random_state)
-        if return_std and np.any(independent):  # noisy-OR of p(m*_i > 0 | f*) = Φ(f*_i)
+        if return_std and np.any(independent):  # 1 − Π Φ(−f*_i), in log space
             alone = np.flatnonzero(independent)
             (mean_alone, alone_offsets), var_alone = take_bags(mean, offsets, alone), take_bags(var, offsets, alone)[0]
-            std[alone] = self._rule_spread(mean_alone, var_alone, alone_offsets, None, "noisy_or", rng)
+            std[alone] = self._latent_spread(
+                mean_alone, var_alone, lambda f: -np.expm1(log_prob_all_negative(log_ndtr(-f), alone_offsets)), rng)
         for b in np.flatnonzero(~independent):
             rows = slice(offsets[b], offsets[b + 1])
             exact = sizes[b] <= self.exact_orthant_max
@@ -412,9 +418,9 @@ class VGPMILPRI(_ProbitGPMIL):
             return np.ones(int(coupling.offsets[-1]))
         return coupling.diagonal(self.exact_diag_max, self.diag_tol)[0]
 
-    def _given_latent(self, coupling: CARCoupling | None) -> Callable[[np.ndarray], np.ndarray]:
+    def _given_latent(self, coupling: CARCoupling) -> Callable[[np.ndarray], np.ndarray]:
         """``f ↦ p(m*_i > 0 | f*) = Φ((Σ*f*)_i / √N*_ii)`` for draws ``f`` (n, k)."""
-        if coupling is None or coupling.identity:
+        if coupling.identity:
             return super()._given_latent(coupling)
         scale = 1.0 / np.sqrt(self._noise_diagonal(coupling))[:, None]
         return lambda f: ndtr(coupling.solve(f) * scale)
