@@ -3,7 +3,8 @@
 Whitening (K(X, Z) and the triangular solve, once per partition in persist mode, every sweep in
 stream mode) and a sweep's statistics (E f and Var f, the Gram Σ θ a'a'ᵀ, the projection Σ a'(π − ½)),
 in float64 and float32 A', M = 200 inducing points, best of 3 in process CPU time (robust to other
-load on the machine, unlike wall time). Run it with one BLAS thread and the malloc setting Dask
+load on the machine, unlike wall time), and the peak memory NumPy allocates while whitening the
+partition (``tracemalloc``; the result A' included). Run it with one BLAS thread and the malloc setting Dask
 workers get (``distributed.nanny.pre-spawn-environ``), which makes large temporaries fresh mmaps:
 
     MALLOC_TRIM_THRESHOLD_=65536 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_partition.py --store cohort-1000000.zarr
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import tracemalloc
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -34,6 +36,15 @@ def cpu_seconds(f, *args, repeats: int = 3) -> float:
     return best
 
 
+def peak_mib(f, *args) -> float:
+    tracemalloc.start()
+    try:
+        f(*args)
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True)
@@ -50,15 +61,16 @@ def main() -> None:
     G = rng.standard_normal((M, 3 * M))
     cov = np.linalg.inv(np.eye(M) + G @ G.T)
     q, weights = GaussianQ(mean=rng.standard_normal(M), cov=0.5 * (cov + cov.T)), rng.random(n)
-    print("| code | A' dtype | rows | whiten | E f, Var f | Gram | projection | sweep statistics |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| code | A' dtype | rows | whiten | E f, Var f | Gram | projection | sweep statistics | whitening peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with threadpool_limits(1):
         for dtype in (np.float64, np.float32):
             X = X32.astype(dtype)
             whitened = gp.whiten(X)
             times = [cpu_seconds(gp.whiten, X), cpu_seconds(whitened.latent_moments, q), cpu_seconds(whitened.weighted_gram, weights),
                      cpu_seconds(whitened.project, weights)]
-            print(f"| {args.label} | {dtype.__name__} | {n} | " + " | ".join(f"{t:.3f}" for t in times) + f" | {sum(times[1:]):.3f} |",
+            print(f"| {args.label} | {dtype.__name__} | {n} | " + " | ".join(f"{t:.3f}" for t in times) + f" | {sum(times[1:]):.3f} | "
+                  f"{peak_mib(gp.whiten, X):.0f} |",
                   flush=True)
 
 
