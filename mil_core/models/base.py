@@ -83,6 +83,10 @@ class SparseGPMILBase(BaseEstimator):
     ``random_state``.
     """
 
+    objective_name: str = "ELBO"
+    """What the fit's objective trace (``elbo_``) is: named so in the pipeline's progress log,
+    ``model.json`` and the report (a sampler reports its log joint)."""
+
     # ---- hooks -----------------------------------------------------------------------------
     @abstractmethod
     def _make_updates(self, gp: SparseGP) -> PartitionUpdates: ...
