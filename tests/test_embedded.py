@@ -95,7 +95,7 @@ def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted,
     val_labels = np.array([y_train[bags_train == k][0] for k in val_keys])
     pooled_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows], rule="attention", method="probit")[1]
     val_score = 0.5 * (_network_bag_logits(fitted, X_train[rows], bags_train[rows]) + np.log(pooled_val / (1 - pooled_val)))
-    assert (fitted.calibration_slope_, fitted.calibration_intercept_) == pytest.approx(fit_platt(val_score, val_labels), rel=1e-9)
+    assert (fitted.calibration_slope_, fitted.calibration_intercept_) == pytest.approx(fit_platt(val_score, val_labels), rel=1e-6)
     assert (fitted.calibration_slope_, fitted.calibration_intercept_) != (1.0, 0.0)
     with pytest.raises(ValueError, match="closed-form"):
         fitted.predict_bag_proba(X, bags, method="mc")
@@ -222,7 +222,7 @@ def test_abmil_platt_calibration_on_held_out_bags(data):
     rows = np.isin(bags, val_keys)
     val_labels = np.array([y[bags == k][0] for k in val_keys])
     slope, intercept = fit_platt(_network_bag_logits(model, X[rows], bags[rows]), val_labels)
-    assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx((slope, intercept), rel=1e-9)
+    assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx((slope, intercept), rel=1e-6)
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1],
                                expit(slope * _network_bag_logits(model, X_test, bags_test) + intercept), rtol=1e-6)
 
@@ -262,9 +262,11 @@ def test_reliability_bins_and_ece_by_hand():
 def test_early_stopping_keeps_the_best_validation_epoch(data):
     (X, bags, y, _), _ = data
     model = ABMIL(**(NET | {"max_epochs": 40}), early_stopping=True, n_epochs_no_change=3, random_state=0).fit(X, bags, y)
-    losses = model.network_validation_loss_
-    assert model.network_best_epoch_ == int(np.argmin(losses)) + 1
-    assert losses.size < 40 or model.network_best_epoch_ > 37
+    losses, aucs = model.network_validation_loss_, model.network_validation_auc_
+    assert losses.shape == aucs.shape and np.all((aucs >= 0) & (aucs <= 1))
+    # the best epoch: highest validation AUC, ties to the lower loss, then the earlier epoch
+    assert model.network_best_epoch_ == max(range(losses.size), key=lambda i: (aucs[i], -losses[i])) + 1
+    assert losses.size == 40 or losses.size == model.network_best_epoch_ + 3
 
 
 @pytest.mark.parametrize(("params", "message"), [

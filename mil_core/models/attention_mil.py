@@ -47,6 +47,7 @@ class AttentionNetworkParams:
         self.network_state_ = fit.params
         self.network_train_loss_ = fit.train_loss
         self.network_validation_loss_ = fit.validation_loss
+        self.network_validation_auc_ = fit.validation_auc
         self.network_best_epoch_ = fit.best_epoch
         self.validation_bags_ = fit.validation_bags
 
@@ -100,8 +101,9 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     max_epochs : int, default=50
         Passes over the training bags (one bag per step).
     early_stopping, validation_fraction, n_epochs_no_change
-        Hold out a stratified fraction of the bags, stop when their loss has not improved for
-        ``n_epochs_no_change`` epochs, keep the best epoch's parameters.
+        Hold out a stratified fraction of the bags, stop when their bag AUC (ties: their loss) has
+        not improved for ``n_epochs_no_change`` epochs, keep the best epoch's parameters
+        (:func:`mil_core.attention.fit_attention_network`).
     calibration : {"platt", None}, default=None
         ``"platt"``: hold out the same stratified ``validation_fraction`` of the bags (also
         without early stopping) and fit Platt scaling of the bag logit on them
@@ -114,8 +116,9 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     network_state_ : dict[str, ndarray]
         The trained parameters (float32) and the input standardisation (``input.mean``,
         ``input.scale``), as plain arrays.
-    network_train_loss_, network_validation_loss_ : ndarray
-        Mean bag cross-entropy per epoch (validation: only with ``early_stopping``).
+    network_train_loss_, network_validation_loss_, network_validation_auc_ : ndarray
+        Mean bag cross-entropy per epoch, and the validation bag AUC (validation: only with
+        ``early_stopping``).
     network_best_epoch_ : int
         The epoch whose parameters were kept.
     validation_bags_ : ndarray of int

@@ -49,7 +49,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
 
     ``fit`` holds out a stratified ``validation_fraction`` of the training bags (the *inner
     validation bags*), trains the network of :class:`~mil_core.ABMIL` on the rest (stopped on the
-    held-out bags' loss; the best epoch is kept), standardises the D-dimensional embeddings of the
+    held-out bags' AUC, ties broken by their loss; the best epoch is kept), standardises the D-dimensional embeddings of the
     training instances and fits a clone of ``gp`` on the embeddings of the network's training
     bags. The held-out bags then calibrate the bag probability (Platt scaling). Predictions embed
     the rows with the stored network (NumPy, no PyTorch needed).
@@ -75,7 +75,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         The network and its training, as for :class:`~mil_core.ABMIL` (Adam, lr 5·10⁻⁴, weight
         decay 5·10⁻⁴), with at most ``max_epochs`` = 100 epochs.
     early_stopping : bool, default=True
-        Stop the network on its inner validation bags' loss (patience ``n_epochs_no_change``).
+        Stop the network on its inner validation bags' AUC, then loss (patience ``n_epochs_no_change``).
     calibration : {"platt", None}, default="platt"
         Platt scaling of the ensemble bag score on the inner validation bags; ``None``: ``σ(s_b)``.
         Without early stopping and calibration no bags are held out and the GP trains on all.
@@ -86,7 +86,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     ----------
     network_state_ : dict[str, ndarray]
         The trained network as plain arrays (see :class:`~mil_core.ABMIL`).
-    network_train_loss_, network_validation_loss_, network_best_epoch_
+    network_train_loss_, network_validation_loss_, network_validation_auc_, network_best_epoch_
         The network's training trace.
     validation_bags_ : ndarray of int
         The inner validation bags (positions in ``np.unique(bag_ids)``).
