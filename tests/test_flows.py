@@ -398,16 +398,32 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
     report's bag probabilities are those of ``fit`` on the same bags; the trace is the chain's log density."""
     from mil_core import VGPMILPRGibbs
 
+    import logging
+
     params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "random_state": 0}
-    result = pipeline(write_config(tmp_path, cohort, model={"name": "VGPMILPRGibbs", "params": params}, training={"standardize": False}))
+    progress: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: progress.append(record.getMessage())
+    logging.getLogger("prefect.task_runs").addHandler(handler)
+    try:
+        result = pipeline(write_config(tmp_path, cohort, model={"name": "VGPMILPRGibbs", "params": params}, training={"standardize": False}))
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(handler)
     table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
     X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
     X = X.astype(np.float32).astype(np.float64)  # the store keeps float32
     serial = VGPMILPRGibbs(**params).fit(X, bags, y)
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X, bags)[1], rtol=1e-8)
     info = json.loads((Path(result["train"].path) / "model.json").read_text())
-    assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["elbo"]) == 25
-    np.testing.assert_allclose(info["elbo"], serial.objective_, rtol=1e-9)
+    assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["objective"]) == 25
+    np.testing.assert_allclose(info["objective"], serial.objective_, rtol=1e-9)
+    # Its trace is the chain's log joint, and is named so: not an ELBO, in the log, model.json and the report.
+    sweeps = [line for line in progress if line.startswith("training [")]
+    assert len(sweeps) == 25 and all(" log joint " in line and "ELBO" not in line for line in sweeps), sweeps[:2]
+    assert info["objective_name"] == "log joint" and "elbo" not in info
+    text = Path(result["report"].path).read_text()
+    assert "training objective: log joint, `objective.png`" in text and "ELBO" not in text
+    assert (Path(result["report"].path).parent / "objective.png").is_file()
     assert not serial.converged_ and any("split-R-hat" in w and "n_samples" in w for w in info["warnings"])  # 20 samples: far from mixed
 
 
