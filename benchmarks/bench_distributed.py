@@ -9,7 +9,9 @@ LocalCluster of 1 and 2 single-threaded workers, in persist and stream mode. Pri
 
 Flop counts per instance-iteration: persist mode reuses the whitened features a'ₙ, so a sweep is
 E f, Var f (2M² + 2M) and the Gram statistics (2M²): ≈ 4M². Stream mode recomputes K(x, Z) (2MD)
-and the triangular solve (M²) every sweep: ≈ 2MD + 5M². The roofline is the measured GEMM rate
+and the triangular solve (M²) every sweep: ≈ 2MD + 5M². These are GEMM-equivalent counts: the
+engine runs Var f as a triangular product (TRMM) and the Gram as a symmetric rank-k update (SYRK),
+about half of those flops each, so the fraction of the roofline can exceed 1. The roofline is the measured GEMM rate
 of one core in the fit's ``--dtype`` times the number of cores used (workers × threads). The
 kernel is pinned (RBF, v = 1, ℓ = √D) so that the automatic kernel choice is not timed.
 

@@ -29,6 +29,31 @@ def _problem(field: str, path: Path | str | None, kind: Literal["file", "dir", "
     return None
 
 
+def _original_label_column_problem(path: Path | str | None, column: str | int | None) -> str | None:
+    """The feature table at ``path`` lacks ``ingest.original_label_column``: read from its
+    header only (a Parquet schema, a CSV's first row)."""
+    if column is None or path is None or not Path(path).is_file():
+        return None
+    path, field = Path(path), "ingest.original_label_column"
+    try:
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            columns: list[str | int] = list(pq.read_schema(path).names)
+        elif path.suffix.lower() == ".csv":
+            import pandas as pd
+
+            columns = list(range(2, pd.read_csv(path, header=None, nrows=1).shape[1]))  # 0, 1: bag label, bag id
+        else:
+            return f"{field}: {path} is not a .parquet or .csv table (an .npz gives the array 'original_labels')"
+    except Exception as error:  # the ingest names the unreadable file with the full reason
+        return f"{field}: cannot read the columns of {path}: {type(error).__name__}: {error}"
+    if column not in columns or isinstance(column, bool):
+        shown = ", ".join(map(str, columns[:20])) + (", …" if len(columns) > 20 else "")
+        return f"{field}: {path} has no column {column!r} (its columns: {shown})"
+    return None
+
+
 def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None,
                  source: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every missing input of ``stage`` (``store`` and
@@ -58,5 +83,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
+    if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
+        problems.append(_original_label_column_problem(source if stage == "predict" else ing.source, ing.original_label_column))
+        problems = [p for p in problems if p]
     if problems:
         raise ConfigError("; ".join(problems))

@@ -109,6 +109,9 @@ class IngestConfig(_Strict):
     new store takes (a cohort to be predicted by a model trained on that store needs its features).
     ``nonfinite``: a bag with NaN/inf features is skipped with the rows named (``reject``), or
     loses those instances, counted per bag in the ingest report (``drop``).
+    ``original_label_column`` (``features`` only): the table's column whose value the 0/1 target
+    came from (an ISUP grade, a class name), kept per bag as its original label; a Parquet column
+    name, or a 0-based column position in a MIL CSV (an ``.npz`` has the array ``original_labels``).
 
     Slides (``wsi``): any format OpenSlide or tifffile reads, found under ``source`` by ``patterns``
     (default: the usual slide suffixes; in sub-folders when ``recursive``). ``target_mpp`` tiles at a
@@ -134,6 +137,7 @@ class IngestConfig(_Strict):
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
     nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
+    original_label_column: str | int | None = None  # features tables: the column the 0/1 target came from
 
     @field_validator("extractor")
     @classmethod
@@ -151,6 +155,24 @@ class IngestConfig(_Strict):
     def _source_needed(self) -> IngestConfig:
         if self.kind != "none" and self.source is None:
             raise ValueError(f"ingest.source is required for ingest.kind={self.kind!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _original_label_column_fits(self) -> IngestConfig:
+        column = self.original_label_column
+        if column is None:
+            return self
+        if self.kind != "features":
+            raise ValueError(f"original_label_column applies to ingest.kind 'features' (a feature table), not {self.kind!r}; "
+                             "a labels section keeps its label_column as the original label")
+        suffix = self.source.suffix.lower()
+        if suffix == ".parquet" and not isinstance(column, str):
+            raise ValueError(f"original_label_column: a Parquet table's column is named, got {column!r}")
+        if suffix == ".csv" and not (isinstance(column, int) and column >= 2):
+            raise ValueError(f"original_label_column: the MIL CSV has no header (column 0: bag label, 1: bag id), so give "
+                             f"the 0-based position of a later column, got {column!r}")
+        if suffix == ".npz":
+            raise ValueError("original_label_column: an .npz table gives its original labels as the array 'original_labels'")
         return self
 
 

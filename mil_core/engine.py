@@ -280,8 +280,9 @@ class GaussianQ:
 
     @cached_property
     def cov_factor(self) -> np.ndarray:
-        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64; jitter only if rounding left S'
-        indefinite), computed once per q."""
+        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64), computed once per q. A jitter of
+        at least 1e-12 of the mean variance is added only where S' is singular (a sample covariance
+        of fewer draws than M) or rounding left it indefinite."""
         return cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)[0]
 
     def kl_to_prior(self) -> float:

@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
 from mil_core import EmbeddedGPMIL, persist
+from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
@@ -119,8 +120,9 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     progress = create_progress_artifact(0.0, key=artifact_key("training", config.name), description=f"{config.model.name} iterations")
 
     def on_iteration(iteration: int, objective: float) -> None:
-        update_progress_artifact(progress, 100.0 * iteration / gp.max_iter)
-        logger.info("training %s ELBO %.4f", progress_bar(iteration, gp.max_iter), objective)
+        budget = sweep_budget(gp, None)[0]  # the sweeps kernel=None chose, else max_iter
+        update_progress_artifact(progress, 100.0 * iteration / budget)
+        logger.info("training %s %s %.4f", progress_bar(iteration, budget), gp.objective_name, objective)
 
     with Client(scheduler_address) as client:
         summary = (fit_cohort_embedded if embedded else fit_cohort)(
@@ -136,7 +138,9 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
-        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_), "elbo": [float(e) for e in trace],
+        "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_),
+        "chosen_sweeps": budget if (budget := sweep_budget(gp, None)[0]) < gp.max_iter else None,  # kernel=None's stop
+        "objective_name": gp.objective_name, "objective": [float(e) for e in trace],  # ELBO, a chain's log joint, a loss
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
@@ -147,11 +151,11 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         logger.warning(warnings[-1])
     elif getattr(gp, "converged_", True) is False and gp.n_iter_ >= gp.max_iter:
         warnings.append(f"the fit stopped at max_iter={gp.max_iter} without converging (tol={gp.tol}): raise "
-                        "model.params.max_iter, or check the ELBO trace (elbo.png)")
+                        f"model.params.max_iter, or check the {gp.objective_name} trace ({OBJECTIVE_FIGURE})")
         logger.warning(warnings[-1])
     info["warnings"] = warnings
     _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
-    report.plot_elbo(trace, model_dir / "elbo.png")
+    report.plot_objective(trace, model_dir / OBJECTIVE_FIGURE, gp.objective_name)
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, gp.n_iter_, summary.mode, summary.device, model_dir)
     return StageResult(model_key, str(model_dir), False, info)
@@ -261,7 +265,8 @@ def ingest_table(config: PipelineConfig) -> StageResult:
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source), name=config.name,
+    column = {} if ing.original_label_column is None else {"original_label_column": ing.original_label_column}
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source, **column), name=config.name,
                                   nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 
@@ -309,6 +314,7 @@ class TrainedModel:
 
 
 MODEL_FILE = "model.npz"
+OBJECTIVE_FIGURE = "objective.png"  # the training objective per iteration, beside model.json and the report
 persist.allow_types(TrainedModel)
 
 
@@ -487,8 +493,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
     trained_on = trained_on_info["store"]
     in_sample = Path(trained_on).resolve() == Path(store).resolve()
+    objective = trained_on_info.get("objective_name", "ELBO")  # model.json written before the name was kept: a variational fit
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
-                f"model `{model_dir}`.", ""]
+                f"model `{model_dir}` ({trained_on_info['model']}, {trained_on_info['n_iter']} iterations; training objective: "
+                f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
     if in_sample:
         sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
                      "(optimistic). Predict a held-out cohort (`prediction.store`) for an honest estimate.**", ""]
@@ -509,9 +517,9 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
-    if (Path(model_dir) / "elbo.png").exists():  # a copy beside the report: its links stay relative
-        shutil.copyfile(Path(model_dir) / "elbo.png", out / "elbo.png")
-        figures.insert(0, out / "elbo.png")
+    if (Path(model_dir) / OBJECTIVE_FIGURE).exists():  # a copy beside the report: its links stay relative
+        shutil.copyfile(Path(model_dir) / OBJECTIVE_FIGURE, out / OBJECTIVE_FIGURE)
+        figures.insert(0, out / OBJECTIVE_FIGURE)
 
     not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]

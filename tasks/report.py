@@ -36,7 +36,7 @@ __all__ = [
     "bag_table",
     "evaluate",
     "calibration_table",
-    "plot_elbo",
+    "plot_objective",
     "plot_roc",
     "plot_wsi_heatmap",
     "level0_tiles",
@@ -248,10 +248,12 @@ def _save(fig: plt.Figure, path: str | Path) -> Path:
     return path
 
 
-def plot_elbo(objective: np.ndarray, path: str | Path) -> Path:
+def plot_objective(objective: np.ndarray, path: str | Path, name: str = "ELBO") -> Path:
+    """The training objective per iteration, labelled with what it is (the estimator's
+    ``objective_name``: ELBO, a sampler's log joint, a loss)."""
     fig, ax = plt.subplots(figsize=(4.5, 3))
     ax.plot(np.arange(1, len(objective) + 1), objective, marker=".")
-    ax.set(xlabel="iteration", ylabel="ELBO", title="Training objective")
+    ax.set(xlabel="iteration", ylabel=name, title=f"Training objective: {name}")
     return _save(fig, path)
 
 

@@ -149,13 +149,13 @@ def assert_pipeline_outputs(config: Path, artifacts) -> Path:
     assert [m.name for m in out.glob("models/*/model.json")]
     kinds = {(a.type, a.key) for a in artifacts}  # a link artifact is Markdown holding the link
     assert {("markdown", "report-toy"), ("table", "metrics-toy"), ("markdown", "report-file-toy"), ("markdown", "dask-dashboard-toy"),
-            ("progress", "training-toy"), ("image", "figure-toy-roc"), ("image", "figure-toy-elbo")} <= kinds, kinds
+            ("progress", "training-toy"), ("image", "figure-toy-roc"), ("image", "figure-toy-objective")} <= kinds, kinds
     links = {a.key: a.data for a in artifacts if a.key in ("report-file-toy", "dask-dashboard-toy")}
     assert report.as_uri() in links["report-file-toy"] and "http://" in links["dask-dashboard-toy"]
     markdown = next(a.data for a in artifacts if a.key == "report-toy")
     assert report.with_name("roc.png").as_uri() in markdown and "base64" not in markdown
     images = [Path(unquote(urlparse(a.data).path)) for a in artifacts if a.type == "image"]
-    assert sorted(images) == sorted([report.with_name("elbo.png"), report.with_name("roc.png"), *report.parent.glob("*/*.png")])
+    assert sorted(images) == sorted([report.with_name("objective.png"), report.with_name("roc.png"), *report.parent.glob("*/*.png")])
     return report
 
 

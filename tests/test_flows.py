@@ -130,10 +130,14 @@ def test_predicting_a_cohort_with_other_features_fails_clearly_and_keeps_the_mod
 def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(tmp_path, cohort, capsys):
     from flows.cli import main
 
-    assert main(["run", write_config(tmp_path, cohort)]) == 0
+    assert main(["run", write_config(tmp_path, cohort, model={**MODEL, "params": {**MODEL["params"], "max_iter": 40}})]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines] == [["train", "done"], ["predict", "done"], ["report", "done"]]
-    assert "VGPMIL on 30 bags, 8 iterations" in lines[0] and "30 bags" in lines[1] and "bag_auc" in lines[2] and "bag_f1" in lines[2]
+    [info] = [json.loads(p.read_text()) for p in (tmp_path / "out" / "models").glob("*/model.json")]
+    # kernel=None stopped it at the sweeps it chose: not a failure to converge
+    assert not info["converged"] and info["n_iter"] == info["chosen_sweeps"] < 40
+    assert f"VGPMIL on 30 bags, {info['n_iter']} iterations (the sweeps chosen with the kernel)" in lines[0]
+    assert "30 bags" in lines[1] and "bag_auc" in lines[2] and "bag_f1" in lines[2]
     assert lines[2].endswith("report.md") and not any("StageResult(" in line for line in lines)
     bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
     assert main(["train", bad]) == 2
@@ -398,16 +402,32 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
     report's bag probabilities are those of ``fit`` on the same bags; the trace is the chain's log density."""
     from mil_core import VGPMILPRGibbs
 
+    import logging
+
     params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "random_state": 0}
-    result = pipeline(write_config(tmp_path, cohort, model={"name": "VGPMILPRGibbs", "params": params}, training={"standardize": False}))
+    progress: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: progress.append(record.getMessage())
+    logging.getLogger("prefect.task_runs").addHandler(handler)
+    try:
+        result = pipeline(write_config(tmp_path, cohort, model={"name": "VGPMILPRGibbs", "params": params}, training={"standardize": False}))
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(handler)
     table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
     X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
     X = X.astype(np.float32).astype(np.float64)  # the store keeps float32
     serial = VGPMILPRGibbs(**params).fit(X, bags, y)
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X, bags)[1], rtol=1e-8)
     info = json.loads((Path(result["train"].path) / "model.json").read_text())
-    assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["elbo"]) == 25
-    np.testing.assert_allclose(info["elbo"], serial.objective_, rtol=1e-9)
+    assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["objective"]) == 25
+    np.testing.assert_allclose(info["objective"], serial.objective_, rtol=1e-9)
+    # Its trace is the chain's log joint, and is named so: not an ELBO, in the log, model.json and the report.
+    sweeps = [line for line in progress if line.startswith("training [")]
+    assert len(sweeps) == 25 and all(" log joint " in line and "ELBO" not in line for line in sweeps), sweeps[:2]
+    assert info["objective_name"] == "log joint" and "elbo" not in info
+    text = Path(result["report"].path).read_text()
+    assert "training objective: log joint, `objective.png`" in text and "ELBO" not in text
+    assert (Path(result["report"].path).parent / "objective.png").is_file()
     assert not serial.converged_ and any("split-R-hat" in w and "n_samples" in w for w in info["warnings"])  # 20 samples: far from mixed
 
 

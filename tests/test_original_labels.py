@@ -180,3 +180,42 @@ def test_the_terminal_summary_shows_the_original_label_beside_the_target():
     text = summary_text(table)
     assert "a       p = 0.900 ± 0.100  (label 1, original 3)" in text
     assert '(label 0, original {"any":0})' in text and "c       p = 0.500 ± 0.300\n" in text + "\n"
+
+
+def test_a_config_names_the_original_label_column_of_a_parquet_or_csv_table(tmp_path):
+    """``ingest.original_label_column`` goes from the YAML through the ingest task to the store; a
+    column the table lacks, or a setting that does not fit the source, fails before anything is written."""
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, load_config
+    from tasks.prefect_tasks import ingest_table as ingest_task
+
+    rng = np.random.default_rng(3)
+    frame = pd.DataFrame(rng.normal(size=(6, 3)).astype(np.float32), columns=["f0", "f1", "f2"])
+    frame["bag_id"], frame["label"] = ["a", "a", "b", "b", "c", "c"], [0, 0, 1, 1, 1, 1]
+    frame["isup_grade"] = [0, 0, 3, 3, 5, 5]
+    frame.to_parquet(tmp_path / "t.parquet")
+    frame[["label", "bag_id", "f0", "f1", "isup_grade", "f2"]].to_csv(tmp_path / "t.csv", header=False, index=False)
+
+    def load(source, column, kind="features"):
+        path = tmp_path / f"{Path(source).stem}-{column}.yaml"
+        path.write_text(f"name: t\nstore: {Path(source).suffix[1:] or kind}.zarr\noutput_dir: out\n"
+                        f"ingest: {{kind: {kind}, source: {source}, original_label_column: {column}}}\n")
+        return load_config(path, preflight=lambda config: check_inputs(config, "ingest"))
+
+    for source, column in (("t.parquet", "isup_grade"), ("t.csv", 4)):
+        config = load(source, column)
+        result = ingest_task.fn(config)
+        assert list(result.info["added"]) == ["a", "b", "c"], source
+        cohort = open_cohort(config.store)
+        assert cohort.original_labels.tolist() == [0, 3, 5] and cohort.bag_labels.tolist() == [0, 1, 1], source
+        # The original label column is not a feature.
+        np.testing.assert_array_equal(cohort.read_bags(0, 3).features, frame[["f0", "f1", "f2"]].to_numpy(np.float32))
+
+    with pytest.raises(ConfigError, match=r"t-grde\.yaml: ingest.original_label_column: .*t\.parquet has no column 'grde'"):
+        load("t.parquet", "grde")
+    with pytest.raises(ConfigError, match=r"ingest.original_label_column: .*t\.csv has no column 9 \(its columns: 2, 3, 4, 5\)"):
+        load("t.csv", 9)
+    with pytest.raises(ConfigError, match=r"ingest: .*original_label_column: the MIL CSV has no header"):
+        load("t.csv", "isup_grade")
+    with pytest.raises(ConfigError, match=r"ingest: .*original_label_column applies to ingest.kind 'features'"):
+        load(".", "isup_grade", kind="h5")

@@ -81,3 +81,33 @@ def test_the_pipeline_reports_unscaled_features_an_unconverged_fit_and_constant_
     assert any("max_iter=2 without converging" in w for w in model_info["warnings"])
     report = Path(result["report"].path).read_text()
     assert "## Warnings" in report and "does not separate the bags" in report and "standardize: true" in report
+
+
+def test_a_chosen_sweep_budget_is_no_convergence_failure_on_the_cluster_or_serially_but_a_user_max_iter_is(tmp_path):
+    """``kernel=None`` chooses the number of sweeps too (``auto_max_iter_``): a run that stops there
+    stopped where it was meant to, in ``fit`` and in ``fit_cohort`` alike; one that reaches the
+    user's ``max_iter`` before ``tol`` warns in both."""
+    from distributed import Client, LocalCluster
+
+    from tasks.training.fit import fit_cohort
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=16, seed=0)
+    X = X.astype(np.float32).astype(np.float64)
+    store = write_store(tmp_path / "c.zarr", X, bags, y)
+    auto = dict(n_inducing=5, max_iter=40, tol=1e-12, random_state=0)  # kernel=None: it chooses variance and sweeps
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConvergenceWarning)
+            serial = mil_core.VGPMIL(**auto).fit(X, bags, y)
+            distributed = mil_core.VGPMIL(**auto)
+            fit_cohort(distributed, store, client, run="auto")
+        for model in (serial, distributed):  # it did stop at the chosen budget, unconverged
+            assert model.auto_max_iter_ < 40 and model.n_iter_ == model.auto_max_iter_ and not model.converged_
+        np.testing.assert_allclose(distributed.elbo_, serial.elbo_, rtol=1e-8)
+
+        user = dict(n_inducing=5, kernel=mil_core.RBF(4.0), max_iter=3, tol=1e-12, random_state=0)
+        with pytest.warns(ConvergenceWarning, match=r"stopped at max_iter=3 without converging"):
+            mil_core.VGPMIL(**user).fit(X, bags, y)
+        with pytest.warns(ConvergenceWarning, match=r"stopped at max_iter=3 without converging"):
+            fit_cohort(mil_core.VGPMIL(**user), store, client, run="user")

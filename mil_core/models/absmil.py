@@ -434,6 +434,8 @@ class AbSMIL(BaseEstimator):
     n_iter_, converged_, n_features_in_, classes_
     """
 
+    objective_name: str = "loss"  # objective_: Eq. 3, minimised (the pipeline's log, model.json, the report)
+
     def __init__(
         self,
         *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,32 @@ from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..validation import check_features, check_mil_data
 
-__all__ = ["SparseGPMILBase", "store_params", "take_bags", "uses_coords", "AUTO_VARIANCES"]
+__all__ = ["SparseGPMILBase", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
 
 AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 """Kernel variances tried when ``kernel=None`` (ℓ = √D on standardised features)."""
 _SELECTION_MAX_ITER = 50
 _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
+
+
+def sweep_budget(estimator: Any, monitor: Callable[[int, Any], bool] | None) -> tuple[int, Callable[[int, Any], bool] | None]:
+    """The sweeps a fit of ``estimator`` runs and the :func:`~mil_core.engine.optimise` monitor that ends it.
+
+    ``auto_max_iter_`` below ``max_iter`` (:meth:`SparseGPMILBase._select_kernel` chose when to
+    stop) ends the run through the monitor, as early stopping does: the chosen stop is the intended
+    one, not a failure to converge, and raises no ``ConvergenceWarning``. A run that reaches
+    ``max_iter`` (the user's) before ``tol`` still warns. ``monitor`` is called every sweep, as
+    before. The serial ``fit`` and ``tasks.training.fit_cohort`` both stop this way."""
+    chosen = getattr(estimator, "auto_max_iter_", None)
+    if chosen is None or chosen >= estimator.max_iter:
+        return int(estimator.max_iter), monitor
+
+    def stop_at_chosen(iteration: int, glob: Any) -> bool:
+        stop = monitor is not None and monitor(iteration, glob)
+        return stop or iteration >= chosen
+
+    return int(chosen), stop_at_chosen
 
 
 def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
@@ -62,6 +82,10 @@ class SparseGPMILBase(BaseEstimator):
     ``block_size`` (instances per partition of whole bags for the serial executor),
     ``random_state``.
     """
+
+    objective_name: str = "ELBO"
+    """What the fit's objective trace (``elbo_``) is: named so in the pipeline's progress log,
+    ``model.json`` and the report (a sampler reports its log joint)."""
 
     # ---- hooks -----------------------------------------------------------------------------
     @abstractmethod
@@ -127,11 +151,8 @@ class SparseGPMILBase(BaseEstimator):
                 ),
                 patience=self.n_iter_no_change,
             )
-        max_iter = getattr(self, "auto_max_iter_", None) or self.max_iter
-        with warnings.catch_warnings():
-            if max_iter < self.max_iter:  # a chosen stop (see _select_kernel), not a failure to converge
-                warnings.simplefilter("ignore", ConvergenceWarning)
-            trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=max_iter, tol=self.tol, monitor=monitor)
+        max_iter, stop = sweep_budget(self, monitor)
+        trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=max_iter, tol=self.tol, monitor=stop)
         self._finish_fit(trace, monitor)
         return self
 

@@ -360,6 +360,7 @@ class VGPMILPRGibbs(VGPMILPRI):
     # the shared parameter checks and executors read these: a sampler has no tolerance (``None``: it runs
     # all its sweeps) and no early stopping
     tol, early_stopping, moments = None, False, "diagonal"
+    objective_name = "log joint"  # objective_: log p(v, m) of the chain's state, not a bound
     learn_lam, coupling_form = False, "ising"
 
     @property

@@ -45,15 +45,22 @@ class FeatureTable:
     original_labels: np.ndarray | None = None
 
 
-def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1) -> FeatureTable:
-    """The MIL CSV layout (no header): bag label, bag id, then the features (the MUSK files)."""
+def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1,
+                 original_label_column: int | None = None) -> FeatureTable:
+    """The MIL CSV layout (no header): bag label, bag id, then the features (the MUSK files).
+
+    ``original_label_column`` (a 0-based column position, not a feature) holds the label the 0/1
+    target came from, kept in the store as each bag's original label."""
     import pandas as pd
 
     try:
         table = pd.read_csv(path, header=None)
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
-    feature_columns = [c for c in table.columns if c not in (label_column, bag_column)]
+    if original_label_column is not None and original_label_column not in table.columns:
+        raise IngestError(f"CSV table has no column {original_label_column} (original_label_column; columns 0 to "
+                          f"{len(table.columns) - 1})", path=str(path))
+    feature_columns = [c for c in table.columns if c not in (label_column, bag_column, original_label_column)]
     features, problems = table[feature_columns], {}
     if not all(pd.api.types.is_numeric_dtype(dtype) for dtype in features.dtypes):  # a cell that is not a number
         numeric = features.apply(pd.to_numeric, errors="coerce")
@@ -63,7 +70,8 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
         X = features.to_numpy(dtype=np.float32)
     return FeatureTable(X=X, bag_ids=table[bag_column].astype(str).to_numpy(dtype=object),
-                        labels=table[label_column].to_numpy(), source=str(path), row_problems=problems)
+                        labels=table[label_column].to_numpy(), source=str(path), row_problems=problems,
+                        original_labels=None if original_label_column is None else table[original_label_column].to_numpy(dtype=object))
 
 
 def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_column: str = "label",
@@ -87,7 +95,7 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     schema = parquet.schema_arrow
     missing = {bag_column, label_column, instance_label_column, original_label_column} - set(schema.names) - {None}
     if missing:
-        raise IngestError(f"Parquet table lacks columns {sorted(missing)}", path=str(path))
+        raise IngestError(f"Parquet table lacks columns {sorted(missing)} (columns: {', '.join(schema.names)})", path=str(path))
     if feature_columns is None:
         reserved = {bag_column, label_column, instance_label_column, original_label_column}
         feature_columns = [f.name for f in schema if f.name not in reserved

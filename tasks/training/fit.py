@@ -14,7 +14,7 @@ import numpy as np
 from distributed import Client
 
 from mil_core.engine import FitTrace, optimise
-from mil_core.models.base import SparseGPMILBase, uses_coords
+from mil_core.models.base import SparseGPMILBase, sweep_budget, uses_coords
 from tasks.lease import holds_writer_lease
 from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling
@@ -143,8 +143,6 @@ def fit_cohort(
     early = (DistributedEarlyStopping(client, model, store, cohort, labels, validation, partition_bytes, placement, features)
              if validation.size else None)
 
-    max_iter = getattr(model, "auto_max_iter_", None) or model.max_iter  # kernel=None also chooses the stop
-
     def monitor(iteration: int, glob: Any) -> bool:
         if on_iteration is not None:
             on_iteration(iteration, trace.objective[-1])
@@ -152,7 +150,10 @@ def fit_cohort(
             executor.checkpoint(checkpoint, trace)
         return early(iteration, glob) if early is not None else False
 
-    optimise(executor.sweep, updates, trace.glob, max_iter=max_iter, tol=model.tol, monitor=monitor, resume_from=trace)
+    # kernel=None also chooses the stop; it ends the run as in model.fit (no ConvergenceWarning there,
+    # one at a user's max_iter before tol).
+    max_iter, stop = sweep_budget(model, monitor)
+    optimise(executor.sweep, updates, trace.glob, max_iter=max_iter, tol=model.tol, monitor=stop, resume_from=trace)
     model._finish_fit(trace, early.stopping if early is not None else None)
     return TrainingSummary(
         store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),
