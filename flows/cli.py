@@ -61,8 +61,9 @@ def summary(stage: str, result: Any) -> str:
         what = (f"{len(info.get('added', []))} bags added ({info.get('n_instances_added', 0)} instances), "
                 f"{len(info.get('already_done', []))} already in the store, {len(info.get('skipped', []))} skipped")
     elif stage == "train":
-        what = (f"{info.get('model')} on {info.get('n_bags')} bags, {info.get('n_iter')} iterations"
-                f"{'' if info.get('converged') else ' (not converged)'}")
+        stop = ("" if info.get("converged") else " (the sweeps chosen with the kernel)"
+                if info.get("n_iter") == info.get("chosen_sweeps") else " (not converged)")
+        what = f"{info.get('model')} on {info.get('n_bags')} bags, {info.get('n_iter')} iterations{stop}"
     elif stage == "predict":
         what = f"{info['n_bags']} bags" if "n_bags" in info else "predictions"
     else:

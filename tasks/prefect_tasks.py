@@ -139,6 +139,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
         "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_),
+        "chosen_sweeps": budget if (budget := sweep_budget(gp, None)[0]) < gp.max_iter else None,  # kernel=None's stop
         "objective_name": gp.objective_name, "objective": [float(e) for e in trace],  # ELBO, a chain's log joint, a loss
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,

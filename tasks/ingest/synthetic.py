@@ -191,6 +191,23 @@ def make_slide_cohort(out_dir: str | Path, n_slides: int, *, map_shape: tuple[in
 VL_WHOLE_SLIDE_MICROSCOPY = "1.2.840.10008.5.1.4.1.1.77.1.6"
 
 
+def _dicom_instance(sop_class: str, sop_uid: str, study_uid: str, series_uid: str, patient_id: str, modality: str):
+    """A DICOM dataset with the file meta and identifying attributes every instance written here shares
+    (explicit VR little endian); the caller adds the modality's image attributes."""
+    from pydicom.dataset import Dataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = sop_class, sop_uid
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID = sop_class, sop_uid
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
+    ds.PatientID, ds.Modality = patient_id, modality
+    return ds
+
+
 def write_dicom_wsi(out_dir: str | Path, rgb: np.ndarray, *, mpp: float, series_key: str, tile: int = 256,
                     levels: int = 2, level_factor: int = 4, magnification: float = 20.0,
                     **overrides) -> tuple[str, list[Path]]:
@@ -202,8 +219,8 @@ def write_dicom_wsi(out_dir: str | Path, rgb: np.ndarray, *, mpp: float, series_
     every file after the others (to write a slide a reader must refuse). UIDs derive from
     ``series_key``. Returns the SeriesInstanceUID and the files, level 0 first.
     """
-    from pydicom.dataset import Dataset, FileMetaDataset
-    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+    from pydicom.dataset import Dataset
+    from pydicom.uid import generate_uid
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -220,14 +237,7 @@ def write_dicom_wsi(out_dir: str | Path, rgb: np.ndarray, *, mpp: float, series_
         padded[:height, :width] = image
         frames = padded.reshape(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile, 3).swapaxes(1, 2)
         sop_uid = generate_uid(entropy_srcs=[series_key, "level", str(level)])
-        meta = FileMetaDataset()
-        meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = VL_WHOLE_SLIDE_MICROSCOPY, sop_uid
-        meta.TransferSyntaxUID = ExplicitVRLittleEndian
-        ds = Dataset()
-        ds.file_meta = meta
-        ds.SOPClassUID, ds.SOPInstanceUID = VL_WHOLE_SLIDE_MICROSCOPY, sop_uid
-        ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
-        ds.PatientID, ds.Modality = series_key, "SM"
+        ds = _dicom_instance(VL_WHOLE_SLIDE_MICROSCOPY, sop_uid, study_uid, series_uid, series_key, "SM")
         ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
         ds.Rows = ds.Columns = tile
         ds.TotalPixelMatrixRows, ds.TotalPixelMatrixColumns = height, width
@@ -299,8 +309,7 @@ def write_ct_series(out_dir: str | Path, hu: np.ndarray, *, series_key: str, sli
     ``series_key``, so they are reproducible. Returns the series UID, SOP UIDs and paths in slice
     order.
     """
-    from pydicom.dataset import Dataset, FileMetaDataset
-    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+    from pydicom.uid import CTImageStorage, generate_uid
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -310,15 +319,7 @@ def write_ct_series(out_dir: str | Path, hu: np.ndarray, *, series_key: str, sli
     sop_uids, paths = [], []
     for k, pixels in enumerate(stored):
         sop_uid = generate_uid(entropy_srcs=[series_key, str(k)])
-        meta = FileMetaDataset()
-        meta.MediaStorageSOPClassUID = CTImageStorage
-        meta.MediaStorageSOPInstanceUID = sop_uid
-        meta.TransferSyntaxUID = ExplicitVRLittleEndian
-        ds = Dataset()
-        ds.file_meta = meta
-        ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, sop_uid
-        ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid, series_uid
-        ds.PatientID, ds.Modality = series_key, "CT"
+        ds = _dicom_instance(CTImageStorage, sop_uid, study_uid, series_uid, series_key, "CT")
         ds.InstanceNumber = len(stored) - k  # deliberately not the spatial order
         ds.ImagePositionPatient = [-125.0, -125.0, float(k * slice_thickness)]
         ds.ImageOrientationPatient = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
