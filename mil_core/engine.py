@@ -214,35 +214,26 @@ class WhitenedBlock:
         return transposed_product(self.A, like(values, self.A, dtype=self.A.dtype))
 
 
-def _accumulate(A: Any, product: Callable[[Any, slice], Any]) -> np.ndarray:
-    """``Σ_chunks product(A[chunk], chunk)`` in float64 where ``A`` lives, returned on the host."""
+def _accumulate(A: Any, product: Callable[[Any, slice], Any], shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """``Σ_chunks product(A[chunk], chunk)`` in float64 where ``A`` lives, returned on the host
+    (zeros of ``shape``, default (M, M), when ``A`` has no rows)."""
     xp = array_namespace(A)
     out = None
     for start, stop in row_chunks(A.shape[0]):
         part = product(A[start:stop, ...], slice(start, stop))
         part = part if part.dtype == xp.float64 else xp.astype(part, xp.float64)
         out = part if out is None else out + part
-    return np.zeros((A.shape[1], A.shape[1])) if out is None else to_numpy(out)
-
-
-FLOAT32_ROWS = 1 << 12
+    return np.zeros(shape or (A.shape[1], A.shape[1])) if out is None else to_numpy(out)
 
 
 def transposed_product(A: Any, B: Any) -> np.ndarray:
     """``AᵀB`` summed over rows, on the host in float64: one GEMM for float64 input; for float32
-    input, float32 GEMMs over chunks of ``FLOAT32_ROWS`` rows accumulated in float64 where the
+    input, float32 GEMMs over chunks of :data:`ROWS` rows accumulated in float64 where the
     arrays live (the rounding error of a chunk grows with its length, not with N)."""
     xp = array_namespace(A)
     if A.dtype != xp.float32:
         return to_numpy(A.T @ B)
-    out = None
-    for start in range(0, A.shape[0], FLOAT32_ROWS):
-        stop = min(start + FLOAT32_ROWS, A.shape[0])
-        part = xp.astype(A[start:stop, ...].T @ B[start:stop, ...], xp.float64)
-        out = part if out is None else out + part
-    if out is None:
-        return np.zeros((A.shape[1],) + tuple(B.shape[1:]))
-    return to_numpy(out)
+    return _accumulate(A, lambda chunk, rows: chunk.T @ B[rows, ...], shape=(A.shape[1],) + tuple(B.shape[1:]))
 
 
 def _host64(x: Any) -> np.ndarray:
