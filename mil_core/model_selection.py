@@ -16,9 +16,8 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin, MetaEstimatorMixin, clone
 from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
 from sklearn.model_selection import ParameterGrid, StratifiedKFold
-from sklearn.preprocessing import StandardScaler
 
-from .validation import check_mil_data
+from .validation import check_mil_data, standardisation
 
 __all__ = [
     "StratifiedBagKFold",
@@ -84,7 +83,8 @@ def cross_validate_bags(
 ) -> list[dict[str, float]]:
     """Fit a clone per fold and score it on the held-out bags.
 
-    Features are standardised with the training fold's statistics when ``standardize``.
+    Features are standardised with the training fold's statistics when ``standardize`` (a column
+    whose std is below 1e-12 is left unscaled: :func:`~mil_core.validation.standardisation`).
     Returns one dict per fold: bag AUC/accuracy/F1 (threshold 0.5), instance metrics when
     ``instance_labels`` are given, and ``fit_time`` in seconds. ``return_train_score`` adds the
     same bag metrics on the fold's training bags, as ``train_bag_<metric>`` (a measure of fit, not
@@ -95,8 +95,8 @@ def cross_validate_bags(
     for train, test in StratifiedBagKFold(n_splits, random_state=random_state).split(X, y, bag_ids):
         X_train, X_test = X[train], X[test]
         if standardize:
-            scaler = StandardScaler().fit(X_train)
-            X_train, X_test = scaler.transform(X_train), scaler.transform(X_test)
+            mean, scale = standardisation(X_train)
+            X_train, X_test = (X_train - mean) / scale, (X_test - mean) / scale
         model = clone(estimator)
         start = time.perf_counter()
         model.fit(X_train, bag_ids[train], y[train])
@@ -119,7 +119,8 @@ class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
     first column: build it with :func:`with_bag_ids`. Pass the same ids as ``groups`` so that
     :class:`StratifiedBagKFold` keeps bags whole, and score with :func:`bag_scorers` (metrics per
     bag, not per instance). With ``standardize`` the features are standardised with the training
-    rows' statistics inside ``fit`` (the first column excluded). Parameters of the wrapped model are
+    rows' statistics inside ``fit`` (the first column excluded; ``mean_``/``scale_``, a column whose
+    std is below 1e-12 left unscaled). Parameters of the wrapped model are
     searched as ``estimator__<name>``.
     """
 
@@ -137,11 +138,11 @@ class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
 
     def _split(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         features, bag_ids = self._columns(X)
-        return (self.scaler_.transform(features) if self.standardize else features), bag_ids
+        return ((features - self.mean_) / self.scale_ if self.standardize else features), bag_ids
 
     def fit(self, X: Any, y: Any) -> BagwiseClassifier:
         if self.standardize:
-            self.scaler_ = StandardScaler().fit(self._columns(X)[0])
+            self.mean_, self.scale_ = standardisation(self._columns(X)[0])
         features, bag_ids = self._split(X)
         self.estimator_ = clone(self.estimator).fit(features, bag_ids, y)
         self.classes_ = self.estimator_.classes_

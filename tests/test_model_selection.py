@@ -6,7 +6,7 @@ from conftest import make_toy_bags
 from sklearn.model_selection import GridSearchCV, cross_validate
 from sklearn.preprocessing import StandardScaler
 
-from mil_core import GVGPMIL, VGPMIL
+from mil_core import GVGPMIL, RBF, VGPMIL
 from mil_core.model_selection import (
     BagwiseClassifier,
     StratifiedBagKFold,
@@ -82,6 +82,19 @@ def test_train_scores_are_the_fitted_model_scored_on_its_own_training_bags():
         assert fold["train_bag_accuracy"] == pytest.approx(np.mean((p >= 0.5) == truth))
         assert {"bag_auc", "train_bag_auc", "train_bag_f1"} <= set(fold)
     assert "train_bag_auc" not in cross_validate_bags(VGPMIL(**FAST), X, bags, y, n_splits=3)[0]
+
+
+def test_a_near_constant_column_is_left_unscaled_not_blown_up_to_unit_variance():
+    """Public MIL tables hold columns with std ≈ 1e-17: z-scoring them turns rounding noise into a
+    feature of full weight. Below 1e-12 the column keeps scale 1, so it changes nothing."""
+    X, bags, y, _ = make_toy_bags(n_bags=30)
+    noise = np.random.default_rng(1).normal(0.0, 1e-17, size=(X.shape[0], 1))
+    model = VGPMIL(kernel=RBF(variance=4.0, length_scale=2.0), n_inducing=8, max_iter=15, random_state=0)
+    plain = cross_validate_bags(model, X, bags, y, n_splits=3)
+    padded = cross_validate_bags(model, np.hstack([X, noise]), bags, y, n_splits=3)
+    assert [f["bag_auc"] for f in padded] == pytest.approx([f["bag_auc"] for f in plain], abs=1e-9)
+    adapter = BagwiseClassifier(model).fit(with_bag_ids(np.hstack([X, noise]), bags), y)
+    assert adapter.scale_[-1] == 1.0 and np.all(adapter.scale_[:-1] > 1e-3)
 
 
 def test_adapter_rejects_features_without_the_bag_id_column():
