@@ -192,7 +192,8 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         import bench_accuracy
     finally:
         sys.path.pop(0)
-    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13))):
+    assert set(bench_accuracy.HELD_OUT_SETS) <= set(bench_accuracy.ROBUSTNESS_SETS)
+    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13)), ("hastie", (5, 25)), ("wine", (2, 6))):
         X, bags, y, witness = bench_accuracy.robustness_set(name)
         keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
         per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])

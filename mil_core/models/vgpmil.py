@@ -141,13 +141,13 @@ class _LogisticGPMIL(SparseGPMILBase):
         return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule_)
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
-                   coords: np.ndarray | None = None) -> PsiMILUpdates | HyperMILUpdates:
+                   coords: np.ndarray | None = None, choice: BagBlock | None = None) -> PsiMILUpdates | HyperMILUpdates:
         """``bag_rule_``: the estimator's rule, or with ``"auto"`` the kernel choice's (``top_fraction``
         where there is none: a fixed kernel), then the base class's start."""
         if self.bag_rule != "auto" and self.bag_rule not in BAG_RULES:
             raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(BAG_RULES)}, got {self.bag_rule!r}")
         self.bag_rule_ = "top_fraction" if self.bag_rule == "auto" else self.bag_rule
-        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords)
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice)
 
     def _auto_bag_rules(self) -> tuple[str | None, ...]:
         return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)
