@@ -12,7 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BAG_RULES, bag_score
-from mil_core.models.base import AUTO_VARIANCES
+from mil_core.models.base import AUTO_VARIANCES, choice_bags, simplest_within_noise
 
 from tests.conftest import make_toy_bags
 
@@ -202,3 +202,28 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
     with pytest.raises(ValueError, match="pool too small"):
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
+
+
+def test_choice_bags_are_whole_bags_under_the_cap_with_enough_of_each_class():
+    rng = np.random.default_rng(0)
+    sizes, labels = rng.integers(1_000, 10_000, 40), np.arange(40) % 2  # WSI-like bags: a row sample drops witnesses
+    picked = choice_bags(sizes, labels, 0)
+    assert np.all(np.diff(picked) > 0) and np.bincount(labels[picked]).min() >= 8
+    np.testing.assert_array_equal(choice_bags(sizes, labels, 0), picked)  # seeded
+    assert not np.array_equal(choice_bags(sizes, labels, 1), picked)
+    np.testing.assert_array_equal(choice_bags(sizes[:5], labels[:5], 0), np.arange(5))  # under the cap: every bag
+    small = choice_bags(np.full(40, 1_000), labels, 0)  # the cap's 20 bags, topped up to 8 per class
+    assert 20 <= small.size <= 28 and np.bincount(labels[small]).min() >= 8
+
+
+def test_kernel_choice_keeps_the_simplest_candidate_the_noise_cannot_separate():
+    checkpoints = np.array([5, 10, 15])
+    noisy_best = np.array([[0.80, 0.86, 0.78], [0.84, 0.96, 0.82], [0.82, 0.76, 0.80]])  # splits × checkpoints
+    steady = np.array([[0.85, 0.85, 0.85], [0.84, 0.84, 0.84], [0.85, 0.85, 0.85]])
+    scores = {1.0: steady, 4.0: noisy_best}
+    assert simplest_within_noise(scores, checkpoints, 0.0) == (4.0, 10)  # the best mean
+    assert simplest_within_noise(scores, checkpoints, 0.5) == (1.0, 5)  # fewest sweeps, then smallest v, within noise
+    scores[1.0] = steady.copy()
+    scores[1.0][0, 0] = np.nan  # a degenerate split rules the checkpoint out
+    assert simplest_within_noise(scores, checkpoints, 0.5) == (1.0, 10)
+    assert simplest_within_noise({1.0: np.full((3, 3), np.nan)}, checkpoints, 0.5) is None
