@@ -12,7 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BAG_RULES, bag_score
-from mil_core.models.base import AUTO_VARIANCES, choice_bags, simplest_within_noise
+from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags
 
 from tests.conftest import make_toy_bags
 
@@ -216,14 +216,15 @@ def test_choice_bags_are_whole_bags_under_the_cap_with_enough_of_each_class():
     assert 20 <= small.size <= 28 and np.bincount(labels[small]).min() >= 8
 
 
-def test_kernel_choice_keeps_the_simplest_candidate_the_noise_cannot_separate():
+def test_kernel_choice_takes_the_best_mean_over_splits_and_skips_degenerate_checkpoints():
     checkpoints = np.array([5, 10, 15])
-    noisy_best = np.array([[0.80, 0.86, 0.78], [0.84, 0.96, 0.82], [0.82, 0.76, 0.80]])  # splits × checkpoints
+    one_lucky_split = np.array([[0.80, 0.97, 0.78], [0.80, 0.76, 0.82], [0.82, 0.76, 0.80]])  # splits × checkpoints
     steady = np.array([[0.85, 0.85, 0.85], [0.84, 0.84, 0.84], [0.85, 0.85, 0.85]])
-    scores = {1.0: steady, 4.0: noisy_best}
-    assert simplest_within_noise(scores, checkpoints, 0.0) == (4.0, 10)  # the best mean
-    assert simplest_within_noise(scores, checkpoints, 0.5) == (1.0, 5)  # fewest sweeps, then smallest v, within noise
+    scores = {1.0: steady, 4.0: one_lucky_split}
+    assert best_candidate({4.0: one_lucky_split[:1], 1.0: steady[:1]}, checkpoints) == (4.0, 10)  # one split: the lucky one
+    assert best_candidate(scores, checkpoints) == (1.0, 5)  # the mean over splits; ties: fewest sweeps, smallest v
     scores[1.0] = steady.copy()
     scores[1.0][0, 0] = np.nan  # a degenerate split rules the checkpoint out
-    assert simplest_within_noise(scores, checkpoints, 0.5) == (1.0, 10)
-    assert simplest_within_noise({1.0: np.full((3, 3), np.nan)}, checkpoints, 0.5) is None
+    assert best_candidate(scores, checkpoints) == (1.0, 10)
+    assert best_candidate({2.0: steady, 1.0: steady}, checkpoints) == (1.0, 5)
+    assert best_candidate({1.0: np.full((3, 3), np.nan)}, checkpoints) is None

@@ -23,7 +23,7 @@ from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..validation import check_features, check_mil_data
 
-__all__ = ["SparseGPMILBase", "choice_bags", "simplest_within_noise", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
+__all__ = ["SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
 
 AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 """Kernel variances tried when ``kernel=None`` (ℓ = √D on standardised features)."""
@@ -32,22 +32,18 @@ _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
 _SELECTION_MIN_BAGS = 8
 _SELECTION_REPEATS = 3
-_SELECTION_SE = 0.5
 
 
-def simplest_within_noise(scores: dict[float, np.ndarray], checkpoints: np.ndarray, n_se: float) -> tuple[float, int] | None:
-    """``(variance, sweeps)`` of the kernel choice from held-out AUCs ``scores[v]`` (splits × checkpoints;
-    a candidate with a nan, a degenerate split, is out): of the candidates whose mean AUC is within
-    ``n_se`` standard errors (of the best candidate's splits) of the best mean, the one with the fewest
-    sweeps, then the smallest variance (the most regularised fit); ``None`` when none is left."""
-    table = [(float(np.mean(a[:, i])), float(np.std(a[:, i], ddof=1) / np.sqrt(a.shape[0])) if a.shape[0] > 1 else 0.0,
-              int(checkpoints[i]), v)
+def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray) -> tuple[float, int] | None:
+    """``(variance, sweeps)`` with the best mean held-out AUC over the splits (``scores[v]``: splits ×
+    checkpoints); ties go to fewer sweeps, then the smaller variance. A checkpoint with a nan (a
+    degenerate split) is out; ``None`` when none is left."""
+    table = [(round(float(np.mean(a[:, i])), 9), -int(checkpoints[i]), -v)
              for v, a in scores.items() for i in range(checkpoints.shape[0]) if np.all(np.isfinite(a[:, i]))]
     if not table:
         return None
-    best_mean, best_se, _, _ = max(table, key=lambda t: (round(t[0], 9), -t[2], -t[3]))
-    sweeps, v = min((t[2], t[3]) for t in table if t[0] >= best_mean - n_se * best_se - 1e-12)
-    return v, sweeps
+    _, minus_sweeps, minus_v = max(table)
+    return -minus_v, -minus_sweeps
 
 
 def choice_bags(sizes: np.ndarray, labels: np.ndarray, random_state: Any, cap: int | None = None) -> np.ndarray:
@@ -258,9 +254,8 @@ class SparseGPMILBase(BaseEstimator):
         """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by held-out bag AUC (the estimator's bag rule) over 3 repeats of a stratified 2-fold
         split of the training bags (the bags of :func:`choice_bags`). Each candidate runs up to
-        ``min(max_iter, 50)`` sweeps and is scored every 5; its score is the mean of its 6 held-out
-        AUCs. Among the candidates within half a standard error (of those 6 AUCs) of the best, the
-        one with the fewest sweeps, then the smallest variance, is chosen. Models with several
+        ``min(max_iter, 50)`` sweeps and is scored every 5; the (variance, sweeps) point with the
+        best mean of its 6 held-out AUCs wins (:func:`best_candidate`). Models with several
         :meth:`_auto_bag_rules` score each checkpoint with each; the rule with the best AUC averaged
         over all (variance, sweeps) points is chosen first (``bag_rule_``), then the variance and
         sweeps under it. Sets ``kernel_selection_`` (rows: variance, its best mean AUC) and
@@ -272,10 +267,10 @@ class SparseGPMILBase(BaseEstimator):
         Why: v = 1 keeps instance probabilities near ½, the best v differs by data set, and with a
         large v the held-out AUC of a fit can fall as it runs on (MUSK2: 0.81 after 25 sweeps,
         0.62 after 200), so variance and stopping are chosen together. On small sets one split is
-        noisy (a held-out half of MUSK1 has ~23 bags of each class): 3 repeats cut the spread of
-        the score, and among candidates that the noise cannot tell apart the simpler fit (earlier
-        stop, smoother prior) is kept (``docs/MODELS.md``, "Automatic defaults", has the
-        measurement). A split of the training bags sees no test bag and needs no proper
+        noisy (a held-out half of MUSK1 has ~18 bags of each class): 3 repeats average that noise
+        out, which was worth more than pooling the held-out scores or preferring the simpler of
+        near-tied candidates (``docs/MODELS.md``, "Automatic defaults", has the measurement). A
+        split of the training bags sees no test bag and needs no proper
         likelihood (G-VGPMIL's is improper).
         """
         self.kernel_selection_, self.auto_max_iter_ = np.empty((0, 2)), None
@@ -326,7 +321,7 @@ class SparseGPMILBase(BaseEstimator):
             self.bag_rule_ = rule
         self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(mean_curves[v, rule])) else np.nanmax(mean_curves[v, rule])]
                                            for v in variances])
-        chosen = simplest_within_noise({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints, _SELECTION_SE)
+        chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints)
         if chosen is None:
             return None
         v, sweeps = chosen
