@@ -163,7 +163,7 @@ def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away
     runaway = GVGPMIL(n_inducing=10, kernel=RBF(64.0), max_iter=30, random_state=0).fit(X, bags, y)
     assert np.abs(bounded.predict_latent(X)[0]).max() < 5.0
     assert runaway.predict_latent(X)[0].max() < -100.0
-    assert GVGPMIL()._auto_variances() == (0.25, 0.5, 1.0, 2.0)
+    assert GVGPMIL()._auto_variances() == (2 / 64, 2 / 16, 0.5, 2.0)
     assert GVGPMIL(alpha=2.0, beta=1.0)._auto_variances()[-1] == 14.0  # 4·2² − 2·1
     assert GVGPMIL(alpha=0.5, beta=2.5)._auto_variances() == AUTO_VARIANCES  # no safe variance: the common grid
 
