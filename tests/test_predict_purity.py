@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 from typing import Any
@@ -58,6 +59,21 @@ USES_COORDS = {"VGPMILPRI", "VGPMILPRI-learnt-lam", "VGPMILPRI-smoother", "VGPMI
 OPTIONS = {"return_std": True, "return_orthant_error": True}  # every output a method offers
 EMBEDDED_RULES = ("ensemble", "attention", "network")
 VARIANTS = {"method": ("mc", "probit"), "rule": tuple(dict.fromkeys(BAG_RULES + PROBIT_BAG_RULES + EMBEDDED_RULES))}
+
+
+def toy_data(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``X, bag_ids, y, coords`` (coords for the models that read them, else None)."""
+    X, bags, y, _ = make_toy_bags(n_bags=12)
+    coords = np.concatenate([np.arange(n) for n in np.unique(bags, return_counts=True)[1]]) if name in USES_COORDS else None
+    return X, bags, y, coords
+
+
+@functools.cache
+def fitted(name: str) -> Any:
+    """``ESTIMATORS[name]`` fitted on :func:`toy_data`, once per test session (the tests that use it
+    only predict, which this module checks changes nothing)."""
+    X, bags, y, coords = toy_data(name)
+    return ESTIMATORS[name]().fit(X, bags, y, **({"coords": coords} if coords is not None else {}))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -115,9 +131,13 @@ def test_same_sees_every_kind_of_change():
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_predictions_never_change_the_estimator(name):
-    X, bags, y, _ = make_toy_bags(n_bags=12)
-    coords = np.concatenate([np.arange(n) for n in np.unique(bags, return_counts=True)[1]]) if name in USES_COORDS else None
-    estimator = ESTIMATORS[name]().fit(X, bags, y, **({"coords": coords} if coords is not None else {}))
+    X, bags, _, coords = toy_data(name)
+    estimator = fitted(name)
+    # scikit-learn conventions on the way: fit leaves the parameters as given, what it learns ends in "_"
+    params = ESTIMATORS[name]().get_params(deep=False)
+    assert _same(estimator.get_params(deep=False), params), f"{name}.fit changed a constructor parameter"
+    learnt = set(vars(estimator)) - set(params)
+    assert learnt and all(k.endswith("_") for k in learnt), sorted(k for k in learnt if not k.endswith("_"))
     methods = [m for m in dir(estimator) if m.startswith(("predict", "transform")) and callable(getattr(estimator, m))]
     assert methods
     for method_name in methods:
