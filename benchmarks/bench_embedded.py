@@ -82,7 +82,8 @@ def fit_predict_embedded_gpmil(train, test, n_components: int = 32):
     for rule in GP_RULES:
         scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
     return Prediction(scores, model.predict_instance_proba(test.X, method="probit"),
-                      {"v": model.gp_.kernel_.variance, "sweeps": model.gp_.n_iter_, "a": model.calibration_slope_})
+                      {"v": float(np.median([gp.kernel_.variance for gp in model.gps_])),  # the members' median
+                       "sweeps": float(np.median([gp.n_iter_ for gp in model.gps_])), "a": model.calibration_slope_})
 
 
 EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil_platt,
