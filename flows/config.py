@@ -231,8 +231,9 @@ class TrainingConfig(_Strict):
 
 
 class PredictionConfig(_Strict):
-    """``store``: cohort to predict (default: the training store); the MIL ``rule`` and instance
-    probability ``method`` apply to the logistic family. ``rule: null`` (default) uses the
+    """``store``: cohort to predict (default: the training store); the MIL ``rule`` applies to the
+    logistic family, ``method`` to every model whose predictions take one (the logistic family,
+    VWSGP's bag probability; :func:`tasks.training.predict.prediction_kwargs`). ``rule: null`` (default) uses the
     estimator's fitted ``bag_rule_`` (its ``bag_rule``, or the rule its kernel choice picked for
     ``"auto"``; :func:`mil_core.bags.bag_score`), so the pipeline scores bags
     exactly as the estimator does in validation and ``predict_bag_proba``."""

@@ -27,7 +27,7 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold, train_test_split
 
 from ._backend import array_namespace
-from .bags import segment_sum
+from .bags import segment_logsumexp, segment_sum
 from .validation import standardisation
 
 __all__ = [
@@ -106,9 +106,7 @@ def _single_bag_logit(params: Params, H: Any) -> Any:
 def attention_weights(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Softmax of the attention scores within each bag (host arrays, bags as CSR ``offsets``)."""
     a = attention_logits(params, H)
-    a = a - np.repeat(np.maximum.reduceat(a, offsets[:-1]), np.diff(offsets))
-    e = np.exp(a)
-    return e / np.repeat(segment_sum(e, offsets), np.diff(offsets))
+    return np.exp(a - np.repeat(segment_logsumexp(a, offsets), np.diff(offsets)))
 
 
 def bag_logits(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:

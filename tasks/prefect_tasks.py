@@ -36,6 +36,7 @@ from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 from tasks.training.embedded import fit_cohort_embedded
+from tasks.training.predict import prediction_kwargs
 
 
 
@@ -349,9 +350,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
-    logistic = hasattr(model, "emax")
-    instance_kwargs = {"method": config.prediction.method} if logistic else {}
-    bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
+    instance_kwargs, bag_kwargs = prediction_kwargs(model, config.prediction.method, config.prediction.rule)
     with Client(scheduler_address) as client:
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
                               device=config.training.device, gpu_namespace=config.training.gpu_namespace,
