@@ -135,7 +135,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
-    gp = model.gp_ if embedded else model
+    gp = model.gps_[-1] if embedded else model  # an ensemble: its last member's GP (fit_cohort_embedded's summary)
     trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
