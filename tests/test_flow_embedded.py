@@ -22,7 +22,7 @@ from tests.test_flows import cohort, write_config  # noqa: F401  (the fixture)
 pytest.importorskip("torch", reason='training the network needs the optional extra "torch"')
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("prefect_server")]
 
-PARAMS = {"n_components": 4, "hidden": [16], "attention_dim": 8, "learning_rate": 0.01, "max_epochs": 15, "random_state": 0,
+PARAMS = {"n_networks": 2, "n_components": 4, "hidden": [16], "attention_dim": 8, "learning_rate": 0.01, "max_epochs": 15, "random_state": 0,
           "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 10, "random_state": 0}}}
 
 
@@ -51,10 +51,11 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
     assert not any(p.endswith((".pkl", ".pickle", ".pt", ".pth", ".joblib", ".safetensors")) for p in saved), saved
     with np.load(model_dir / "model.npz", allow_pickle=False) as stored:  # readable without running anything
         tree = json.dumps(json.loads(stored["__gpmil__"].tobytes().decode()))
-        assert '"network_state_"' in tree and len(stored.files) > len(serial.network_state_)
+        assert '"network_states_"' in tree and len(stored.files) > sum(map(len, serial.network_states_))
     trained = load_model(model_dir).estimator
-    for name, weights in serial.network_state_.items():  # the embedding fitted on the training cohort, as weights
-        np.testing.assert_array_equal(trained.network_state_[name], weights, err_msg=name)
+    for member, state in enumerate(serial.network_states_):  # the embeddings fitted on the training cohort, as weights
+        for name, weights in state.items():
+            np.testing.assert_array_equal(trained.network_states_[member][name], weights, err_msg=f"{member}: {name}")
 
     other = write_store(tmp_path / "other.zarr", X, bags, y)  # a second cohort, predicted by the saved model
     predicted = predict_cohort(config, str(model_dir), store=other)

@@ -53,7 +53,7 @@ NEEDS_TORCH = {"ABMIL", "EmbeddedGPMIL"}  # the network trains with PyTorch (the
 if importlib.util.find_spec("torch") is not None:
     ESTIMATORS |= {
         "ABMIL": lambda: ABMIL(**NETWORK),
-        "EmbeddedGPMIL": lambda: EmbeddedGPMIL(VGPMIL(n_inducing=6, max_iter=5, n_mc_samples=40), **NETWORK),
+        "EmbeddedGPMIL": lambda: EmbeddedGPMIL(VGPMIL(n_inducing=6, max_iter=5, n_mc_samples=40), n_networks=2, **NETWORK),
     }
 USES_COORDS = {"VGPMILPRI", "VGPMILPRI-learnt-lam", "VGPMILPRI-smoother", "VGPMILPRGibbs"}
 OPTIONS = {"return_std": True, "return_orthant_error": True}  # every output a method offers
