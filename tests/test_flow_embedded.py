@@ -41,6 +41,10 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
     serial.fit(X, bags, y)
     expected = serial.predict_bag_proba(X, bags)[1]
     np.testing.assert_allclose(table["probability"], expected, rtol=1e-6)
+    order = np.argsort(bags, kind="stable")  # the store's rows: bags in id order
+    # instance probabilities: the GP's closed form (prediction.method), the same in every partition
+    np.testing.assert_allclose(read_predictions(cohort, result["predict"].key)["instances/proba"],
+                               serial.predict_instance_proba(X[order], method="probit"), rtol=1e-6)
 
     model_dir = Path(result["train"].path)
     saved = sorted(p.name for p in model_dir.iterdir() if p.is_file())

@@ -63,15 +63,22 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
     """``instance_kwargs, bag_kwargs`` of :func:`predict_cohort` for the pipeline's ``prediction``
     settings: ``method`` goes to every predict method that names a ``method`` parameter (the
     logistic family, and VWSGP's bag probability: the closed form the kernel choice and early
-    stopping score with, where ``"mc"`` would draw afresh in every partition); ``rule``, when
+    stopping score with, where ``"mc"`` would draw afresh in every partition), and to
+    EmbeddedGPMIL's instance probabilities, which its GP computes; ``rule``, when
     set, to the logistic family. ``rule=None`` leaves the estimator's fitted ``bag_rule_``, so
     the pipeline scores bags as the estimator's validation and ``predict_bag_proba`` do."""
-    def takes_method(name: str) -> bool:
+    def takes_method(name: str, forwarded: bool = False) -> bool:
         function = getattr(model, name, None)
-        return function is not None and "method" in inspect.signature(function).parameters
+        if function is None:
+            return False
+        parameters = inspect.signature(function).parameters
+        if forwarded and hasattr(model, "gp_") and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            function = getattr(model.gp_, name, None)  # EmbeddedGPMIL passes its keyword arguments to its GP
+            parameters = {} if function is None else inspect.signature(function).parameters
+        return "method" in parameters
 
     instance_name = "predict_instance_proba" if hasattr(model, "predict_instance_proba") else "predict_instance_evidence"
-    instance_kwargs = {"method": method} if takes_method(instance_name) else {}
+    instance_kwargs = {"method": method} if takes_method(instance_name, forwarded=True) else {}
     bag_kwargs = {"method": method} if takes_method("predict_bag_proba") else {}
     if rule is not None and hasattr(model, "emax"):  # the logistic family
         bag_kwargs["rule"] = rule
