@@ -53,9 +53,10 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
         tree = json.dumps(json.loads(stored["__gpmil__"].tobytes().decode()))
         assert '"network_states_"' in tree and len(stored.files) > sum(map(len, serial.network_states_))
     trained = load_model(model_dir).estimator
-    for member, state in enumerate(serial.network_states_):  # the embeddings fitted on the training cohort, as weights
-        for name, weights in state.items():
-            np.testing.assert_array_equal(trained.network_states_[member][name], weights, err_msg=f"{member}: {name}")
+    assert len(trained.network_states_) == len(serial.network_states_) == PARAMS["n_networks"]  # the ensemble's members
+    for state, serial_state in zip(trained.network_states_, serial.network_states_, strict=True):
+        for name, weights in serial_state.items():  # the embeddings fitted on the training cohort, as weights
+            np.testing.assert_array_equal(state[name], weights, err_msg=name)
 
     other = write_store(tmp_path / "other.zarr", X, bags, y)  # a second cohort, predicted by the saved model
     predicted = predict_cohort(config, str(model_dir), store=other)
