@@ -186,3 +186,19 @@ def test_clone_gives_an_unfitted_estimator_with_equal_params(name):
     assert repr(copied) == repr(estimator)
     assert _same(vars(copied), vars(estimator))  # parameters only, nested estimators cloned by value
     assert not any(k.endswith("_") for k in vars(copied))
+
+
+def test_the_scikit_learn_adapter_predicts_without_changing_itself_and_clones():
+    """:class:`mil_core.model_selection.BagwiseClassifier` (the estimator scikit-learn's search tools see)."""
+    from mil_core.model_selection import BagwiseClassifier, with_bag_ids
+
+    X, bags, y, _ = toy_data("VGPMIL")
+    adapter = BagwiseClassifier(VGPMIL(max_iter=5, **SMALL), predict_kwargs={"method": "probit"})
+    assert _same(vars(clone(adapter)), vars(adapter))
+    Xb = with_bag_ids(X, bags)
+    adapter.fit(Xb, y)
+    for method in ("predict_bag_proba", "predict_proba", "predict"):
+        before = copy.deepcopy(vars(adapter))
+        getattr(adapter, method)(Xb)
+        assert _same(before, vars(adapter)), method
+    assert not any(k.endswith("_") for k in vars(clone(adapter)))
