@@ -401,9 +401,10 @@ class VGPMILPRGibbs(VGPMILPRI):
         return self._lam() > 0
 
     def _variational_model(self) -> VGPMILPRI:
-        """VGPMIL-PR-I with this model's prior, coupling and prediction settings (λ = 0 is VGPMIL-PR)."""
+        """VGPMIL-PR-I with this model's prior (the zero prior mean of seed 003), coupling and
+        prediction settings (λ = 0 is VGPMIL-PR)."""
         shared = {name: value for name, value in self.get_params().items() if name in VGPMILPRI().get_params()}
-        return VGPMILPRI(**shared)
+        return VGPMILPRI(**shared, prior_mean=0.0)
 
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> VGPMILPRGibbs:
         """Sample the posterior given instances, bag ids, per-instance bag labels (and coords)."""
