@@ -372,6 +372,13 @@ class VGPMILPRI(_ProbitGPMIL):
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates | IsingLamUpdates:
         return ising_lam_updates(self, super()._make_updates(gp))
 
+    def _prior_mean_options(self) -> dict[str, Any]:
+        """As VGPMIL-PR; with ``learn_lam`` the λ steps own the fit's hyper-step, so ``b`` stays at
+        its start (0 for ``prior_mean=None``)."""
+        if self.learn_lam and self.prior_mean is None:
+            return {"prior_mean": 0.0}
+        return super()._prior_mean_options()
+
     def _fitted_lam(self) -> float:
         return self.lam_ if self.learn_lam and hasattr(self, "lam_") else self._lam()
 
