@@ -72,13 +72,13 @@ def write_cohort(path: Path, n_instances: int, n_features: int, bag_size: int | 
     sizes = bag_sizes(n_instances, *bag_size, seed) if isinstance(bag_size, tuple) else np.full(max(2, n_instances // bag_size), bag_size)
 
     def bags():
-        for b, bag_size in enumerate(sizes.tolist()):
-            X = rng.standard_normal((bag_size, n_features), dtype=np.float32)
+        for b, size in enumerate(sizes.tolist()):
+            X = rng.standard_normal((size, n_features), dtype=np.float32)
             label = b % 2
             if label:
-                X[: max(1, bag_size // 10), 0] += 3.0
+                X[: max(1, size // 10), 0] += 3.0
             yield BagData(bag_id=f"b{b:08d}", label=label, source="synthetic", features=X,
-                          coords=np.arange(bag_size)[:, None], instance_labels=np.full(bag_size, -1))
+                          coords=np.arange(size)[:, None], instance_labels=np.full(size, -1))
 
     append_bags(path, bags())
 

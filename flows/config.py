@@ -179,10 +179,10 @@ class IngestConfig(_Strict):
 class ModelConfig(_Strict):
     """``name``: one of the estimators of :mod:`mil_core`; ``params``: its constructor arguments.
 
-    The default, ``VGPMIL`` with its automatic defaults, had the best mean held-out bag AUC of the
-    GP-MIL defaults over MUSK1, MUSK2, digits bags and large bags (0.862; VWSGP 0.822, G-VGPMIL
-    0.813, VGPMIL-PR 0.704; ``docs/BENCHMARKS.md``, "Accuracy of the defaults"),
-    and gives instance probabilities for the heat maps (VWSGP gives evidences).
+    The default, ``VGPMIL`` with its automatic defaults, has the best mean held-out bag AUC of the
+    GP-MIL defaults over the seven sets of ``docs/BENCHMARKS.md``, "Accuracy of the defaults"
+    (mean of 7: VGPMIL 0.845, GVGPMIL 0.844, VWSGP 0.823; ``tests/test_default_model.py`` holds
+    these to that table), and gives instance probabilities for the heat maps (VWSGP gives evidences).
 
     ``EmbeddedGPMIL``'s ``gp`` is itself a model section (``{name: GVGPMIL, params: {…}}``);
     left out, it is the package's default GP."""
@@ -231,8 +231,9 @@ class TrainingConfig(_Strict):
 
 
 class PredictionConfig(_Strict):
-    """``store``: cohort to predict (default: the training store); the MIL ``rule`` and instance
-    probability ``method`` apply to the logistic family. ``rule: null`` (default) uses the
+    """``store``: cohort to predict (default: the training store); the MIL ``rule`` applies to the
+    logistic family, ``method`` to every model whose predictions take one (the logistic family,
+    VWSGP's bag probability; :func:`tasks.training.predict.prediction_kwargs`). ``rule: null`` (default) uses the
     estimator's fitted ``bag_rule_`` (its ``bag_rule``, or the rule its kernel choice picked for
     ``"auto"``; :func:`mil_core.bags.bag_score`), so the pipeline scores bags
     exactly as the estimator does in validation and ``predict_bag_proba``."""

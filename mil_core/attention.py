@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
-from sklearn.model_selection import train_test_split
+from sklearn.model_selection import StratifiedKFold, train_test_split
 
 from ._backend import array_namespace
-from .bags import segment_sum
+from .bags import segment_logsumexp, segment_sum
 from .validation import standardisation
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "instance_embedding",
     "instance_logits",
     "network_arrays",
+    "validation_splits",
 ]
 
 TORCH_MISSING = (
@@ -105,9 +106,7 @@ def _single_bag_logit(params: Params, H: Any) -> Any:
 def attention_weights(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Softmax of the attention scores within each bag (host arrays, bags as CSR ``offsets``)."""
     a = attention_logits(params, H)
-    a = a - np.repeat(np.maximum.reduceat(a, offsets[:-1]), np.diff(offsets))
-    e = np.exp(a)
-    return e / np.repeat(segment_sum(e, offsets), np.diff(offsets))
+    return np.exp(a - np.repeat(segment_logsumexp(a, offsets), np.diff(offsets)))
 
 
 def bag_logits(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -119,15 +118,17 @@ def bag_logits(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray
 # ---------------------------------------------------------------------------------- training
 @dataclass(frozen=True)
 class NetworkFit:
-    """A trained network: its parameters (NumPy float32), the loss (and validation AUC) traces, the kept epoch and the
-    inner validation bags (indices into the bags it was given; empty without early stopping)."""
+    """Trained networks, one per member of a cross-fitted ensemble (one member: a single network):
+    each member's parameters (NumPy float32) and its held-out bags (indices into the bags given;
+    empty when none were held out), and the traces of the whole ensemble — mean training loss per
+    epoch, the pooled out-of-fold validation loss and AUC per epoch — and the kept epoch."""
 
-    params: dict[str, np.ndarray]
+    params: list[dict[str, np.ndarray]]
+    validation_bags: list[np.ndarray]
     train_loss: np.ndarray
     validation_loss: np.ndarray
     validation_auc: np.ndarray
     best_epoch: int
-    validation_bags: np.ndarray
 
 
 def _init_params(n_features: int, hidden: tuple[int, ...], n_components: int, attention_dim: int,
@@ -166,9 +167,10 @@ def _single_thread(torch: Any) -> Iterator[None]:
 
 
 def _validate_training_params(hidden: tuple[int, ...], n_components: int, attention_dim: int, learning_rate: float,
-                              weight_decay: float, max_epochs: int, validation_fraction: float, patience: int) -> None:
+                              weight_decay: float, max_epochs: int, validation_fraction: float, patience: int,
+                              n_networks: int) -> None:
     for name, value in (("n_components", n_components), ("attention_dim", attention_dim), ("max_epochs", max_epochs),
-                        ("n_epochs_no_change", patience), *((f"hidden[{i}]", h) for i, h in enumerate(hidden))):
+                        ("n_epochs_no_change", patience), ("n_networks", n_networks), *((f"hidden[{i}]", h) for i, h in enumerate(hidden))):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not learning_rate > 0:
@@ -177,6 +179,25 @@ def _validate_training_params(hidden: tuple[int, ...], n_components: int, attent
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if not 0 < validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+
+
+def validation_splits(labels: np.ndarray, n_networks: int, validation_fraction: float,
+                      rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(training bags, held-out bags)`` of each member: one network holds out a stratified
+    ``validation_fraction``; ``n_networks`` > 1 cross-fit, member ``k`` holding out fold ``k`` of a
+    stratified ``n_networks``-fold split, so every bag is held out by exactly one member (the
+    folds are capped at the smaller class's bag count)."""
+    counts = np.bincount(labels, minlength=2)
+    if counts.min() < 2:
+        raise ValueError("the inner validation split (early stopping, calibration) needs at least 2 training bags "
+                         f"of each class; got {counts.tolist()} (negative, positive)")
+    bags = np.arange(labels.shape[0])
+    seed = int(rng.integers(2**31 - 1))
+    if n_networks == 1:
+        train, val = train_test_split(bags, test_size=validation_fraction, stratify=labels, random_state=seed)
+        return [(train, val)]
+    folds = StratifiedKFold(n_splits=int(min(n_networks, counts.min())), shuffle=True, random_state=seed)
+    return [(bags[train], bags[val]) for train, val in folds.split(bags, labels)]
 
 
 def fit_attention_network(
@@ -195,82 +216,91 @@ def fit_attention_network(
     n_epochs_no_change: int,
     seed: int,
     hold_out: bool = False,
+    n_networks: int = 1,
 ) -> NetworkFit:
     """Train the gated-attention network on bags (rows of bag ``b`` are
     ``X_sorted[offsets[b]:offsets[b+1]]``, label ``labels[b]``) by Adam on the bag cross-entropy,
     one bag per step in a seeded random order (Ilse et al. 2018's protocol; ``weight_decay`` is
     Adam's L2 term).
 
-    With ``early_stopping`` a stratified ``validation_fraction`` of the bags is held out, the
-    network is scored on it after every epoch by its bag AUC, ties broken by the lower bag
-    cross-entropy; training stops after ``n_epochs_no_change`` epochs without a better score, and
-    the parameters of the best epoch are kept. Why the AUC first: the validation loss alone is
-    lowest after a few epochs, when the network is still poorly ranking but not yet confident
-    (measured: bag AUC 0.958 → 0.962 MUSK1, 0.850 → 0.864 digits, 0.726 → 0.752 on the sparse
-    ``text`` set, ``docs/BENCHMARKS.md``); confidence is left to a post-hoc calibration. Without it the
-    network trains ``max_epochs`` epochs and the last epoch is kept, on all bags unless
-    ``hold_out`` asks for the same validation split anyway (kept out for a post-hoc calibration).
-    The held-out bags are returned in ``NetworkFit.validation_bags``. Deterministic for a given
-    ``seed``.
+    With ``early_stopping`` (or ``hold_out``) bags are held out (:func:`validation_splits`): one
+    network holds out a stratified ``validation_fraction``; ``n_networks`` > 1 members are
+    cross-fitted, each holding out its own fold, and trained in lockstep, epoch by epoch. With
+    ``early_stopping`` the ensemble is scored after every epoch on the *pooled* out-of-fold bags
+    (each held-out bag scored by the member that did not train on it) by their bag AUC, ties broken
+    by the lower bag cross-entropy; training stops after ``n_epochs_no_change`` epochs without a
+    better score, and every member keeps its parameters of the best epoch (one epoch count for
+    all). Why the AUC first: the validation loss alone is lowest after a few epochs, when the
+    network is still poorly ranking but not yet confident (measured: bag AUC 0.958 → 0.962 MUSK1,
+    0.850 → 0.864 digits, 0.726 → 0.752 on the sparse ``text`` set, ``docs/BENCHMARKS.md``);
+    confidence is left to a post-hoc calibration. Why pooled over the members: a fifth of 80 bags
+    scores an epoch by 16 bags, the pooled folds by all 80. Without early stopping the members
+    train ``max_epochs`` epochs and the last epoch is kept, on all bags unless ``hold_out`` asks
+    for the same held-out bags anyway (kept out for a post-hoc calibration). Deterministic for a
+    given ``seed``.
     """
     torch = _import_torch()
     hidden = tuple(hidden)
     _validate_training_params(hidden, n_components, attention_dim, learning_rate, weight_decay, max_epochs,
-                              validation_fraction, n_epochs_no_change)
+                              validation_fraction, n_epochs_no_change, n_networks)
     rng = np.random.default_rng(seed)
     bags = np.arange(labels.shape[0])
-    train_bags, val_bags = bags, bags[:0]
-    if early_stopping or hold_out:
-        if np.bincount(labels, minlength=2).min() < 2:
-            raise ValueError("the inner validation split (early stopping, calibration) needs at least 2 training bags "
-                             f"of each class; got {np.bincount(labels, minlength=2).tolist()} (negative, positive)")
-        train_bags, val_bags = train_test_split(bags, test_size=validation_fraction, stratify=labels,
-                                                random_state=int(rng.integers(2**31 - 1)))
-    train_rows = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in train_bags])
-    init = _input_scaling(X_sorted[train_rows]) | _init_params(X_sorted.shape[1], hidden, n_components, attention_dim, rng)
+    splits = validation_splits(labels, n_networks, validation_fraction, rng) if early_stopping or hold_out \
+        else [(bags, bags[:0])]
+    inits = []
+    for train_bags, _ in splits:
+        train_rows = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in train_bags])
+        inits.append(_input_scaling(X_sorted[train_rows])
+                     | _init_params(X_sorted.shape[1], hidden, n_components, attention_dim, rng))
+    val_bags = np.concatenate([val for _, val in splits])
 
     with _single_thread(torch):
         X = torch.from_numpy(np.ascontiguousarray(X_sorted, dtype=np.float32))
         targets = torch.from_numpy(labels.astype(np.float32))
-        fixed = {k: torch.from_numpy(v) for k, v in init.items() if k.startswith("input.")}
-        learnt = {k: torch.from_numpy(v.copy()).requires_grad_(True) for k, v in init.items() if not k.startswith("input.")}
-        params = fixed | learnt
-        optimiser = torch.optim.Adam(learnt.values(), lr=learning_rate, weight_decay=weight_decay)
         loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+        members = []
+        for init in inits:
+            fixed = {k: torch.from_numpy(v) for k, v in init.items() if k.startswith("input.")}
+            learnt = {k: torch.from_numpy(v.copy()).requires_grad_(True) for k, v in init.items() if not k.startswith("input.")}
+            members.append((fixed, learnt, torch.optim.Adam(learnt.values(), lr=learning_rate, weight_decay=weight_decay)))
 
-        def bag_logit(b: int) -> Any:
+        def bag_logit(params: Params, b: int) -> Any:
             return _single_bag_logit(params, instance_embedding(params, X[offsets[b] : offsets[b + 1]]))
 
-        def bag_loss(b: int) -> Any:
-            return loss_fn(bag_logit(b), targets[b])
+        def snapshot() -> list[dict[str, Any]]:
+            return [{k: v.detach().clone() for k, v in learnt.items()} for _, learnt, _ in members]
 
         train_loss, val_loss, val_auc = [], [], []
-        best = ((-np.inf, -np.inf), 0, {k: v.detach().clone() for k, v in learnt.items()})
+        best = ((-np.inf, -np.inf), 0, snapshot())
         for epoch in range(1, max_epochs + 1):
             total = 0.0
-            for b in rng.permutation(train_bags):
-                optimiser.zero_grad()
-                loss = bag_loss(int(b))
-                loss.backward()
-                optimiser.step()
-                total += float(loss.detach())
-            train_loss.append(total / train_bags.size)
+            for (fixed, learnt, optimiser), (train_bags, _) in zip(members, splits, strict=True):
+                params = fixed | learnt
+                for b in rng.permutation(train_bags):
+                    optimiser.zero_grad()
+                    loss = loss_fn(bag_logit(params, int(b)), targets[b])
+                    loss.backward()
+                    optimiser.step()
+                    total += float(loss.detach())
+            train_loss.append(total / sum(train.size for train, _ in splits))
             if not early_stopping:
                 continue
-            with torch.no_grad():
-                logits = torch.stack([bag_logit(int(b)) for b in val_bags])
+            with torch.no_grad():  # each held-out bag scored by the member that did not train on it
+                logits = torch.cat([torch.stack([bag_logit(fixed | learnt, int(b)) for b in val])
+                                    for (fixed, learnt, _), (_, val) in zip(members, splits, strict=True)])
                 val_loss.append(float(loss_fn(logits, targets[val_bags])))
             val_auc.append(float(roc_auc_score(labels[val_bags], logits.numpy())))
             score = (val_auc[-1], -val_loss[-1])
             if score > best[0]:
-                best = (score, epoch, {k: v.detach().clone() for k, v in learnt.items()})
+                best = (score, epoch, snapshot())
             elif epoch - best[1] >= n_epochs_no_change:
                 break
-        kept, best_epoch = (best[2], best[1]) if early_stopping else (learnt, max_epochs)
-        state = {k: v.numpy().copy() for k, v in fixed.items()} | {k: v.detach().numpy().copy() for k, v in kept.items()}
-    return NetworkFit(params=state, train_loss=np.asarray(train_loss), validation_loss=np.asarray(val_loss),
-                      validation_auc=np.asarray(val_auc), best_epoch=best_epoch,
-                      validation_bags=np.sort(val_bags))
+        kept, best_epoch = (best[2], best[1]) if early_stopping else (snapshot(), max_epochs)
+        states = [{k: v.numpy().copy() for k, v in fixed.items()} | {k: v.numpy().copy() for k, v in member.items()}
+                  for (fixed, _, _), member in zip(members, kept, strict=True)]
+    return NetworkFit(params=states, validation_bags=[np.sort(val) for _, val in splits],
+                      train_loss=np.asarray(train_loss), validation_loss=np.asarray(val_loss),
+                      validation_auc=np.asarray(val_auc), best_epoch=best_epoch)
 
 
 def network_arrays(state: dict[str, np.ndarray], dtype: Any = np.float64) -> dict[str, np.ndarray]:

@@ -43,16 +43,16 @@ from .kernels import RBF
 
 __all__ = [
     "BagBlock",
-    "SparseGP",
-    "WhitenedBlock",
-    "WhitenedBags",
+    "FitTrace",
     "GaussianQ",
-    "Summable",
     "PartitionUpdates",
     "SerialExecutor",
-    "FitTrace",
-    "optimise",
+    "SparseGP",
+    "Summable",
+    "WhitenedBags",
+    "WhitenedBlock",
     "gaussian_update",
+    "optimise",
 ]
 
 Block = TypeVar("Block")

@@ -36,6 +36,7 @@ from tasks.paths import bag_file
 from tasks.store import open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 from tasks.training.embedded import fit_cohort_embedded
+from tasks.training.predict import prediction_kwargs
 
 
 
@@ -134,7 +135,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
             standardize=config.training.standardize, on_iteration=on_iteration,
         )
     update_progress_artifact(progress, 100.0)
-    gp = model.gp_ if embedded else model
+    gp = model.gps_[-1] if embedded else model  # an ensemble: its last member's GP (fit_cohort_embedded's summary)
     trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
@@ -349,9 +350,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     _check_same_features(store, model_dir)
     trained = load_model(model_dir)
     model = trained.estimator
-    logistic = hasattr(model, "emax")
-    instance_kwargs = {"method": config.prediction.method} if logistic else {}
-    bag_kwargs = {"method": config.prediction.method, "rule": config.prediction.rule} if logistic else {}
+    instance_kwargs, bag_kwargs = prediction_kwargs(model, config.prediction.method, config.prediction.rule)
     with Client(scheduler_address) as client:
         path = predict_cohort(model, store, client, run=prediction_key, partition_bytes=int(config.training.partition_mib * 2**20),
                               device=config.training.device, gpu_namespace=config.training.gpu_namespace,

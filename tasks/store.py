@@ -397,6 +397,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     offsets = [int(root["bags/offsets"][first_bag])]
     ids, labels, sources, originals = [], [], [], []
     keeps_ids = "instance_id" in root["instances"]
+    id_kind = (root.attrs.get("instance_ids") or "instance id") if keeps_ids else None
     writer = _RowWriter(root, offsets[0])
     for bag in bags:
         check_text(bag.bag_id, bag.source)
@@ -414,11 +415,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
             raise IngestError(f"bag label {bag.label!r} is not 0, 1 or {UNKNOWN_LABEL} (unlabelled)",
                               path=bag.source, bag_id=bag.bag_id)
         _check_original(bag.original_label, path=bag.source, bag_id=bag.bag_id)
-        if keeps_ids != (bag.instance_ids is not None) or keeps_ids and np.shape(bag.instance_ids) != (bag.n_instances,):
-            raise FeatureDimensionError(
-                f"instance ids {None if bag.instance_ids is None else np.shape(bag.instance_ids)} for {bag.n_instances} "
-                f"instances; the store {'keeps' if keeps_ids else 'keeps no'} instance ids ({root.attrs.get('instance_ids')})",
-                path=bag.source, bag_id=bag.bag_id)
+        _check_instance_ids(bag.instance_ids, bag.n_instances, id_kind, path=bag.source, bag_id=bag.bag_id)
         with np.errstate(over="ignore"):  # float32 overflow becomes inf, which finite_rows reports
             features = np.asarray(bag.features, dtype=FEATURE_DTYPE)
         finite_rows(features, "reject", path=bag.source, bag_id=bag.bag_id)
@@ -441,6 +438,16 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     if ids:
         _write_bag_arrays(root, first_bag, ids, labels, sources, offsets, originals)
     return len(ids)
+
+
+def _check_instance_ids(ids: Sequence[str] | np.ndarray | None, n: int, kind: str | None, *, path: str | None, bag_id: str) -> None:
+    """One instance id per row (``n``) where the store keeps them (``kind``, e.g. ``"SOPInstanceUID"``),
+    none where it keeps none: the direct append and the staging writer refuse alike."""
+    if (kind is not None) == (ids is not None) and (ids is None or np.shape(ids) == (n,)):
+        return
+    given = "no instance ids" if ids is None else f"instance ids of shape {np.shape(ids)}"
+    kept = f"keeps instance ids ({kind}), one per instance" if kind is not None else "keeps no instance ids"
+    raise FeatureDimensionError(f"{given} for {n} instances; the store {kept}", path=path, bag_id=bag_id)
 
 
 def _check_original(text: str, *, path: str | None, bag_id: str) -> None:
@@ -623,12 +630,7 @@ class StagingWriter:
         """Append a batch of rows (checked against the store's feature dimension); ``instance_ids``
         (one string per row) are required by, and only by, a store that keeps them."""
         n = features.shape[0]
-        if (self.instance_ids is not None) != (instance_ids is not None) or \
-                instance_ids is not None and len(instance_ids) != n:
-            raise FeatureDimensionError(
-                f"{'no' if instance_ids is None else len(instance_ids)} instance ids for {n} rows; the store "
-                f"{'keeps one ' + self.instance_ids + ' per instance' if self.instance_ids else 'keeps no instance ids'}",
-                path=self.source, bag_id=self.bag_id)
+        _check_instance_ids(instance_ids, n, self.instance_ids, path=self.source, bag_id=self.bag_id)
         if features.ndim != 2 or features.shape[1] != self._n_features:
             raise FeatureDimensionError(
                 f"features of shape {features.shape}; the store has {self._n_features} features",

@@ -16,6 +16,7 @@ from sklearn.metrics import roc_auc_score
 from mil_core import ABMIL, VGPMIL, EmbeddedGPMIL
 from mil_core.attention import (
     _single_bag_logit,
+    attention_weights,
     bag_logits,
     instance_embedding,
     network_arrays,
@@ -53,7 +54,9 @@ def test_shapes_and_ranges(fitted, data):
     assert np.all((p >= 0) & (p <= 1)) and np.all(sd >= 0)
     p_inst, sd_inst = fitted.predict_instance_proba(X, return_std=True, method="probit")
     assert p_inst.shape == sd_inst.shape == (X.shape[0],)
-    assert fitted.transform(X).shape == (X.shape[0], NET["n_components"])
+    assert len(fitted.gps_) == len(fitted.network_states_) == 5
+    assert fitted.transform(X).shape == (X.shape[0], 5 * NET["n_components"])
+    np.testing.assert_array_equal(fitted.transform(X)[:, 4:8], fitted.member_transform(X, 1))
     # the GP's own rules are reachable too, with the GP's return convention
     assert len(fitted.predict_bag_proba(X, bags, rule="max", method="probit")) == 2
 
@@ -66,70 +69,138 @@ def test_held_out_bags_and_instances_are_found(fitted, data):
     assert roc_auc_score(instance_labels, fitted.predict_instance_proba(X, method="probit")) > 0.9
 
 
-def test_attention_rule_is_the_weighted_mean_of_instance_probabilities(fitted, data):
+def _per_bag(values, bags):
+    return np.array([values(bags == k) for k in np.unique(bags)])
+
+
+def _member_evidence(model, member, X, bags):
+    """By hand, per bag: member ``member``'s network logit ℓ, attention-pooled GP probability p̄ and its std."""
+    params = network_arrays(model.network_states_[member])
+    p, sd = model.gps_[member].predict_instance_proba(model.member_transform(X, member), return_std=True, method="probit")
+
+    def alpha(rows):
+        return attention_weights(params, instance_embedding(params, X[rows]), np.array([0, rows.sum()]))
+
+    logit = _per_bag(lambda rows: bag_logits(params, instance_embedding(params, X[rows]), np.array([0, rows.sum()]))[0], bags)
+    pooled = _per_bag(lambda rows: np.sum(alpha(rows) * p[rows]), bags)
+    pooled_sd = _per_bag(lambda rows: np.sqrt(np.sum((alpha(rows) * sd[rows]) ** 2)), bags)
+    return logit, pooled, pooled_sd
+
+
+def _member_score(model, member, X, bags):
+    logit, pooled, _ = _member_evidence(model, member, X, bags)
+    return 0.5 * (logit + np.log(pooled / (1 - pooled)))
+
+
+def test_attention_rule_is_the_members_mean_of_attention_pooled_gp_probabilities(fitted, data):
     _, (X, bags, _, _) = data
-    keys, p = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")
-    p_inst = fitted.predict_instance_proba(X, method="probit")
-    alpha = fitted.predict_attention(X, bags)
-    expected = [np.sum(alpha[bags == k] * p_inst[bags == k]) for k in keys]
-    np.testing.assert_allclose(p, expected, rtol=1e-12)
+    _, p, sd = fitted.predict_bag_proba(X, bags, rule="attention", return_std=True, method="probit")
+    evidence = [_member_evidence(fitted, k, X, bags) for k in range(5)]
+    np.testing.assert_allclose(p, np.mean([pooled for _, pooled, _ in evidence], axis=0), rtol=1e-10)
+    np.testing.assert_allclose(sd, np.mean([pooled_sd for _, _, pooled_sd in evidence], axis=0), rtol=1e-10)
 
 
-def _network_bag_logits(model, X, bags):
-    params = network_arrays(model.network_state_)
-    return np.array([bag_logits(params, instance_embedding(params, X[bags == k]), np.array([0, np.sum(bags == k)]))[0]
-                     for k in np.unique(bags)])
+def test_instance_probabilities_are_the_members_mixture(fitted, data):
+    _, (X, _, _, _) = data
+    p, sd = fitted.predict_instance_proba(X, return_std=True, method="probit")
+    members = [gp.predict_instance_proba(fitted.member_transform(X, k), return_std=True, method="probit")
+               for k, gp in enumerate(fitted.gps_)]
+    np.testing.assert_allclose(p, np.mean([m for m, _ in members], axis=0), rtol=1e-12)
+    np.testing.assert_allclose(sd**2, np.mean([s**2 + m**2 for m, s in members], axis=0) - p**2, rtol=1e-8, atol=1e-12)
 
 
-def test_default_rule_is_platt_on_the_average_of_network_and_gp_evidence(fitted, data):
+def test_members_hold_out_a_partition_of_the_training_bags(fitted, data):
+    """Cross-fitting: each training bag is held out by exactly one member, stratified."""
+    (_, bags, y, _), _ = data
+    labels = np.array([y[bags == k][0] for k in np.unique(bags)])
+    held_out = np.concatenate(fitted.validation_bags_)
+    np.testing.assert_array_equal(np.sort(held_out), np.arange(labels.size))
+    for val in fitted.validation_bags_:
+        assert abs(labels[val].mean() - labels.mean()) < 0.15
+
+
+def test_default_rule_is_platt_on_the_members_average_calibrated_out_of_fold(fitted, data):
     (X_train, bags_train, y_train, _), (X, bags, _, _) = data
     _, p = fitted.predict_bag_proba(X, bags)
-    pooled = fitted.predict_bag_proba(X, bags, rule="attention", method="probit")[1]
-    score = 0.5 * (_network_bag_logits(fitted, X, bags) + np.log(pooled / (1 - pooled)))
+    score = np.mean([_member_score(fitted, k, X, bags) for k in range(5)], axis=0)
     np.testing.assert_allclose(p, expit(fitted.calibration_slope_ * score + fitted.calibration_intercept_), rtol=1e-10)
-    # the calibration is Platt scaling of that score on the inner validation bags, which the GP never saw
+    # the calibration is Platt scaling of each training bag's score by the member that held it out
     train_keys = np.unique(bags_train)
-    val_keys = train_keys[fitted.validation_bags_]
-    assert 0 < val_keys.size < train_keys.size
-    rows = np.isin(bags_train, val_keys)
-    val_labels = np.array([y_train[bags_train == k][0] for k in val_keys])
-    pooled_val = fitted.predict_bag_proba(X_train[rows], bags_train[rows], rule="attention", method="probit")[1]
-    val_score = 0.5 * (_network_bag_logits(fitted, X_train[rows], bags_train[rows]) + np.log(pooled_val / (1 - pooled_val)))
-    assert (fitted.calibration_slope_, fitted.calibration_intercept_) == pytest.approx(fit_platt(val_score, val_labels), rel=1e-6)
+    oof_scores, oof_labels = [], []
+    for k, val in enumerate(fitted.validation_bags_):
+        rows = np.isin(bags_train, train_keys[val])
+        oof_scores.append(_member_score(fitted, k, X_train[rows], bags_train[rows]))
+        oof_labels.append([y_train[bags_train == key][0] for key in train_keys[val]])
+    expected = fit_platt(np.concatenate(oof_scores), np.concatenate(oof_labels))
+    assert (fitted.calibration_slope_, fitted.calibration_intercept_) == pytest.approx(expected, rel=1e-6)
     assert (fitted.calibration_slope_, fitted.calibration_intercept_) != (1.0, 0.0)
     with pytest.raises(ValueError, match="closed-form"):
         fitted.predict_bag_proba(X, bags, method="mc")
-    np.testing.assert_allclose(fitted.predict_bag_proba(X, bags, rule="network")[1], expit(_network_bag_logits(fitted, X, bags)),
-                               rtol=1e-10)
+    logits = np.mean([_member_evidence(fitted, k, X, bags)[0] for k in range(5)], axis=0)
+    np.testing.assert_allclose(fitted.predict_bag_proba(X, bags, rule="network")[1], expit(logits), rtol=1e-10)
     with pytest.raises(ValueError, match="no std"):
         fitted.predict_bag_proba(X, bags, rule="network", return_std=True)
 
 
-def test_gp_trains_on_the_networks_training_bags_only(fitted, data):
+def test_members_stop_together_on_the_pooled_out_of_fold_auc(fitted, data):
+    """The kept epoch is the best of the pooled held-out bags' AUC (ties: loss), the AUC its
+    networks give all held-out bags together."""
     (X, bags, y, _), _ = data
-    train_keys = np.unique(bags)[fitted.gp_training_bags(np.unique(bags).size)]
-    rows = np.isin(bags, train_keys)
-    gp = clone(fitted.gp_).fit(fitted.transform(X[rows]), bags[rows], y[rows])
-    np.testing.assert_allclose(gp.q_.mean, fitted.gp_.q_.mean, rtol=1e-10, atol=1e-12)
-    everything = clone(fitted.gp_).fit(fitted.transform(X), bags, y)
-    assert not np.allclose(everything.q_.mean, fitted.gp_.q_.mean)
+    aucs, losses = fitted.network_validation_auc_, fitted.network_validation_loss_
+    assert fitted.network_best_epoch_ == max(range(aucs.size), key=lambda i: (aucs[i], -losses[i])) + 1
+    keys = np.unique(bags)
+    logits, truth = [], []
+    for k, val in enumerate(fitted.validation_bags_):
+        rows = np.isin(bags, keys[val])
+        logits.append(_member_evidence(fitted, k, X[rows], bags[rows])[0])
+        truth.append([y[bags == key][0] for key in keys[val]])
+    assert roc_auc_score(np.concatenate(truth), np.concatenate(logits)) == pytest.approx(aucs[fitted.network_best_epoch_ - 1],
+                                                                                            abs=0.01)
+
+
+def test_each_member_gp_trains_on_its_networks_training_bags_only(fitted, data):
+    (X, bags, y, _), _ = data
+    keys = np.unique(bags)
+    for k in (0, 4):
+        rows = np.isin(bags, keys[fitted.gp_training_bags(k, keys.size)])
+        assert not np.any(np.isin(bags[rows], keys[fitted.validation_bags_[k]]))
+        gp = clone(fitted.gps_[k]).fit(fitted.member_transform(X[rows], k), bags[rows], y[rows])
+        np.testing.assert_allclose(gp.q_.mean, fitted.gps_[k].q_.mean, rtol=1e-10, atol=1e-12)
+        everything = clone(fitted.gps_[k]).fit(fitted.member_transform(X, k), bags, y)
+        assert not np.allclose(everything.q_.mean, fitted.gps_[k].q_.mean)
 
 
 def test_bag_std_is_the_gp_std_through_the_calibration_map(fitted, data):
     _, (X, bags, _, _) = data
     _, p, sd = fitted.predict_bag_proba(X, bags, return_std=True)
-    _, pooled, pooled_sd = fitted.predict_bag_proba(X, bags, rule="attention", return_std=True, method="probit")
-    delta = p * (1 - p) * 0.5 * abs(fitted.calibration_slope_) * pooled_sd / (pooled * (1 - pooled))
-    np.testing.assert_allclose(sd, np.minimum(delta, np.sqrt(p * (1 - p))), rtol=1e-10)
+    sensitivity = np.mean([pooled_sd / (pooled * (1 - pooled))
+                           for _, pooled, pooled_sd in (_member_evidence(fitted, k, X, bags) for k in range(5))], axis=0)
+    delta = p * (1 - p) * 0.5 * abs(fitted.calibration_slope_) * sensitivity
+    np.testing.assert_allclose(sd, np.minimum(delta, np.sqrt(p * (1 - p))), rtol=1e-8)
     assert np.all(sd > 0) and np.all(sd <= np.sqrt(p * (1 - p)))
+
+
+def test_one_network_holds_out_the_validation_fraction(data):
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    model = small_model(n_networks=1).fit(X, bags, y)
+    assert len(model.network_states_) == len(model.gps_) == 1 and model.validation_bags_[0].size == 8  # 20 % of 40
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1],
+                               expit(model.calibration_slope_ * _member_score(model, 0, X_test, bags_test)
+                                     + model.calibration_intercept_), rtol=1e-10)
+
+
+def test_members_are_capped_at_the_smaller_class(data):
+    X, bags, y, _ = make_toy_bags(12, seed=3)
+    labels = np.array([y[bags == k][0] for k in np.unique(bags)])
+    model = small_model(n_networks=50).fit(X, bags, y)
+    assert len(model.gps_) == np.bincount(labels).min()
 
 
 def test_without_calibration_the_score_is_the_plain_average(data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
-    model = small_model(calibration=None).fit(X, bags, y)
+    model = small_model(calibration=None, n_networks=2).fit(X, bags, y)
     assert (model.calibration_slope_, model.calibration_intercept_) == (1.0, 0.0)
-    pooled = model.predict_bag_proba(X_test, bags_test, rule="attention", method="probit")[1]
-    score = 0.5 * (_network_bag_logits(model, X_test, bags_test) + np.log(pooled / (1 - pooled)))
+    score = np.mean([_member_score(model, k, X_test, bags_test) for k in range(2)], axis=0)
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1], expit(score), rtol=1e-10)
     with pytest.raises(ValueError, match="calibration must be 'platt' or None"):
         small_model(calibration="isotonic").fit(X, bags, y)
@@ -138,12 +209,13 @@ def test_without_calibration_the_score_is_the_plain_average(data):
 def test_deterministic_with_random_state(fitted, data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
     again = small_model().fit(X, bags, y)
-    assert fitted.network_state_.keys() == again.network_state_.keys()
-    for name, value in fitted.network_state_.items():
-        np.testing.assert_array_equal(value, again.network_state_[name], err_msg=name)
+    for state, state_again in zip(fitted.network_states_, again.network_states_, strict=True):
+        assert state.keys() == state_again.keys()
+        for name, value in state.items():
+            np.testing.assert_array_equal(value, state_again[name], err_msg=name)
     np.testing.assert_array_equal(fitted.predict_bag_proba(X_test, bags_test)[1], again.predict_bag_proba(X_test, bags_test)[1])
     other = small_model(random_state=1).fit(X, bags, y)
-    assert not np.array_equal(fitted.network_state_["embed.0.weight"], other.network_state_["embed.0.weight"])
+    assert not np.array_equal(fitted.network_states_[0]["embed.0.weight"], other.network_states_[0]["embed.0.weight"])
 
 
 def test_clone_and_constructor_store_params_only():
@@ -157,31 +229,42 @@ def test_clone_and_constructor_store_params_only():
 def test_predict_does_not_mutate(fitted, data):
     _, (X, bags, _, _) = data
 
-    def snapshot(obj):
-        return {k: (v.copy() if isinstance(v, np.ndarray) else {n: a.copy() for n, a in v.items()} if isinstance(v, dict) else v)
-                for k, v in vars(obj).items()}
+    def copy(v):
+        if isinstance(v, np.ndarray):
+            return v.copy()
+        if isinstance(v, dict):
+            return {n: copy(a) for n, a in v.items()}
+        return [copy(a) for a in v] if isinstance(v, list) and not any(hasattr(a, "get_params") for a in v) else v
 
-    before, gp_before = snapshot(fitted), snapshot(fitted.gp_)
+    def check(before, after, where):
+        if isinstance(before, np.ndarray):
+            np.testing.assert_array_equal(after, before, err_msg=where)
+        elif isinstance(before, dict):
+            for n, a in before.items():
+                check(a, after[n], f"{where}[{n}]")
+        elif isinstance(before, list):
+            for i, a in enumerate(before):
+                check(a, after[i], f"{where}[{i}]")
+
+    objects = [fitted, *fitted.gps_]
+    before = [{k: copy(v) for k, v in vars(obj).items()} for obj in objects]
     fitted.predict_bag_proba(X, bags, return_std=True)
+    fitted.predict_bag_proba(X, bags, rule="max", method="probit")
     fitted.predict_instance_proba(X)
+    fitted.predict_attention(X, bags)
     fitted.transform(X)
-    for before_state, obj in ((before, fitted), (gp_before, fitted.gp_)):
-        after = vars(obj)
-        assert after.keys() == before_state.keys()
+    for before_state, obj in zip(before, objects, strict=True):
+        assert vars(obj).keys() == before_state.keys()
         for k, v in before_state.items():
-            if isinstance(v, np.ndarray):
-                np.testing.assert_array_equal(after[k], v, err_msg=k)
-            elif isinstance(v, dict):
-                for n, a in v.items():
-                    np.testing.assert_array_equal(after[k][n], a, err_msg=f"{k}[{n}]")
+            check(v, vars(obj)[k], k)
 
 
 def test_network_is_plain_arrays_and_saves_without_pickle(fitted, data, tmp_path):
     _, (X, bags, _, _) = data
-    assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in fitted.network_state_.values())
+    assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for state in fitted.network_states_ for v in state.values())
     path = save(fitted, tmp_path / "model")
     with np.load(path, allow_pickle=False) as archive:  # readable without executing anything
-        assert len(archive.files) > len(fitted.network_state_)
+        assert len(archive.files) > 5 * len(fitted.network_states_[0])
     restored = load(path)
     assert isinstance(restored, EmbeddedGPMIL)
     np.testing.assert_array_equal(restored.predict_bag_proba(X, bags, return_std=True)[2],
@@ -192,10 +275,10 @@ def test_numpy_prediction_matches_the_torch_network(fitted, data):
     """One formula, two namespaces: the NumPy forward pass is the network PyTorch trained."""
     _, (X, bags, _, _) = data
     rows = np.flatnonzero(bags == bags[0])
-    state = {k: torch.from_numpy(v) for k, v in fitted.network_state_.items()}
+    state = {k: torch.from_numpy(v) for k, v in fitted.network_states_[0].items()}
     with torch.no_grad():
         torch_logit = float(_single_bag_logit(state, instance_embedding(state, torch.from_numpy(X[rows].astype(np.float32)))))
-    params = network_arrays(fitted.network_state_)
+    params = network_arrays(fitted.network_states_[0])
     numpy_logit = bag_logits(params, instance_embedding(params, X[rows]), np.array([0, rows.size]))[0]
     assert numpy_logit == pytest.approx(torch_logit, abs=1e-4)
 
@@ -213,6 +296,11 @@ def test_abmil_baseline(data):
     assert model.validation_bags_.size == 0 and (model.calibration_slope_, model.calibration_intercept_) == (1.0, 0.0)
 
 
+def _abmil_bag_logits(model, X, bags):
+    params = network_arrays(model.network_state_)
+    return _per_bag(lambda rows: bag_logits(params, instance_embedding(params, X[rows]), np.array([0, rows.sum()]))[0], bags)
+
+
 def test_abmil_platt_calibration_on_held_out_bags(data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
     model = ABMIL(**NET, calibration="platt", random_state=0).fit(X, bags, y)
@@ -221,10 +309,10 @@ def test_abmil_platt_calibration_on_held_out_bags(data):
     val_keys = np.unique(bags)[model.validation_bags_]
     rows = np.isin(bags, val_keys)
     val_labels = np.array([y[bags == k][0] for k in val_keys])
-    slope, intercept = fit_platt(_network_bag_logits(model, X[rows], bags[rows]), val_labels)
+    slope, intercept = fit_platt(_abmil_bag_logits(model, X[rows], bags[rows]), val_labels)
     assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx((slope, intercept), rel=1e-6)
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1],
-                               expit(slope * _network_bag_logits(model, X_test, bags_test) + intercept), rtol=1e-6)
+                               expit(slope * _abmil_bag_logits(model, X_test, bags_test) + intercept), rtol=1e-6)
 
 
 def test_platt_recovers_a_known_map_and_stays_finite_on_separable_bags():
@@ -274,6 +362,7 @@ def test_early_stopping_keeps_the_best_validation_epoch(data):
     ({"hidden": (16, -1)}, r"hidden\[1\]"),
     ({"learning_rate": 0.0}, "learning_rate"),
     ({"validation_fraction": 1.5}, "validation_fraction"),
+    ({"n_networks": 0}, "n_networks"),
 ])
 def test_bad_parameters_are_named(data, params, message):
     (X, bags, y, _), _ = data
@@ -321,16 +410,20 @@ def test_pipeline_fit_on_a_store_equals_fit_and_saves_as_a_trained_model(tmp_pat
     (X, bags, y, _), _ = data
     X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
     path = write_store(tmp_path / "toy.zarr", X, bags, y)
-    config = ModelConfig(name="EmbeddedGPMIL", params={**NET, "random_state": 0,
+    config = ModelConfig(name="EmbeddedGPMIL", params={**NET, "random_state": 0, "n_networks": 2,
                                                        "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 20}}})
     model = make_model(config)
     serial = clone(model).fit(X, bags, y)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         summary = fit_cohort_embedded(model, path, client, run="emb", partition_bytes=2_000)
-        for name, value in serial.network_state_.items():
-            np.testing.assert_array_equal(model.network_state_[name], value, err_msg=name)
-        np.testing.assert_allclose(model.gp_.q_.mean, serial.gp_.q_.mean, rtol=1e-6, atol=1e-8)
-        np.testing.assert_array_equal(model.validation_bags_, serial.validation_bags_)
+        for state, serial_state in zip(model.network_states_, serial.network_states_, strict=True):
+            for name, value in serial_state.items():
+                np.testing.assert_array_equal(state[name], value, err_msg=name)
+        assert len(model.gps_) == len(serial.gps_) == 2
+        for gp, serial_gp in zip(model.gps_, serial.gps_, strict=True):
+            np.testing.assert_allclose(gp.q_.mean, serial_gp.q_.mean, rtol=1e-6, atol=1e-8)
+        for val, serial_val in zip(model.validation_bags_, serial.validation_bags_, strict=True):
+            np.testing.assert_array_equal(val, serial_val)
         assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx(
             (serial.calibration_slope_, serial.calibration_intercept_), rel=1e-6)
         save_model(tmp_path / "model", TrainedModel(model, summary.scaling))

@@ -1,6 +1,8 @@
 """Nothing in the product deserialises in a way that can run code (a static check of every module,
 so a new loader cannot slip in): no pickle-family imports, no ``torch.load`` without
-``weights_only=True``, no ``np.load(..., allow_pickle=True)``, no ``pd.read_pickle``, no unsafe YAML."""
+``weights_only=True``, no ``np.load`` whose ``allow_pickle`` is anything but ``False``, no
+``pd.read_pickle``, no YAML loader but the safe ones, no ``eval``/``exec``; the names also when
+imported bare (``from numpy import load``)."""
 
 from __future__ import annotations
 
@@ -10,32 +12,49 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = [p for folder in ("mil_core", "tasks", "flows", "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))]
+PRODUCT = [p for folder in ("mil_core", "tasks", "flows", "benchmarks", "infra") for p in sorted((ROOT / folder).rglob("*.py"))]
 PICKLE_FAMILY = {"pickle", "cPickle", "_pickle", "dill", "joblib", "cloudpickle", "shelve", "marshal", "jsonpickle"}
+
+
+SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader", "CBaseLoader"}
 
 
 def unsafe_calls(source: str) -> list[str]:
     """``line: what`` for every unsafe import or call in ``source``."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    # names imported bare from the loaders' modules: ``from numpy import load`` → ``load`` is np.load
+    bare = {a.asname or a.name: f"{ {'numpy': 'np', 'pandas': 'pd'}.get(n.module, n.module)}.{a.name}"
+            for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in ("numpy", "pandas", "torch", "yaml")
+            for a in n.names}
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             found += [f"{node.lineno}: imports {n}" for n in names if n.split(".")[0] in PICKLE_FAMILY]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+        elif isinstance(node, ast.Call):
             keywords = {k.arg: k.value for k in node.keywords}
 
-            def true(name: str) -> bool:
-                return isinstance(keywords.get(name), ast.Constant) and keywords[name].value is True
+            def constant(name: str, value: object, keywords: dict = keywords) -> bool:
+                return isinstance(keywords.get(name), ast.Constant) and keywords[name].value is value
 
-            call = f"{owner}.{node.func.attr}"
-            if call == "torch.load" and not true("weights_only"):
+            if isinstance(node.func, ast.Attribute):
+                owner = node.func.value.id if isinstance(node.func.value, ast.Name) else ""
+                call = f"{ {'numpy': 'np', 'pandas': 'pd'}.get(owner, owner)}.{node.func.attr}"
+            elif isinstance(node.func, ast.Name):
+                call = bare.get(node.func.id, node.func.id)
+            else:
+                continue
+            loader = keywords.get("Loader")
+            loader_name = loader.attr if isinstance(loader, ast.Attribute) else loader.id if isinstance(loader, ast.Name) else None
+            if call in ("eval", "exec"):
+                found.append(f"{node.lineno}: {call}()")
+            elif call == "torch.load" and not constant("weights_only", True):
                 found.append(f"{node.lineno}: torch.load without weights_only=True")
-            elif call in ("np.load", "numpy.load") and true("allow_pickle"):
+            elif call == "np.load" and "allow_pickle" in keywords and not constant("allow_pickle", False):
                 found.append(f"{node.lineno}: np.load(allow_pickle=True)")
-            elif call in ("pd.read_pickle", "pandas.read_pickle") or call in ("yaml.unsafe_load", "yaml.full_load"):
+            elif call in ("pd.read_pickle", "yaml.unsafe_load", "yaml.full_load"):
                 found.append(f"{node.lineno}: {call}")
-            elif call == "yaml.load" and "Loader" not in keywords:
+            elif call == "yaml.load" and loader_name not in SAFE_YAML_LOADERS:
                 found.append(f"{node.lineno}: yaml.load without a safe Loader")
     return found
 
@@ -52,3 +71,48 @@ def test_the_check_finds_what_it_looks_for():
     assert [f.split(": ")[1] for f in unsafe_calls(source)] == [
         "imports pickle", "imports joblib", "torch.load without weights_only=True", "np.load(allow_pickle=True)",
         "pd.read_pickle", "yaml.load without a safe Loader"]
+
+
+def test_the_check_sees_through_aliases_loaders_and_non_constant_flags():
+    source = ("from numpy import load as npload\nfrom yaml import load\nimport numpy, yaml\n"
+              "npload('a.npy', allow_pickle=flag)\nnumpy.load('a.npy', allow_pickle=False)\n"
+              "load(s, Loader=yaml.Loader)\nyaml.load(s, Loader=yaml.SafeLoader)\nyaml.load(s, Loader=yaml.UnsafeLoader)\n"
+              "eval(text)\nexec(code)\ntorch.load('w.pt', weights_only=False)\n")
+    assert [f.split(": ")[1] for f in unsafe_calls(source)] == [
+        "np.load(allow_pickle=True)", "yaml.load without a safe Loader", "yaml.load without a safe Loader", "eval()", "exec()",
+        "torch.load without weights_only=True"]
+
+
+class _Payload:
+    """Unpickling this creates the file ``self.marker``: proof that code from the store ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("codec", ["numcodecs.pickle", "pickle"])
+def test_a_store_whose_array_claims_a_pickle_codec_is_refused_without_running_it(tmp_path, codec):
+    """A shared cohort store edited to pickle its features (Zarr v3 naming numcodecs' pickle codec)
+    must fail to read, not unpickle: the guard is Zarr's codec registry, checked here on a real store."""
+    import json
+    import pickle
+
+    from tasks.store import open_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(6)
+    store = Path(write_store(tmp_path / "shared.zarr", X, bags, y))
+    features = store / "instances" / "features"
+    meta = json.loads((features / "zarr.json").read_text())
+    meta["codecs"] = [{"name": codec, "configuration": {}}]
+    (features / "zarr.json").write_text(json.dumps(meta))
+    marker = tmp_path / "code-ran"
+    for chunk in (p for p in (features / "c").rglob("*") if p.is_file()):
+        chunk.write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(Exception, match="codec"):
+        open_cohort(store).read_bags(0, 6)
+    assert not marker.exists()

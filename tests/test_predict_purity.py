@@ -1,23 +1,40 @@
-"""Predictions never change an estimator (scikit-learn convention): every ``predict*`` method of
-every mil_core estimator, with every output option, leaves ``vars(estimator)`` as it was."""
+"""Predictions never change an estimator (scikit-learn convention): every ``predict*`` (and
+``transform``) method of every public mil_core estimator, with every output option and every bag
+rule, leaves ``vars(estimator)`` as it was; ``sklearn.base.clone`` works for each."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import importlib.util
 import inspect
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import make_toy_bags
+from sklearn.base import BaseEstimator, clone
 
-from mil_core import GVGPMIL, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL, VGPMILPRGibbs
-from mil_core.bags import BagIndex
+import mil_core
+from mil_core import (
+    ABMIL,
+    GVGPMIL,
+    VGPMIL,
+    VGPMILPR,
+    VGPMILPRI,
+    VWSGP,
+    AbSMIL,
+    EmbeddedGPMIL,
+    PsiVGPMIL,
+    VGPMILPRGibbs,
+)
+from mil_core.bags import BAG_RULES, BagIndex
 from mil_core.ising import check_coords
 from mil_core.models.ising_hyper import LamState
+from mil_core.models.probit import PROBIT_BAG_RULES
 
-SMALL = dict(n_inducing=6, random_state=0, n_mc_samples=40)
+SMALL = {"n_inducing": 6, "random_state": 0, "n_mc_samples": 40}
 ESTIMATORS = {
     "VGPMIL": lambda: VGPMIL(max_iter=5, **SMALL),
     "VGPMIL-learnt-kernel": lambda: VGPMIL(max_iter=3, learn_kernel=True, **SMALL),
@@ -31,9 +48,32 @@ ESTIMATORS = {
     "VWSGP": lambda: VWSGP(max_iter=5, **SMALL),
     "AbSMIL": lambda: AbSMIL(max_iter=5, random_state=0),
 }
+NETWORK = {"n_components": 4, "hidden": (8,), "attention_dim": 4, "max_epochs": 5, "random_state": 0}
+NEEDS_TORCH = {"ABMIL", "EmbeddedGPMIL"}  # the network trains with PyTorch (the optional extra "torch")
+if importlib.util.find_spec("torch") is not None:
+    ESTIMATORS |= {
+        "ABMIL": lambda: ABMIL(**NETWORK),
+        "EmbeddedGPMIL": lambda: EmbeddedGPMIL(VGPMIL(n_inducing=6, max_iter=5, n_mc_samples=40), n_networks=2, **NETWORK),
+    }
 USES_COORDS = {"VGPMILPRI", "VGPMILPRI-learnt-lam", "VGPMILPRI-smoother", "VGPMILPRGibbs"}
 OPTIONS = {"return_std": True, "return_orthant_error": True}  # every output a method offers
-VARIANTS = {"method": ("mc", "probit"), "rule": ("noisy_or", "max")}
+EMBEDDED_RULES = ("ensemble", "attention", "network")
+VARIANTS = {"method": ("mc", "probit"), "rule": tuple(dict.fromkeys(BAG_RULES + PROBIT_BAG_RULES + EMBEDDED_RULES))}
+
+
+def toy_data(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``X, bag_ids, y, coords`` (coords for the models that read them, else None)."""
+    X, bags, y, _ = make_toy_bags(n_bags=12)
+    coords = np.concatenate([np.arange(n) for n in np.unique(bags, return_counts=True)[1]]) if name in USES_COORDS else None
+    return X, bags, y, coords
+
+
+@functools.cache
+def fitted(name: str) -> Any:
+    """``ESTIMATORS[name]`` fitted on :func:`toy_data`, once per test session (the tests that use it
+    only predict, which this module checks changes nothing)."""
+    X, bags, y, coords = toy_data(name)
+    return ESTIMATORS[name]().fit(X, bags, y, **({"coords": coords} if coords is not None else {}))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -55,8 +95,11 @@ def _same(a: Any, b: Any) -> bool:
 
 def _calls(method: Any, X: np.ndarray, bags: np.ndarray, coords: np.ndarray | None):
     """Keyword sets covering a predict method: required arguments only, then every context and
-    output option it accepts, then each alternative ``method``/``rule``."""
-    params = inspect.signature(method).parameters
+    output option it accepts, then each alternative ``method``/``rule``. A method that passes
+    ``**kwargs`` on to a wrapped GP (EmbeddedGPMIL) gets the GP's ``return_std`` and ``method``."""
+    params = dict(inspect.signature(method).parameters)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        params = {"return_std": None, "method": None} | params
     required = {"bag_ids": bags} if "bag_ids" in params and params["bag_ids"].default is inspect.Parameter.empty else {}
     full = dict(required)
     if "bag_ids" in params:
@@ -88,10 +131,14 @@ def test_same_sees_every_kind_of_change():
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_predictions_never_change_the_estimator(name):
-    X, bags, y, _ = make_toy_bags(n_bags=12)
-    coords = np.concatenate([np.arange(n) for n in np.unique(bags, return_counts=True)[1]]) if name in USES_COORDS else None
-    estimator = ESTIMATORS[name]().fit(X, bags, y, **({"coords": coords} if coords is not None else {}))
-    methods = [m for m in dir(estimator) if m.startswith("predict") and callable(getattr(estimator, m))]
+    X, bags, _, coords = toy_data(name)
+    estimator = fitted(name)
+    # scikit-learn conventions on the way: fit leaves the parameters as given, what it learns ends in "_"
+    params = ESTIMATORS[name]().get_params(deep=False)
+    assert _same(estimator.get_params(deep=False), params), f"{name}.fit changed a constructor parameter"
+    learnt = set(vars(estimator)) - set(params)
+    assert learnt and all(k.endswith("_") for k in learnt), sorted(k for k in learnt if not k.endswith("_"))
+    methods = [m for m in dir(estimator) if m.startswith(("predict", "transform")) and callable(getattr(estimator, m))]
     assert methods
     for method_name in methods:
         succeeded = 0
@@ -119,3 +166,39 @@ def test_scoring_a_fit_state_never_changes_the_estimator():
     assert _same(before, vars(estimator))
     _, predicted = estimator.predict_bag_proba(X, bags, coords=coords)
     assert not np.allclose(scored, predicted)  # the state's λ was used, not lam_
+
+
+def test_every_public_estimator_is_checked():
+    """A new estimator exported by mil_core cannot skip the checks here (ABMIL/EmbeddedGPMIL are
+    checked where PyTorch is installed: their fit needs it)."""
+    public = {name for name in mil_core.__all__ if isinstance(getattr(mil_core, name), type)
+              and issubclass(getattr(mil_core, name), BaseEstimator)}
+    checked = {type(make()).__name__ for make in ESTIMATORS.values()}
+    assert public - checked <= NEEDS_TORCH, f"estimators without a purity check: {sorted(public - checked)}"
+    assert public >= checked
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_clone_gives_an_unfitted_estimator_with_equal_params(name):
+    estimator = ESTIMATORS[name]()
+    copied = clone(estimator)
+    assert type(copied) is type(estimator) and copied is not estimator
+    assert repr(copied) == repr(estimator)
+    assert _same(vars(copied), vars(estimator))  # parameters only, nested estimators cloned by value
+    assert not any(k.endswith("_") for k in vars(copied))
+
+
+def test_the_scikit_learn_adapter_predicts_without_changing_itself_and_clones():
+    """:class:`mil_core.model_selection.BagwiseClassifier` (the estimator scikit-learn's search tools see)."""
+    from mil_core.model_selection import BagwiseClassifier, with_bag_ids
+
+    X, bags, y, _ = toy_data("VGPMIL")
+    adapter = BagwiseClassifier(VGPMIL(max_iter=5, **SMALL), predict_kwargs={"method": "probit"})
+    assert _same(vars(clone(adapter)), vars(adapter))
+    Xb = with_bag_ids(X, bags)
+    adapter.fit(Xb, y)
+    for method in ("predict_bag_proba", "predict_proba", "predict"):
+        before = copy.deepcopy(vars(adapter))
+        getattr(adapter, method)(Xb)
+        assert _same(before, vars(adapter)), method
+    assert not any(k.endswith("_") for k in vars(clone(adapter)))

@@ -183,3 +183,26 @@ def test_synthetic_feature_cohort_has_witnesses_exactly_in_positive_bags(tmp_pat
     assert abs(np.linalg.norm(shift) - 3.0) < 0.5
     again = make_feature_cohort(tmp_path / "g.zarr", 300, 12, 8, 0.2, 5, bags_per_batch=64)
     np.testing.assert_array_equal(again.read_bags(0, 300).features, block.features)
+
+
+@pytest.mark.parametrize("keeps", [True, False], ids=["store-keeps-ids", "store-keeps-none"])
+def test_the_direct_append_and_the_staging_writer_check_instance_ids_alike(tmp_path, spec, keeps):
+    """One check, one message for both ways into the store: a store that keeps instance ids needs one
+    per row, a store that keeps none takes none; nothing of the refused bag is written."""
+    import dataclasses
+
+    path = tmp_path / "ids.zarr"
+    create_cohort(path, dataclasses.replace(spec, instance_ids="SOPInstanceUID" if keeps else None))
+    bag = random_bags(np.random.default_rng(0), 1)[0]
+    wrong = None if keeps else np.array([f"uid{i}" for i in range(bag.n_instances)])
+    message = r"the store keeps instance ids \(SOPInstanceUID\), one per instance" if keeps else "the store keeps no instance ids"
+    with pytest.raises(FeatureDimensionError, match=message) as direct:
+        append_bags(path, [dataclasses.replace(bag, instance_ids=wrong)])
+    writer = StagingWriter(path, bag.bag_id, bag.label, bag.source)
+    with pytest.raises(FeatureDimensionError, match=message) as staged:
+        writer.write(bag.features, bag.coords, bag.instance_labels, instance_ids=wrong)
+    assert str(direct.value) == str(staged.value)
+    if keeps:  # and one id short
+        with pytest.raises(FeatureDimensionError, match=rf"instance ids of shape \({bag.n_instances - 1},\) for {bag.n_instances}"):
+            append_bags(path, [dataclasses.replace(bag, instance_ids=np.array(["u"] * (bag.n_instances - 1)))])
+    assert open_cohort(path).n_bags == 0

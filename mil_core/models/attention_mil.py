@@ -29,9 +29,11 @@ __all__ = ["ABMIL", "AttentionNetworkParams"]
 
 class AttentionNetworkParams:
     """Training and embedding shared by the estimators that own the network (their constructor
-    parameters are documented there)."""
+    parameters are documented there). ``_states()`` lists the fitted networks: ABMIL's one, an
+    ensemble's members."""
 
-    def _network_fit(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, seed: int) -> NetworkFit:
+    def _network_fit(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, seed: int,
+                     n_networks: int = 1) -> NetworkFit:
         if self.calibration not in ("platt", None):
             raise ValueError(f"calibration must be 'platt' or None, got {self.calibration!r}")
         return fit_attention_network(
@@ -39,40 +41,41 @@ class AttentionNetworkParams:
             attention_dim=self.attention_dim, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             max_epochs=self.max_epochs, early_stopping=self.early_stopping, validation_fraction=self.validation_fraction,
             n_epochs_no_change=self.n_epochs_no_change, seed=seed, hold_out=self.calibration is not None,
+            n_networks=n_networks,
         )
 
-    def _store_network(self, fit: NetworkFit, n_features: int) -> None:
+    def _store_traces(self, fit: NetworkFit, n_features: int) -> None:
         self.n_features_in_ = n_features
         self.classes_ = np.array([0, 1])
-        self.network_state_ = fit.params
         self.network_train_loss_ = fit.train_loss
         self.network_validation_loss_ = fit.validation_loss
         self.network_validation_auc_ = fit.validation_auc
         self.network_best_epoch_ = fit.best_epoch
-        self.validation_bags_ = fit.validation_bags
 
-    def _fit_calibration(self, score: Callable[[np.ndarray, np.ndarray], np.ndarray], X_val: np.ndarray,
-                         val_offsets: np.ndarray, val_labels: np.ndarray) -> None:
-        """Platt scaling (``calibration="platt"``) of ``score(X_val, val_offsets)`` on the held-out
-        bags (given as CSR rows, with their labels); the identity otherwise."""
+    def _fit_calibration(self, scores: Callable[[], np.ndarray], val_labels: np.ndarray) -> None:
+        """Platt scaling (``calibration="platt"``) of the held-out bags' ``scores()`` with their
+        labels; the identity otherwise."""
         slope, intercept = 1.0, 0.0
         if self.calibration == "platt":
-            slope, intercept = fit_platt(score(X_val, val_offsets), val_labels)
+            slope, intercept = fit_platt(scores(), val_labels)
         self.calibration_slope_, self.calibration_intercept_ = slope, intercept
 
-    def _embed(self, X: Any) -> np.ndarray:
-        """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows."""
-        check_is_fitted(self, "network_state_")
+    def _embed(self, X: Any, member: int = 0) -> np.ndarray:
+        """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows by network ``member``."""
+        check_is_fitted(self, "n_features_in_")
         X = np.asarray(check_features(X, n_features=self.n_features_in_), dtype=np.float64)
-        return instance_embedding(network_arrays(self.network_state_), X)
+        return instance_embedding(network_arrays(self._states()[member]), X)
 
     def predict_attention(self, X: Any, bag_ids: Any) -> np.ndarray:
-        """Attention weight ``α_n`` of each row within its bag (rows in input order; sums to 1 per bag)."""
-        H = self._embed(X)
-        _, bags, _ = check_mil_data(H, bag_ids)
-        weights = np.empty(H.shape[0])
-        weights[bags.order] = attention_weights(network_arrays(self.network_state_), H[bags.order], bags.offsets)
-        return weights
+        """Attention weight ``α_n`` of each row within its bag (rows in input order; sums to 1 per
+        bag; an ensemble's is the mean of its members')."""
+        check_is_fitted(self, "n_features_in_")
+        _, bags, _ = check_mil_data(check_features(X, n_features=self.n_features_in_), bag_ids)
+        weights = np.zeros(bags.order.size)
+        for member, state in enumerate(self._states()):
+            H = self._embed(X, member)
+            weights[bags.order] += attention_weights(network_arrays(state), H[bags.order], bags.offsets)
+        return weights / len(self._states())
 
 
 def _seed(random_state: Any) -> int:
@@ -150,10 +153,15 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         X_sorted = np.asarray(X, dtype=np.float64)[bags.order]
         fit = self._network_fit(X_sorted, bags.offsets, labels, _seed(self.random_state))
-        self._store_network(fit, X.shape[1])
+        self._store_traces(fit, X.shape[1])
+        self.network_state_, self.validation_bags_ = fit.params[0], fit.validation_bags[0]
         X_val, val_offsets = take_bags(X_sorted, bags.offsets, self.validation_bags_)
-        self._fit_calibration(self._bag_logits, X_val, val_offsets, labels[self.validation_bags_])
+        self._fit_calibration(lambda: self._bag_logits(X_val, val_offsets), labels[self.validation_bags_])
         return self
+
+    def _states(self) -> list[dict[str, np.ndarray]]:
+        check_is_fitted(self, "network_state_")
+        return [self.network_state_]
 
     def _bag_logits(self, X_sorted: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         return bag_logits(network_arrays(self.network_state_), self._embed(X_sorted), offsets)

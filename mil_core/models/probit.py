@@ -17,7 +17,7 @@ from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
-from ..predictive import sample_latent
+from ..predictive import probit_link_scale, sample_latent
 from .base import SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates, prior_mean_of
@@ -33,7 +33,7 @@ def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.n
     """``E[Φ(X)]`` and ``sd[Φ(X)]`` for ``X ~ N(mean, var)`` in closed form:
     ``E Φ(X) = Φ(h)``, ``E Φ(X)² = Φ₂(h, h; ρ) = Φ(h) − 2T(h, 1/√(1 + 2var))`` (Owen's T),
     ``h = mean/√(1 + var)``."""
-    h = mean / np.sqrt(1.0 + var)
+    h = probit_link_scale(mean, var)
     p = ndtr(h)
     second = p - 2.0 * owens_t(h, 1.0 / np.sqrt(1.0 + 2.0 * var))
     return p, np.sqrt(np.clip(second - p**2, 0.0, None))
@@ -187,7 +187,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         n_bags = offsets.shape[0] - 1
         sizes = np.diff(offsets)
         independent = coupling.edge_count == 0
-        log_p0 = segment_sum(log_ndtr(-mean / np.sqrt(1.0 + var)), offsets)
+        log_p0 = segment_sum(log_ndtr(-probit_link_scale(mean, var)), offsets)
         std = np.zeros(n_bags) if return_std else None
         orthant_error = np.zeros(n_bags)
         rng = np.random.default_rng(self.random_state)

@@ -209,10 +209,10 @@ class _LogisticGPMIL(SparseGPMILBase):
         The std is the Monte Carlo spread of the same rule applied to draws of ``σ(f*)`` (Eq. 37),
         drawn bag by bag.
         """
+        X, bags = self._check_predict_input(X, bag_ids)
         rule = self.bag_rule_ if rule is None else rule
         if rule not in BAG_RULES:
             raise ValueError(f"rule must be one of {', '.join(BAG_RULES)}, got {rule!r}")
-        X, bags = self._check_predict_input(X, bag_ids)
         p_inst = self.predict_instance_proba(X, method=method)[bags.order]
         offsets = bags.offsets
         p = bag_score(p_inst, offsets, rule)

@@ -1,12 +1,13 @@
 """``fit_cohort_embedded``: :class:`~mil_core.EmbeddedGPMIL` on a cohort store.
 
-The attention-MIL network trains on the client (PyTorch, one bag per step: it does not split into
-the executor's map → sum form); the GP then trains through :func:`~tasks.training.fit.fit_cohort`
-on the Dask cluster, every partition embedded on its worker by the stored network (NumPy).
+The ensemble's attention-MIL networks train on the client (PyTorch, one bag per step: they do not
+split into the executor's map → sum form); each member's GP then trains through
+:func:`~tasks.training.fit.fit_cohort` on the Dask cluster, every partition embedded on its worker
+by that member's stored network (NumPy).
 
 Memory bound: the client holds every labelled training instance once, as float64, while the
-network trains (then the inner validation bags', 20 % by default, for the calibration):
-``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
+networks train (then, for the calibration, each instance's embedding by the member that held its
+bag out, ``8 · N_train · n_components`` bytes): ``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
 feature extractor with fewer dimensions, or a sub-cohort, beyond what the client holds).
 """
 
@@ -32,14 +33,16 @@ __all__ = ["EmbeddedFeatures", "fit_cohort_embedded"]
 
 @dataclass(frozen=True)
 class EmbeddedFeatures:
-    """The features an :class:`~mil_core.EmbeddedGPMIL`'s GP sees: the cohort's standardisation
-    (when trained with one), then the network's standardised embedding."""
+    """The features member ``member`` of an :class:`~mil_core.EmbeddedGPMIL`'s GPs sees: the
+    cohort's standardisation (when trained with one), then that member network's standardised
+    embedding."""
 
     model: EmbeddedGPMIL
     scaling: FeatureScaling | None = None
+    member: int = 0
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
-        return self.model.transform(X if self.scaling is None else self.scaling(X))
+        return self.model.member_transform(X if self.scaling is None else self.scaling(X), self.member)
 
 
 persist.allow_types(EmbeddedFeatures)  # saved in the GP's training checkpoint
@@ -61,13 +64,14 @@ def _training_bags(store: str, scaling: FeatureScaling | None) -> tuple[np.ndarr
 
 
 def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client, *, standardize: bool = False,
-                        **fit_kwargs: Any) -> TrainingSummary:
-    """Fit ``model`` on the labelled bags of ``store``: the network on the client (its own inner
-    validation split of bags), then a clone of ``model.gp`` through :func:`fit_cohort` on the
-    embedded features of the network's training bags (``fit_kwargs`` go there), then the
-    calibration on the client from the inner validation bags. Sets the fitted attributes of ``model.fit``;
-    predictions go through :func:`~tasks.training.predict.predict_cohort` with the returned
-    summary's ``scaling``, like any model."""
+                        run: str = "default", **fit_kwargs: Any) -> TrainingSummary:
+    """Fit ``model`` on the labelled bags of ``store``: the member networks on the client (their
+    own cross-fitted folds of bags), then each member's clone of ``model.gp`` through
+    :func:`fit_cohort` (run ``{run}-member{k}``; ``fit_kwargs`` go there) on its embedded features,
+    its held-out bags excluded, then the calibration on the client from the members' embeddings
+    of their held-out bags. Sets the fitted attributes of ``model.fit``; predictions go through
+    :func:`~tasks.training.predict.predict_cohort` with the returned summary's ``scaling``, like
+    any model. The summary is the last member GP's."""
     store = str(store)
     cohort = open_cohort(store)
     labels = np.asarray(cohort.bag_labels)
@@ -77,12 +81,15 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     network_seed, gp_seed = model._seeds()
     X_sorted, offsets, bag_labels = _training_bags(store, scaling)
     model.fit_embedding(X_sorted, offsets, bag_labels, seed=network_seed)
-    validation = model.validation_bags_
-    X_val, val_offsets = take_bags(X_sorted, offsets, validation)  # the inner validation bags calibrate
+    held_out = model.held_out_embeddings(X_sorted, offsets)  # D numbers per instance: the rows can go
     del X_sorted
-    gp = model._gp_clone(gp_seed)
-    summary = fit_cohort(gp, store, client, transform=EmbeddedFeatures(model, scaling), exclude_bags=labelled[validation],
-                         **fit_kwargs)
-    model.gp_ = gp
-    model.fit_calibration(X_val, val_offsets, bag_labels[validation])
+    gps, summary = [], None
+    for member, validation in enumerate(model.validation_bags_):
+        gp = model.gp_clone(member, gp_seed)
+        summary = fit_cohort(gp, store, client, run=f"{run}-member{member}",
+                             transform=EmbeddedFeatures(model, scaling, member), exclude_bags=labelled[validation],
+                             **fit_kwargs)
+        gps.append(gp)
+    model.gps_ = gps
+    model.fit_calibration(held_out, bag_labels)
     return dataclasses.replace(summary, scaling=scaling)

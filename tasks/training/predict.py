@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 from pathlib import Path
@@ -56,6 +57,33 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
             sd_bag[np.asarray(keys) - partition.bag_start] = sd_good
         p_bag[np.asarray(keys) - partition.bag_start] = p_good
     return partition, p_inst, sd_inst, p_bag, sd_bag, bad
+
+
+def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, dict]:
+    """``instance_kwargs, bag_kwargs`` of :func:`predict_cohort` for the pipeline's ``prediction``
+    settings: ``method`` goes to every predict method that names a ``method`` parameter (the
+    logistic family, and VWSGP's bag probability: the closed form the kernel choice and early
+    stopping score with, where ``"mc"`` would draw afresh in every partition), and to
+    EmbeddedGPMIL's instance probabilities, which its GP computes; ``rule``, when
+    set, to the logistic family. ``rule=None`` leaves the estimator's fitted ``bag_rule_``, so
+    the pipeline scores bags as the estimator's validation and ``predict_bag_proba`` do."""
+    def takes_method(name: str, forwarded: bool = False) -> bool:
+        function = getattr(model, name, None)
+        if function is None:
+            return False
+        parameters = inspect.signature(function).parameters
+        members = getattr(model, "gps_", None)  # EmbeddedGPMIL passes its keyword arguments to its members' GPs
+        if forwarded and members and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            function = getattr(members[0], name, None)
+            parameters = {} if function is None else inspect.signature(function).parameters
+        return "method" in parameters
+
+    instance_name = "predict_instance_proba" if hasattr(model, "predict_instance_proba") else "predict_instance_evidence"
+    instance_kwargs = {"method": method} if takes_method(instance_name, forwarded=True) else {}
+    bag_kwargs = {"method": method} if takes_method("predict_bag_proba") else {}
+    if rule is not None and hasattr(model, "emax"):  # the logistic family
+        bag_kwargs["rule"] = rule
+    return instance_kwargs, bag_kwargs
 
 
 def is_point_estimate(model: Any) -> bool:

@@ -1,0 +1,80 @@
+"""Validation at the boundary, the same for every public mil_core estimator: bad input to ``fit``
+or a predict method fails at once with a ``ValueError`` naming what is wrong (and the bag, where
+one bag is the problem), before any work; the constructor stores its parameters and nothing else."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_predict_purity import ESTIMATORS, USES_COORDS, _same, fitted
+
+from tests.conftest import make_toy_bags
+
+X, BAGS, Y, _ = make_toy_bags(n_bags=12)
+COORDS = np.concatenate([np.arange(n) for n in np.unique(BAGS, return_counts=True)[1]])
+
+
+def _with_nan(X, bags, y):
+    X = X.copy()
+    X[4, 1] = np.nan
+    return X, bags, y
+
+
+def _mixed_labels(X, bags, y):
+    y = y.copy()
+    y[np.flatnonzero(bags == 3)[0]] = 0  # bag 3 is positive: one of its instances now says 0
+    return X, bags, y
+
+
+BAD_FIT_INPUT = {
+    "nan-feature": (_with_nan, "NaN"),
+    "infinite-feature": (lambda X, b, y: (np.where(np.arange(X.size).reshape(X.shape) == 3, np.inf, X), b, y), "infinity"),
+    "bag-ids-length": (lambda X, b, y: (X, b[:-1], y), "bag_ids must be 1-D with one entry per instance"),
+    "bag-ids-nan": (lambda X, b, y: (X, np.where(np.arange(b.size) == 2, np.nan, b.astype(float)), y), "bag_ids contains NaN"),
+    "bag-ids-none": (lambda X, b, y: (X, np.where(np.arange(b.size) == 5, None, b.astype(str).astype(object)), y),
+                     r"bag_ids has no bag id at row\(s\) \[5\]"),
+    "bag-ids-mixed-types": (lambda X, b, y: (X, np.where(b == 0, "zero", b.astype(object)), y), "bag_ids mixes types"),
+    "label-not-constant-in-a-bag": (_mixed_labels, "bag 3 has instances with different bag labels"),
+    "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1, found \[2\]"),
+    "single-class": (lambda X, b, y: (X, b, np.zeros_like(y)), "need bags of both classes"),
+    "labels-length": (lambda X, b, y: (X, b, y[:-1]), "y must be 1-D with one bag label per instance"),
+}
+
+
+def _fit_kwargs(name):
+    return {"coords": COORDS} if name in USES_COORDS else {}
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_constructor_stores_its_parameters_only(name):
+    estimator = ESTIMATORS[name]()
+    assert set(vars(estimator)) == set(estimator.get_params(deep=False))
+    fresh = type(estimator)()
+    assert set(vars(fresh)) == set(fresh.get_params(deep=False))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("problem", sorted(BAD_FIT_INPUT))
+def test_fit_refuses_bad_input_with_a_clear_message_and_learns_nothing(name, problem):
+    corrupt, message = BAD_FIT_INPUT[problem]
+    estimator = ESTIMATORS[name]()
+    before = dict(vars(estimator))
+    with pytest.raises(ValueError, match=message):
+        estimator.fit(*corrupt(X, BAGS, Y), **_fit_kwargs(name))
+    assert _same(vars(estimator), before), "a refused fit left fitted attributes behind"
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_predict_refuses_wrong_width_nan_and_an_unfitted_model(name):
+    from sklearn.exceptions import NotFittedError
+
+    with pytest.raises(NotFittedError):
+        ESTIMATORS[name]().predict_bag_proba(X, BAGS)
+    estimator = fitted(name)  # fitted on the same toy bags
+    context = {"coords": COORDS} if name in USES_COORDS else {}
+    with pytest.raises(ValueError, match="features"):
+        estimator.predict_bag_proba(np.hstack([X, X]), BAGS, **context)
+    with pytest.raises(ValueError, match="NaN"):
+        estimator.predict_bag_proba(_with_nan(X, BAGS, Y)[0], BAGS, **context)
+    with pytest.raises(ValueError, match="bag_ids must be 1-D"):
+        estimator.predict_bag_proba(X, BAGS[:-1], **context)
