@@ -13,7 +13,7 @@ it to ``METHODS``; it gets standardised features and returns bag scores in ``np.
 
     python benchmarks/bench_accuracy.py                           # everything (~1 h on 2 busy cores)
     python benchmarks/bench_accuracy.py --datasets musk1 --methods lr_mean_max vgpmil
-    python benchmarks/bench_accuracy.py --elbo-trace              # convergence with H = 1e12
+    python benchmarks/bench_accuracy.py --elbo-trace --figure docs/figures/elbo_h1e12.png   # convergence with H = 1e12
     python benchmarks/bench_accuracy.py --reference /tmp/vgpmil   # adds the public 2017 code as a method
 
 ``--reference`` points at a checkout of github.com/manuelhaussmann/vgpmil (never copied into this
@@ -319,10 +319,12 @@ def evaluate(method: str, dataset: str, n_splits: int, draws: int) -> dict[str, 
     return rows
 
 
-def elbo_traces(n_iter: int = 150) -> None:
+def elbo_traces(n_iter: int = 150, figure: Path | None = None) -> None:
     """MUSK1 fold 0, VGPMIL with H = 1e12, v = 4: the ELBO (monitor) and the largest change of a
-    held-out bag score between consecutive sweeps, damped (0.5) and undamped, both E[max] rules."""
+    held-out bag score between consecutive sweeps, damped (0.5) and undamped, both E[max] rules;
+    ``figure``: also both traces, sweep by sweep, as a PNG."""
     _, train, test = next(folds("musk1", 5, 1))
+    traces = {}
     print("| E[max] | damping | ELBO @10 | @50 | @100 | @150 | max Δ bag score, last 10 sweeps |\n|---|---|---|---|---|---|---|")
     for emax in ("max", "exact"):
         for damping in (0.0, 0.5):
@@ -344,6 +346,29 @@ def elbo_traces(n_iter: int = 150) -> None:
                 previous = scores
             cells = " | ".join(f"{elbo[i - 1]:.1f}" for i in (10, 50, 100, 150) if i <= n_iter)
             print(f"| {emax} | {damping} | {cells} | {max(changes[-10:]):.2e} |", flush=True)
+            traces[f"E[max] {emax}, damping {damping}"] = (elbo, changes)
+    if figure is not None:
+        plot_traces(traces, figure)
+
+
+def plot_traces(traces: dict[str, tuple[list[float], list[float]]], path: Path) -> None:
+    """ELBO and the largest consecutive change of a held-out bag score, per sweep, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for label, (elbo, changes) in traces.items():
+        line, = top.plot(np.arange(1, len(elbo) + 1), elbo, label=label, linewidth=1)
+        bottom.semilogy(np.arange(2, len(changes) + 2), np.maximum(changes, 1e-16), color=line.get_color(), linewidth=1)
+    top.set_ylabel("ELBO (E[max]=max: a monitor)")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("max |Δ bag score|, consecutive sweeps")
+    bottom.set_xlabel("sweep")
+    fig.suptitle("VGPMIL, MUSK1 fold 0, H = 1e12, v = 4")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int) -> None:
@@ -370,6 +395,7 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
+    parser.add_argument("--figure", type=Path, help="with --elbo-trace: also plot the traces, sweep by sweep, to this PNG")
     args = parser.parse_args()
     if args.reference is not None:
         METHODS["vgpmil_2017"] = reference_method(args.reference)
@@ -380,7 +406,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
           f"python {platform.python_version()}")
     if args.elbo_trace:
-        elbo_traces()
+        elbo_traces(figure=args.figure)
         return
     print_table(methods, args.datasets, args.folds, args.draws)
 

@@ -51,6 +51,13 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, Bag
         raise ValueError(f"bag_ids must be 1-D with one entry per instance ({X.shape[0]}), got shape {bag_ids.shape}")
     if bag_ids.dtype.kind == "f" and not np.all(np.isfinite(bag_ids)):
         raise ValueError("bag_ids contains NaN or infinity")
+    if bag_ids.dtype.kind == "O":
+        missing = np.flatnonzero([v is None or (isinstance(v, float) and not np.isfinite(v)) for v in bag_ids])
+        if missing.size:
+            raise ValueError(f"bag_ids has no bag id at row(s) {missing[:5].tolist()} ({bag_ids[missing[0]]!r})")
+        kinds = sorted({type(v).__name__ for v in bag_ids})
+        if len(kinds) > 1 and not all(isinstance(v, (int, np.integer)) for v in bag_ids):
+            raise ValueError(f"bag_ids mixes types ({', '.join(kinds)}); give every bag id the same type")
     bags = BagIndex.from_ids(bag_ids)
     if y is None:
         return X, bags, None

@@ -22,7 +22,7 @@ from tests.test_flows import cohort, write_config  # noqa: F401  (the fixture)
 pytest.importorskip("torch", reason='training the network needs the optional extra "torch"')
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("prefect_server")]
 
-PARAMS = {"n_components": 4, "hidden": [16], "attention_dim": 8, "learning_rate": 0.01, "max_epochs": 15, "random_state": 0,
+PARAMS = {"n_networks": 2, "n_components": 4, "hidden": [16], "attention_dim": 8, "learning_rate": 0.01, "max_epochs": 15, "random_state": 0,
           "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 10, "random_state": 0}}}
 
 
@@ -53,7 +53,7 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
         tree = json.dumps(json.loads(stored["__gpmil__"].tobytes().decode()))
         assert '"network_states_"' in tree and len(stored.files) > sum(map(len, serial.network_states_))
     trained = load_model(model_dir).estimator
-    assert len(trained.network_states_) == len(serial.network_states_) == 5  # the ensemble's members
+    assert len(trained.network_states_) == len(serial.network_states_) == PARAMS["n_networks"]  # the ensemble's members
     for state, serial_state in zip(trained.network_states_, serial.network_states_, strict=True):
         for name, weights in serial_state.items():  # the embeddings fitted on the training cohort, as weights
             np.testing.assert_array_equal(state[name], weights, err_msg=name)

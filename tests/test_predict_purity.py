@@ -53,7 +53,7 @@ NEEDS_TORCH = {"ABMIL", "EmbeddedGPMIL"}  # the network trains with PyTorch (the
 if importlib.util.find_spec("torch") is not None:
     ESTIMATORS |= {
         "ABMIL": lambda: ABMIL(**NETWORK),
-        "EmbeddedGPMIL": lambda: EmbeddedGPMIL(VGPMIL(n_inducing=6, max_iter=5, n_mc_samples=40), **NETWORK),
+        "EmbeddedGPMIL": lambda: EmbeddedGPMIL(VGPMIL(n_inducing=6, max_iter=5, n_mc_samples=40), n_networks=2, **NETWORK),
     }
 USES_COORDS = {"VGPMILPRI", "VGPMILPRI-learnt-lam", "VGPMILPRI-smoother", "VGPMILPRGibbs"}
 OPTIONS = {"return_std": True, "return_orthant_error": True}  # every output a method offers
@@ -186,3 +186,19 @@ def test_clone_gives_an_unfitted_estimator_with_equal_params(name):
     assert repr(copied) == repr(estimator)
     assert _same(vars(copied), vars(estimator))  # parameters only, nested estimators cloned by value
     assert not any(k.endswith("_") for k in vars(copied))
+
+
+def test_the_scikit_learn_adapter_predicts_without_changing_itself_and_clones():
+    """:class:`mil_core.model_selection.BagwiseClassifier` (the estimator scikit-learn's search tools see)."""
+    from mil_core.model_selection import BagwiseClassifier, with_bag_ids
+
+    X, bags, y, _ = toy_data("VGPMIL")
+    adapter = BagwiseClassifier(VGPMIL(max_iter=5, **SMALL), predict_kwargs={"method": "probit"})
+    assert _same(vars(clone(adapter)), vars(adapter))
+    Xb = with_bag_ids(X, bags)
+    adapter.fit(Xb, y)
+    for method in ("predict_bag_proba", "predict_proba", "predict"):
+        before = copy.deepcopy(vars(adapter))
+        getattr(adapter, method)(Xb)
+        assert _same(before, vars(adapter)), method
+    assert not any(k.endswith("_") for k in vars(clone(adapter)))
