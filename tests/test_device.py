@@ -115,7 +115,7 @@ def test_instance_predictions_on_the_device(data, monkeypatch):
 
 def test_gibbs_reference_on_the_device(data, monkeypatch):
     X, bags, y, coords = data
-    params = dict(n_inducing=M, lam=0.5, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=0)  # the kernel choice is host-side
+    params = dict(n_inducing=M, lam=0.5, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=0)  # the kernel choice is host-side
     on_host = VGPMILPRGibbs(**params).fit(X, bags, y, coords=coords)
     with count_transfers(monkeypatch) as log:
         on_device = VGPMILPRGibbs(**params).fit(to_emulated(X), bags, y, coords=coords)
@@ -217,7 +217,7 @@ def test_the_gibbs_chain_on_gpu_workers_is_the_host_chain(tmp_path, data, gpu_cl
     X, bags, y, _ = data
     X = X.astype(np.float32).astype(np.float64)
     path = write_store(tmp_path / "gibbs.zarr", X, bags, y)
-    params = dict(n_inducing=M, kernel=RBF(4.0), n_samples=8, burn_in=2, random_state=0)
+    params = dict(n_inducing=M, kernel=RBF(4.0), n_samples=8, burn_in=2, thin=1, random_state=0)
     serial = VGPMILPRGibbs(**params).fit(X, bags, y)
     model = VGPMILPRGibbs(**params)
     with count_transfers(monkeypatch) as log:

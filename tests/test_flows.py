@@ -404,7 +404,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
 
     import logging
 
-    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "random_state": 0}
+    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "thin": 1, "random_state": 0}
     progress: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: progress.append(record.getMessage())

@@ -15,12 +15,12 @@ def tiny():
 
 
 def test_gibbs_and_variational_agree_on_a_tiny_problem(tiny):
-    """Mean-field q(v)q(m) vs the exact posterior, same kernel and inducing points (a fixed kernel:
+    """Mean-field q(v)q(m) vs the exact posterior, same model (the chain's zero prior mean), kernel and inducing points (a fixed kernel:
     kernel=None would choose a variance and an early stop for the variational fit only): the latent posterior
     means at the training instances agree to a fraction of their spread."""
     X, bags, y, _ = tiny
-    variational = VGPMILPR(n_inducing=6, kernel=RBF(1.0), max_iter=300, tol=1e-10, random_state=0).fit(X, bags, y)
-    gibbs = VGPMILPRGibbs(n_inducing=6, kernel=RBF(1.0), n_samples=2000, burn_in=300, random_state=0).fit(X, bags, y)
+    variational = VGPMILPR(n_inducing=6, kernel=RBF(1.0), max_iter=300, tol=1e-10, prior_mean=0.0, random_state=0).fit(X, bags, y)
+    gibbs = VGPMILPRGibbs(n_inducing=6, kernel=RBF(1.0), n_samples=2000, burn_in=300, thin=1, random_state=0).fit(X, bags, y)
     np.testing.assert_array_equal(gibbs.gp_.Z, variational.gp_.Z)
     f_vi, _ = variational.predict_latent(X)
     f_gibbs, _ = gibbs.predict_latent(X)
@@ -33,11 +33,11 @@ def test_gibbs_and_variational_agree_on_a_tiny_problem(tiny):
 def test_gibbs_with_coupling_prefers_the_mean_field_moments(tiny):
     X, bags, y, _ = tiny
     coords = chain_coords(bags)
-    gibbs = VGPMILPRGibbs(lam=1.0, n_inducing=6, kernel=RBF(1.0), n_samples=2000, burn_in=300, random_state=0).fit(X, bags, y, coords=coords)
+    gibbs = VGPMILPRGibbs(lam=1.0, n_inducing=6, kernel=RBF(1.0), n_samples=2000, burn_in=300, thin=1, random_state=0).fit(X, bags, y, coords=coords)
     f_gibbs, _ = gibbs.predict_latent(X)
     errors = {}
     for moments in ("diagonal", "mean_field"):
-        model = VGPMILPRI(lam=1.0, moments=moments, n_inducing=6, kernel=RBF(1.0), max_iter=300, tol=1e-10, random_state=0)
+        model = VGPMILPRI(lam=1.0, moments=moments, n_inducing=6, kernel=RBF(1.0), max_iter=300, tol=1e-10, prior_mean=0.0, random_state=0)
         f, _ = model.fit(X, bags, y, coords=coords).predict_latent(X)
         errors[moments] = np.abs(f - f_gibbs).max()
     assert errors["mean_field"] < errors["diagonal"]
@@ -45,11 +45,11 @@ def test_gibbs_with_coupling_prefers_the_mean_field_moments(tiny):
 
 def test_gibbs_is_seeded_and_validates_its_parameters(tiny):
     X, bags, y, _ = tiny
-    a = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
-    b = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=3).fit(X, bags, y)
+    a = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=3).fit(X, bags, y)
+    b = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=3).fit(X, bags, y)
     np.testing.assert_array_equal(a.v_samples_, b.v_samples_)
     assert a.v_samples_.shape == (20, 4)
-    other = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, random_state=4).fit(X, bags, y)
+    other = VGPMILPRGibbs(n_inducing=4, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=4).fit(X, bags, y)
     assert not np.any(np.isclose(other.v_samples_, a.v_samples_))
     with pytest.raises(ValueError, match="thin"):
         VGPMILPRGibbs(n_inducing=4, thin=0).fit(X, bags, y)
@@ -57,7 +57,7 @@ def test_gibbs_is_seeded_and_validates_its_parameters(tiny):
 
 # ------------------------------------------------------------------ keyed draws: the chain on the cluster
 
-CHAIN = dict(n_inducing=6, kernel=RBF(4.0), n_samples=15, burn_in=5, random_state=0)
+CHAIN = dict(n_inducing=6, kernel=RBF(4.0), n_samples=15, burn_in=5, thin=1, random_state=0)
 
 
 def chain_store(tmp_path, unlabelled=()):
@@ -162,8 +162,8 @@ def test_kernel_none_takes_the_variational_models_choice_of_kernel(tiny):
     """``kernel=None``: the sampler's prior is the one the variational fit of the same model chooses on the
     training bags (a λ = 0 chain needs no coords for it), by the same bag rule."""
     X, bags, y, _ = tiny
-    gibbs = VGPMILPRGibbs(n_inducing=6, n_samples=5, burn_in=0, bag_rule="orthant", random_state=0).fit(X, bags, y)
-    variational = VGPMILPR(n_inducing=6, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    gibbs = VGPMILPRGibbs(n_inducing=6, n_samples=5, burn_in=0, thin=1, bag_rule="orthant", random_state=0).fit(X, bags, y)
+    variational = VGPMILPR(n_inducing=6, bag_rule="orthant", prior_mean=0.0, random_state=0).fit(X, bags, y)  # the chain's zero mean
     assert gibbs.kernel_selection_.shape == (4, 2) and gibbs.auto_max_iter_ is None  # the chain runs all its sweeps
     np.testing.assert_array_equal(gibbs.kernel_selection_, variational.kernel_selection_)
     assert gibbs.kernel_ == variational.kernel_

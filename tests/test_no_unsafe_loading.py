@@ -81,3 +81,38 @@ def test_the_check_sees_through_aliases_loaders_and_non_constant_flags():
     assert [f.split(": ")[1] for f in unsafe_calls(source)] == [
         "np.load(allow_pickle=True)", "yaml.load without a safe Loader", "yaml.load without a safe Loader", "eval()", "exec()",
         "torch.load without weights_only=True"]
+
+
+class _Payload:
+    """Unpickling this creates the file ``self.marker``: proof that code from the store ran."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("codec", ["numcodecs.pickle", "pickle"])
+def test_a_store_whose_array_claims_a_pickle_codec_is_refused_without_running_it(tmp_path, codec):
+    """A shared cohort store edited to pickle its features (Zarr v3 naming numcodecs' pickle codec)
+    must fail to read, not unpickle: the guard is Zarr's codec registry, checked here on a real store."""
+    import json
+    import pickle
+
+    from tasks.store import open_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(6)
+    store = Path(write_store(tmp_path / "shared.zarr", X, bags, y))
+    features = store / "instances" / "features"
+    meta = json.loads((features / "zarr.json").read_text())
+    meta["codecs"] = [{"name": codec, "configuration": {}}]
+    (features / "zarr.json").write_text(json.dumps(meta))
+    marker = tmp_path / "code-ran"
+    for chunk in (p for p in (features / "c").rglob("*") if p.is_file()):
+        chunk.write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(Exception, match="codec"):
+        open_cohort(store).read_bags(0, 6)
+    assert not marker.exists()

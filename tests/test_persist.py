@@ -45,7 +45,7 @@ ESTIMATORS = {
     "PsiVGPMIL": lambda: mil_core.PsiVGPMIL(mil_core.GammaMixture(), n_inducing=6, max_iter=3, random_state=0),
     "VGPMILPR": lambda: mil_core.VGPMILPR(n_inducing=6, max_iter=3, random_state=0),
     "VGPMILPRI": lambda: mil_core.VGPMILPRI(n_inducing=6, max_iter=3, learn_lam=True, random_state=0),
-    "VGPMILPRGibbs": lambda: mil_core.VGPMILPRGibbs(n_inducing=6, n_samples=40, burn_in=10, random_state=0),
+    "VGPMILPRGibbs": lambda: mil_core.VGPMILPRGibbs(n_inducing=6, n_samples=40, burn_in=10, thin=1, random_state=0),
     "VWSGP": lambda: mil_core.VWSGP(n_inducing=6, max_iter=3, random_state=0),
     "AbSMIL": lambda: mil_core.AbSMIL(max_iter=3, random_state=0),
     "AbSMIL-rff": lambda: mil_core.AbSMIL(max_iter=3, n_random_features=8, random_state=0),

@@ -44,7 +44,7 @@ ESTIMATORS = {
     "VGPMILPRI": lambda: VGPMILPRI(lam=1.0, max_iter=5, exact_orthant_max=4, **SMALL),
     "VGPMILPRI-learnt-lam": lambda: VGPMILPRI(lam=1.0, learn_lam=True, max_iter=3, exact_orthant_max=4, **SMALL),
     "VGPMILPRI-smoother": lambda: VGPMILPRI(lam=1.0, coupling_form="smoother", max_iter=5, exact_orthant_max=4, **SMALL),
-    "VGPMILPRGibbs": lambda: VGPMILPRGibbs(lam=1.0, n_samples=30, burn_in=5, exact_orthant_max=4, **SMALL),
+    "VGPMILPRGibbs": lambda: VGPMILPRGibbs(lam=1.0, n_samples=30, burn_in=5, thin=1, exact_orthant_max=4, **SMALL),
     "VWSGP": lambda: VWSGP(max_iter=5, **SMALL),
     "AbSMIL": lambda: AbSMIL(max_iter=5, random_state=0),
 }

@@ -109,7 +109,7 @@ from ..engine import BagBlock, GaussianQ, Summable, WhitenedBlock
 from ..ising import CARCoupling, laplacian, neighbour_edges
 from ..truncnorm import log_inverse_mills, positive_bag_log_normaliser
 from .hyper import check_hyper_schedule
-from .probit_updates import ProbitBags, ProbitMILUpdates
+from .probit_updates import ProbitBags, ProbitMILUpdates, fresh_local
 
 __all__ = [
     "LAM_MIN",
@@ -281,7 +281,7 @@ class IsingLamUpdates:
         )
 
     def init_local(self, block: SpectralBags) -> LamLocal:
-        return LamLocal(warm=np.zeros(int(block.offsets[-1])))
+        return LamLocal(warm=fresh_local(int(block.offsets[-1])))
 
     def init_global(self) -> LamState:
         return LamState(q=self.inner.init_global(), lam=float(self.inner.lam))

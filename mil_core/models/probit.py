@@ -20,7 +20,7 @@ from ..orthant import log_orthant_probability_exact, orthant_probability_importa
 from ..predictive import probit_link_scale, sample_latent
 from .base import SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
-from .probit_updates import CouplingForm, Moments, ProbitMILUpdates
+from .probit_updates import CouplingForm, Moments, ProbitMILUpdates, prior_mean_of
 
 __all__ = ["PROBIT_BAG_RULES", "VGPMILPR", "VGPMILPRI"]
 
@@ -50,7 +50,25 @@ class _ProbitGPMIL(SparseGPMILBase):
 
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates:
         self._rule(None)  # validation and the kernel choice score bags by it: check it before the fit
-        return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
+        return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options(), **self._prior_mean_options())
+
+    def _prior_mean_options(self) -> dict[str, Any]:
+        """``prior_mean=None``: ``b`` learnt from 0 (empirical Bayes); a number: ``b`` fixed there."""
+        if self.prior_mean is None:
+            return {"learn_prior_mean": True}
+        if not np.isfinite(self.prior_mean):
+            raise ValueError(f"prior_mean must be None (learnt) or a finite number, got {self.prior_mean!r}")
+        return {"prior_mean": float(self.prior_mean)}
+
+    def _latent(self, gp: SparseGP, q: Any, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of the latent ``f* = b + a'*ᵀv`` (Eq. 30, FITC diagonal) under the state ``q``."""
+        mean, var = gp.whiten(X).latent_moments(q)
+        return mean + prior_mean_of(q), var
+
+    def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and variance of the latent f* (Eq. 30, FITC diagonal), the prior mean ``b`` included."""
+        X, _ = self._check_predict_input(X)
+        return self._latent(self.gp_, self.q_, X)
 
     def _fitted_lam(self) -> float:
         """λ of the fitted coupling (the parameter; VGPMIL-PR-I: the learnt ``lam_`` when learnt)."""
@@ -68,7 +86,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         lam = self._fitted_lam()
         if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
             lam, glob = glob.lam, glob.q
-        mean, var = gp.whiten(X_sorted).latent_moments(glob)
+        mean, var = self._latent(gp, glob, X_sorted)
         return self._bag_proba(mean, var, offsets, coords, lam, self._rule(None), return_std=False)[0]
 
     def _rule(self, rule: str | None) -> str:
@@ -83,7 +101,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         ``Σ* = 1``: a single instance has no neighbours); ``return_std``: the posterior spread of
         ``Φ(f*)``, in closed form (Owen's T)."""
         X, _ = self._check_predict_input(X)
-        mean, var = self.gp_.whiten(X).latent_moments(self.q_)
+        mean, var = self._latent(self.gp_, self.q_, X)
         p, sd = _phi_and_spread(mean, var)
         return (p, sd) if return_std else p
 
@@ -115,7 +133,7 @@ class _ProbitGPMIL(SparseGPMILBase):
         rule = self._rule(rule)
         X, bags = self._check_predict_input(X, bag_ids)
         coords_sorted = None if coords is None else check_coords(coords, bags)
-        mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
+        mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
         p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), rule, return_std=return_std)
         return (bags.keys, p) + ((std,) if return_std else ()) + ((orthant_error,) if return_orthant_error else ())
 
@@ -219,6 +237,12 @@ _COMMON_PARAMS = """
         Validation bag-AUC early stopping with patience; the best iterate is kept.
     block_size
         Instances per partition of whole bags (results do not depend on it).
+    prior_mean : float or None, default=None
+        Constant prior mean ``b`` of the latent, ``f = b + GP``. ``None`` learns it by empirical
+        Bayes (Newton steps on the ELBO between sweeps, from 0); a number fixes it. With a zero
+        mean a bag of thousands of instances is "surely positive" and its label says nothing
+        (:mod:`mil_core.models.probit_updates`, ``docs/MODELS.md`` "Probit family"). The fitted
+        value is ``q_.prior_mean``. VGPMIL-PR-I with ``learn_lam=True`` keeps it at its start.
     bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
         How a bag is scored, in ``predict_bag_proba``, in validation (early stopping, kernel
         choice) and in the pipeline: a rule of :func:`mil_core.bags.bag_score` on the instance
@@ -266,6 +290,7 @@ class VGPMILPR(_ProbitGPMIL):
         validation_fraction: float = 0.2,
         n_iter_no_change: int = 10,
         block_size: int = 65536,
+        prior_mean: float | None = None,
         bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
@@ -332,6 +357,7 @@ class VGPMILPRI(_ProbitGPMIL):
         exact_diag_max: int = 2000,
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
+        prior_mean: float | None = None,
         bag_rule: str = "top_fraction",
         n_mc_samples: int = 500,
         random_state: int | None = None,
@@ -345,6 +371,13 @@ class VGPMILPRI(_ProbitGPMIL):
 
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates | IsingLamUpdates:
         return ising_lam_updates(self, super()._make_updates(gp))
+
+    def _prior_mean_options(self) -> dict[str, Any]:
+        """As VGPMIL-PR; with ``learn_lam`` the λ steps own the fit's hyper-step, so ``b`` stays at
+        its start (0 for ``prior_mean=None``)."""
+        if self.learn_lam and self.prior_mean is None:
+            return {"prior_mean": 0.0}
+        return super()._prior_mean_options()
 
     def _fitted_lam(self) -> float:
         return self.lam_ if self.learn_lam and hasattr(self, "lam_") else self._lam()
@@ -395,7 +428,7 @@ class VGPMILPRI(_ProbitGPMIL):
             raise ValueError("instance predictions in bag context need both bag_ids and coords")
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
-        mean, var = self.gp_.whiten(take_rows(X, bags.order)).latent_moments(self.q_)
+        mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
         p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))
         p, sd = np.empty_like(p_sorted), np.empty_like(sd_sorted)
         p[bags.order], sd[bags.order] = p_sorted, sd_sorted

@@ -28,25 +28,49 @@ Mean-field ``q(v) q(m)`` (Eq. 13–18), whitened (DESIGN §1):
 For λ = 0 (or a bag without contiguous instances) both are exact and identical. The tracked
 objective is the ELBO ``Σ_b log Z_b − ½ tr(S'G') − ½ Σ_i (Σ_b)_ii Var_FITC,i − KL(q(v) ‖ p(v))``
 with ``log Z_b`` the log normaliser of ``q(m_b)`` under the chosen moment approximation; for
-λ = 0 it is the exact ELBO and never decreases.
+λ = 0 it is the exact ELBO and never decreases after the first sweep (below).
+
+**Prior mean and start (large bags).** The latent is ``f = b + A'v``: a constant prior mean ``b``
+(:class:`ProbitQ` carries it beside ``q(v)``). With ``learn_prior_mean`` it is learnt by
+empirical Bayes: after every global update, safeguarded Newton steps on ``Σ_b log Z_b(b)`` — the
+ELBO's only term that depends on ``b`` once ``q(m)`` is optimal for the new ``b`` — each step one
+probe sweep (:class:`PriorMeanProbe` → :class:`PriorMeanStats`, value, gradient and curvature in
+closed form from the independent truncated moments; a step that lowers the value is halved), so
+the ELBO does not decrease across a ``b`` step. Why: with a zero mean, a positive bag of
+10³–10⁴ instances is "surely positive" (``P(all negative) = Π Φ(−μ_i) ≈ 0``) at any instance
+probability that is not tiny, so its likelihood carries no information and its instances are
+regressed towards the negatives around them; the closed-form sweeps lower the whole field only by
+the small truncated-mean pushes ``φ(μ)/Φ(−μ)`` of the negative bags (hundreds of sweeps), and
+the witnesses are dragged down with it (instance AUC 0.79 → 0.59 on the large-bag set). A learnt
+``b`` lowers the field in a few steps to where ``P(all negative)`` of a positive bag is of order
+one and its likelihood points at its witnesses. The first sweep starts from the bag labels (every
+instance of a positive bag truncated to ``m > 0``, as VGPMIL's first sweep sets ``π`` from the bag
+label): from the prior state a large positive bag says nothing, and from a start that says
+nothing the positive bags' pull goes to whichever instance happens to be highest. With a learnt
+``b`` the first sweep only scores the prior state and ``b`` is learnt on it (at ``q(v)`` = prior
+that is the constant instance probability that best explains the bag labels and sizes), so that
+the label start (second sweep) regresses on the contrast between "above zero" and that level.
+``docs/BENCHMARKS.md`` ("Probit family defaults") has the measurements.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import numpy as np
 from scipy.special import log_ndtr
 
 from .._backend import array_namespace, to_numpy
-from ..bags import segment_sum
+from ..bags import segment_logsumexp, segment_sum
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, WhitenedBlock, gaussian_update, transposed_product
 from ..ising import CARCoupling, Neighbourhood
 from ..orthant import mean_field_gap, mean_field_negative_orthant
-from ..truncnorm import log1mexp, positive_bag_means, upper_truncated_moments
+from ..truncnorm import log1mexp, log_inverse_mills, positive_bag_log_normaliser, positive_bag_means, upper_truncated_moments
 
-__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitMILUpdates"]
+__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitQ", "PriorMeanProbe", "PriorMeanStats", "ProbitMILUpdates",
+           "fresh_local"]
 
 Moments = Literal["diagonal", "mean_field"]
 CouplingForm = Literal["ising", "smoother"]
@@ -83,6 +107,44 @@ class ProbitStats(Summable):
 
 
 @dataclass(frozen=True)
+class ProbitQ(GaussianQ):
+    """Whitened ``q(v) = N(mean, cov)`` and the latent's constant prior mean ``b``: ``f = b + A'v``.
+    ``started=False`` (a learnt ``b`` before its first step): the first sweep only scores the prior
+    state, ``q(v)`` stays the prior and ``b`` is learnt on it before the label start."""
+
+    prior_mean: float = 0.0
+    started: bool = True
+
+
+@dataclass(frozen=True)
+class PriorMeanProbe:
+    """A global state that makes :meth:`ProbitMILUpdates.partition_step` return the partition's
+    :class:`PriorMeanStats` at ``q(v)`` and prior mean ``b`` and leave its local state alone."""
+
+    q: GaussianQ
+    prior_mean: float
+
+
+@dataclass(frozen=True)
+class PriorMeanStats(Summable):
+    """``Σ_b log Z_b`` and its first and second derivatives in the prior mean ``b`` (module docstring)."""
+
+    value: float
+    grad: float
+    curvature: float
+
+
+def fresh_local(n_instances: int) -> np.ndarray:
+    """The local state of a partition before its first sweep: NaN marks "start from the bag labels"."""
+    return np.full(n_instances, np.nan)
+
+
+def prior_mean_of(q: GaussianQ) -> float:
+    """``b`` of a fitted state (0 for a plain :class:`~mil_core.engine.GaussianQ`, e.g. the Gibbs reference's)."""
+    return float(getattr(q, "prior_mean", 0.0))
+
+
+@dataclass(frozen=True)
 class ProbitMILUpdates:
     """Partition step and global update of VGPMIL-PR(-I). The local state of a partition is the
     mean-field ``E[m]`` on the negative orthant (the warm start of ``moments="mean_field"``)."""
@@ -96,6 +158,9 @@ class ProbitMILUpdates:
     mean_field_tol: float = 1e-12
     mean_field_max_sweeps: int = 500
     coupling_form: CouplingForm = "ising"
+    prior_mean: float = 0.0
+    learn_prior_mean: bool = False
+    prior_mean_steps: int = 4
 
     def prepare(self, block: BagBlock) -> ProbitBags:
         if self.lam > 0 and block.coords is None:
@@ -135,24 +200,93 @@ class ProbitMILUpdates:
         )
 
     def init_local(self, block: ProbitBags) -> np.ndarray:
-        return np.zeros(int(block.offsets[-1]))
+        return fresh_local(int(block.offsets[-1]))
 
-    def init_global(self) -> GaussianQ:
-        return GaussianQ.prior(self.gp.n_inducing)
+    def init_global(self) -> ProbitQ:
+        return replace(ProbitQ.prior(self.gp.n_inducing), prior_mean=float(self.prior_mean), started=not self.learn_prior_mean)
 
-    def partition_step(self, block: ProbitBags, warm: np.ndarray, q: GaussianQ) -> tuple[ProbitStats, np.ndarray]:
-        mu = block.coupling.solve(block.features.latent_mean(q.mean))  # Eq. 18
-        expected_m, log_z, warm = self.truncated_means(block, mu, warm)
+    def partition_step(
+        self, block: ProbitBags, warm: np.ndarray, q: GaussianQ | PriorMeanProbe
+    ) -> tuple[ProbitStats | PriorMeanStats, np.ndarray]:
+        if isinstance(q, PriorMeanProbe):
+            return self.prior_mean_terms(block, q.q, q.prior_mean), warm
+        b = prior_mean_of(q)
+        ones_smoothed = block.coupling.solve(np.ones(int(block.offsets[-1])))  # Σ1: m ~ N(Σ(b1 + A'v), ·)
+        mu = block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed  # Eq. 18
+        pending = warm.size > 0 and bool(np.isnan(warm[0]))
+        start = pending and bool(getattr(q, "started", True))
+        expected_m, log_z, new_warm = self.truncated_means(block, mu, np.zeros_like(warm) if pending else warm)
+        warm = warm if pending and not start else new_warm  # the label start waits for a started state
         elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
+        if start:  # the first sweep: every instance of a positive bag truncated to m > 0 (module docstring)
+            positive = np.repeat(block.labels == 1, np.diff(block.offsets))
+            above = -upper_truncated_moments(-mu, np.sqrt(block.marginal_var))[0]
+            expected_m = np.where(positive, above, expected_m)
+        targets = expected_m - b * ones_smoothed
         if self.coupling_form == "smoother":  # E[mᵀΣf] = (ΣE[m])ᵀA'v
-            expected_m = block.coupling.solve(expected_m)
+            targets = block.coupling.solve(targets)
         stats = ProbitStats(
             precision=block.gram,
-            shift=block.features.project(expected_m),
+            shift=block.features.project(targets),
             elbo=float(elbo),
             n_instances=int(mu.shape[0]),
         )
         return stats, warm
+
+    def prior_mean_terms(self, block: ProbitBags, q: GaussianQ, b: float) -> PriorMeanStats:
+        """``Σ_b log Z_b`` at prior mean ``b`` and its derivatives in ``b``, with the independent
+        (diagonal) truncated moments: ``α_i = μ_i/σ_i``, ``dα_i/db = c_i = (Σ1)_i/σ_i > 0``; a
+        negative bag has ``log Z = Σ log Φ(−α_i)``, a positive bag ``log(1 − e^{−t})`` with
+        ``t = Σ −log Φ(−α_i)``, ``t' = Σ r_i c_i``, ``t'' = Σ r_i(r_i − α_i)c_i²`` (``r`` the
+        inverse Mills ratio), so ``L' = ρt'`` and ``L'' = ρt'' − L'² − L't'`` with
+        ``ρ = e^{−t}/(1 − e^{−t})``, all in log space where they can underflow."""
+        offsets, labels = block.offsets, block.labels
+        sizes = np.diff(offsets)
+        ones_smoothed = block.coupling.solve(np.ones(int(offsets[-1])))
+        sd = np.sqrt(block.marginal_var)
+        alpha = (block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed) / sd
+        c = ones_smoothed / sd
+        log_r = log_inverse_mills(alpha)
+        r = np.exp(log_r)
+        slope = np.clip(r - alpha, 0.0, None)  # r(α) − α > 0: the truncated variance's factor
+        positive = labels == 1
+        negative_rows = np.repeat(~positive, sizes)
+        value = float(np.sum(log_ndtr(-alpha[negative_rows])))
+        grad = -float(np.sum((r * c)[negative_rows]))
+        curvature = -float(np.sum((r * slope * c**2)[negative_rows]))
+        if np.any(positive):
+            log_p0, log_z = positive_bag_log_normaliser(alpha, offsets)
+            with np.errstate(divide="ignore"):
+                log_t1 = segment_logsumexp(log_r + np.log(c), offsets)
+                log_t2 = segment_logsumexp(log_r + np.log(slope) + 2.0 * np.log(c), offsets)
+            log_rho = log_p0 - log_z
+            first = np.exp(log_rho + log_t1)
+            second = np.exp(log_rho + log_t2) - first**2 - first * np.exp(log_t1)
+            value += float(np.sum(log_z[positive]))
+            grad += float(np.sum(first[positive]))
+            curvature += float(np.sum(second[positive]))
+        return PriorMeanStats(value=value, grad=grad, curvature=curvature)
+
+    def hyper_step(self, sweep: Callable[[Any], Any], iteration: int, q: ProbitQ) -> ProbitQ:
+        """``learn_prior_mean``: up to ``prior_mean_steps`` safeguarded Newton steps on ``b`` (one
+        probe sweep each; a step that lowers ``Σ log Z_b`` is halved), run by
+        :func:`~mil_core.engine.optimise` after each global update (module docstring)."""
+        if not self.learn_prior_mean:
+            return q
+        b = prior_mean_of(q)
+        here = sweep(PriorMeanProbe(q=q, prior_mean=b))
+        for _ in range(self.prior_mean_steps):
+            step = -here.grad / here.curvature if here.curvature < 0 else np.sign(here.grad)
+            step = float(np.clip(step, -1.0, 1.0))
+            while abs(step) > 1e-4:
+                there = sweep(PriorMeanProbe(q=q, prior_mean=b + step))
+                if there.value >= here.value:
+                    break
+                step /= 2.0
+            if abs(step) <= 1e-4:
+                break
+            b, here = b + step, there
+        return ProbitQ(mean=q.mean, cov=q.cov, prior_mean=b, started=True)
 
     def truncated_means(self, block: ProbitBags, mu: np.ndarray, warm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``E[m]`` of ``q(m_b)`` (Eq. 15, 19–20), ``log Z_b`` per bag and the new warm start."""
@@ -173,6 +307,11 @@ class ProbitMILUpdates:
         pos_mean = mu + ratio * (mu - neg_mean)
         return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_p0), neg_mean
 
-    def global_update(self, stats: ProbitStats, q: GaussianQ) -> tuple[GaussianQ, float]:
-        """New q(v) (Eq. 16–17, whitened) and the ELBO of the state the statistics came from."""
-        return gaussian_update(stats.precision, stats.shift), stats.elbo - q.kl_to_prior()
+    def global_update(self, stats: ProbitStats, q: GaussianQ) -> tuple[ProbitQ, float]:
+        """New q(v) (Eq. 16–17, whitened; the prior mean unchanged) and the ELBO of the state the
+        statistics came from."""
+        objective = stats.elbo - q.kl_to_prior()
+        if not getattr(q, "started", True):  # the prior state scored; b is learnt on it next (ProbitQ)
+            return q, objective
+        new = gaussian_update(stats.precision, stats.shift)
+        return ProbitQ(mean=new.mean, cov=new.cov, prior_mean=prior_mean_of(q)), objective

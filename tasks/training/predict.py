@@ -72,9 +72,9 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
         if function is None:
             return False
         parameters = inspect.signature(function).parameters
-        inner = getattr(model, "gp_", None) or next(iter(getattr(model, "gps_", None) or []), None)
-        if forwarded and inner is not None and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-            function = getattr(inner, name, None)  # EmbeddedGPMIL passes its keyword arguments to its GPs
+        members = getattr(model, "gps_", None)  # EmbeddedGPMIL passes its keyword arguments to its members' GPs
+        if forwarded and members and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            function = getattr(members[0], name, None)
             parameters = {} if function is None else inspect.signature(function).parameters
         return "method" in parameters
 
