@@ -12,7 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BAG_RULES, bag_score
-from mil_core.models.base import AUTO_VARIANCES
+from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags
 
 from tests.conftest import make_toy_bags
 
@@ -163,7 +163,7 @@ def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away
     runaway = GVGPMIL(n_inducing=10, kernel=RBF(64.0), max_iter=30, random_state=0).fit(X, bags, y)
     assert np.abs(bounded.predict_latent(X)[0]).max() < 5.0
     assert runaway.predict_latent(X)[0].max() < -100.0
-    assert GVGPMIL()._auto_variances() == (0.25, 0.5, 1.0, 2.0)
+    assert GVGPMIL()._auto_variances() == (2 / 64, 2 / 16, 0.5, 2.0)
     assert GVGPMIL(alpha=2.0, beta=1.0)._auto_variances()[-1] == 14.0  # 4·2² − 2·1
     assert GVGPMIL(alpha=0.5, beta=2.5)._auto_variances() == AUTO_VARIANCES  # no safe variance: the common grid
 
@@ -192,7 +192,8 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         import bench_accuracy
     finally:
         sys.path.pop(0)
-    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13))):
+    assert set(bench_accuracy.HELD_OUT_SETS) <= set(bench_accuracy.ROBUSTNESS_SETS)
+    for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13)), ("hastie", (5, 25)), ("wine", (2, 6))):
         X, bags, y, witness = bench_accuracy.robustness_set(name)
         keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
         per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
@@ -201,3 +202,29 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
     with pytest.raises(ValueError, match="pool too small"):
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
+
+
+def test_choice_bags_are_whole_bags_under_the_cap_with_enough_of_each_class():
+    rng = np.random.default_rng(0)
+    sizes, labels = rng.integers(1_000, 10_000, 40), np.arange(40) % 2  # WSI-like bags: a row sample drops witnesses
+    picked = choice_bags(sizes, labels, 0)
+    assert np.all(np.diff(picked) > 0) and np.bincount(labels[picked]).min() >= 8
+    np.testing.assert_array_equal(choice_bags(sizes, labels, 0), picked)  # seeded
+    assert not np.array_equal(choice_bags(sizes, labels, 1), picked)
+    np.testing.assert_array_equal(choice_bags(sizes[:5], labels[:5], 0), np.arange(5))  # under the cap: every bag
+    small = choice_bags(np.full(40, 1_000), labels, 0)  # the cap's 20 bags, topped up to 8 per class
+    assert 20 <= small.size <= 28 and np.bincount(labels[small]).min() >= 8
+
+
+def test_kernel_choice_takes_the_best_mean_over_splits_and_skips_degenerate_checkpoints():
+    checkpoints = np.array([5, 10, 15])
+    one_lucky_split = np.array([[0.80, 0.97, 0.78], [0.80, 0.76, 0.82], [0.82, 0.76, 0.80]])  # splits × checkpoints
+    steady = np.array([[0.85, 0.85, 0.85], [0.84, 0.84, 0.84], [0.85, 0.85, 0.85]])
+    scores = {1.0: steady, 4.0: one_lucky_split}
+    assert best_candidate({4.0: one_lucky_split[:1], 1.0: steady[:1]}, checkpoints) == (4.0, 10)  # one split: the lucky one
+    assert best_candidate(scores, checkpoints) == (1.0, 5)  # the mean over splits; ties: fewest sweeps, smallest v
+    scores[1.0] = steady.copy()
+    scores[1.0][0, 0] = np.nan  # a degenerate split rules the checkpoint out
+    assert best_candidate(scores, checkpoints) == (1.0, 10)
+    assert best_candidate({2.0: steady, 1.0: steady}, checkpoints) == (1.0, 5)
+    assert best_candidate({1.0: np.full((3, 3), np.nan)}, checkpoints) is None

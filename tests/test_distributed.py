@@ -304,3 +304,20 @@ def test_persisted_partitions_are_spread_evenly_over_the_workers(toy_store):
         assert len(partitions) >= 5 and counts.size == 2 and counts.max() - counts.min() <= len(partitions) % 2
         local_holders = client.who_has(executor.locals)
         assert all(local_holders[local.key] == holders[block.key] for local, block in zip(executor.locals, executor.blocks))
+
+
+def test_kernel_choice_is_the_serial_one_when_the_kmeans_sample_leaves_bags_out(client, toy_store, monkeypatch):
+    """Above ``max_kmeans_sample`` the cluster fit's k-means sees a sample of whole bags; the kernel
+    choice still fits on the bags ``model.fit`` chooses on (:func:`~mil_core.models.base.choice_bags`,
+    here capped below the cohort too), so both make the same choice."""
+    import mil_core.models.base as base
+
+    path, (X, bags, y) = toy_store
+    monkeypatch.setattr(base, "_SELECTION_MAX_INSTANCES", X.shape[0] // 3)
+    params = dict(n_inducing=8, max_iter=12, tol=0.0, random_state=0)
+    serial = VGPMIL(**params).fit(X, bags, y)
+    model = VGPMIL(**params)
+    fit_cohort(model, path, client, partition_bytes=2_000, resume=False, max_kmeans_sample=X.shape[0] // 2)
+    assert model.gp_.Z.shape == serial.gp_.Z.shape and not np.allclose(model.gp_.Z, serial.gp_.Z)  # k-means on a sample
+    np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
+    assert model.kernel_.variance == serial.kernel_.variance and model.auto_max_iter_ == serial.auto_max_iter_

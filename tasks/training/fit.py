@@ -13,8 +13,8 @@ from typing import Any, Literal
 import numpy as np
 from distributed import Client
 
-from mil_core.engine import FitTrace, optimise
-from mil_core.models.base import SparseGPMILBase, sweep_budget, uses_coords
+from mil_core.engine import BagBlock, FitTrace, optimise
+from mil_core.models.base import SparseGPMILBase, choice_bags, sweep_budget, uses_coords
 from tasks.lease import holds_writer_lease
 from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling
@@ -22,7 +22,7 @@ from tasks.training.checkpoint import Checkpoint
 from tasks.training.early_stopping import DistributedEarlyStopping
 from tasks.training.executor import DaskExecutor
 from tasks.training.placement import Device, Mode, resolve_mode, resolve_placement
-from tasks.training.preprocess import feature_scaling, kmeans_sample
+from tasks.training.preprocess import feature_scaling, kmeans_sample, read_bags
 
 log = logging.getLogger("gpmil.training")
 
@@ -127,7 +127,13 @@ def fit_cohort(
         features = scaling if transform is None else transform
         X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
             cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
-        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords)  # as model.fit
+        choice = {}
+        if getattr(model, "kernel", False) is None and sample_offsets[-1] < sizes[training].sum():  # the sample left bags
+            picked = training[choice_bags(sizes[training], labels[training], model.random_state)]  # out: the choice's own, as in fit
+            X_choice, choice_labels, choice_offsets, choice_coords = read_bags(cohort, labels, picked, features, uses_coords(model))
+            choice = {"choice": BagBlock(X=X_choice, offsets=choice_offsets, labels=choice_labels[choice_offsets[:-1]],
+                                         coords=choice_coords)}
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords, **choice)  # as model.fit
         checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)

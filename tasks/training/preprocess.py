@@ -44,6 +44,13 @@ def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, ra
         rng = np.random.default_rng(random_state if isinstance(random_state, (int, np.integer)) else None)
         shuffled = rng.permutation(training)
         chosen = np.sort(shuffled[: max(1, int(np.searchsorted(np.cumsum(sizes[shuffled]), cap)))])
+    return read_bags(cohort, labels, chosen, scaling, with_coords)
+
+
+def read_bags(cohort, labels: np.ndarray, chosen: np.ndarray, scaling: FeatureScaling | None, with_coords: bool = False,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The rows of the bags ``chosen`` (ascending store positions), labelled by their bag's label,
+    with the bags' CSR offsets and, ``with_coords``, their grid coordinates."""
     X, y, sizes_taken, coords = [], [], [], []
     runs = np.split(chosen, np.flatnonzero(np.diff(chosen) != 1) + 1)  # consecutive chosen bags: one read each
     for run in runs:
