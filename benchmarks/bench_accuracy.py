@@ -252,8 +252,9 @@ def fit_predict_vgpmilpr_v1(train: Fold, test: Fold) -> Prediction:
 
 
 def fit_predict_gibbs(train: Fold, test: Fold) -> Prediction:
-    """Default ``VGPMILPRGibbs()`` (the exact sampler of the VGPMIL-PR model: 500 + 2,000 sweeps); every bag
-    rule on the same chain. Only when named: its 2,500 sweeps cost 5-7x a variational fit."""
+    """Default ``VGPMILPRGibbs()`` (the exact sampler of the zero-mean VGPMIL-PR model: 500 burn-in + 2,000
+    kept sweeps, thinned by 10); every bag rule on the same chain. Only when named: its 20,500 sweeps cost
+    tens of variational fits."""
     model = VGPMILPRGibbs(random_state=0)
     prediction = _probit_gp(model)(train, test)
     prediction.extra["rhat"] = model.rhat_

@@ -36,7 +36,8 @@ empirical Bayes: after every global update, safeguarded Newton steps on ``Σ_b l
 ELBO's only term that depends on ``b`` once ``q(m)`` is optimal for the new ``b`` — each step one
 probe sweep (:class:`PriorMeanProbe` → :class:`PriorMeanStats`, value, gradient and curvature in
 closed form from the independent truncated moments; a step that lowers the value is halved), so
-the ELBO does not decrease across a ``b`` step. Why: with a zero mean, a positive bag of
+the ELBO does not decrease across a ``b`` step (with ``moments="mean_field"`` and λ > 0 the steps use the
+diagonal form of ``log Z_b``, an approximation of the bound that fit tracks). Why: with a zero mean, a positive bag of
 10³–10⁴ instances is "surely positive" (``P(all negative) = Π Φ(−μ_i) ≈ 0``) at any instance
 probability that is not tiny, so its likelihood carries no information and its instances are
 regressed towards the negatives around them; the closed-form sweeps lower the whole field only by
