@@ -181,7 +181,7 @@ class ModelConfig(_Strict):
 
     The default, ``VGPMIL`` with its automatic defaults, has the best mean held-out bag AUC of the
     GP-MIL defaults over the seven sets of ``docs/BENCHMARKS.md``, "Accuracy of the defaults"
-    (mean of 7: VGPMIL 0.845, GVGPMIL 0.844, VWSGP 0.823; ``tests/test_default_model.py`` holds
+    (mean of 7: VGPMIL 0.853, GVGPMIL 0.849, VWSGP 0.822; ``tests/test_default_model.py`` holds
     these to that table), and gives instance probabilities for the heat maps (VWSGP gives evidences).
 
     ``EmbeddedGPMIL``'s ``gp`` is itself a model section (``{name: GVGPMIL, params: {…}}``);
