@@ -161,3 +161,20 @@ def test_random_bags_never_produce_nan(sizes, scale, seed):
     model = VGPMIL(n_inducing=2, max_iter=5, random_state=0).fit(X, bags, labels[bags])
     _, p, sd = model.predict_bag_proba(X, bags, return_std=True)
     assert np.all(np.isfinite(model.elbo_)) and np.all(np.isfinite(p)) and np.all(np.isfinite(sd))
+
+
+def test_default_prediction_is_the_closed_form_the_pipeline_writes(toy_bags):
+    """``predict_*`` without ``method`` give the deterministic closed form (what the kernel choice ranks
+    and the pipeline's ``prediction.method`` writes), not Monte Carlo draws."""
+    from mil_core import VWSGP
+
+    X, bags, y, _ = toy_bags
+    for model in (VGPMIL(kernel=RBF(4.0), **FAST, n_mc_samples=50).fit(X, bags, y),
+                  VWSGP(kernel=RBF(4.0), **FAST, n_mc_samples=50).fit(X, bags, y)):
+        keys, p = model.predict_bag_proba(X, bags)
+        _, p_closed = model.predict_bag_proba(X, bags, method="probit")
+        _, p_mc = model.predict_bag_proba(X, bags, method="mc")
+        np.testing.assert_array_equal(p, p_closed)
+        assert np.max(np.abs(p - p_mc)) > 0  # 50 draws differ from the closed form
+    vgpmil = VGPMIL(kernel=RBF(4.0), **FAST, n_mc_samples=50).fit(X, bags, y)
+    np.testing.assert_array_equal(vgpmil.predict_instance_proba(X), vgpmil.predict_instance_proba(X, method="probit"))

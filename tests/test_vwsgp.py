@@ -97,8 +97,8 @@ def test_monte_carlo_bag_probability_matches_quadrature(toy_bags):
     """p = E σ(s*) with s* ~ N(Σμₙ, Σσₙ²) (the paper's diagonal predictive)."""
     X, bags, y, _ = toy_bags
     model = VWSGP(**FAST, n_mc_samples=4000).fit(X, bags, y)
-    keys, p_mc, sd = model.predict_bag_proba(X, bags, return_std=True)
-    _, p_probit = model.predict_bag_proba(X, bags, method="probit")
+    keys, p_mc, sd = model.predict_bag_proba(X, bags, return_std=True, method="mc")
+    _, p_probit = model.predict_bag_proba(X, bags)  # the default: the closed form
     mean, std = model.predict_instance_evidence(X, return_std=True)
     index = BagIndex.from_ids(bags)
     s_mean = np.add.reduceat(mean[index.order], index.offsets[:-1])

@@ -168,13 +168,14 @@ class _LogisticGPMIL(SparseGPMILBase):
             yield rows, sample_latent(mean[rows], var[rows], L, rng)
 
     def predict_instance_proba(
-        self, X: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "mc"
+        self, X: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "probit"
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Instance probability ``p(y* = 1) = E[σ(f*)]`` (Eq. 31).
 
-        ``method="mc"``: ``n_mc_samples`` draws, seeded by ``random_state`` (Eq. 32; std by
-        Eq. 33). ``method="probit"``: the closed form ``σ(μ / sqrt(1 + πσ²/8))``; its std, when
-        asked for, still comes from Monte Carlo.
+        ``method="probit"`` (default): the closed form ``σ(μ / sqrt(1 + πσ²/8))``, deterministic and
+        the score the kernel choice ranks and the pipeline writes; its std, when asked for, comes from
+        Monte Carlo. ``method="mc"``: ``n_mc_samples`` draws, seeded by ``random_state`` (Eq. 32; std
+        by Eq. 33).
         """
         X, _ = self._check_predict_input(X)
         mean, var = self._instance_moments(X)
@@ -198,11 +199,12 @@ class _LogisticGPMIL(SparseGPMILBase):
         bag_ids: Any,
         *,
         return_std: bool = False,
-        method: Literal["mc", "probit"] = "mc",
+        method: Literal["mc", "probit"] = "probit",
         rule: BagRule | None = None,
     ):
         """Bag probability by a MIL rule: ``keys, p`` or ``keys, p, std``; ``keys = np.unique(bag_ids)``.
 
+        ``method`` as in :meth:`predict_instance_proba` (default the closed form, as the pipeline).
         ``rule`` (default: the fitted ``bag_rule_``) combines the instance probabilities
         (:func:`mil_core.bags.bag_score`): ``"noisy_or"`` is the paper's ``1 − Π(1 − pₙ)``
         (Eq. 34–35, in log space), ``"top_fraction"`` the mean of the top 5 %, ``"max"``, ``"mean"``.

@@ -207,15 +207,16 @@ class VWSGP(SparseGPMILBase):
         return (mean, np.sqrt(var)) if return_std else mean
 
     def predict_bag_proba(
-        self, X: Any, bag_ids: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "mc"
+        self, X: Any, bag_ids: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "probit"
     ):
         """Bag probability ``p(T* = 1) = E[σ(Σₙ f*ₙ)]``: ``keys, p`` or ``keys, p, std``, with
         ``keys = np.unique(bag_ids)``.
 
         f* follows the paper's diagonal predictive ``N(A*m, diag(Λ* + A*SA*ᵀ))`` (Sec. 3), so
         the bag evidence is ``N(Σ μₙ, Σ σₙ²)``; drawing it directly equals summing independent
-        per-instance draws. ``method="mc"``: ``n_mc_samples`` draws seeded by ``random_state``;
-        ``method="probit"``: ``σ(μ / sqrt(1 + πσ²/8))``. The std is always the Monte Carlo
+        per-instance draws. ``method="probit"`` (default, as the pipeline and the kernel choice):
+        ``σ(μ / sqrt(1 + πσ²/8))``; ``method="mc"``: ``n_mc_samples`` draws seeded by
+        ``random_state``. The std is always the Monte Carlo
         spread of σ(s*).
         """
         if method not in ("mc", "probit"):
