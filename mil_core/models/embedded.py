@@ -70,9 +70,9 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     stopped on the AUC of 15–20 held-out bags stops by noise and is calibrated on those few bags;
     the cross-fitted members are stopped on all training bags' out-of-fold scores, calibrated on
     all of them, and their average varies less with seed and split. Against one network
-    (``n_networks=1``) bag AUC rose on text 0.752 → 0.908, a large-bag draw 0.660 → 0.830 and
+    (``n_networks=1``) bag AUC rose on text 0.752 → 0.908, a large-bag draw 0.660 → 0.820 and
     MUSK2 0.893 → 0.908, fell on MUSK1 0.962 → 0.934 and digits 0.864 → 0.835, and the digits
-    instance AUC rose 0.921 → 0.950; it costs five networks and five GPs (2.4–4.5× ABMIL's fit).
+    instance AUC rose 0.921 → 0.950; it costs five networks and five GPs (2.4–5.8× ABMIL's fit).
     Why the average of two evidences: it beats the networks alone on MUSK1, MUSK2, digits and the
     large-bag draw.
 
