@@ -10,7 +10,6 @@ every training bag an out-of-fold score, on which the bag probability is calibra
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -242,19 +241,12 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         mean = p.mean(axis=0)
         return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
 
-    def _closed_form(self) -> dict[str, str]:
-        """Keyword arguments that make the GPs' instance probabilities their closed form where they
-        offer a choice (the logistic family's ``method="probit"``, Eq. 31 with the probit
-        approximation): deterministic, so a cohort predicted partition by partition gets the
-        numbers of one call."""
-        return {"method": "probit"} if "method" in inspect.signature(self.gps_[0].predict_instance_proba).parameters else {}
-
     def _pooled(self, member: int, H: np.ndarray, offsets: np.ndarray, return_std: bool, **kwargs: Any):
         """Member ``member``'s attention-pooled GP probabilities ``p̄_b = Σ α_n p_n`` of its raw
         embeddings ``H`` (and their std ``sqrt(Σ α_n² sd_n²)`` with independent f*ₙ, the FITC
-        diagonal, as for the noisy-OR std of seed 000 Eq. 37); ``kwargs`` (default: the closed
-        form) go to the GP's ``predict_instance_proba``."""
-        kwargs = kwargs or self._closed_form()
+        diagonal, as for the noisy-OR std of seed 000 Eq. 37); ``kwargs`` go to the GP's
+        ``predict_instance_proba``, whose default is deterministic (the logistic family's closed
+        form), so a cohort predicted partition by partition gets the numbers of one call."""
         gp, Z = self.gps_[member], self._standardised(H, member)
         alpha = attention_weights(network_arrays(self.network_states_[member]), H, offsets)
         if not return_std:
