@@ -73,14 +73,14 @@ def fit_predict_abmil_platt(train, test):
                       {"a": model.calibration_slope_})
 
 
-def fit_predict_embedded_gpmil(train, test, n_components: int = 32, n_networks: int = 5, **params):
+def fit_predict_embedded_gpmil(train, test, **params):
     """Default ``EmbeddedGPMIL()`` (seed 000 §6.3). ``default``: the calibrated average of the
     network's and the GP's bag evidence; ``uncalibrated``: the same before Platt scaling;
     ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
     network's own bag probability; then the GP's own bag rules on the same fit."""
     from bench_accuracy import Prediction
 
-    model = EmbeddedGPMIL(n_components=n_components, n_networks=n_networks, random_state=SEED, **params).fit(train.X, train.bags, train.y)
+    model = EmbeddedGPMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
     p = model.predict_bag_proba(test.X, test.bags)[1]
     scores = {"default": p, "uncalibrated": _uncalibrated(p, model)}
     scores["attention"] = model.predict_bag_proba(test.X, test.bags, rule="attention")[1]
@@ -96,9 +96,9 @@ EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil
                     "embedded_gpmil": fit_predict_embedded_gpmil,
                     # on request, not default methods of a run: one network (session 7's default), 5 or 10 members,
                     # ABMIL's fixed 50 epochs instead of early stopping, seed 000's other embedding widths
-                    "embedded_gpmil_n1": partial(fit_predict_embedded_gpmil, n_networks=1),
-                    "embedded_gpmil_n5": partial(fit_predict_embedded_gpmil, n_networks=5),
-                    "embedded_gpmil_n10": partial(fit_predict_embedded_gpmil, n_networks=10),
+                    "embedded_gpmil_n1": partial(fit_predict_embedded_gpmil, n_networks=1, early_stopping=True, max_epochs=100),
+                    "embedded_gpmil_n5": partial(fit_predict_embedded_gpmil, n_networks=5, early_stopping=True, max_epochs=100),
+                    "embedded_gpmil_n10": partial(fit_predict_embedded_gpmil, n_networks=10, early_stopping=True, max_epochs=100),
                     "embedded_gpmil_e50": partial(fit_predict_embedded_gpmil, early_stopping=False, max_epochs=50),
                     "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
                     "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128)}
