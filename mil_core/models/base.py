@@ -21,6 +21,7 @@ from ..bags import BagIndex, split_into_blocks
 from ..engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
+from ..threadpools import single_thread_when_small
 from ..validation import check_features, check_mil_data
 
 __all__ = ["SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
@@ -158,6 +159,7 @@ class SparseGPMILBase(BaseEstimator):
         )
         return np.sort(train), np.sort(val)
 
+    @single_thread_when_small
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> SparseGPMILBase:
         """Fit on instances ``X`` (N, D), their ``bag_ids`` (N,) and ``y`` (N,), the bag label of
         each instance's bag (constant within a bag). ``coords`` (instance grid positions) only
@@ -250,6 +252,7 @@ class SparseGPMILBase(BaseEstimator):
         reference reads none at λ = 0)."""
         return uses_coords(self)
 
+    @single_thread_when_small
     def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
         """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by held-out bag AUC (the estimator's bag rule) over 3 repeats of a stratified 2-fold

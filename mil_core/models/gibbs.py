@@ -54,6 +54,7 @@ from ..engine import (
 )
 from ..ising import Neighbourhood
 from ..kernels import RBF
+from ..threadpools import single_thread_when_small
 from ..truncnorm import log_neg_log_ndtr, upper_truncated_quantile
 from ..validation import check_mil_data
 from .base import store_params
@@ -410,6 +411,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         shared = {name: value for name, value in self.get_params().items() if name in VGPMILPRI().get_params()}
         return VGPMILPRI(**shared, prior_mean=0.0)
 
+    @single_thread_when_small
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> VGPMILPRGibbs:
         """Sample the posterior given instances, bag ids, per-instance bag labels (and coords)."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
