@@ -162,8 +162,9 @@ def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.nda
     return (train - mean) / scale, (test - mean) / scale
 
 
-def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, Fold]]:
-    """``(fold name, train, test)``, identical for every method."""
+def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0) -> Iterator[tuple[str, Fold, Fold]]:
+    """``(fold name, train, test)``, identical for every method; ``cv_seed`` shuffles the stratified
+    split (the large-bag set's repetitions are its ``draws``, so it ignores the seed)."""
     if dataset == "large":
         for seed in range(draws):
             X, bags, y, inst = large_bags(seed)
@@ -175,7 +176,7 @@ def folds(dataset: str, n_splits: int, draws: int) -> Iterator[tuple[str, Fold, 
     else:
         X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
     keys, first = np.unique(bags, return_index=True)
-    splitter = StratifiedKFold(n_splits, shuffle=True, random_state=0)
+    splitter = StratifiedKFold(n_splits, shuffle=True, random_state=cv_seed)
     for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
         yield f"fold {i}", *_pair(X, bags, y, inst, np.isin(bags, keys[tr]), np.isin(bags, keys[te]))
 
@@ -318,10 +319,18 @@ def within_class_size_correlation(scores: np.ndarray, labels: np.ndarray, sizes:
     return float(np.mean(values)) if values else float("nan")
 
 
-def evaluate(method: str, dataset: str, n_splits: int, draws: int) -> dict[str, dict[str, list[float]]]:
-    """Per bag rule: lists (one entry per fold) of bag AUC, size correlation, instance AUC, fit time."""
+def _splits(dataset: str, n_splits: int, draws: int, cv_seeds: tuple[int, ...]) -> Iterator[tuple[str, Fold, Fold]]:
+    """The folds of every CV seed in turn (the large-bag set: its draws once), in one fixed order."""
+    for seed in cv_seeds[:1] if dataset == "large" else cv_seeds:
+        yield from folds(dataset, n_splits, draws, seed)
+
+
+def evaluate(method: str, dataset: str, n_splits: int, draws: int,
+             cv_seeds: tuple[int, ...] = (0,)) -> dict[str, dict[str, list[float]]]:
+    """Per bag rule: lists (one entry per fold, seed by seed in ``cv_seeds`` order, so entries of two
+    methods pair up) of bag AUC, size correlation, instance AUC, fit time."""
     rows: dict[str, dict[str, list[float]]] = {}
-    for _, train, test in folds(dataset, n_splits, draws):
+    for _, train, test in _splits(dataset, n_splits, draws, tuple(cv_seeds)):
         start = time.perf_counter()
         prediction = METHODS[method](train, test)
         seconds = time.perf_counter() - start
@@ -390,19 +399,54 @@ def plot_traces(traces: dict[str, tuple[list[float], list[float]]], path: Path) 
     fig.savefig(path, dpi=110)
 
 
-def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int) -> None:
-    """One Markdown row per data set × method × bag rule, on identical folds."""
-    print("| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def primary_rule(rows: dict[str, dict[str, list[float]]]) -> str:
+    """The rule a method is compared by: the estimator's own (``default``), else its only one."""
+    return "default" if "default" in rows else next(iter(rows))
+
+
+def paired_difference(auc: list[float], reference: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the per-fold AUC difference ``auc - reference`` on identical folds.
+    The folds of different CV seeds share bags, so the standard error is a lower bound."""
+    d = np.asarray(auc) - np.asarray(reference)
+    return float(d.mean()), float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan")
+
+
+def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int,
+                cv_seeds: tuple[int, ...] = (0,), paired_to: str | None = None) -> None:
+    """One Markdown row per data set × method × bag rule, on identical folds; bag AUC is the mean over
+    CV seeds × folds. ``paired_to``: also the paired difference of each method's own rule to that
+    method's own rule, fold by fold (± its standard error), and a summary table per method."""
+    paired = paired_to is not None
+    print(f"CV seeds: {' '.join(map(str, cv_seeds))}" + (f"; Δ: paired bag-AUC difference to {paired_to}" if paired else ""))
+    head = "| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |"
+    print(head + (f" Δ vs {paired_to} ± s.e. |" if paired else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
+    summary: dict[str, dict[str, tuple[float, float, float]]] = {}
     for dataset in datasets:
+        results = {method: evaluate(method, dataset, n_splits, draws, cv_seeds)
+                   for method in ([paired_to] if paired else []) + [m for m in methods if m != paired_to]}
+        reference = results[paired_to][primary_rule(results[paired_to])]["bag_auc"] if paired else None
         for method in methods:
-            for rule, row in evaluate(method, dataset, n_splits, draws).items():
+            for rule, row in results[method].items():
                 auc = np.array(row["bag_auc"])
                 v = f"{np.median(row['v']):g}" if "v" in row else "—"
                 sweeps = f"{np.mean(row['sweeps']):.0f}" if "sweeps" in row else "—"
                 inst = "—" if np.all(np.isnan(row["instance_auc"])) else f"{np.nanmean(row['instance_auc']):.3f}"
+                cell = ""
+                if paired:
+                    mean, se = paired_difference(row["bag_auc"], reference)
+                    cell = f" {mean:+.3f} ± {se:.3f} |"
+                    if rule == primary_rule(results[method]):
+                        summary.setdefault(method, {})[dataset] = (auc.mean(), mean, se)
                 print(f"| {dataset} | {method} | {rule} | {auc.mean():.3f} ± {auc.std():.3f} | {np.nanmean(row['size_rho']):+.2f} | {inst} | "
-                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |", flush=True)
+                      f"{np.mean(row['fit_s']):.1f} / {np.max(row['fit_s']):.1f} | {v} | {sweeps} |{cell}", flush=True)
+    if paired:
+        print(f"\nOwn rule, bag AUC (Δ vs {paired_to} ± s.e.), mean over CV seeds {' '.join(map(str, cv_seeds))} × folds\n")
+        print("| method | " + " | ".join(datasets) + " | mean |\n|---|" + "---|" * (len(datasets) + 1))
+        for method, cells in summary.items():
+            mean = np.mean([cells[d][0] for d in datasets])
+            print(f"| {method} | " + " | ".join(f"{a:.3f} ({m:+.3f} ± {e:.3f})" for a, m, e in (cells[d] for d in datasets))
+                  + f" | {mean:.3f} |", flush=True)
 
 
 def main() -> None:
@@ -414,6 +458,10 @@ def main() -> None:
     parser.add_argument("--reference-iterations", type=int, default=10, help="iterations of vgpmil_2017 (its default: 10)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3, help="draws of the large-bag set")
+    parser.add_argument("--cv-seeds", nargs="+", type=int, default=[0],
+                        help="repeat the stratified CV with these shuffle seeds (same folds for every method within a seed)")
+    parser.add_argument("--paired-to", metavar="METHOD",
+                        help="also report each method's paired bag-AUC difference to METHOD, fold by fold, ± its standard error")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
     parser.add_argument("--figure", type=Path, help="with --elbo-trace: also plot the traces, sweep by sweep, to this PNG")
     args = parser.parse_args()
@@ -428,7 +476,9 @@ def main() -> None:
     if args.elbo_trace:
         elbo_traces(figure=args.figure)
         return
-    print_table(methods, args.datasets, args.folds, args.draws)
+    if args.paired_to is not None and args.paired_to not in methods:
+        parser.error(f"--paired-to {args.paired_to} must be one of --methods")
+    print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,30 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
 
 
+def test_benchmark_repeats_the_cv_over_seeds_on_identical_folds_and_pairs_methods_fold_by_fold(capsys):
+    """``bench_accuracy --cv-seeds 0 1 --paired-to M``: seed 0 stays the old split, other seeds shuffle
+    differently, every method's entries come in the same (seed, fold) order, and Δ is paired."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_accuracy
+    finally:
+        sys.path.pop(0)
+    test_bags = [[frozenset(test.bags) for _, _, test in bench_accuracy.folds("cancer", 5, 1, seed)] for seed in (0, 1)]
+    assert [frozenset(test.bags) for _, _, test in bench_accuracy.folds("cancer", 5, 1)] == test_bags[0]
+    assert test_bags[0] != test_bags[1]
+    one = bench_accuracy.evaluate("lr_mean_max", "cancer", 5, 1)["own"]["bag_auc"]
+    two = bench_accuracy.evaluate("lr_mean_max", "cancer", 5, 1, cv_seeds=(0, 1))["own"]["bag_auc"]
+    assert len(one) == 5 and len(two) == 10 and two[:5] == one
+    mean, se = bench_accuracy.paired_difference([0.9, 0.8, 0.7], [0.8, 0.8, 0.8])
+    assert mean == pytest.approx(0.0) and se == pytest.approx(0.1 / np.sqrt(3))
+    bench_accuracy.print_table(["lr_mean_max"], ["cancer"], 5, 1, (0, 1), paired_to="lr_mean_max")
+    out = capsys.readouterr().out
+    assert "CV seeds: 0 1" in out and "+0.000 ± 0.000" in out and f"{np.mean(two):.3f}" in out
+
+
 def test_choice_bags_are_whole_bags_under_the_cap_with_enough_of_each_class():
     rng = np.random.default_rng(0)
     sizes, labels = rng.integers(1_000, 10_000, 40), np.arange(40) % 2  # WSI-like bags: a row sample drops witnesses
