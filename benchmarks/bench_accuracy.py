@@ -1,6 +1,6 @@
 """Held-out accuracy of the default models against a [mean, max] logistic regression (issue 15).
 
-Every method sees identical folds: stratified 5-fold CV over bags (seed 0) on MUSK1, MUSK2,
+Every method sees identical folds: stratified 5-fold CV over bags (seed 0; ``--cv-seeds`` repeats it) on MUSK1, MUSK2,
 digits bags and the robustness sets ``cancer``, ``text``, ``fox`` (:func:`robustness_set`); on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
 instances) one half of the bags trains and the other half tests, for several draws. Features are
 standardised on the training fold (a column with std < 1e-12 is left unscaled). Reported per
@@ -15,6 +15,8 @@ it to ``METHODS``; it gets standardised features and returns bag scores in ``np.
     python benchmarks/bench_accuracy.py --datasets musk1 --methods lr_mean_max vgpmil
     python benchmarks/bench_accuracy.py --elbo-trace --figure docs/figures/elbo_h1e12.png   # convergence with H = 1e12
     python benchmarks/bench_accuracy.py --reference /tmp/vgpmil   # adds the public 2017 code as a method
+    python benchmarks/bench_accuracy.py --datasets cancer fox --methods vgpmil_2017 vgpmil --reference /tmp/vgpmil \
+        --cv-seeds 0 1 2 --paired-to vgpmil_2017   # 3 CV seeds; paired Δ to the 2017 code ± s.e.
 
 ``--reference`` points at a checkout of github.com/manuelhaussmann/vgpmil (never copied into this
 repository) and adds the method ``vgpmil_2017``: that code with its own defaults (50 inducing points by
