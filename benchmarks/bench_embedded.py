@@ -14,8 +14,13 @@ fold, a column with std < 1e-12 left unscaled):
 
     python benchmarks/bench_embedded.py --datasets musk1 musk2 digits --figure docs/figures/reliability_embedded.png
 
+``--seed S`` refits every model with ``random_state=S`` on the same folds (network weights, bag
+order, inner splits and the GPs' seeds change): how much of a difference between two designs is
+the seed.
+
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
-network), ``_d8`` and ``_d128`` on request) have bench_accuracy's method signature; bench_accuracy's ``METHODS``
+network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128`` on
+request) have bench_accuracy's method signature; bench_accuracy's ``METHODS``
 includes ``abmil`` and ``embedded_gpmil``.
 """
 
@@ -40,6 +45,7 @@ from mil_core.bags import BagIndex
 from mil_core.calibration import expected_calibration_error, reliability_bins
 
 GP_RULES = ("top_fraction", "max", "mean", "noisy_or")  # the GP's own bag rules
+SEED = 0  # random_state of every fitted model (``--seed``: the same folds, other network weights, bag orders, inner splits)
 
 
 def _uncalibrated(p: np.ndarray, model) -> np.ndarray:
@@ -52,7 +58,7 @@ def fit_predict_abmil(train, test):
     5e-4, 50 epochs on all training bags. Instance scores: the network's classifier on each instance alone."""
     from bench_accuracy import Prediction
 
-    model = ABMIL(random_state=0).fit(train.X, train.bags, train.y)
+    model = ABMIL(random_state=SEED).fit(train.X, train.bags, train.y)
     return Prediction({"own": model.predict_bag_proba(test.X, test.bags)[1]}, model.predict_instance_proba(test.X))
 
 
@@ -61,20 +67,20 @@ def fit_predict_abmil_platt(train, test):
     its bag logit Platt-scaled on the other 20 % (``own``; ``uncalibrated``: its sigmoid)."""
     from bench_accuracy import Prediction
 
-    model = ABMIL(calibration="platt", random_state=0).fit(train.X, train.bags, train.y)
+    model = ABMIL(calibration="platt", random_state=SEED).fit(train.X, train.bags, train.y)
     p = model.predict_bag_proba(test.X, test.bags)[1]
     return Prediction({"own": p, "uncalibrated": _uncalibrated(p, model)}, model.predict_instance_proba(test.X),
                       {"a": model.calibration_slope_})
 
 
-def fit_predict_embedded_gpmil(train, test, n_components: int = 32, n_networks: int = 5):
+def fit_predict_embedded_gpmil(train, test, **params):
     """Default ``EmbeddedGPMIL()`` (seed 000 §6.3). ``default``: the calibrated average of the
     network's and the GP's bag evidence; ``uncalibrated``: the same before Platt scaling;
     ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
     network's own bag probability; then the GP's own bag rules on the same fit."""
     from bench_accuracy import Prediction
 
-    model = EmbeddedGPMIL(n_components=n_components, n_networks=n_networks, random_state=0).fit(train.X, train.bags, train.y)
+    model = EmbeddedGPMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
     p = model.predict_bag_proba(test.X, test.bags)[1]
     scores = {"default": p, "uncalibrated": _uncalibrated(p, model)}
     scores["attention"] = model.predict_bag_proba(test.X, test.bags, rule="attention")[1]
@@ -88,8 +94,12 @@ def fit_predict_embedded_gpmil(train, test, n_components: int = 32, n_networks: 
 
 EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil_platt,
                     "embedded_gpmil": fit_predict_embedded_gpmil,
-                    # seed 000's other embedding widths, and one network (session 7's default; not default methods of a run)
-                    "embedded_gpmil_n1": partial(fit_predict_embedded_gpmil, n_networks=1),
+                    # on request, not default methods of a run: one network (session 7's default), 5 or 10 members,
+                    # ABMIL's fixed 50 epochs instead of early stopping, seed 000's other embedding widths
+                    "embedded_gpmil_n1": partial(fit_predict_embedded_gpmil, n_networks=1, early_stopping=True, max_epochs=100),
+                    "embedded_gpmil_n5": partial(fit_predict_embedded_gpmil, n_networks=5, early_stopping=True, max_epochs=100),
+                    "embedded_gpmil_n10": partial(fit_predict_embedded_gpmil, n_networks=10, early_stopping=True, max_epochs=100),
+                    "embedded_gpmil_e50": partial(fit_predict_embedded_gpmil, early_stopping=False, max_epochs=50),
                     "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
                     "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128)}
 DEFAULT_METHODS = ["abmil", "abmil_platt", "embedded_gpmil"]
@@ -172,10 +182,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(EMBEDDED_METHODS))
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--figure", help="also save the reliability diagrams to this PNG")
+    parser.add_argument("--seed", type=int, default=0, help="random_state of every model (the folds stay those of seed 0)")
     args = parser.parse_args()
+    global SEED
+    SEED = args.seed
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
-          f"python {platform.python_version()}")
+          f"python {platform.python_version()}, model seed {SEED}")
     import bench_accuracy
 
     methods = {m: _once(EMBEDDED_METHODS[m]) for m in args.methods}
