@@ -322,8 +322,8 @@ class SparseGPMILBase(BaseEstimator):
             overall = [np.nanmean(np.concatenate([mean_curves[v, r] for v in variances])) for r in rules]
             rule = rules[int(np.nanargmax(overall))] if np.any(np.isfinite(overall)) else rule
             self.bag_rule_ = rule
-        self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(mean_curves[v, rule])) else np.nanmax(mean_curves[v, rule])]
-                                           for v in variances])
+        under_rule = [(v, mean_curves[v, rule]) for v in variances]
+        self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in under_rule])
         chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints)
         if chosen is None:
             return None
