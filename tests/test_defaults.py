@@ -252,3 +252,26 @@ def test_kernel_choice_takes_the_best_mean_over_splits_and_skips_degenerate_chec
     assert best_candidate(scores, checkpoints) == (1.0, 10)
     assert best_candidate({2.0: steady, 1.0: steady}, checkpoints) == (1.0, 5)
     assert best_candidate({1.0: np.full((3, 3), np.nan)}, checkpoints) is None
+
+
+def test_kernel_choice_can_prefer_a_smaller_variance_within_half_a_paired_standard_error():
+    checkpoints = np.array([5, 10])
+    best = np.array([[0.80, 0.80], [0.90, 0.90], [0.70, 0.70]])  # splits × checkpoints
+    noisy = best - np.array([[0.05], [-0.04], [0.02]])  # 0.01 behind on average, well within half its paired s.e.
+    consistent = best - 0.01  # 0.01 behind on every split: a real shortfall
+    assert best_candidate({2.0: best, 0.5: noisy}, checkpoints) == (2.0, 5)  # the best mean by default
+    assert best_candidate({2.0: best, 0.5: noisy}, checkpoints, smaller_within_se=0.5) == (0.5, 5)
+    assert best_candidate({2.0: best, 0.5: consistent}, checkpoints, smaller_within_se=0.5) == (2.0, 5)
+    assert best_candidate({2.0: best, 8.0: noisy}, checkpoints, smaller_within_se=0.5) == (2.0, 5)  # only smaller ones
+
+
+@pytest.mark.parametrize("model, within", [(VGPMIL(n_inducing=10, random_state=0), 0.0), (GVGPMIL(n_inducing=10, random_state=0), 0.5)],
+                         ids=lambda m: type(m).__name__ if hasattr(m, "fit") else str(m))
+def test_gvgpmil_choice_leans_to_the_smaller_variance_and_vgpmil_takes_the_best_mean(model, within, toy_bags, monkeypatch):
+    import mil_core.models.base as base
+
+    seen = []
+    monkeypatch.setattr(base, "best_candidate", lambda scores, checkpoints, f: seen.append(f) or best_candidate(scores, checkpoints, f))
+    X, bags, y, _ = toy_bags
+    clone(model).fit(X, bags, y)
+    assert seen == [within]

@@ -35,16 +35,32 @@ _SELECTION_MIN_BAGS = 8
 _SELECTION_REPEATS = 3
 
 
-def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray) -> tuple[float, int] | None:
+def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray,
+                   smaller_within_se: float = 0.0) -> tuple[float, int] | None:
     """``(variance, sweeps)`` with the best mean held-out AUC over the splits (``scores[v]``: splits ×
     checkpoints); ties go to fewer sweeps, then the smaller variance. A checkpoint with a nan (a
-    degenerate split) is out; ``None`` when none is left."""
+    degenerate split) is out; ``None`` when none is left.
+
+    ``smaller_within_se = f > 0``: every point whose shortfall to that best point, paired split by
+    split, averages at most ``f`` of its standard error counts as tied with it, and the smallest
+    variance among those wins (at its best mean; ties: fewer sweeps). The splits are the same for
+    every candidate, so the paired difference is what tells them apart."""
     table = [(round(float(np.mean(a[:, i])), 9), -int(checkpoints[i]), -v)
              for v, a in scores.items() for i in range(checkpoints.shape[0]) if np.all(np.isfinite(a[:, i]))]
     if not table:
         return None
     _, minus_sweeps, minus_v = max(table)
-    return -minus_v, -minus_sweeps
+    if smaller_within_se <= 0:
+        return -minus_v, -minus_sweeps
+    best = scores[-minus_v][:, int(np.flatnonzero(checkpoints == -minus_sweeps)[0])]
+    tied = []
+    for mean, minus_s, minus_w in table:
+        shortfall = best - scores[-minus_w][:, int(np.flatnonzero(checkpoints == -minus_s)[0])]
+        se = shortfall.std(ddof=1) / np.sqrt(shortfall.size) if shortfall.size > 1 else 0.0
+        if shortfall.mean() <= smaller_within_se * se + 1e-12:
+            tied.append((-minus_w, -mean, -minus_s))
+    v, _, sweeps = min(tied)
+    return v, sweeps
 
 
 def choice_bags(sizes: np.ndarray, labels: np.ndarray, random_state: Any, cap: int | None = None) -> np.ndarray:
@@ -242,6 +258,11 @@ class SparseGPMILBase(BaseEstimator):
         improper for large latent variances override it (G-VGPMIL)."""
         return AUTO_VARIANCES
 
+    def _smaller_variance_within_se(self) -> float:
+        """How many standard errors of the paired shortfall to the best (variance, sweeps) point a
+        smaller variance may lose and still be chosen (:func:`best_candidate`); 0: the best mean wins."""
+        return 0.0
+
     def _auto_bag_rules(self) -> tuple[str | None, ...]:
         """Bag rules that ``kernel=None`` chooses from with the kernel (set as ``bag_rule_`` on the
         candidate fits while they are scored); ``(None,)``: the model's own bag score only."""
@@ -324,7 +345,7 @@ class SparseGPMILBase(BaseEstimator):
             self.bag_rule_ = rule
         under_rule = [(v, mean_curves[v, rule]) for v in variances]
         self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in under_rule])
-        chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints)
+        chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints, self._smaller_variance_within_se())
         if chosen is None:
             return None
         v, sweeps = chosen

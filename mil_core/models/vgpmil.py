@@ -467,3 +467,11 @@ class GVGPMIL(_LogisticGPMIL):
         family's grid is kept."""
         bound = 4.0 * self.alpha**2 - 2.0 * self.beta
         return tuple(bound * f for f in (1 / 64, 1 / 16, 0.25, 1.0)) if bound > 0 else super()._auto_variances()
+
+    def _smaller_variance_within_se(self) -> float:
+        """½: a smaller variance within half a standard error of the best point is chosen. Here the
+        held-out AUC of neighbouring variances is often within noise (text-like set: ⅛ and ½ differ by
+        less than their split-to-split spread on half the bags), and the smaller one keeps the
+        instances further from the runaway above ``4α² − 2β`` (:meth:`_auto_variances`);
+        ``docs/MODELS.md``, "Automatic defaults", has the measurement."""
+        return 0.5
