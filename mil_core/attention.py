@@ -49,6 +49,12 @@ TORCH_MISSING = (
 )
 Params = dict[str, Any]
 
+FITTED_LOSS_FRACTION = 0.5
+"""Early stopping considers an epoch only once the networks' mean training cross-entropy has
+fallen to this fraction of the constant predictor's, ``H(π) = −π log π − (1 − π) log(1 − π)`` with
+``π`` the positive fraction of the bags: before, the held-out bags are ranked by noise
+(:func:`fit_attention_network`)."""
+
 
 def _import_torch():
     try:
@@ -181,6 +187,12 @@ def _validate_training_params(hidden: tuple[int, ...], n_components: int, attent
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
 
 
+def _label_entropy(labels: np.ndarray) -> float:
+    """``H(π)``, the bag cross-entropy of the constant prediction ``π`` = the positive fraction."""
+    pi = float(np.mean(labels))
+    return float(-(pi * np.log(pi) + (1.0 - pi) * np.log1p(-pi))) if 0.0 < pi < 1.0 else 0.0
+
+
 def validation_splits(labels: np.ndarray, n_networks: int, validation_fraction: float,
                       rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(training bags, held-out bags)`` of each member: one network holds out a stratified
@@ -230,7 +242,12 @@ def fit_attention_network(
     (each held-out bag scored by the member that did not train on it) by their bag AUC, ties broken
     by the lower bag cross-entropy; training stops after ``n_epochs_no_change`` epochs without a
     better score, and every member keeps its parameters of the best epoch (one epoch count for
-    all). Why the AUC first: the validation loss alone is lowest after a few epochs, when the
+    all). Only epochs from the first whose mean training loss is at most
+    :data:`FITTED_LOSS_FRACTION` of the constant predictor's ``H(π)`` compete (the patience counts
+    from there); if none is reached, the last epoch is kept. Why: networks that have not yet fit
+    their training bags give every held-out bag nearly the same score, and their AUC ranks noise —
+    on a large-bag draw (20 training bags, 4 held out per member) the members stopped at epoch 6
+    with a training loss of 0.695 ≈ ln 2, bag AUC 0.470 (``docs/BENCHMARKS.md``). Why the AUC first: the validation loss alone is lowest after a few epochs, when the
     network is still poorly ranking but not yet confident (measured: bag AUC 0.958 → 0.962 MUSK1,
     0.850 → 0.864 digits, 0.726 → 0.752 on the sparse ``text`` set, ``docs/BENCHMARKS.md``);
     confidence is left to a post-hoc calibration. Why pooled over the members: a fifth of 80 bags
@@ -274,6 +291,7 @@ def fit_attention_network(
 
         train_loss, val_loss, val_auc = [], [], []
         best = ((-np.inf, -np.inf), 0, snapshot())
+        fitted_loss, fitted = FITTED_LOSS_FRACTION * _label_entropy(labels), False
         for epoch in range(1, max_epochs + 1):
             total = 0.0
             for (fixed, learnt, optimiser), (train_bags, _) in zip(members, splits, strict=True):
@@ -292,12 +310,15 @@ def fit_attention_network(
                                     for (fixed, learnt, _), (_, val) in zip(members, splits, strict=True)])
                 val_loss.append(float(loss_fn(logits, targets[val_bags])))
             val_auc.append(float(roc_auc_score(labels[val_bags], logits.numpy())))
+            fitted = fitted or train_loss[-1] <= fitted_loss
+            if not fitted:
+                continue
             score = (val_auc[-1], -val_loss[-1])
             if score > best[0]:
                 best = (score, epoch, snapshot())
             elif epoch - best[1] >= n_epochs_no_change:
                 break
-        kept, best_epoch = (best[2], best[1]) if early_stopping else (snapshot(), max_epochs)
+        kept, best_epoch = (best[2], best[1]) if early_stopping and fitted else (snapshot(), len(train_loss))
         states = [{k: v.numpy().copy() for k, v in fixed.items()} | {k: v.numpy().copy() for k, v in member.items()}
                   for (fixed, _, _), member in zip(members, kept, strict=True)]
     return NetworkFit(params=states, validation_bags=[np.sort(val) for _, val in splits],

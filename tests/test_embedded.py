@@ -15,6 +15,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import ABMIL, VGPMIL, EmbeddedGPMIL
 from mil_core.attention import (
+    FITTED_LOSS_FRACTION,
     _single_bag_logit,
     attention_weights,
     bag_logits,
@@ -142,12 +143,27 @@ def test_default_rule_is_platt_on_the_members_average_calibrated_out_of_fold(fit
         fitted.predict_bag_proba(X, bags, rule="network", return_std=True)
 
 
+def _best_fitted_epoch(model, y_bags: np.ndarray) -> int:
+    """The early-stopping rule from a model's traces: the best held-out AUC (ties: loss) among the
+    epochs from the first whose training loss is at most FITTED_LOSS_FRACTION of H(π)."""
+    aucs, losses = model.network_validation_auc_, model.network_validation_loss_
+    pi = y_bags.mean()
+    entropy = -(pi * np.log(pi) + (1 - pi) * np.log(1 - pi))
+    first = int(np.argmax(model.network_train_loss_ <= FITTED_LOSS_FRACTION * entropy))
+    assert model.network_train_loss_[first] <= FITTED_LOSS_FRACTION * entropy  # the toy networks do fit
+    return max(range(first, aucs.size), key=lambda i: (aucs[i], -losses[i])) + 1
+
+
+def _bag_labels(bags: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return y[np.unique(bags, return_index=True)[1]]
+
+
 def test_members_stop_together_on_the_pooled_out_of_fold_auc(fitted, data):
-    """The kept epoch is the best of the pooled held-out bags' AUC (ties: loss), the AUC its
-    networks give all held-out bags together."""
+    """The kept epoch is the best of the pooled held-out bags' AUC (ties: loss) once the networks
+    fit their training bags, the AUC its networks give all held-out bags together."""
     (X, bags, y, _), _ = data
-    aucs, losses = fitted.network_validation_auc_, fitted.network_validation_loss_
-    assert fitted.network_best_epoch_ == max(range(aucs.size), key=lambda i: (aucs[i], -losses[i])) + 1
+    aucs = fitted.network_validation_auc_
+    assert fitted.network_best_epoch_ == _best_fitted_epoch(fitted, _bag_labels(bags, y))
     keys = np.unique(bags)
     logits, truth = [], []
     for k, val in enumerate(fitted.validation_bags_):
@@ -351,10 +367,23 @@ def test_early_stopping_keeps_the_best_validation_epoch(data):
     (X, bags, y, _), _ = data
     model = ABMIL(**(NET | {"max_epochs": 40}), early_stopping=True, n_epochs_no_change=3, random_state=0).fit(X, bags, y)
     losses, aucs = model.network_validation_loss_, model.network_validation_auc_
-    assert losses.shape == aucs.shape and np.all((aucs >= 0) & (aucs <= 1))
-    # the best epoch: highest validation AUC, ties to the lower loss, then the earlier epoch
-    assert model.network_best_epoch_ == max(range(losses.size), key=lambda i: (aucs[i], -losses[i])) + 1
+    assert losses.shape == aucs.shape == model.network_train_loss_.shape and np.all((aucs >= 0) & (aucs <= 1))
+    # the best epoch: highest validation AUC, ties to the lower loss, then the earlier epoch, among
+    # the epochs once the training loss has fallen to half the constant predictor's
+    assert model.network_best_epoch_ == _best_fitted_epoch(model, _bag_labels(bags, y))
     assert losses.size == 40 or losses.size == model.network_best_epoch_ + 3
+
+
+def test_early_stopping_waits_until_the_networks_fit_their_training_bags(data):
+    """Networks that do not learn (a learning rate of 1e-9) rank the held-out bags by noise: no
+    epoch is kept for its held-out AUC, training runs all ``max_epochs`` and keeps the last (the
+    AUC alone stopped such networks after ``n_epochs_no_change`` epochs at a noise peak)."""
+    (X, bags, y, _), _ = data
+    params = NET | {"max_epochs": 12, "learning_rate": 1e-9, "n_epochs_no_change": 2, "n_networks": 2, "random_state": 0}
+    model = small_model(**params).fit(X, bags, y)
+    assert model.network_train_loss_.size == model.network_validation_auc_.size == 12
+    assert model.network_best_epoch_ == 12
+    assert np.all(model.network_train_loss_ > FITTED_LOSS_FRACTION * np.log(2))
 
 
 @pytest.mark.parametrize(("params", "message"), [

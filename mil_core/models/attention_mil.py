@@ -105,7 +105,8 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         Passes over the training bags (one bag per step).
     early_stopping, validation_fraction, n_epochs_no_change
         Hold out a stratified fraction of the bags, stop when their bag AUC (ties: their loss) has
-        not improved for ``n_epochs_no_change`` epochs, keep the best epoch's parameters
+        not improved for ``n_epochs_no_change`` epochs, counted once the training loss has fallen
+        to half the constant predictor's, keep the best epoch's parameters
         (:func:`mil_core.attention.fit_attention_network`).
     calibration : {"platt", None}, default=None
         ``"platt"``: hold out the same stratified ``validation_fraction`` of the bags (also

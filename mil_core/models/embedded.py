@@ -53,7 +53,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     embeddings of the training instances and fits a clone of ``gp`` on the embeddings of its
     training bags; fold ``k`` (its *held-out bags*) is seen by neither of member ``k``'s models. The
     members train in lockstep and stop together on the pooled held-out bags' AUC, ties broken by
-    their loss (:func:`mil_core.attention.fit_attention_network`). Each training bag thus has one
+    their loss, once they fit their training bags (:func:`mil_core.attention.fit_attention_network`). Each training bag thus has one
     out-of-fold score, and Platt scaling is fitted on all of them. ``n_networks=1`` is one network
     holding out a stratified ``validation_fraction``. Predictions embed the rows with the stored
     networks (NumPy, no PyTorch needed).
@@ -92,7 +92,8 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     validation_fraction : float, default=0.2
         The held-out fraction of a single network (``n_networks=1``).
     early_stopping : bool, default=True
-        Stop the members on their pooled held-out bags' AUC, then loss (patience ``n_epochs_no_change``).
+        Stop the members on their pooled held-out bags' AUC, then loss (patience ``n_epochs_no_change``),
+        among the epochs once their training loss has fallen to half the constant predictor's.
     calibration : {"platt", None}, default="platt"
         Platt scaling of the ensemble bag score on the out-of-fold scores; ``None``: ``σ(s_b)``.
         Without early stopping and calibration no bags are held out: one network, and its GP
