@@ -45,17 +45,17 @@ def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray,
     split, averages at most ``f`` of its standard error counts as tied with it, and the smallest
     variance among those wins (at its best mean; ties: fewer sweeps). The splits are the same for
     every candidate, so the paired difference is what tells them apart."""
-    table = [(round(float(np.mean(a[:, i])), 9), -int(checkpoints[i]), -v)
+    table = [(round(float(np.mean(a[:, i])), 9), -int(checkpoints[i]), -v, i)
              for v, a in scores.items() for i in range(checkpoints.shape[0]) if np.all(np.isfinite(a[:, i]))]
     if not table:
         return None
-    _, minus_sweeps, minus_v = max(table)
+    _, minus_sweeps, minus_v, column = max(table)
     if smaller_within_se <= 0:
         return -minus_v, -minus_sweeps
-    best = scores[-minus_v][:, int(np.flatnonzero(checkpoints == -minus_sweeps)[0])]
+    best = scores[-minus_v][:, column]
     tied = []
-    for mean, minus_s, minus_w in table:
-        shortfall = best - scores[-minus_w][:, int(np.flatnonzero(checkpoints == -minus_s)[0])]
+    for mean, minus_s, minus_w, i in table:
+        shortfall = best - scores[-minus_w][:, i]
         se = shortfall.std(ddof=1) / np.sqrt(shortfall.size) if shortfall.size > 1 else 0.0
         if shortfall.mean() <= smaller_within_se * se + 1e-12:
             tied.append((-minus_w, -mean, -minus_s))
