@@ -19,8 +19,8 @@ order, inner splits and the GPs' seeds change): how much of a difference between
 the seed.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
-network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128`` on
-request) have bench_accuracy's method signature; bench_accuracy's ``METHODS``
+network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128``,
+``_bag_loss`` (networks trained on the bag loss alone) on request) have bench_accuracy's method signature; bench_accuracy's ``METHODS``
 includes ``abmil`` and ``embedded_gpmil``.
 """
 
@@ -101,7 +101,9 @@ EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil
                     "embedded_gpmil_n10": partial(fit_predict_embedded_gpmil, n_networks=10, early_stopping=True, max_epochs=100),
                     "embedded_gpmil_e50": partial(fit_predict_embedded_gpmil, early_stopping=False, max_epochs=50),
                     "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
-                    "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128)}
+                    "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128),
+                    # the networks trained on the bag loss alone (the default until session 11)
+                    "embedded_gpmil_bag_loss": partial(fit_predict_embedded_gpmil, negative_instances=False)}
 DEFAULT_METHODS = ["abmil", "abmil_platt", "embedded_gpmil"]
 
 
@@ -120,7 +122,7 @@ def _once(fit_predict):
 CALIBRATION_ROWS = ("default", "own", "uncalibrated")  # bag scores whose calibration is reported
 
 
-def calibration(methods: dict, datasets: list[str], n_splits: int, figure: str | None) -> None:
+def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, figure: str | None) -> None:
     from bench_accuracy import folds
 
     curves = {}
@@ -130,7 +132,7 @@ def calibration(methods: dict, datasets: list[str], n_splits: int, figure: str |
     for dataset in datasets:
         for name, fit_predict in methods.items():
             probs, truth, fold_auc, instance_auc = {}, [], {}, []
-            for _, train, test in folds(dataset, n_splits, 1):
+            for _, train, test in folds(dataset, n_splits, draws):
                 prediction = fit_predict(train, test)
                 index = BagIndex.from_ids(test.bags)
                 truth.append(test.y[index.order][index.offsets[:-1]])
@@ -182,6 +184,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(EMBEDDED_METHODS))
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--figure", help="also save the reliability diagrams to this PNG")
+    parser.add_argument("--draws", type=int, default=1, help="large-bag draws, each its own 20/20 split of 40 bags")
     parser.add_argument("--seed", type=int, default=0, help="random_state of every model (the folds stay those of seed 0)")
     args = parser.parse_args()
     global SEED
@@ -193,9 +196,9 @@ def main() -> None:
 
     methods = {m: _once(EMBEDDED_METHODS[m]) for m in args.methods}
     bench_accuracy.METHODS.update(methods)
-    bench_accuracy.print_table(list(methods), args.datasets, args.folds, 1)
+    bench_accuracy.print_table(list(methods), args.datasets, args.folds, args.draws)
     print()
-    calibration(methods, args.datasets, args.folds, args.figure)
+    calibration(methods, args.datasets, args.folds, args.draws, args.figure)
 
 
 if __name__ == "__main__":

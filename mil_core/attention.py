@@ -40,6 +40,7 @@ __all__ = [
     "instance_embedding",
     "instance_logits",
     "network_arrays",
+    "training_loss",
     "validation_splits",
 ]
 
@@ -107,6 +108,25 @@ def _single_bag_logit(params: Params, H: Any) -> Any:
     alpha = xp.exp(a - xp.max(a))
     z = (alpha / xp.sum(alpha)) @ H
     return xp.sum(params["classifier.weight"][0] * z) + params["classifier.bias"][0]
+
+
+def training_loss(params: Params, H: Any, label: int, cross_entropy: Any,
+                  negative_instances: bool) -> tuple[Any, Any]:
+    """``(loss, bag loss)`` of one training bag with embedded rows ``H``: the bag loss is the
+    cross-entropy of its bag logit (Ilse et al. 2018); the loss adds, for a negative bag with
+    ``negative_instances``, the mean cross-entropy of its instance logits ``cᵀh_n + c₀`` against 0.
+    Why: a bag is negative only if all its instances are (seed 000 §2.1), so a negative bag's
+    instances are labelled; the bag logit ``Σ_n α_n (cᵀh_n + c₀)`` reaches each of them only
+    through its attention weight, which a bag of 10³–10⁴ instances dilutes. A positive bag can then
+    score high only by attending to instances unlike the negative ones. ``cross_entropy(logits,
+    targets)`` is the mean binary cross-entropy on logits of the caller's array library."""
+    xp = array_namespace(H)
+    bag_logit = _single_bag_logit(params, H)
+    bag_loss = cross_entropy(bag_logit, xp.full_like(bag_logit, float(label)))
+    if not negative_instances or label == 1:
+        return bag_loss, bag_loss
+    logits = instance_logits(params, H)
+    return bag_loss + cross_entropy(logits, xp.zeros_like(logits)), bag_loss
 
 
 def attention_weights(params: Params, H: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -229,11 +249,14 @@ def fit_attention_network(
     seed: int,
     hold_out: bool = False,
     n_networks: int = 1,
+    negative_instances: bool = False,
 ) -> NetworkFit:
     """Train the gated-attention network on bags (rows of bag ``b`` are
     ``X_sorted[offsets[b]:offsets[b+1]]``, label ``labels[b]``) by Adam on the bag cross-entropy,
     one bag per step in a seeded random order (Ilse et al. 2018's protocol; ``weight_decay`` is
-    Adam's L2 term).
+    Adam's L2 term); with ``negative_instances`` each negative bag's step adds its instances'
+    cross-entropy against 0 (:func:`training_loss`; the traces and the stopping rule use the bag
+    cross-entropy alone).
 
     With ``early_stopping`` (or ``hold_out``) bags are held out (:func:`validation_splits`): one
     network holds out a stratified ``validation_fraction``; ``n_networks`` > 1 members are
@@ -298,10 +321,12 @@ def fit_attention_network(
                 params = fixed | learnt
                 for b in rng.permutation(train_bags):
                     optimiser.zero_grad()
-                    loss = loss_fn(bag_logit(params, int(b)), targets[b])
+                    rows = X[offsets[b] : offsets[b + 1]]
+                    loss, bag_loss = training_loss(params, instance_embedding(params, rows), int(labels[b]), loss_fn,
+                                                   negative_instances)
                     loss.backward()
                     optimiser.step()
-                    total += float(loss.detach())
+                    total += float(bag_loss.detach())
             train_loss.append(total / sum(train.size for train, _ in splits))
             if not early_stopping:
                 continue

@@ -20,7 +20,9 @@ from mil_core.attention import (
     attention_weights,
     bag_logits,
     instance_embedding,
+    instance_logits,
     network_arrays,
+    training_loss,
 )
 from mil_core.calibration import expected_calibration_error, fit_platt, reliability_bins
 from mil_core.persist import load, save
@@ -361,6 +363,42 @@ def test_reliability_bins_and_ece_by_hand():
     y = np.array([0, 1, 0, 1, 1, 1, 0])
     assert reliability_bins(p, y) == [(2, pytest.approx(0.05), 0.5), (1, pytest.approx(0.15), 0.0), (4, pytest.approx(0.95), 0.75)]
     assert expected_calibration_error(p, y) == pytest.approx((2 * 0.45 + 1 * 0.15 + 4 * 0.2) / 7)
+
+
+def _mean_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
+    return float(np.mean(np.logaddexp(0.0, logits) - targets * logits))
+
+
+def test_training_loss_adds_a_negative_bags_instances_as_negatives(fitted, data):
+    """Seed 000 §2.1: a negative bag's instances are all negative, so its step adds their mean
+    instance cross-entropy against 0; a positive bag's step is the bag cross-entropy alone."""
+    (X, bags, y, _), _ = data
+    params = network_arrays(fitted.network_states_[0])
+    for b in (0, 1):
+        assert y[bags == b][0] == b
+        H = instance_embedding(params, X[bags == b])
+        ell = bag_logits(params, H, np.array([0, H.shape[0]]))[0]
+        bag = float(np.logaddexp(0.0, -ell if b else ell))
+        instances = float(np.mean(np.logaddexp(0.0, instance_logits(params, H))))
+        assert training_loss(params, H, b, _mean_cross_entropy, False) == pytest.approx((bag, bag))
+        expected = (bag, bag) if b else (bag + instances, bag)
+        assert training_loss(params, H, b, _mean_cross_entropy, True) == pytest.approx(expected)
+
+
+def test_negative_instances_reach_the_networks_training(fitted, data):
+    """The default ensemble trains its networks with the negative bags' instances
+    (``negative_instances=True``); turned off, the same seed trains other networks, which score
+    the negative training bags' instances higher."""
+    (X, bags, y, _), _ = data
+    assert fitted.negative_instances and not ABMIL().negative_instances
+    plain = small_model(negative_instances=False).fit(X, bags, y)
+    negatives = X[y == 0]
+
+    def mean_instance_logit(model):
+        return np.mean([instance_logits(network_arrays(state), model._embed(negatives, k)).mean()
+                        for k, state in enumerate(model.network_states_)])
+
+    assert mean_instance_logit(fitted) < mean_instance_logit(plain) - 0.5
 
 
 def test_early_stopping_keeps_the_best_validation_epoch(data):

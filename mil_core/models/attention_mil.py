@@ -41,7 +41,7 @@ class AttentionNetworkParams:
             attention_dim=self.attention_dim, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
             max_epochs=self.max_epochs, early_stopping=self.early_stopping, validation_fraction=self.validation_fraction,
             n_epochs_no_change=self.n_epochs_no_change, seed=seed, hold_out=self.calibration is not None,
-            n_networks=n_networks,
+            n_networks=n_networks, negative_instances=self.negative_instances,
         )
 
     def _store_traces(self, fit: NetworkFit, n_features: int) -> None:
@@ -112,6 +112,10 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         ``"platt"``: hold out the same stratified ``validation_fraction`` of the bags (also
         without early stopping) and fit Platt scaling of the bag logit on them
         (:func:`mil_core.calibration.fit_platt`); ``None``: the network's own sigmoid.
+    negative_instances : bool, default=False
+        Also train every instance of a negative bag as negative
+        (:func:`mil_core.attention.training_loss`); off here, so ``ABMIL()`` stays Ilse et al.'s
+        network, the baseline. :class:`~mil_core.EmbeddedGPMIL` turns it on.
     random_state : int, RandomState or None
         Seeds the initial weights, the bag order and the validation split.
 
@@ -145,6 +149,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         validation_fraction: float = 0.2,
         n_epochs_no_change: int = 10,
         calibration: str | None = None,
+        negative_instances: bool = False,
         random_state: Any = None,
     ):
         store_params(self, locals())

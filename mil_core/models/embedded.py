@@ -98,6 +98,11 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         Platt scaling of the ensemble bag score on the out-of-fold scores; ``None``: ``σ(s_b)``.
         Without early stopping and calibration no bags are held out: one network, and its GP
         trains on all bags.
+    negative_instances : bool, default=True
+        Each negative training bag's step also trains its instances as negative (the MIL
+        assumption, seed 000 §2.1; :func:`mil_core.attention.training_loss`): without it, the bag
+        loss reaches an instance only through its attention weight, and on bags of 10³–10⁴
+        instances the networks did not learn at all (``docs/BENCHMARKS.md``).
     random_state : int, RandomState or None
         Seeds the networks (weights, bag order, folds) and the GPs' clones.
 
@@ -134,6 +139,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         validation_fraction: float = 0.2,
         n_epochs_no_change: int = 10,
         calibration: str | None = "platt",
+        negative_instances: bool = True,
         random_state: Any = None,
     ):
         store_params(self, locals())
