@@ -430,6 +430,7 @@ def test_early_stopping_waits_until_the_networks_fit_their_training_bags(data):
     ({"learning_rate": 0.0}, "learning_rate"),
     ({"validation_fraction": 1.5}, "validation_fraction"),
     ({"n_networks": 0}, "n_networks"),
+    ({"negative_instances": "yes"}, "negative_instances"),
 ])
 def test_bad_parameters_are_named(data, params, message):
     (X, bags, y, _), _ = data
