@@ -20,7 +20,7 @@ the seed.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
 network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128``,
-``_bag_loss`` (networks trained on the bag loss alone) on request) have bench_accuracy's method
+``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on request) have bench_accuracy's method
 signature; bench_accuracy's ``METHODS`` includes ``abmil`` and ``embedded_gpmil``. ``--draws N``
 runs N large-bag draws.
 """
@@ -54,12 +54,12 @@ def _uncalibrated(p: np.ndarray, model) -> np.ndarray:
     return expit((logit(p) - model.calibration_intercept_) / model.calibration_slope_)
 
 
-def fit_predict_abmil(train, test):
+def fit_predict_abmil(train, test, **params):
     """The ABMIL baseline (Ilse et al. 2018, gated attention), untuned: Adam lr 5e-4, weight decay
     5e-4, 50 epochs on all training bags. Instance scores: the network's classifier on each instance alone."""
     from bench_accuracy import Prediction
 
-    model = ABMIL(random_state=SEED).fit(train.X, train.bags, train.y)
+    model = ABMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
     return Prediction({"own": model.predict_bag_proba(test.X, test.bags)[1]}, model.predict_instance_proba(test.X))
 
 
@@ -104,7 +104,9 @@ EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil
                     "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
                     "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128),
                     # the networks trained on the bag loss alone (the default until session 11)
-                    "embedded_gpmil_bag_loss": partial(fit_predict_embedded_gpmil, negative_instances=False)}
+                    "embedded_gpmil_bag_loss": partial(fit_predict_embedded_gpmil, negative_instances=False),
+                    # ABMIL with EmbeddedGPMIL's negative-instance loss: is the gain the network's or the GP's?
+                    "abmil_negative_instances": partial(fit_predict_abmil, negative_instances=True)}
 DEFAULT_METHODS = ["abmil", "abmil_platt", "embedded_gpmil"]
 
 
