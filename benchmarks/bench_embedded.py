@@ -20,8 +20,8 @@ the seed.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
 network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128``,
-``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on request) have bench_accuracy's method
-signature; bench_accuracy's ``METHODS`` includes ``abmil`` and ``embedded_gpmil``. ``--draws N``
+``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on request)
+have bench_accuracy's method signature; bench_accuracy's ``METHODS`` includes ``abmil`` and ``embedded_gpmil``. ``--draws N``
 runs N large-bag draws.
 """
 

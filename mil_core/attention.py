@@ -194,7 +194,7 @@ def _single_thread(torch: Any) -> Iterator[None]:
 
 def _validate_training_params(hidden: tuple[int, ...], n_components: int, attention_dim: int, learning_rate: float,
                               weight_decay: float, max_epochs: int, validation_fraction: float, patience: int,
-                              n_networks: int) -> None:
+                              n_networks: int, negative_instances: bool) -> None:
     for name, value in (("n_components", n_components), ("attention_dim", attention_dim), ("max_epochs", max_epochs),
                         ("n_epochs_no_change", patience), ("n_networks", n_networks), *((f"hidden[{i}]", h) for i, h in enumerate(hidden))):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -205,6 +205,8 @@ def _validate_training_params(hidden: tuple[int, ...], n_components: int, attent
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if not 0 < validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+    if not isinstance(negative_instances, (bool, np.bool_)):
+        raise ValueError(f"negative_instances must be True or False, got {negative_instances!r}")
 
 
 def _label_entropy(labels: np.ndarray) -> float:
@@ -270,9 +272,10 @@ def fit_attention_network(
     from there); if none is reached, the last epoch is kept. Why: networks that have not yet fit
     their training bags give every held-out bag nearly the same score, and their AUC ranks noise —
     on a large-bag draw (20 training bags, 4 held out per member) the members stopped at epoch 6
-    with a training loss of 0.695 ≈ ln 2, bag AUC 0.470 (``docs/BENCHMARKS.md``). Why the AUC first: the validation loss alone is lowest after a few epochs, when the
-    network is still poorly ranking but not yet confident (measured: bag AUC 0.958 → 0.962 MUSK1,
-    0.850 → 0.864 digits, 0.726 → 0.752 on the sparse ``text`` set, ``docs/BENCHMARKS.md``);
+    with a training loss of 0.695 ≈ ln 2, bag AUC 0.470 (``docs/BENCHMARKS.md``). Why the AUC
+    first: the validation loss alone is lowest after a few epochs, when the network is still
+    poorly ranking but not yet confident (measured: bag AUC 0.958 → 0.962 MUSK1, 0.850 → 0.864 digits,
+    0.726 → 0.752 on the sparse ``text`` set, ``docs/BENCHMARKS.md``);
     confidence is left to a post-hoc calibration. Why pooled over the members: a fifth of 80 bags
     scores an epoch by 16 bags, the pooled folds by all 80, and one epoch count for all is one
     trace to report (measured against each member stopping on its own fold: MUSK1 bag AUC 0.936
@@ -284,7 +287,7 @@ def fit_attention_network(
     torch = _import_torch()
     hidden = tuple(hidden)
     _validate_training_params(hidden, n_components, attention_dim, learning_rate, weight_decay, max_epochs,
-                              validation_fraction, n_epochs_no_change, n_networks)
+                              validation_fraction, n_epochs_no_change, n_networks, negative_instances)
     rng = np.random.default_rng(seed)
     bags = np.arange(labels.shape[0])
     splits = validation_splits(labels, n_networks, validation_fraction, rng) if early_stopping or hold_out \
@@ -306,8 +309,11 @@ def fit_attention_network(
             learnt = {k: torch.from_numpy(v.copy()).requires_grad_(True) for k, v in init.items() if not k.startswith("input.")}
             members.append((fixed, learnt, torch.optim.Adam(learnt.values(), lr=learning_rate, weight_decay=weight_decay)))
 
+        def embedded(params: Params, b: int) -> Any:
+            return instance_embedding(params, X[offsets[b] : offsets[b + 1]])
+
         def bag_logit(params: Params, b: int) -> Any:
-            return _single_bag_logit(params, instance_embedding(params, X[offsets[b] : offsets[b + 1]]))
+            return _single_bag_logit(params, embedded(params, b))
 
         def snapshot() -> list[dict[str, Any]]:
             return [{k: v.detach().clone() for k, v in learnt.items()} for _, learnt, _ in members]
@@ -321,8 +327,7 @@ def fit_attention_network(
                 params = fixed | learnt
                 for b in rng.permutation(train_bags):
                     optimiser.zero_grad()
-                    rows = X[offsets[b] : offsets[b + 1]]
-                    loss, bag_loss = training_loss(params, instance_embedding(params, rows), int(labels[b]), loss_fn,
+                    loss, bag_loss = training_loss(params, embedded(params, int(b)), int(labels[b]), loss_fn,
                                                    negative_instances)
                     loss.backward()
                     optimiser.step()

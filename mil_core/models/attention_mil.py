@@ -36,8 +36,6 @@ class AttentionNetworkParams:
                      n_networks: int = 1) -> NetworkFit:
         if self.calibration not in ("platt", None):
             raise ValueError(f"calibration must be 'platt' or None, got {self.calibration!r}")
-        if not isinstance(self.negative_instances, (bool, np.bool_)):
-            raise ValueError(f"negative_instances must be True or False, got {self.negative_instances!r}")
         return fit_attention_network(
             X_sorted, offsets, labels, hidden=tuple(self.hidden), n_components=self.n_components,
             attention_dim=self.attention_dim, learning_rate=self.learning_rate, weight_decay=self.weight_decay,

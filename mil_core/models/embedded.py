@@ -53,9 +53,9 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     embeddings of the training instances and fits a clone of ``gp`` on the embeddings of its
     training bags; fold ``k`` (its *held-out bags*) is seen by neither of member ``k``'s models. The
     members train in lockstep and stop together on the pooled held-out bags' AUC, ties broken by
-    their loss, once they fit their training bags (:func:`mil_core.attention.fit_attention_network`). Each training bag thus has one
-    out-of-fold score, and Platt scaling is fitted on all of them. ``n_networks=1`` is one network
-    holding out a stratified ``validation_fraction``. Predictions embed the rows with the stored
+    their loss, once they fit their training bags (:func:`mil_core.attention.fit_attention_network`).
+    Each training bag thus has one out-of-fold score, and Platt scaling is fitted on all of them.
+    ``n_networks=1`` is one network holding out a stratified ``validation_fraction``. Predictions embed the rows with the stored
     networks (NumPy, no PyTorch needed).
 
     Member ``k``'s bag evidence averages two logits, ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)``: the
