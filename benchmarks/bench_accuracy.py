@@ -73,6 +73,7 @@ class Prediction:
     bag: dict[str, np.ndarray]
     instance: np.ndarray | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    instance_rules: dict[str, np.ndarray] = field(default_factory=dict)  # other instance scores of the same fit
 
 
 # ---------------------------------------------------------------------------------- data

@@ -1,6 +1,6 @@
 """EmbeddedGPMIL and the ABMIL baseline on the folds of ``bench_accuracy.py`` (issue 15). Needs the extra ``torch``.
 
-Two tables from one set of fits (each method is fitted once per fold), both on bench_accuracy's
+Three tables from one set of fits (each method is fitted once per fold), both on bench_accuracy's
 identical folds (stratified 5-fold CV over bags, seed 0, features standardised on the training
 fold, a column with std < 1e-12 left unscaled):
 
@@ -10,7 +10,9 @@ fold, a column with std < 1e-12 left unscaled):
   pooled and scored by the expected calibration error (10 equal-width bins,
   :func:`mil_core.calibration.expected_calibration_error`), the Brier score and the reliability
   diagram's bins, before and after each method's Platt scaling. ``--figure PATH`` also draws the
-  reliability diagrams (PNG).
+  reliability diagrams (PNG);
+* instance AUC of each instance score of the same fits (``EmbeddedGPMIL``: the default pooled
+  evidence, the GPs' and the networks' alone), fold by fold.
 
     python benchmarks/bench_embedded.py --datasets musk1 musk2 digits --figure docs/figures/reliability_embedded.png
 
@@ -78,7 +80,8 @@ def fit_predict_embedded_gpmil(train, test, **params):
     """Default ``EmbeddedGPMIL()`` (seed 000 §6.3). ``default``: the calibrated average of the
     network's and the GP's bag evidence; ``uncalibrated``: the same before Platt scaling;
     ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
-    network's own bag probability; then the GP's own bag rules on the same fit."""
+    network's own bag probability; then the GP's own bag rules on the same fit. Instance scores:
+    the default pooled evidence, and the GPs' (``gp``) and the networks' (``network``) alone."""
     from bench_accuracy import Prediction
 
     model = EmbeddedGPMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
@@ -90,7 +93,9 @@ def fit_predict_embedded_gpmil(train, test, **params):
         scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
     return Prediction(scores, model.predict_instance_proba(test.X, method="probit"),
                       {"v": float(np.median([gp.kernel_.variance for gp in model.gps_])),  # the members' median
-                       "sweeps": float(np.median([gp.n_iter_ for gp in model.gps_])), "a": model.calibration_slope_})
+                       "sweeps": float(np.median([gp.n_iter_ for gp in model.gps_])), "a": model.calibration_slope_},
+                      {"gp": model.predict_instance_proba(test.X, rule="gp", method="probit"),
+                       "network": model.predict_instance_proba(test.X, rule="network")})
 
 
 EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil_platt,
@@ -111,7 +116,7 @@ DEFAULT_METHODS = ["abmil", "abmil_platt", "embedded_gpmil"]
 
 
 def _once(fit_predict):
-    """``fit_predict`` remembering its prediction per (train, test) fold content, so the two tables
+    """``fit_predict`` remembering its prediction per (train, test) fold content, so the tables
     of one run share the fits."""
     cache = {}
 
@@ -158,6 +163,27 @@ def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, f
         plot_reliability(curves, datasets, figure)
 
 
+def instance_rules(methods: dict, datasets: list[str], n_splits: int, draws: int) -> None:
+    """Instance AUC (fold mean, and per fold) of each method's instance scores: its default and the
+    other instance scores of the same fits (``Prediction.instance_rules``), where instance labels are known."""
+    from bench_accuracy import folds
+
+    print("| data | method | instance score | instance AUC (fold mean) | per fold |")
+    print("|---|---|---|---|---|")
+    for dataset in datasets:
+        for name, fit_predict in methods.items():
+            aucs: dict[str, list[float]] = {}
+            for _, train, test in folds(dataset, n_splits, draws):
+                prediction = fit_predict(train, test)
+                if prediction.instance is None or test.instance_labels is None:
+                    break
+                for rule, scores in {"default": prediction.instance, **prediction.instance_rules}.items():
+                    aucs.setdefault(rule, []).append(roc_auc_score(test.instance_labels, scores))
+            for rule, values in aucs.items():
+                print(f"| {dataset} | {name} | {rule} | {np.mean(values):.3f} | {' / '.join(f'{v:.3f}' for v in values)} |",
+                      flush=True)
+
+
 def plot_reliability(curves: dict, datasets: list[str], path: str) -> None:
     """One panel per data set: positive fraction against mean probability per bin (marker area ∝ bag count)."""
     import matplotlib
@@ -202,6 +228,8 @@ def main() -> None:
     bench_accuracy.print_table(list(methods), args.datasets, args.folds, args.draws)
     print()
     calibration(methods, args.datasets, args.folds, args.draws, args.figure)
+    print()
+    instance_rules(methods, args.datasets, args.folds, args.draws)
 
 
 if __name__ == "__main__":

@@ -103,13 +103,47 @@ def test_attention_rule_is_the_members_mean_of_attention_pooled_gp_probabilities
     np.testing.assert_allclose(sd, np.mean([pooled_sd for _, _, pooled_sd in evidence], axis=0), rtol=1e-10)
 
 
-def test_instance_probabilities_are_the_members_mixture(fitted, data):
+def _member_instance_evidence(model, member, X):
+    """By hand, per row: member ``member``'s network instance logit cᵀh + c₀ and its GP's probability and std."""
+    params = network_arrays(model.network_states_[member])
+    H = instance_embedding(params, X)
+    logit = H @ params["classifier.weight"][0] + params["classifier.bias"][0]
+    p, sd = model.gps_[member].predict_instance_proba(model.member_transform(X, member), return_std=True, method="probit")
+    return logit, p, sd
+
+
+def test_instance_probability_pools_each_members_network_and_gp_evidence(fitted, data):
+    """Default: σ of the members' mean of ½ (ℓ_n + logit p_n), the instance counterpart of the
+    bag evidence; its std by the delta method, capped at sqrt(p (1 − p))."""
     _, (X, _, _, _) = data
     p, sd = fitted.predict_instance_proba(X, return_std=True, method="probit")
-    members = [gp.predict_instance_proba(fitted.member_transform(X, k), return_std=True, method="probit")
-               for k, gp in enumerate(fitted.gps_)]
-    np.testing.assert_allclose(p, np.mean([m for m, _ in members], axis=0), rtol=1e-12)
-    np.testing.assert_allclose(sd**2, np.mean([s**2 + m**2 for m, s in members], axis=0) - p**2, rtol=1e-8, atol=1e-12)
+    members = [_member_instance_evidence(fitted, k, X) for k in range(5)]
+    score = np.mean([0.5 * (logit + np.log(q / (1 - q))) for logit, q, _ in members], axis=0)
+    np.testing.assert_allclose(p, expit(score), rtol=1e-10)
+    np.testing.assert_array_equal(fitted.predict_instance_proba(X, method="probit"), p)
+    delta = p * (1 - p) * 0.5 * np.mean([s / (q * (1 - q)) for _, q, s in members], axis=0)
+    np.testing.assert_allclose(sd, np.minimum(delta, np.sqrt(p * (1 - p))), rtol=1e-8)
+    assert np.all(sd > 0)
+    # it differs from both of its parts
+    assert not np.allclose(p, fitted.predict_instance_proba(X, rule="gp", method="probit"), atol=1e-3)
+    assert not np.allclose(p, fitted.predict_instance_proba(X, rule="network"), atol=1e-3)
+
+
+def test_instance_rules_gp_and_network(fitted, data):
+    """``rule="gp"``: the equal mixture of the members' GP probabilities; ``rule="network"``: the
+    networks' mean instance logit through σ (ABMIL's instance probability)."""
+    _, (X, _, _, _) = data
+    p, sd = fitted.predict_instance_proba(X, return_std=True, rule="gp", method="probit")
+    members = [_member_instance_evidence(fitted, k, X) for k in range(5)]
+    np.testing.assert_allclose(p, np.mean([q for _, q, _ in members], axis=0), rtol=1e-12)
+    np.testing.assert_allclose(sd**2, np.mean([s**2 + q**2 for _, q, s in members], axis=0) - p**2,
+                               rtol=1e-8, atol=1e-12)
+    network = fitted.predict_instance_proba(X, rule="network")
+    np.testing.assert_allclose(network, expit(np.mean([logit for logit, _, _ in members], axis=0)), rtol=1e-6)
+    with pytest.raises(ValueError, match="no std"):
+        fitted.predict_instance_proba(X, rule="network", return_std=True)
+    with pytest.raises(ValueError, match="rule must be"):
+        fitted.predict_instance_proba(X, rule="max")
 
 
 def test_members_hold_out_a_partition_of_the_training_bags(fitted, data):

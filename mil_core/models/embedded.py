@@ -18,7 +18,7 @@ from sklearn.base import BaseEstimator, clone
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from ..attention import attention_weights, bag_logits, network_arrays
+from ..attention import attention_weights, bag_logits, instance_logits, network_arrays
 from ..bags import segment_sum
 from ..validation import check_mil_data, standardisation
 from .attention_mil import AttentionNetworkParams
@@ -36,6 +36,18 @@ bag evidence of one model cannot outvote the other's by more than that."""
 def _logit(p: np.ndarray) -> np.ndarray:
     p = np.clip(p, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR)
     return np.log(p) - np.log1p(-p)
+
+
+def _evidence_std(p: np.ndarray, slope: float, members: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Std of ``p = σ(a mean_k ½ (ℓ^k + logit q^k) + c)`` from the GP probabilities' ``(q^k, sd^k)``
+    of the K members, to first order (the delta method), summed over the members as if fully
+    correlated (an upper bound on the std of their sum): ``p (1 − p) (|a| / 2K) Σ_k sd^k / (q^k (1
+    − q^k))``, capped at ``sqrt(p (1 − p))``, the largest std of a probability with mean ``p``
+    (Bhatia–Davis). The networks' logits ``ℓ^k`` are point estimates."""
+    sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)
+                                                           for q, sd in members)], axis=0)
+    delta = p * (1.0 - p) * 0.5 * abs(slope) * sensitivity
+    return np.minimum(delta, np.sqrt(p * (1.0 - p)))
 
 
 def default_gp() -> BaseEstimator:
@@ -234,19 +246,49 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """The members' standardised instance embeddings side by side, (N, n_members · n_components)."""
         return np.hstack([self.member_transform(X, member) for member in range(len(self._states()))])
 
-    def predict_instance_proba(self, X: Any, *, return_std: bool = False,
+    def predict_instance_proba(self, X: Any, *, return_std: bool = False, rule: str = "ensemble",
                                **kwargs: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """The members' mean of their GPs' instance probabilities on their embeddings
-        (``return_std=True`` adds the std of that equal mixture, ``sqrt(mean(sd² + p²) − p̄²)``);
-        other keyword arguments go to each ``gps_[k].predict_instance_proba``."""
+        """Each row's probability of being a positive instance.
+
+        ``rule="ensemble"`` (default): ``σ(s_n)``, ``s_n`` the members' mean of
+        ``s_n^k = ½ (ℓ_n^k + logit p_n^k)``: the network's instance logit ``ℓ_n^k = cᵀh_n + c₀``
+        (the bag logit ``ℓ_b^k`` is their attention-weighted mean) and the logit of its GP's
+        instance probability ``p_n^k`` (seed 000 Eq. 31): the instance counterpart of the bag
+        evidence ``s_b^k``, without the Platt map, which is fitted to bags. Its std propagates the
+        GPs' stds as :meth:`predict_bag_proba`'s does (slope 1). Why: on the sparse ``text`` set the
+        GP alone ranks the instances of the held-out bags well below the network (instance AUC
+        0.87 vs 0.92), on digits a little above it; the pooled evidence keeps the better of the two
+        on both (``docs/BENCHMARKS.md``, "Session 12").
+
+        ``rule="gp"``: the members' mean GP probability, with ``return_std`` the std of that equal
+        mixture, ``sqrt(mean(sd² + p²) − p̄²)``. ``rule="network"``: ``σ(mean_k ℓ_n^k)`` (no std;
+        :meth:`ABMIL.predict_instance_proba` of the networks trained here), for comparison.
+
+        Keyword arguments go to each ``gps_[k].predict_instance_proba`` (default its closed form).
+        """
         check_is_fitted(self, "gps_")
-        per_member = [gp.predict_instance_proba(self.member_transform(X, member), return_std=return_std, **kwargs)
-                      for member, gp in enumerate(self.gps_)]
-        if not return_std:
-            return np.mean(per_member, axis=0)
-        p, sd = (np.asarray(column) for column in zip(*per_member, strict=True))
-        mean = p.mean(axis=0)
-        return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
+        if rule not in ("ensemble", "gp", "network"):
+            raise ValueError(f"rule must be 'ensemble', 'gp' or 'network', got {rule!r}")
+        members = range(len(self.gps_))
+        if rule == "network":
+            if return_std or kwargs:
+                raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
+            return expit(np.mean([self._instance_logits(X, k) for k in members], axis=0))
+        per_member = [gp.predict_instance_proba(self.member_transform(X, k), return_std=return_std, **kwargs)
+                      for k, gp in enumerate(self.gps_)]
+        if rule == "gp":
+            if not return_std:
+                return np.mean(per_member, axis=0)
+            p, sd = (np.asarray(column) for column in zip(*per_member, strict=True))
+            mean = p.mean(axis=0)
+            return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
+        gp_p = [q[0] if return_std else q for q in per_member]
+        p = expit(np.mean([0.5 * (self._instance_logits(X, k) + _logit(gp_p[k])) for k in members], axis=0))
+        return (p, _evidence_std(p, 1.0, per_member)) if return_std else p
+
+    def _instance_logits(self, X: Any, member: int) -> np.ndarray:
+        """``ℓ_n = cᵀh_n + c₀`` of member ``member``'s network for every row."""
+        return instance_logits(network_arrays(self.network_states_[member]), self._embed(X, member))
 
     def _pooled(self, member: int, H: np.ndarray, offsets: np.ndarray, return_std: bool, **kwargs: Any):
         """Member ``member``'s attention-pooled GP probabilities ``p̄_b = Σ α_n p_n`` of its raw
@@ -274,12 +316,10 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """``keys, p`` (``keys, p, std`` with ``return_std=True``), ``keys = np.unique(bag_ids)``.
 
         ``rule="ensemble"`` (default): ``p_b = σ(a s_b + c)``, ``s_b`` the members' mean of
-        ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)`` (class docstring). Its std propagates the GPs': the std
-        ``sd̄_b^k`` of each ``p̄_b^k`` (below) through the map to ``p`` to first order (the delta
-        method), summed over the members as if fully correlated (an upper bound on the std of
-        their sum), ``p_b (1 − p_b) (a / 2K) Σ_k sd̄_b^k / (p̄_b^k (1 − p̄_b^k))``, capped at
-        ``sqrt(p_b (1 − p_b))``, the largest std of a probability with mean ``p_b``
-        (Bhatia–Davis); the networks are point estimates. ``p̄_b^k`` uses the GPs' closed-form
+        ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)`` (class docstring). Its std propagates the std ``sd̄_b^k``
+        of each ``p̄_b^k`` (below) through the map to ``p`` (:func:`_evidence_std`: the delta
+        method, the members summed as if fully correlated, capped at ``sqrt(p_b (1 − p_b))``);
+        the networks are point estimates. ``p̄_b^k`` uses the GPs' closed-form
         instance probabilities (``method="probit"`` for the logistic family), as the calibration
         did; ``kwargs`` are refused.
 
@@ -319,7 +359,4 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         p = expit(self.calibration_slope_ * score + self.calibration_intercept_)
         if not return_std:
             return bags.keys, p
-        sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)
-                                                                   for q, sd in pooled)], axis=0)
-        delta = p * (1.0 - p) * 0.5 * abs(self.calibration_slope_) * sensitivity
-        return bags.keys, p, np.minimum(delta, np.sqrt(p * (1.0 - p)))
+        return bags.keys, p, _evidence_std(p, self.calibration_slope_, pooled)
