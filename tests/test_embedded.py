@@ -112,21 +112,20 @@ def _member_instance_evidence(model, member, X):
     return logit, p, sd
 
 
-def test_instance_probability_pools_each_members_network_and_gp_evidence(fitted, data):
-    """Default: σ of the members' mean of ½ (ℓ_n + logit p_n), the instance counterpart of the
-    bag evidence; its std by the delta method, capped at sqrt(p (1 − p))."""
-    _, (X, _, _, _) = data
+def test_instance_probability_is_the_mixture_of_networks_and_gps(fitted, data):
+    """Default: the equal mixture of the 2K members' experts, each network's σ(ℓ_n) (no std) and
+    each GP's p_n ± sd_n; std sqrt(mean(sd² + p²) − p̄²)."""
+    _, (X, _, _, instance_labels) = data
     p, sd = fitted.predict_instance_proba(X, return_std=True, method="probit")
     members = [_member_instance_evidence(fitted, k, X) for k in range(5)]
-    score = np.mean([0.5 * (logit + np.log(q / (1 - q))) for logit, q, _ in members], axis=0)
-    np.testing.assert_allclose(p, expit(score), rtol=1e-10)
-    np.testing.assert_array_equal(fitted.predict_instance_proba(X, method="probit"), p)
-    delta = p * (1 - p) * 0.5 * np.mean([s / (q * (1 - q)) for _, q, s in members], axis=0)
-    np.testing.assert_allclose(sd, np.minimum(delta, np.sqrt(p * (1 - p))), rtol=1e-8)
-    assert np.all(sd > 0)
-    # it differs from both of its parts
-    assert not np.allclose(p, fitted.predict_instance_proba(X, rule="gp", method="probit"), atol=1e-3)
-    assert not np.allclose(p, fitted.predict_instance_proba(X, rule="network"), atol=1e-3)
+    experts = [(q, s) for _, q, s in members] + [(expit(logit), np.zeros_like(logit)) for logit, _, _ in members]
+    np.testing.assert_allclose(p, np.mean([q for q, _ in experts], axis=0), rtol=1e-10)
+    np.testing.assert_allclose(sd**2, np.mean([s**2 + q**2 for q, s in experts], axis=0) - p**2, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(fitted.predict_instance_proba(X, method="probit"), p, rtol=1e-12)
+    # the two kinds of expert disagree here, so the mixture is neither alone
+    gp, network = (np.mean([q for q, _ in experts[i:i + 5]], axis=0) for i in (0, 5))
+    assert np.mean(np.abs(gp - network)) > 0.01
+    assert roc_auc_score(instance_labels, p) > 0.9
 
 
 def test_instance_rules_gp_and_network(fitted, data):

@@ -38,18 +38,6 @@ def _logit(p: np.ndarray) -> np.ndarray:
     return np.log(p) - np.log1p(-p)
 
 
-def _evidence_std(p: np.ndarray, slope: float, members: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Std of ``p = σ(a mean_k ½ (ℓ^k + logit q^k) + c)`` from the GP probabilities' ``(q^k, sd^k)``
-    of the K members, to first order (the delta method), summed over the members as if fully
-    correlated (an upper bound on the std of their sum): ``p (1 − p) (|a| / 2K) Σ_k sd^k / (q^k (1
-    − q^k))``, capped at ``sqrt(p (1 − p))``, the largest std of a probability with mean ``p``
-    (Bhatia–Davis). The networks' logits ``ℓ^k`` are point estimates."""
-    sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)
-                                                           for q, sd in members)], axis=0)
-    delta = p * (1.0 - p) * 0.5 * abs(slope) * sensitivity
-    return np.minimum(delta, np.sqrt(p * (1.0 - p)))
-
-
 def default_gp() -> BaseEstimator:
     """The GP-MIL estimator :class:`EmbeddedGPMIL` fits when given ``gp=None``: the package's
     default model, unfitted."""
@@ -250,21 +238,20 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
                                **kwargs: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Each row's probability of being a positive instance.
 
-        ``rule="ensemble"`` (default): ``σ(s_n)``, ``s_n`` the members' mean of
-        ``s_n^k = ½ (ℓ_n^k + logit p_n^k)``: the network's instance logit ``ℓ_n^k = cᵀh_n + c₀``
-        (the bag logit ``ℓ_b^k`` is their attention-weighted mean) and the logit of its GP's
-        instance probability ``p_n^k`` (seed 000 Eq. 31): the instance counterpart of the bag
-        evidence ``s_b^k``, without the Platt map, which is fitted to bags. Its std propagates the
-        GPs' stds as :meth:`predict_bag_proba`'s does (slope 1). Why: on the sparse ``text`` set the
-        GP alone ranks the instances of the held-out bags well below the network (instance AUC
-        0.87 vs 0.92), on digits a little above it; the pooled evidence keeps the better of the two
-        on both (``docs/BENCHMARKS.md``, "Session 12").
+        ``rule="ensemble"`` (default): the equal mixture of the members' 2K instance predictions,
+        each network's ``σ(ℓ_n^k)`` (``ℓ_n^k = cᵀh_n + c₀``, whose attention-weighted mean is its
+        bag logit; a point estimate) and each GP's ``p_n^k`` (seed 000 Eq. 31): ``p̄_n`` their
+        mean, with ``return_std`` the mixture's std ``sqrt(mean(sd² + p²) − p̄²)`` (the GPs' stds and
+        the experts' disagreement). Why the mixture: neither expert localises best on every data
+        set (held-out instance AUC, ``docs/BENCHMARKS.md``, "Session 12": on the sparse ``text``
+        set the networks 0.91, the GPs 0.87; on the large bags the GPs 0.89, the networks 0.81),
+        and the mixture tracks the better of the two (0.91 and 0.90 there); the logit average
+        the bag score uses followed the networks' wider logits on both.
 
-        ``rule="gp"``: the members' mean GP probability, with ``return_std`` the std of that equal
-        mixture, ``sqrt(mean(sd² + p²) − p̄²)``. ``rule="network"``: ``σ(mean_k ℓ_n^k)`` (no std;
-        :meth:`ABMIL.predict_instance_proba` of the networks trained here), for comparison.
-
-        Keyword arguments go to each ``gps_[k].predict_instance_proba`` (default its closed form).
+        ``rule="gp"``: the mixture of the members' GPs alone (the default until session 12);
+        ``rule="network"``: ``σ(mean_k ℓ_n^k)`` (no std; :meth:`ABMIL.predict_instance_proba` of
+        the networks trained here). Keyword arguments go to each ``gps_[k].predict_instance_proba``
+        (default its closed form).
         """
         check_is_fitted(self, "gps_")
         if rule not in ("ensemble", "gp", "network"):
@@ -274,17 +261,15 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
             if return_std or kwargs:
                 raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
             return expit(np.mean([self._instance_logits(X, k) for k in members], axis=0))
-        per_member = [gp.predict_instance_proba(self.member_transform(X, k), return_std=return_std, **kwargs)
-                      for k, gp in enumerate(self.gps_)]
-        if rule == "gp":
-            if not return_std:
-                return np.mean(per_member, axis=0)
-            p, sd = (np.asarray(column) for column in zip(*per_member, strict=True))
-            mean = p.mean(axis=0)
-            return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
-        gp_p = [q[0] if return_std else q for q in per_member]
-        p = expit(np.mean([0.5 * (self._instance_logits(X, k) + _logit(gp_p[k])) for k in members], axis=0))
-        return (p, _evidence_std(p, 1.0, per_member)) if return_std else p
+        gps = [gp.predict_instance_proba(self.member_transform(X, k), return_std=return_std, **kwargs)
+               for k, gp in enumerate(self.gps_)]
+        networks = [expit(self._instance_logits(X, k)) for k in members] if rule == "ensemble" else []
+        if not return_std:
+            return np.mean(gps + networks, axis=0)
+        p = np.array([q for q, _ in gps] + networks)
+        sd = np.array([s for _, s in gps] + [np.zeros_like(q) for q in networks])
+        mean = p.mean(axis=0)
+        return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
 
     def _instance_logits(self, X: Any, member: int) -> np.ndarray:
         """``ℓ_n = cᵀh_n + c₀`` of member ``member``'s network for every row."""
@@ -316,10 +301,12 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """``keys, p`` (``keys, p, std`` with ``return_std=True``), ``keys = np.unique(bag_ids)``.
 
         ``rule="ensemble"`` (default): ``p_b = σ(a s_b + c)``, ``s_b`` the members' mean of
-        ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)`` (class docstring). Its std propagates the std ``sd̄_b^k``
-        of each ``p̄_b^k`` (below) through the map to ``p`` (:func:`_evidence_std`: the delta
-        method, the members summed as if fully correlated, capped at ``sqrt(p_b (1 − p_b))``);
-        the networks are point estimates. ``p̄_b^k`` uses the GPs' closed-form
+        ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)`` (class docstring). Its std propagates the GPs': the std
+        ``sd̄_b^k`` of each ``p̄_b^k`` (below) through the map to ``p`` to first order (the delta
+        method), summed over the members as if fully correlated (an upper bound on the std of
+        their sum), ``p_b (1 − p_b) (a / 2K) Σ_k sd̄_b^k / (p̄_b^k (1 − p̄_b^k))``, capped at
+        ``sqrt(p_b (1 − p_b))``, the largest std of a probability with mean ``p_b``
+        (Bhatia–Davis); the networks are point estimates. ``p̄_b^k`` uses the GPs' closed-form
         instance probabilities (``method="probit"`` for the logistic family), as the calibration
         did; ``kwargs`` are refused.
 
@@ -359,4 +346,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         p = expit(self.calibration_slope_ * score + self.calibration_intercept_)
         if not return_std:
             return bags.keys, p
-        return bags.keys, p, _evidence_std(p, self.calibration_slope_, pooled)
+        sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)
+                                                                   for q, sd in pooled)], axis=0)
+        delta = p * (1.0 - p) * 0.5 * abs(self.calibration_slope_) * sensitivity
+        return bags.keys, p, np.minimum(delta, np.sqrt(p * (1.0 - p)))
