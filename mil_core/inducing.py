@@ -19,12 +19,17 @@ def kmeans_inducing_points(
     """k-means centres: half from instances of positive bags, half from negative bags.
 
     This is how the reference VGPMIL codes place Z. The positive half gets ``n_inducing // 2``
-    centres and the negative half the rest; each half uses mini-batch k-means when it has more
-    than ``minibatch_above`` instances. Deterministic given ``random_state``.
+    centres and the negative half the rest; a class with fewer instances than its half gives
+    every instance and the other class makes up the difference. Each half uses mini-batch k-means
+    when it has more than ``minibatch_above`` instances. Deterministic given ``random_state``.
     """
     X = np.asarray(X, dtype=np.float64)
     positive = np.asarray(instance_bag_label) == 1
-    wanted = {True: n_inducing // 2, False: n_inducing - n_inducing // 2}
+    if n_inducing > X.shape[0]:
+        raise ValueError(f"n_inducing={n_inducing} exceeds the {X.shape[0]} instances to place them among")
+    n_positive = int(positive.sum())
+    k_negative = min(n_inducing - min(n_inducing // 2, n_positive), X.shape[0] - n_positive)
+    wanted = {True: n_inducing - k_negative, False: k_negative}
     rng = np.random.RandomState(random_state) if not isinstance(random_state, np.random.RandomState) else random_state
     centres = []
     for label in (True, False):
@@ -32,11 +37,6 @@ def kmeans_inducing_points(
         k = wanted[label]
         if k == 0:
             continue
-        if rows.shape[0] < k:
-            raise ValueError(
-                f"{'positive' if label else 'negative'} bags hold {rows.shape[0]} instances, fewer than "
-                f"the {k} inducing points they must provide (n_inducing={n_inducing}); lower n_inducing"
-            )
         seed = rng.randint(np.iinfo(np.int32).max)
         if rows.shape[0] > minibatch_above:
             km = MiniBatchKMeans(n_clusters=k, random_state=seed, n_init=3, batch_size=4096)

@@ -545,3 +545,15 @@ def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
         ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": "NoSuchGP"}})
     with pytest.raises(ValueError, match="gp must be a model section"):
         ModelConfig(name="EmbeddedGPMIL", params={"gp": "VGPMIL"})
+
+
+def test_default_gp_fits_a_cohort_smaller_than_its_inducing_points():
+    """A small cohort (16 bags, ~90 instances; each member's GP sees ~60) fits with the default GP's
+    100 inducing points: every member's training instance becomes one (a warning says so)."""
+    X, bags, y, instance_labels = make_toy_bags(16, seed=3)
+    assert X.shape[0] * 0.8 < 100
+    with pytest.warns(UserWarning, match="every training instance is an inducing point"):
+        model = EmbeddedGPMIL(**(NET | {"random_state": 0})).fit(X, bags, y)
+    for k, gp in enumerate(model.gps_):
+        assert gp.gp_.Z.shape[0] == np.isin(bags, np.unique(bags)[model.gp_training_bags(k, 16)]).sum()
+    assert roc_auc_score(instance_labels, model.predict_instance_proba(X)) > 0.8

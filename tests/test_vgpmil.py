@@ -8,6 +8,7 @@ from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, GaussianQ, PsiVGPMIL
+from mil_core.inducing import kmeans_inducing_points
 
 FAST = dict(n_inducing=10, max_iter=30, random_state=0)
 
@@ -127,10 +128,15 @@ def test_bad_input_is_rejected_with_a_message_naming_the_problem(toy_bags, mutat
         VGPMIL(**FAST).fit(*mutate(X.astype(float), bags, y))
 
 
-def test_more_inducing_points_than_instances_is_an_error(toy_bags):
+def test_more_inducing_points_than_instances_makes_every_instance_one(toy_bags):
+    """A cohort smaller than the default ``n_inducing`` still fits (a warning says so): every
+    training instance is an inducing point, the exact GP, and the model still ranks the bags."""
     X, bags, y, _ = toy_bags
-    with pytest.raises(ValueError, match=f"n_inducing=500 exceeds the number of training instances \\({len(X)}\\)"):
-        VGPMIL(n_inducing=500).fit(X, bags, y)
+    with pytest.warns(UserWarning, match=f"n_inducing=500 exceeds the number of training instances \\({len(X)}\\)"):
+        model = VGPMIL(n_inducing=500, random_state=0).fit(X, bags, y)
+    np.testing.assert_allclose(np.sort(model.gp_.Z, axis=0), np.sort(X, axis=0), atol=1e-9)
+    keys, p = model.predict_bag_proba(X, bags)
+    assert roc_auc_score([y[bags == k][0] for k in keys], p) > 0.9
 
 
 def test_predicting_with_the_wrong_number_of_features_is_an_error(toy_bags):
@@ -178,3 +184,19 @@ def test_default_prediction_is_the_closed_form_the_pipeline_writes(toy_bags):
         assert np.max(np.abs(p - p_mc)) > 0  # 50 draws differ from the closed form
     vgpmil = VGPMIL(kernel=RBF(4.0), **FAST, n_mc_samples=50).fit(X, bags, y)
     np.testing.assert_array_equal(vgpmil.predict_instance_proba(X), vgpmil.predict_instance_proba(X, method="probit"))
+
+
+def test_inducing_points_shift_to_the_other_class_when_one_is_short():
+    """k-means places half the inducing points among positive bags' instances; a class with fewer
+    instances than its half gives all of them and the other class makes up the rest."""
+    rng = np.random.default_rng(0)
+    X = np.vstack([rng.normal(size=(5, 2)) + 10.0, rng.normal(size=(40, 2))])
+    labels = np.r_[np.ones(5), np.zeros(40)]
+    Z = kmeans_inducing_points(X, labels, 20, random_state=0)
+    assert Z.shape == (20, 2)
+    assert np.sum(Z[:, 0] > 5.0) == 5  # every positive instance, as its own centre
+    np.testing.assert_allclose(np.sort(Z[Z[:, 0] > 5.0], axis=0), np.sort(X[:5], axis=0))
+    Z = kmeans_inducing_points(X[::-1], labels[::-1] == 0, 44, random_state=0)  # the negatives short this time
+    assert Z.shape == (44, 2) and np.sum(Z[:, 0] > 5.0) == 5
+    with pytest.raises(ValueError, match="n_inducing=46 exceeds the 45 instances"):
+        kmeans_inducing_points(X, labels, 46)

@@ -157,7 +157,8 @@ class SparseGPMILBase(BaseEstimator):
         if not (isinstance(self.n_inducing, (int, np.integer)) and self.n_inducing >= 2):
             raise ValueError(f"n_inducing must be an integer >= 2, got {self.n_inducing!r}")
         if self.n_inducing > n_instances:
-            raise ValueError(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances})")
+            warnings.warn(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances}): "
+                          f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=3)
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
         if self.tol is not None and self.tol < 0:  # None: a sampler, which runs all its sweeps
@@ -249,7 +250,8 @@ class SparseGPMILBase(BaseEstimator):
                                   coords=None if coords is None else take_bags(coords, offsets, picked)[0])
             kernel = self._select_kernel(to_numpy(choice.X), choice.offsets, np.asarray(choice.labels), choice.coords)
         self.kernel_ = (kernel or RBF(variance=self._auto_variances()[1])).resolve(self.n_features_in_)
-        Z = kmeans_inducing_points(X_host, instance_labels, self.n_inducing, random_state=self.random_state)
+        Z = kmeans_inducing_points(X_host, instance_labels, min(self.n_inducing, X_host.shape[0]),
+                                   random_state=self.random_state)
         self.gp_ = SparseGP.build(self.kernel_, Z)
         return self._make_updates(self.gp_)
 
