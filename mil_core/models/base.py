@@ -158,7 +158,7 @@ class SparseGPMILBase(BaseEstimator):
             raise ValueError(f"n_inducing must be an integer >= 2, got {self.n_inducing!r}")
         if self.n_inducing > n_instances:
             warnings.warn(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances}): "
-                          f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=3)
+                          f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=2)
         if self.max_iter < 1:
             raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
         if self.tol is not None and self.tol < 0:  # None: a sampler, which runs all its sweeps
