@@ -1,6 +1,6 @@
 """EmbeddedGPMIL and the ABMIL baseline on the folds of ``bench_accuracy.py`` (issue 15). Needs the extra ``torch``.
 
-Three tables from one set of fits (each method is fitted once per fold), both on bench_accuracy's
+Three tables from one set of fits (each method is fitted once per fold), all on bench_accuracy's
 identical folds (stratified 5-fold CV over bags, seed 0, features standardised on the training
 fold, a column with std < 1e-12 left unscaled):
 
@@ -11,8 +11,8 @@ fold, a column with std < 1e-12 left unscaled):
   :func:`mil_core.calibration.expected_calibration_error`), the Brier score and the reliability
   diagram's bins, before and after each method's Platt scaling. ``--figure PATH`` also draws the
   reliability diagrams (PNG);
-* instance AUC of each instance score of the same fits (``EmbeddedGPMIL``: the default pooled
-  evidence, the GPs' and the networks' alone), fold by fold.
+* instance AUC of each instance score of the same fits (``EmbeddedGPMIL``: the default mixture of
+  the networks and the GPs, and each alone), fold by fold.
 
     python benchmarks/bench_embedded.py --datasets musk1 musk2 digits --figure docs/figures/reliability_embedded.png
 
@@ -81,7 +81,8 @@ def fit_predict_embedded_gpmil(train, test, **params):
     network's and the GP's bag evidence; ``uncalibrated``: the same before Platt scaling;
     ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
     network's own bag probability; then the GP's own bag rules on the same fit. Instance scores:
-    the default pooled evidence, and the GPs' (``gp``) and the networks' (``network``) alone."""
+    the default mixture of the networks and the GPs, and the GPs' (``gp``) and the networks'
+    (``network``) alone."""
     from bench_accuracy import Prediction
 
     model = EmbeddedGPMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
