@@ -64,7 +64,7 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
     settings: ``method`` goes to every predict method that names a ``method`` parameter (the
     logistic family, and VWSGP's bag probability: the closed form the kernel choice and early
     stopping score with, where ``"mc"`` would draw afresh in every partition), and to
-    EmbeddedGPMIL's instance probabilities, which its GP computes; ``rule``, when
+    EmbeddedGPMIL's instance probabilities, which pass it to their GPs; ``rule``, when
     set, to the logistic family. ``rule=None`` leaves the estimator's fitted ``bag_rule_``, so
     the pipeline scores bags as the estimator's validation and ``predict_bag_proba`` do."""
     def takes_method(name: str, forwarded: bool = False) -> bool:
