@@ -256,24 +256,22 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         check_is_fitted(self, "gps_")
         if rule not in ("ensemble", "gp", "network"):
             raise ValueError(f"rule must be 'ensemble', 'gp' or 'network', got {rule!r}")
-        members = range(len(self.gps_))
+        if rule == "network" and (return_std or kwargs):
+            raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
+        H = [self._embed(X, k) for k in range(len(self.gps_))]  # once per member, for both experts
+        logits = [] if rule == "gp" else [instance_logits(network_arrays(self.network_states_[k]), h)
+                                          for k, h in enumerate(H)]
         if rule == "network":
-            if return_std or kwargs:
-                raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
-            return expit(np.mean([self._instance_logits(X, k) for k in members], axis=0))
-        gps = [gp.predict_instance_proba(self.member_transform(X, k), return_std=return_std, **kwargs)
+            return expit(np.mean(logits, axis=0))
+        gps = [gp.predict_instance_proba(self._standardised(H[k], k), return_std=return_std, **kwargs)
                for k, gp in enumerate(self.gps_)]
-        networks = [expit(self._instance_logits(X, k)) for k in members] if rule == "ensemble" else []
+        networks = [expit(logit) for logit in logits]
         if not return_std:
             return np.mean(gps + networks, axis=0)
         p = np.array([q for q, _ in gps] + networks)
         sd = np.array([s for _, s in gps] + [np.zeros_like(q) for q in networks])
         mean = p.mean(axis=0)
         return mean, np.sqrt(np.maximum(np.mean(sd**2 + p**2, axis=0) - mean**2, 0.0))
-
-    def _instance_logits(self, X: Any, member: int) -> np.ndarray:
-        """``ℓ_n = cᵀh_n + c₀`` of member ``member``'s network for every row."""
-        return instance_logits(network_arrays(self.network_states_[member]), self._embed(X, member))
 
     def _pooled(self, member: int, H: np.ndarray, offsets: np.ndarray, return_std: bool, **kwargs: Any):
         """Member ``member``'s attention-pooled GP probabilities ``p̄_b = Σ α_n p_n`` of its raw
