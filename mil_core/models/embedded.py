@@ -39,8 +39,9 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 
 def default_gp() -> BaseEstimator:
-    """The GP-MIL estimator :class:`EmbeddedGPMIL` fits when given ``gp=None``: the package's
-    default model, unfitted."""
+    """The GP-MIL estimator :class:`EmbeddedGPMIL` fits when given ``gp=None``, unfitted:
+    ``VGPMIL()`` with its automatic kernel choice. (The pipeline's default model, ``VGPMILPR()``,
+    measured level on these embeddings and no faster: ``docs/BENCHMARKS.md``, "Session 12".)"""
     return VGPMIL()
 
 
