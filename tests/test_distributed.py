@@ -80,6 +80,20 @@ def test_distributed_fit_does_not_depend_on_the_number_of_workers(tmp_path, toy_
     assert_same_fit(model, serial)
 
 
+def test_a_cohort_smaller_than_n_inducing_trains_as_model_fit_does(client, toy_store):
+    """Fewer training instances than ``n_inducing``: on the cluster too every instance becomes an
+    inducing point (with the warning), and the fit equals the serial one."""
+    path, (X, bags, y) = toy_store
+    params = dict(FIXED_KERNEL, n_inducing=10 * X.shape[0])
+    with pytest.warns(UserWarning, match="every training instance is an inducing point"):
+        serial = VGPMIL(**params).fit(X, bags, y)
+    model = VGPMIL(**params)
+    with pytest.warns(UserWarning, match="every training instance is an inducing point"):
+        fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    assert model.gp_.Z.shape[0] == X.shape[0]
+    assert_same_fit(model, serial)
+
+
 def test_unlabelled_bags_are_left_out_of_training(tmp_path, toy_bags, client):
     X, bags, y, _ = toy_bags
     X = X.astype(np.float32).astype(np.float64)
