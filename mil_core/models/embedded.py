@@ -247,7 +247,8 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         set, and the mixture stays near the better of the two (held-out instance AUC,
         ``docs/BENCHMARKS.md``, "Session 12": on the sparse ``text`` set, three seeds, networks
         0.918, GPs 0.871, mixture 0.914; on three large-bag draws GPs 0.907, networks 0.868,
-        mixture 0.906 at model seed 0, and 0.889, 0.904, 0.897 at seed 1); the logit average the bag score uses followed the networks' wider logits.
+        mixture 0.906 at model seed 0, and 0.889, 0.904, 0.897 at seed 1); the logit average the
+        bag score uses followed the networks' wider logits.
 
         ``rule="gp"``: the mixture of the members' GPs alone (the default until session 12);
         ``rule="network"``: ``σ(mean_k ℓ_n^k)`` (no std; :meth:`ABMIL.predict_instance_proba` of
