@@ -21,10 +21,10 @@ order, inner splits and the GPs' seeds change): how much of a difference between
 the seed.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
-network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and ``_d128``,
-``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on request)
-have bench_accuracy's method signature; bench_accuracy's ``METHODS`` includes ``abmil`` and ``embedded_gpmil``. ``--draws N``
-runs N large-bag draws.
+network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and
+``_d128``, ``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on
+request) have bench_accuracy's method signature; bench_accuracy's ``METHODS`` includes ``abmil``
+and ``embedded_gpmil``. ``--draws N`` runs N large-bag draws.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     members train in lockstep and stop together on the pooled held-out bags' AUC, ties broken by
     their loss, once they fit their training bags (:func:`mil_core.attention.fit_attention_network`).
     Each training bag thus has one out-of-fold score, and Platt scaling is fitted on all of them.
-    ``n_networks=1`` is one network holding out a stratified ``validation_fraction``. Predictions embed the rows with the stored
-    networks (NumPy, no PyTorch needed).
+    ``n_networks=1`` is one network holding out a stratified ``validation_fraction``. Predictions
+    embed the rows with the stored networks (NumPy, no PyTorch needed).
 
     Member ``k``'s bag evidence averages two logits, ``s_b^k = ½ (ℓ_b^k + logit p̄_b^k)``: the
     network's bag logit ``ℓ_b^k = cᵀ z_b + c₀`` (Ilse et al. 2018) and its GP's instance
