@@ -22,8 +22,11 @@ __all__ = [
 
 
 def is_host_array(x: Any) -> bool:
-    """Whether ``x`` is host data (a NumPy array, or anything that is not an array-API array)."""
-    return is_numpy_array(x) or not hasattr(x, "__array_namespace__")
+    """Whether ``x`` is host data (a NumPy array, or anything that is not an array-API array).
+
+    CuPy arrays are recognised by type: CuPy 14's ``ndarray`` has no ``__array_namespace__``
+    (``array_api_compat`` supplies its namespace)."""
+    return is_numpy_array(x) or not (is_cupy_array(x) or hasattr(x, "__array_namespace__"))
 
 
 def to_numpy(x: Any) -> np.ndarray:

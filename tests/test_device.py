@@ -133,6 +133,23 @@ def test_car_solve_on_the_device_matches_the_sparse_lu(data):
     np.testing.assert_allclose(np.from_dlpack(coupling.solve(to_emulated(rhs)), device="cpu"), coupling.solve(rhs), rtol=1e-10, atol=1e-12)
 
 
+
+def test_the_attention_networks_take_device_features(data):
+    """ABMIL and EmbeddedGPMIL train their networks in PyTorch on the host: device features are
+    copied there at the boundary and give the host fit."""
+    pytest.importorskip("torch")
+    from mil_core import ABMIL, EmbeddedGPMIL
+
+    X, bags, y, _ = data
+    network = dict(hidden=(8,), n_components=4, max_epochs=3, random_state=0)
+    for cls, params in ((ABMIL, network), (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP, kernel=RBF(4.0)), "n_networks": 2})):
+        on_host = cls(**params).fit(X, bags, y)
+        on_device = cls(**params).fit(to_emulated(X), bags, y)
+        _, p_device = on_device.predict_bag_proba(to_emulated(X), bags)
+        np.testing.assert_allclose(p_device, on_host.predict_bag_proba(X, bags)[1], rtol=1e-7, err_msg=cls.__name__)
+        np.testing.assert_allclose(on_device.predict_instance_proba(to_emulated(X)), on_host.predict_instance_proba(X),
+                                   rtol=1e-7, err_msg=cls.__name__)
+
 # ------------------------------------------------------------------ the Dask executor on GPU workers
 class ResourceLog(SchedulerPlugin):
     """Records the resource restrictions of every task the scheduler starts, by key family."""

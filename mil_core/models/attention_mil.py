@@ -20,6 +20,7 @@ from ..attention import (
     instance_logits,
     network_arrays,
 )
+from .._backend import to_numpy
 from ..calibration import fit_platt
 from ..validation import check_features, check_mil_data
 from .base import store_params, take_bags
@@ -63,7 +64,7 @@ class AttentionNetworkParams:
     def _embed(self, X: Any, member: int = 0) -> np.ndarray:
         """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows by network ``member``."""
         check_is_fitted(self, "n_features_in_")
-        X = np.asarray(check_features(X, n_features=self.n_features_in_), dtype=np.float64)
+        X = to_numpy(check_features(X, n_features=self.n_features_in_)).astype(np.float64, copy=False)
         return instance_embedding(network_arrays(self._states()[member]), X)
 
     def predict_attention(self, X: Any, bag_ids: Any) -> np.ndarray:
@@ -157,7 +158,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        X_sorted = np.asarray(X, dtype=np.float64)[bags.order]
+        X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
         fit = self._network_fit(X_sorted, bags.offsets, labels, _seed(self.random_state))
         self._store_traces(fit, X.shape[1])
         self.network_state_, self.validation_bags_ = fit.params[0], fit.validation_bags[0]
@@ -177,7 +178,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         without calibration: the network's sigmoid), ``keys = np.unique(bag_ids)``."""
         check_is_fitted(self, "network_state_")
         X, bags, _ = check_mil_data(X, bag_ids)
-        logits = self._bag_logits(np.asarray(X)[bags.order], bags.offsets)
+        logits = self._bag_logits(to_numpy(X)[bags.order], bags.offsets)
         return bags.keys, _sigmoid(np, self.calibration_slope_ * logits + self.calibration_intercept_)
 
     def predict_instance_proba(self, X: Any) -> np.ndarray:

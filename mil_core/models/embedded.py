@@ -18,6 +18,7 @@ from sklearn.base import BaseEstimator, clone
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
+from .._backend import to_numpy
 from ..attention import attention_weights, bag_logits, instance_logits, network_arrays
 from ..bags import segment_sum
 from ..validation import check_mil_data, standardisation
@@ -149,7 +150,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """Train the members' networks, each member's GP on the embeddings of its training bags,
         then the calibration on the out-of-fold scores."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        X_sorted = np.asarray(X, dtype=np.float64)[bags.order]
+        X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
         network_seed, gp_seed = self._seeds()
         self.fit_embedding(X_sorted, bags.offsets, labels, seed=network_seed)
         held_out = self.held_out_embeddings(X_sorted, bags.offsets)
@@ -322,7 +323,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """
         check_is_fitted(self, "gps_")
         X, bags, _ = check_mil_data(X, bag_ids)
-        X_sorted = np.asarray(X)[bags.order]
+        X_sorted = to_numpy(X)[bags.order]
         members = range(len(self.gps_))
         if rule == "network":
             if return_std or kwargs:
