@@ -16,7 +16,31 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Psi", "HyperbolicSecant", "GammaMixture", "ThetaFunction", "as_psi"]
+__all__ = ["Psi", "HyperbolicSecant", "GammaMixture", "ThetaFunction", "as_psi", "log_add_exp", "log_sigmoids"]
+
+
+def log_sigmoids(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(log σ(x), log σ(−x))`` for any float ``x``, sharing one ``log1p(e^{−|x|})``:
+    ``log σ(±x) = min(±x, 0) − log1p(e^{−|x|})``. Exact in the tails, and a third of the time
+    of ``np.logaddexp(0, ∓x)`` each (the host part of a sweep over 10⁷ instances is these)."""
+    tail = np.abs(x)
+    for step in (np.negative, np.exp, np.log1p):  # in place: one temporary for a 10⁷-vector, not four
+        step(tail, out=tail)
+    log_pos = np.minimum(x, 0.0)
+    log_pos -= tail
+    log_neg = np.maximum(x, 0.0)
+    log_neg += tail
+    return log_pos, np.negative(log_neg, out=log_neg)
+
+
+def log_add_exp(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``log(eˣ + eʸ)`` of finite arrays as ``max(x, y) + log1p(e^{−|x−y|})`` (``np.logaddexp``'s
+    value at a third of its time)."""
+    out = np.subtract(x, y)
+    for step in (np.abs, np.negative, np.exp, np.log1p):
+        step(out, out=out)
+    out += np.maximum(x, y)
+    return out
 
 
 @runtime_checkable
@@ -39,14 +63,17 @@ class HyperbolicSecant:
 
     def theta(self, c: np.ndarray) -> np.ndarray:
         c = np.abs(np.asarray(c, dtype=np.float64))
+        with np.errstate(invalid="ignore", divide="ignore"):  # c = 0 is replaced below
+            theta = np.tanh(c / 2.0) / (2.0 * c)
         small = c < 1e-3
-        safe = np.where(small, 1.0, c)
-        series = 0.25 - c**2 / 48.0 + c**4 / 480.0
-        return np.where(small, series, np.tanh(safe / 2.0) / (2.0 * safe))
+        if np.any(small):
+            c2 = c[small] ** 2
+            theta[small] = 0.25 - c2 / 48.0 + c2**2 / 480.0
+        return theta
 
     def log_psi(self, c: np.ndarray) -> np.ndarray:
         c = np.abs(np.asarray(c, dtype=np.float64))
-        return -np.logaddexp(0.0, -c) - c / 2.0
+        return -np.log1p(np.exp(-c)) - c / 2.0  # log σ(c) for c ≥ 0
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from scipy.special import expit
+from scipy.special import expit, log_expit
 
 from mil_core import RBF, GammaMixture, HyperbolicSecant, ThetaFunction
 from mil_core._backend import cholesky_with_jitter
+from mil_core.likelihoods import log_add_exp, log_sigmoids
 
 
 def test_rbf_block_matches_the_definition_with_ard():
@@ -63,6 +64,17 @@ def test_a_bare_theta_recovers_log_psi_up_to_a_constant(psi):
     c = np.linspace(0.0, 30.0, 50)
     from_theta = ThetaFunction(psi.theta).log_psi(c)
     np.testing.assert_allclose(from_theta - from_theta[0], psi.log_psi(c) - psi.log_psi(c)[:1], atol=1e-9)
+
+
+def test_log_sigmoids_and_log_add_exp_match_scipy_and_numpy_in_the_tails():
+    x = np.concatenate([[-1e4, -800.0, -40.0, -1e-12, 0.0, 1e-12, 40.0, 800.0, 1e4], np.linspace(-50, 50, 1001)])
+    log_pos, log_neg = log_sigmoids(x)
+    np.testing.assert_allclose(log_pos, log_expit(x), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(log_neg, log_expit(-x), rtol=1e-14, atol=0)
+    assert log_pos[0] == -1e4 and log_neg[8] == -1e4  # x = ∓10⁴: no overflow, no log(0)
+    y = x[::-1].copy()
+    np.testing.assert_allclose(log_add_exp(x, y), np.logaddexp(x, y), rtol=1e-14, atol=1e-300)
+    assert log_add_exp(np.array([-1e4]), np.array([-1e4]))[0] == pytest.approx(-1e4 + np.log(2.0), rel=1e-15)
 
 
 def test_gamma_psi_rejects_non_positive_parameters():

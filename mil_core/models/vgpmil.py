@@ -27,7 +27,7 @@ from .._backend import take_rows
 from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expected_max_of_others, log_prob_all_negative
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
-from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi
+from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
 from ..predictive import probit_scale, sample_latent
 from .base import SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
@@ -36,10 +36,6 @@ __all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL", "AUTO_
 
 AUTO_BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean")
 """Rules ``bag_rule="auto"`` chooses from (noisy-OR is left out: its ranking follows bag size)."""
-
-
-def _softplus(x: np.ndarray) -> np.ndarray:
-    return np.logaddexp(0.0, x)
 
 
 @dataclass(frozen=True)
@@ -78,9 +74,11 @@ class PsiMILUpdates:
         c = np.sqrt(mean**2 + var)
         theta = self.psi.theta(c)
         sign = 2.0 * block.instance_labels - 1.0
-        emax = expected_max_of_others(expit(logits), -_softplus(logits), block.offsets, self.emax)
-        logits = damped_logits(logits, mean + self.log_h * sign * (1.0 - emax), self.damping)
-        pi, log1m_pi, log_pi = expit(logits), -_softplus(logits), -_softplus(-logits)
+        log_pi, log1m_pi = log_sigmoids(logits)
+        emax = expected_max_of_others(np.exp(log_pi), log1m_pi, block.offsets, self.emax)
+        logits = damped_logits((log_pi, log1m_pi), mean + self.log_h * sign * (1.0 - emax), self.damping)
+        log_pi, log1m_pi = log_sigmoids(logits)
+        pi = np.exp(log_pi)
 
         p_all_negative = np.exp(log_prob_all_negative(log1m_pi, block.offsets))
         expected_g = np.where(block.labels == 1, 1.0 - p_all_negative, p_all_negative)
@@ -102,9 +100,10 @@ class PsiMILUpdates:
         return gaussian_update(stats.precision, stats.shift), stats.elbo - q.kl_to_prior()
 
 
-def damped_logits(old: np.ndarray, new: np.ndarray, damping: float) -> np.ndarray:
+def damped_logits(old: tuple[np.ndarray, np.ndarray], new: np.ndarray, damping: float) -> np.ndarray:
     """Logit of ``damping·σ(old) + (1 − damping)·σ(new)``: the q(y) update (Eq. 25) damped in
-    probability space, in log space so that logits of ±40 keep their precision.
+    probability space, in log space so that logits of ±40 keep their precision. ``old`` is given
+    as ``(log σ(old), log σ(−old))`` (:func:`log_sigmoids`), which the step has already computed.
 
     The undamped update is a Jacobi step on all π of a bag at once; with a large ``log H`` two
     instances of a positive bag can swap "the positive one" every sweep (a period-2 cycle,
@@ -113,9 +112,8 @@ def damped_logits(old: np.ndarray, new: np.ndarray, damping: float) -> np.ndarra
     if damping == 0.0:
         return new
     a, b = np.log(damping), np.log1p(-damping)
-    log_pi = np.logaddexp(a - _softplus(-old), b - _softplus(-new))
-    log1m_pi = np.logaddexp(a - _softplus(old), b - _softplus(new))
-    return log_pi - log1m_pi
+    (old_pos, old_neg), (new_pos, new_neg) = old, log_sigmoids(new)
+    return log_add_exp(a + old_pos, b + new_pos) - log_add_exp(a + old_neg, b + new_neg)
 
 
 class _LogisticGPMIL(SparseGPMILBase):
@@ -236,7 +234,7 @@ def _rule_draws(rule: str, chunks, n: int) -> np.ndarray:
     k = max(1, int(np.ceil(TOP_FRACTION * n)))
     for _, f in chunks:
         if rule == "noisy_or":
-            part = np.sum(-_softplus(f), axis=0)
+            part = np.sum(log_sigmoids(f)[1], axis=0)
             acc = part if acc is None else acc + part
         elif rule == "max" or rule == "mean":
             part = expit(f).max(axis=0) if rule == "max" else expit(f).sum(axis=0)
