@@ -5,6 +5,7 @@ Targets for one H100: under 10 s of compute for the 10 iterations once resident,
 the store. D = 128 float32 features, M = 200 inducing points, bags of 100–1,000 instances.
 
     python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr                 # one H100 (CuPy)
+    python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr --model VGPMILPR   # the pipeline's default model
     python benchmarks/bench_gpu.py --n 20000 --namespace numpy --store /tmp/s.zarr   # CPU smoke test
     python benchmarks/bench_gpu.py --n 5000 --namespace array_api_strict:device1 --store /tmp/s.zarr
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_distributed import write_cohort  # noqa: E402
 
-from mil_core import RBF, VGPMIL  # noqa: E402
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor, optimise  # noqa: E402
 from tasks.store import open_cohort  # noqa: E402
 from tasks.training import fit_cohort  # noqa: E402
@@ -36,6 +37,7 @@ from tasks.training.placement import ArrayPlacement  # noqa: E402
 from tasks.training.preprocess import kmeans_sample  # noqa: E402
 
 KERNEL = RBF(variance=1.0)  # pinned (ℓ = √D): kernel=None would also time the automatic kernel choice
+MODELS = {"VGPMIL": VGPMIL, "GVGPMIL": GVGPMIL, "VGPMILPR": VGPMILPR}
 
 
 def synchronise(namespace: str) -> None:
@@ -51,7 +53,7 @@ def resident(store: str, args, dtype: str) -> tuple[dict[str, float], object]:
     placement = ArrayPlacement(kind="cpu" if args.namespace == "numpy" else "gpu", namespace=args.namespace, dtype=dtype)
     labels = np.asarray(cohort.bag_labels)
     training = np.flatnonzero(labels >= 0)
-    model = VGPMIL(n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
+    model = MODELS[args.model](n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
     X_sample, sample_labels, sample_offsets, _ = kmeans_sample(cohort, labels, training, 200_000, 0, None)
     updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets)
     t = time.perf_counter()
@@ -81,7 +83,7 @@ def from_store(store: str, args) -> dict[str, float]:
     resources = {"GPU": 1} if device == "gpu" else None
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=args.namespace.startswith("cupy"), resources=resources,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        model = VGPMIL(n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
+        model = MODELS[args.model](n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
         stamps = []
         t = time.perf_counter()
         fit_cohort(model, store, client, run="bench-gpu", resume=False, mode="persist", device=device,
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--m", type=int, default=200)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--model", choices=list(MODELS), default="VGPMIL")
     parser.add_argument("--namespace", default="cupy")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--partition-mib", type=int, default=512)
@@ -113,7 +116,7 @@ def main() -> None:
         print(f"wrote {args.store} ({args.n:.0e} instances) in {time.perf_counter() - t:.0f} s")
     n = open_cohort(str(args.store)).n_instances
     print(f"{platform.node()} {platform.machine()}, python {platform.python_version()}; namespace {args.namespace}, "
-          f"A' {args.dtype}; N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations")
+          f"A' {args.dtype}; {args.model}, N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations")
     if "resident" not in args.skip:
         times, trace = resident(str(args.store), args, args.dtype)
         print(f"resident ({args.dtype}):", {k: round(v, 2) for k, v in times.items()}, flush=True)
