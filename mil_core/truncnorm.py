@@ -34,21 +34,24 @@ __all__ = [
 _LOG_SQRT_2PI = 0.5 * np.log(2.0 * np.pi)
 
 
-def log_inverse_mills(alpha: np.ndarray) -> np.ndarray:
-    """``log r(α) = log φ(α) − log Φ(−α)``: finite for every finite α."""
+def log_inverse_mills(alpha: np.ndarray, log_q: np.ndarray | None = None) -> np.ndarray:
+    """``log r(α) = log φ(α) − log Φ(−α)``: finite for every finite α. ``log_q``: ``log Φ(−α)``
+    where the caller has it already (``log_ndtr`` is most of the host time of a probit sweep:
+    this module's functions take it so that a sweep computes it once)."""
     alpha = np.asarray(alpha, dtype=np.float64)
-    return -0.5 * alpha**2 - _LOG_SQRT_2PI - log_ndtr(-alpha)
+    return -0.5 * alpha**2 - _LOG_SQRT_2PI - (log_ndtr(-alpha) if log_q is None else log_q)
 
 
-def upper_truncated_moments(mean: np.ndarray, sd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def upper_truncated_moments(mean: np.ndarray, sd: np.ndarray, log_q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Mean and variance of ``N(mean, sd²)`` truncated to ``(−∞, 0)`` (seed 002 Eq. 19).
 
     ``E = μ − σ r(α)``, ``Var = σ²(1 − r(α)(r(α) − α))`` with ``α = μ/σ``. For ``α → +∞``,
     ``r − α → 1/α`` and the variance → σ²/α² (computed, not cancelled to a negative number).
+    ``log_q``: ``log Φ(−α)``, if known (:func:`log_inverse_mills`).
     """
     mean, sd = np.asarray(mean, dtype=np.float64), np.asarray(sd, dtype=np.float64)
     alpha = mean / sd
-    r = np.exp(log_inverse_mills(alpha))
+    r = np.exp(log_inverse_mills(alpha, log_q))
     var = sd**2 * np.clip(1.0 - r * (r - alpha), 0.0, 1.0)
     return mean - sd * r, var
 
@@ -75,15 +78,18 @@ def sample_upper_truncated(mean: np.ndarray, sd: np.ndarray, rng: np.random.Gene
     return upper_truncated_quantile(mean, sd, rng.uniform(size=mean.shape))
 
 
-def log_neg_log_ndtr(alpha: np.ndarray) -> np.ndarray:
-    """``log(−log Φ(−α))`` for every finite α.
+def log_neg_log_ndtr(alpha: np.ndarray, log_q: np.ndarray | None = None) -> np.ndarray:
+    """``log(−log Φ(−α))`` for every finite α (``log_q``: ``log Φ(−α)``, if known).
 
     For ``Φ(α)`` tiny, ``−log Φ(−α) = −log1p(−Φ(α)) = Φ(α)(1 + Φ(α)/2 + …)`` underflows where its
-    logarithm does not: use ``log Φ(α) + log1p(Φ(α)/2)`` there.
+    logarithm does not: use ``log Φ(α) + log1p(Φ(α)/2)`` there. ``Φ(α) < 10⁻⁸`` only for
+    ``α < −5.6``, so ``log Φ(α)`` is evaluated only below ``α = −5``.
     """
     alpha = np.asarray(alpha, dtype=np.float64)
-    log_p = log_ndtr(alpha)  # log Φ(α)
-    neg_log_q = -log_ndtr(-alpha)  # −log Φ(−α) ≥ 0
+    log_p = np.zeros_like(alpha)  # log Φ(α) where it can be tiny; 0 stands for "not tiny"
+    below = alpha < -5.0
+    log_p[below] = log_ndtr(alpha[below])
+    neg_log_q = -(log_ndtr(-alpha) if log_q is None else log_q)  # −log Φ(−α) ≥ 0
     tiny = log_p < np.log(1e-8)
     with np.errstate(divide="ignore"):
         direct = np.log(np.where(tiny, 1.0, neg_log_q))
@@ -104,18 +110,23 @@ def log1mexp(log_t: np.ndarray) -> np.ndarray:
     return out
 
 
-def positive_bag_log_normaliser(alpha: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def positive_bag_log_normaliser(alpha: np.ndarray, offsets: np.ndarray,
+                                log_q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(log p₀, log Z)`` per bag for independent ``m_i ~ N(μ_i, σ_i²)``, ``α = μ/σ``:
-    ``p₀ = Π Φ(−α_i)`` (all negative) and ``Z = 1 − p₀`` (Eq. 20), both in log space."""
-    log_t = segment_logsumexp(log_neg_log_ndtr(alpha), offsets)
+    ``p₀ = Π Φ(−α_i)`` (all negative) and ``Z = 1 − p₀`` (Eq. 20), both in log space
+    (``log_q``: ``log Φ(−α)``, if known)."""
+    log_t = segment_logsumexp(log_neg_log_ndtr(alpha, log_q), offsets)
     return -np.exp(log_t), log1mexp(log_t)
 
 
-def positive_bag_means(mean: np.ndarray, sd: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def positive_bag_means(mean: np.ndarray, sd: np.ndarray, offsets: np.ndarray,
+                       log_q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``E[m_i]`` under the factorised Gaussian truncated to "not all negative" (Eq. 20) and
-    ``log Z`` per bag: ``E[m_i] = μ_i + σ_i exp(log r(α_i) + log p₀ − log Z)``."""
+    ``log Z`` per bag: ``E[m_i] = μ_i + σ_i exp(log r(α_i) + log p₀ − log Z)`` (``log_q``:
+    ``log Φ(−α)``, if known)."""
     alpha = mean / sd
-    log_p0, log_z = positive_bag_log_normaliser(alpha, offsets)
+    log_q = log_ndtr(-alpha) if log_q is None else log_q
+    log_p0, log_z = positive_bag_log_normaliser(alpha, offsets, log_q)
     sizes = np.diff(offsets)
-    shift = np.exp(log_inverse_mills(alpha) + np.repeat(log_p0 - log_z, sizes))
+    shift = np.exp(log_inverse_mills(alpha, log_q) + np.repeat(log_p0 - log_z, sizes))
     return mean + sd * shift, log_z

@@ -6,7 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
-from scipy.special import ndtr
+from scipy.special import log_ndtr, ndtr
 from scipy.stats import truncnorm
 
 from mil_core.bags import BagIndex
@@ -17,7 +17,7 @@ from mil_core.orthant import (
     mean_field_negative_orthant,
     orthant_probability_importance,
 )
-from mil_core.truncnorm import positive_bag_means, positive_bag_log_normaliser, upper_truncated_moments
+from mil_core.truncnorm import log_inverse_mills, log_neg_log_ndtr, positive_bag_log_normaliser, positive_bag_means, upper_truncated_moments
 
 
 @pytest.mark.parametrize("mu, sd", [(0.3, 1.0), (-1.2, 0.7), (2.5, 1.3)])
@@ -54,6 +54,20 @@ def test_positive_bag_normaliser_in_log_space_survives_underflow():
     means, _ = positive_bag_means(alpha, np.ones(3), np.array([0, 3]))
     # one instance crosses zero; each does with probability 1/3 and then sits ≈ 1/40 above it
     np.testing.assert_allclose(means, -40 * 2 / 3 + 1 / 3 * 0.025, rtol=2e-3)
+
+
+def test_a_given_log_q_changes_nothing_and_log_neg_log_ndtr_is_accurate_across_its_switch():
+    alpha = np.concatenate([np.linspace(-40, 40, 801), np.linspace(-6.0, -4.0, 2001)])
+    log_q = log_ndtr(-alpha)
+    assert np.array_equal(log_inverse_mills(alpha, log_q), log_inverse_mills(alpha))
+    assert np.array_equal(log_neg_log_ndtr(alpha, log_q), log_neg_log_ndtr(alpha))
+    sd = np.full(alpha.size, 1.5)
+    offsets = np.array([0, 3, 400, alpha.size])
+    for with_q, without in zip(positive_bag_means(1.5 * alpha, sd, offsets, log_q), positive_bag_means(1.5 * alpha, sd, offsets)):
+        assert np.array_equal(with_q, without)
+    near = (alpha > -6.0) & (alpha < -4.0)  # log Φ(α) is evaluated only below −5: both sides of it
+    reference = np.log(-np.log1p(-ndtr(alpha[near])))  # accurate here: Φ(α) from 1e-9 to 3e-5
+    np.testing.assert_allclose(log_neg_log_ndtr(alpha[near]), reference, rtol=1e-12)
 
 
 def test_positive_bag_means_match_monte_carlo():

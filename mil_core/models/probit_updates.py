@@ -247,16 +247,17 @@ class ProbitMILUpdates:
         sd = np.sqrt(block.marginal_var)
         alpha = (block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed) / sd
         c = ones_smoothed / sd
-        log_r = log_inverse_mills(alpha)
+        log_q = log_ndtr(-alpha)
+        log_r = log_inverse_mills(alpha, log_q)
         r = np.exp(log_r)
         slope = np.clip(r - alpha, 0.0, None)  # r(α) − α > 0: the truncated variance's factor
         positive = labels == 1
         negative_rows = np.repeat(~positive, sizes)
-        value = float(np.sum(log_ndtr(-alpha[negative_rows])))
+        value = float(np.sum(log_q[negative_rows]))
         grad = -float(np.sum((r * c)[negative_rows]))
         curvature = -float(np.sum((r * slope * c**2)[negative_rows]))
         if np.any(positive):
-            log_p0, log_z = positive_bag_log_normaliser(alpha, offsets)
+            log_p0, log_z = positive_bag_log_normaliser(alpha, offsets, log_q)
             with np.errstate(divide="ignore"):
                 log_t1 = segment_logsumexp(log_r + np.log(c), offsets)
                 log_t2 = segment_logsumexp(log_r + np.log(slope) + 2.0 * np.log(c), offsets)
@@ -295,9 +296,10 @@ class ProbitMILUpdates:
         positive = np.repeat(labels == 1, np.diff(offsets))
         if self.moments == "diagonal" or self.coupling_form == "smoother" or block.coupling.identity:
             sd = np.sqrt(block.marginal_var)
-            neg_mean, _ = upper_truncated_moments(mu, sd)
-            pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets)
-            log_z_neg = segment_sum(log_ndtr(-mu / sd), offsets)
+            log_q = log_ndtr(-mu / sd)  # log Φ(−α), shared by the three below
+            neg_mean, _ = upper_truncated_moments(mu, sd, log_q)
+            pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets, log_q)
+            log_z_neg = segment_sum(log_q, offsets)
             return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_z_neg), neg_mean
         neg_mean, log_p0_bound = mean_field_negative_orthant(
             block.coupling, mu, warm, block.logdet_precision, self.mean_field_tol, self.mean_field_max_sweeps
