@@ -113,42 +113,55 @@ def test_instance_predictions_on_the_device(data, monkeypatch):
     assert sorted(set(log.shapes)) <= [(), (X.shape[0],)]
 
 
+GIBBS = dict(n_inducing=M, lam=0.5, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=0)  # the kernel choice is host-side
+
+
+def car_case(bags, coords):
+    """The CAR coupling (λ = 3) of the data's chains of slices and a right-hand side of 5 columns."""
+    from mil_core.ising import CARCoupling
+
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(bags))])
+    return CARCoupling.from_coords(coords, offsets, lam=3.0), np.random.default_rng(0).standard_normal((bags.size, 5))
+
+
 def test_gibbs_reference_on_the_device(data, monkeypatch):
     X, bags, y, coords = data
-    params = dict(n_inducing=M, lam=0.5, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=0)  # the kernel choice is host-side
-    on_host = VGPMILPRGibbs(**params).fit(X, bags, y, coords=coords)
+    on_host = VGPMILPRGibbs(**GIBBS).fit(X, bags, y, coords=coords)
     with count_transfers(monkeypatch) as log:
-        on_device = VGPMILPRGibbs(**params).fit(to_emulated(X), bags, y, coords=coords)
+        on_device = VGPMILPRGibbs(**GIBBS).fit(to_emulated(X), bags, y, coords=coords)
     _assert_only_documented(log, on_device, X, n_max=X.shape[0])
     np.testing.assert_allclose(on_device.v_samples_, on_host.v_samples_, rtol=1e-6, atol=1e-8)
 
 
 def test_car_solve_on_the_device_matches_the_sparse_lu(data):
-    from mil_core.ising import CARCoupling
-
-    X, bags, y, coords = data
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(bags))])
-    coupling = CARCoupling.from_coords(coords, offsets, lam=3.0)
-    rhs = np.random.default_rng(0).standard_normal((X.shape[0], 5))
+    _, bags, _, coords = data
+    coupling, rhs = car_case(bags, coords)
     np.testing.assert_allclose(np.from_dlpack(coupling.solve(to_emulated(rhs)), device="cpu"), coupling.solve(rhs), rtol=1e-10, atol=1e-12)
 
 
 
-def test_the_attention_networks_take_device_features(data):
-    """ABMIL and EmbeddedGPMIL train their networks in PyTorch on the host: device features are
-    copied there at the boundary and give the host fit."""
-    pytest.importorskip("torch")
+def assert_attention_networks_match_the_host(to_device, X, bags, y) -> list:
+    """ABMIL and EmbeddedGPMIL train their networks in PyTorch on the host: features on a device
+    (``to_device(X)``) are copied there at the boundary and give the host fit. Returns the fits."""
     from mil_core import ABMIL, EmbeddedGPMIL
 
-    X, bags, y, _ = data
     network = dict(hidden=(8,), n_components=4, max_epochs=3, random_state=0)
+    fits = []
     for cls, params in ((ABMIL, network), (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP, kernel=RBF(4.0)), "n_networks": 2})):
         on_host = cls(**params).fit(X, bags, y)
-        on_device = cls(**params).fit(to_emulated(X), bags, y)
-        _, p_device = on_device.predict_bag_proba(to_emulated(X), bags)
+        on_device = cls(**params).fit(to_device(X), bags, y)
+        _, p_device = on_device.predict_bag_proba(to_device(X), bags)
         np.testing.assert_allclose(p_device, on_host.predict_bag_proba(X, bags)[1], rtol=1e-7, err_msg=cls.__name__)
-        np.testing.assert_allclose(on_device.predict_instance_proba(to_emulated(X)), on_host.predict_instance_proba(X),
+        np.testing.assert_allclose(on_device.predict_instance_proba(to_device(X)), on_host.predict_instance_proba(X),
                                    rtol=1e-7, err_msg=cls.__name__)
+        fits.append(on_device)
+    return fits
+
+
+def test_the_attention_networks_take_device_features(data):
+    pytest.importorskip("torch")
+    X, bags, y, _ = data
+    assert_attention_networks_match_the_host(to_emulated, X, bags, y)
 
 # ------------------------------------------------------------------ the Dask executor on GPU workers
 class ResourceLog(SchedulerPlugin):

@@ -22,7 +22,7 @@ try:
 except Exception as error:  # pragma: no cover - depends on the machine
     pytest.skip(f"no usable CUDA device: {error}", allow_module_level=True)
 
-from tests.test_device import CASES, GP, M, _fit  # noqa: E402  (after the skip: needs array-api-strict)
+from tests.test_device import CASES, GIBBS, GP, M, _fit, assert_attention_networks_match_the_host, car_case  # noqa: E402  (after the skip: needs array-api-strict)
 
 pytestmark = pytest.mark.gpu
 
@@ -94,20 +94,15 @@ def test_instance_predictions_on_cupy(data):
 
 def test_gibbs_reference_on_cupy(data):
     X, bags, y, coords = data
-    params = dict(n_inducing=M, lam=0.5, kernel=RBF(4.0), n_samples=20, burn_in=5, thin=1, random_state=0)
-    on_host = VGPMILPRGibbs(**params).fit(X, bags, y, coords=coords)
-    on_gpu = VGPMILPRGibbs(**params).fit(cupy.asarray(X), bags, y, coords=coords)
+    on_host = VGPMILPRGibbs(**GIBBS).fit(X, bags, y, coords=coords)
+    on_gpu = VGPMILPRGibbs(**GIBBS).fit(cupy.asarray(X), bags, y, coords=coords)
     assert device_arrays(on_gpu) == []
     np.testing.assert_allclose(on_gpu.v_samples_, on_host.v_samples_, rtol=1e-6, atol=1e-8)
 
 
 def test_car_solve_on_cupy_matches_the_sparse_lu(data):
-    from mil_core.ising import CARCoupling
-
-    X, bags, _, coords = data
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(bags))])
-    coupling = CARCoupling.from_coords(coords, offsets, lam=3.0)
-    rhs = np.random.default_rng(0).standard_normal((X.shape[0], 5))
+    _, bags, _, coords = data
+    coupling, rhs = car_case(bags, coords)
     on_gpu = coupling.solve(cupy.asarray(rhs))
     assert isinstance(on_gpu, cupy.ndarray)
     np.testing.assert_allclose(on_gpu.get(), coupling.solve(rhs), rtol=1e-10, atol=1e-12)
@@ -115,18 +110,9 @@ def test_car_solve_on_cupy_matches_the_sparse_lu(data):
 
 def test_the_attention_networks_take_cupy_features(data):
     pytest.importorskip("torch")
-    from mil_core import ABMIL, EmbeddedGPMIL
-
     X, bags, y, _ = data
-    network = dict(hidden=(8,), n_components=4, max_epochs=3, random_state=0)
-    for cls, params in ((ABMIL, network), (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP, kernel=RBF(4.0)), "n_networks": 2})):
-        on_host = cls(**params).fit(X, bags, y)
-        on_gpu = cls(**params).fit(cupy.asarray(X), bags, y)
-        assert device_arrays(on_gpu) == [], cls.__name__
-        _, p_gpu = on_gpu.predict_bag_proba(cupy.asarray(X), bags)
-        np.testing.assert_allclose(p_gpu, on_host.predict_bag_proba(X, bags)[1], rtol=1e-7, err_msg=cls.__name__)
-        np.testing.assert_allclose(on_gpu.predict_instance_proba(cupy.asarray(X)), on_host.predict_instance_proba(X),
-                                   rtol=1e-7, err_msg=cls.__name__)
+    for model in assert_attention_networks_match_the_host(cupy.asarray, X, bags, y):
+        assert device_arrays(model) == [], type(model).__name__
 
 
 # --------------------------------------------------------- the Dask executor on GPU worker processes
