@@ -6,6 +6,8 @@ monitor also needs ``log ψ(c)`` up to a constant, from the tangent bound
 ``log ψ(f) ≥ log ψ(c) − ½ θ(c) (f² − c²)``.
 
 All functions act on NumPy float64 arrays of ``c ≥ 0`` (the bag-local logic runs on the host).
+:func:`log_sigmoids` and :func:`log_add_exp` are the log-space arithmetic of the logistic
+likelihood's q(y) update (Eq. 25), written for speed on 10⁷-vectors.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class HyperbolicSecant:
     def theta(self, c: np.ndarray) -> np.ndarray:
         c = np.abs(np.asarray(c, dtype=np.float64))
         with np.errstate(invalid="ignore", divide="ignore"):  # c = 0 is replaced below
-            theta = np.tanh(c / 2.0) / (2.0 * c)
+            theta = np.asarray(np.tanh(c / 2.0) / (2.0 * c))  # an array also for a scalar c
         small = c < 1e-3
         if np.any(small):
             c2 = c[small] ** 2

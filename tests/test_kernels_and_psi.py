@@ -49,6 +49,7 @@ def test_theta_pg_is_smooth_through_zero():
     c = np.array([0.0, 1e-12, 1e-6, 9.99e-4, 1.001e-3])
     theta = HyperbolicSecant().theta(c)
     np.testing.assert_allclose(theta, 0.25 - c**2 / 48, rtol=1e-12)
+    assert HyperbolicSecant().theta(0.0) == 0.25 and HyperbolicSecant().theta(2.0) == pytest.approx(np.tanh(1.0) / 4.0)
 
 
 @pytest.mark.parametrize("psi", [HyperbolicSecant(), GammaMixture(alpha=0.5, beta=4.0)])
