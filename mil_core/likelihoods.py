@@ -25,24 +25,24 @@ def log_sigmoids(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(log σ(x), log σ(−x))`` for any float ``x``, sharing one ``log1p(e^{−|x|})``:
     ``log σ(±x) = min(±x, 0) − log1p(e^{−|x|})``. Exact in the tails, and a third of the time
     of ``np.logaddexp(0, ∓x)`` each (the host part of a sweep over 10⁷ instances is these)."""
-    tail = np.abs(x)
+    x = np.asarray(x, dtype=np.float64)
+    tail, log_pos, log_neg = (np.empty_like(x) for _ in range(3))  # outputs: arrays also for a 0-d x
+    np.abs(x, out=tail)
     for step in (np.negative, np.exp, np.log1p):  # in place: one temporary for a 10⁷-vector, not four
         step(tail, out=tail)
-    log_pos = np.minimum(x, 0.0)
-    log_pos -= tail
-    log_neg = np.maximum(x, 0.0)
-    log_neg += tail
-    return log_pos, np.negative(log_neg, out=log_neg)
+    np.subtract(np.minimum(x, 0.0, out=log_pos), tail, out=log_pos)
+    np.negative(np.add(np.maximum(x, 0.0, out=log_neg), tail, out=log_neg), out=log_neg)
+    return log_pos, log_neg
 
 
 def log_add_exp(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """``log(eˣ + eʸ)`` of finite arrays as ``max(x, y) + log1p(e^{−|x−y|})`` (``np.logaddexp``'s
     value at a third of its time)."""
-    out = np.subtract(x, y)
+    x, y = np.broadcast_arrays(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64))
+    out = np.subtract(x, y, out=np.empty(x.shape))
     for step in (np.abs, np.negative, np.exp, np.log1p):
         step(out, out=out)
-    out += np.maximum(x, y)
-    return out
+    return np.add(out, np.maximum(x, y), out=out)
 
 
 @runtime_checkable

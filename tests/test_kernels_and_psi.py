@@ -76,6 +76,7 @@ def test_log_sigmoids_and_log_add_exp_match_scipy_and_numpy_in_the_tails():
     y = x[::-1].copy()
     np.testing.assert_allclose(log_add_exp(x, y), np.logaddexp(x, y), rtol=1e-14, atol=1e-300)
     assert log_add_exp(np.array([-1e4]), np.array([-1e4]))[0] == pytest.approx(-1e4 + np.log(2.0), rel=1e-15)
+    assert [float(v) for v in log_sigmoids(0.0)] == [-np.log(2.0)] * 2 and float(log_add_exp(0.0, 0.0)) == np.log(2.0)
 
 
 def test_gamma_psi_rejects_non_positive_parameters():
