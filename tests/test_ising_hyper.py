@@ -229,3 +229,8 @@ def test_validation_fallback_picks_the_grid_value_with_the_best_validation_auc()
     assert selection.metric == "instance_auc" and len(selection.scores) == 2
     assert selection.lam == (0.0, 1.0)[int(np.argmax(selection.scores))]
     assert selection.estimator.lam_ == selection.lam
+    from tests.emulated_device import to_emulated  # features on a device give the host selection
+
+    on_device = select_lam_by_validation(VGPMILPRI(n_inducing=8, max_iter=10, random_state=0), to_emulated(X), bags, y,
+                                         coords, grid=(0.0, 1.0), instance_labels=h, validation_fraction=0.5)
+    np.testing.assert_allclose(on_device.scores, selection.scores, rtol=1e-9)

@@ -103,11 +103,12 @@ from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import train_test_split
 
-from .._backend import array_namespace, like, to_numpy
+from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import BagIndex
 from ..engine import BagBlock, GaussianQ, Summable, WhitenedBlock
 from ..ising import CARCoupling, laplacian, neighbour_edges
 from ..truncnorm import log_inverse_mills, positive_bag_log_normaliser
+from ..validation import check_features
 from .hyper import check_hyper_schedule
 from .probit_updates import ProbitBags, ProbitMILUpdates, fresh_local
 
@@ -457,7 +458,7 @@ def select_lam_by_validation(
     grid = tuple(float(v) for v in grid)
     if not grid or any(not (np.isfinite(v) and v >= 0) for v in grid):
         raise ValueError(f"grid must be a non-empty sequence of finite lam >= 0, got {grid!r}")
-    X, bag_ids, y, coords = np.asarray(X), np.asarray(bag_ids), np.asarray(y), np.asarray(coords)
+    X, bag_ids, y, coords = check_features(X), np.asarray(bag_ids), np.asarray(y), np.asarray(coords)  # X may be on a device
     bags = BagIndex.from_ids(bag_ids)
     bag_of_row = np.empty(bag_ids.shape[0], dtype=np.int64)
     bag_of_row[bags.order] = bags.instance_bag()
@@ -467,16 +468,17 @@ def select_lam_by_validation(
         np.arange(bag_labels.shape[0]), test_size=validation_fraction, stratify=bag_labels, random_state=random_state
     )
     train, val = np.isin(bag_of_row, train_bags), np.isin(bag_of_row, val_bags)
+    X_train, X_val = take_rows(X, np.flatnonzero(train)), take_rows(X, np.flatnonzero(val))
     metric = "bag_auc" if instance_labels is None else "instance_auc"
     scores = []
     for lam in grid:
         model = clone(estimator).set_params(lam=lam, learn_lam=False)
-        model.fit(X[train], bag_ids[train], y[train], coords=coords[train])
+        model.fit(X_train, bag_ids[train], y[train], coords=coords[train])
         if instance_labels is None:
-            keys, proba = model.predict_bag_proba(X[val], bag_ids[val], coords=coords[val])
+            keys, proba = model.predict_bag_proba(X_val, bag_ids[val], coords=coords[val])
             truth = bag_labels[np.searchsorted(bags.keys, keys)]
         else:
-            proba, truth = model.predict_instance_proba(X[val]), np.asarray(instance_labels)[val]
+            proba, truth = model.predict_instance_proba(X_val), np.asarray(instance_labels)[val]
         scores.append(float(roc_auc_score(truth, proba)))
     best = int(np.argmax(scores))
     final = clone(estimator).set_params(lam=grid[best], learn_lam=False).fit(X, bag_ids, y, coords=coords)
