@@ -30,9 +30,10 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 
 def threads_for(n_rows: int, n_inducing: int) -> AbstractContextManager:
     """The context a fit of ``n_rows`` instances with ``n_inducing`` inducing points runs in:
-    BLAS and OpenMP limited to one thread when ``n_rows · n_inducing² < SMALL_SWEEP_FLOPS``,
-    else unchanged."""
-    if n_rows * n_inducing**2 < SMALL_SWEEP_FLOPS:
+    BLAS and OpenMP limited to one thread when ``n_rows · M² < SMALL_SWEEP_FLOPS``, else
+    unchanged; ``M = min(n_inducing, n_rows)``, as a fit on fewer rows than ``n_inducing`` makes
+    every row an inducing point."""
+    if n_rows * min(n_inducing, n_rows) ** 2 < SMALL_SWEEP_FLOPS:
         return threadpool_limits(limits=1)
     return nullcontext()
 

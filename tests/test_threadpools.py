@@ -24,6 +24,8 @@ def test_threads_for_limits_small_work_and_leaves_large_work_alone():
         assert most_threads() == 2
         with threads_for(SMALL_SWEEP_FLOPS // 100**2 + 1, 100):
             assert most_threads() == 2
+        with threads_for(500, 10**6):  # n_inducing above the rows: the exact GP on 500 points
+            assert most_threads() == 1
 
 
 class _Recording:
