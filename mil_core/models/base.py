@@ -316,10 +316,8 @@ class SparseGPMILBase(BaseEstimator):
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_coords = {} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}
-            smallest_class = min(np.sum(y_tr == 0), np.sum(y_tr == 1))
-            n_inducing = int(max(2, min(self.n_inducing, 2 * smallest_class)))
             for v in variances:
-                model = clone(self).set_params(kernel=RBF(variance=v), n_inducing=n_inducing, **overrides)
+                model = clone(self).set_params(kernel=RBF(variance=v), **overrides)
                 updates = model._start_fit(X_tr, y_tr)
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
