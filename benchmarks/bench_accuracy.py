@@ -221,6 +221,8 @@ def fit_predict_lr_mean_max(train: Fold, test: Fold) -> Prediction:
 def _logistic_gp(model) -> Callable[[Fold, Fold], Prediction]:
     def fit_predict(train: Fold, test: Fold) -> Prediction:
         model.fit(train.X, train.bags, train.y)
+        if model.bag_rule == "auto":
+            print(f"# {type(model).__name__}(bag_rule='auto') chose {model.bag_rule_}", file=sys.stderr, flush=True)
         scores = {"default": model.predict_bag_proba(test.X, test.bags, method="probit")[1]}
         for rule in BAG_RULES:
             scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
@@ -238,6 +240,16 @@ def fit_predict_vgpmil(train: Fold, test: Fold) -> Prediction:
 def fit_predict_gvgpmil(train: Fold, test: Fold) -> Prediction:
     """Default ``GVGPMIL()``."""
     return _logistic_gp(GVGPMIL(random_state=0))(train, test)
+
+
+def fit_predict_vgpmil_auto(train: Fold, test: Fold) -> Prediction:
+    """``VGPMIL(bag_rule="auto")``: the kernel choice's split may replace the default rule."""
+    return _logistic_gp(VGPMIL(bag_rule="auto", random_state=0))(train, test)
+
+
+def fit_predict_gvgpmil_auto(train: Fold, test: Fold) -> Prediction:
+    """``GVGPMIL(bag_rule="auto")``."""
+    return _logistic_gp(GVGPMIL(bag_rule="auto", random_state=0))(train, test)
 
 
 def fit_predict_vgpmil_v1(train: Fold, test: Fold) -> Prediction:
@@ -316,6 +328,8 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "lr_mean_max": fit_predict_lr_mean_max,
     "vgpmil": fit_predict_vgpmil,
     "gvgpmil": fit_predict_gvgpmil,
+    "vgpmil_auto": fit_predict_vgpmil_auto,
+    "gvgpmil_auto": fit_predict_gvgpmil_auto,
     "vgpmilpr": fit_predict_vgpmilpr,
     "vwsgp": fit_predict_vwsgp,
     "vgpmil_v1": fit_predict_vgpmil_v1,
@@ -467,7 +481,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", default=["musk1", "musk2", "digits", "large"])
     parser.add_argument("--methods", nargs="+", default=None, choices=[*METHODS, "vgpmil_2017"],
-                        help="default: all but the *_v1 references and gibbs (and vgpmil_2017 only with --reference)")
+                        help="default: all but the *_v1 references, the *_auto variants and gibbs (and vgpmil_2017 only with --reference)")
     parser.add_argument("--reference", type=Path, help="folder with the public 2017 vgpmil.py (adds vgpmil_2017)")
     parser.add_argument("--reference-iterations", type=int, default=10, help="iterations of vgpmil_2017 (its default: 10)")
     parser.add_argument("--folds", type=int, default=5)
@@ -481,7 +495,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reference is not None:
         METHODS["vgpmil_2017"] = reference_method(args.reference, args.reference_iterations)
-    methods = args.methods or [m for m in METHODS if not m.endswith("_v1") and m != "gibbs"]
+    methods = args.methods or [m for m in METHODS if not m.endswith(("_v1", "_auto")) and m != "gibbs"]
     if "vgpmil_2017" in methods and "vgpmil_2017" not in METHODS:
         parser.error("vgpmil_2017 needs --reference PATH (a checkout of the public 2017 code)")
     threads = os.environ.get("OMP_NUM_THREADS", "unset")

@@ -12,7 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BAG_RULES, bag_score
-from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags
+from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
 
 from tests.conftest import make_toy_bags
 
@@ -140,19 +140,46 @@ def _witness_bags(n_bags, size, n_witnesses, shift, seed, n_features=3):
     return np.concatenate(X), np.array(bags), np.array(y)
 
 
-def test_auto_bag_rule_follows_the_witness_rate():
-    """``bag_rule="auto"``: many weak witnesses per positive bag, averaging pools the evidence
-    ("mean"); one strong witness among 40, the mean dilutes it and a top rule wins."""
-    many_weak = _witness_bags(40, 10, lambda rng: int(rng.integers(6, 10)), 0.7, seed=0)
+@pytest.mark.parametrize("model", [VGPMIL, GVGPMIL])
+def test_auto_bag_rule_leaves_top_fraction_where_it_ranks_by_size(model):
+    """``bag_rule="auto"`` (the default): weak witnesses in small positive bags among large
+    negative ones — the top instances of a large negative bag outscore a weak witness, so
+    ``top_fraction`` ranks held-out bags by size, below chance, and the choice takes ``mean``;
+    with one strong witness among 40 the mean dilutes it and ``top_fraction`` stays."""
+    X, bags, y, _ = _size_anti_predictive_bags(seed=0, shift=2.0)
+    Xte, bte, yte, _ = _size_anti_predictive_bags(seed=1, shift=2.0)
+    fitted = model(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
+    assert fitted.bag_rule == "auto" and fitted.bag_rule_ == "mean"
+    keys, p_auto = fitted.predict_bag_proba(Xte, bte, method="probit")
+    _, p_top = fitted.predict_bag_proba(Xte, bte, method="probit", rule="top_fraction")
+    truth = np.array([yte[bte == k][0] for k in keys])
+    assert roc_auc_score(truth, p_top) < 0.5 < roc_auc_score(truth, p_auto) - 0.1
     one_strong = _witness_bags(40, 40, lambda rng: 1, 4.0, seed=0)
-    chosen = {name: VGPMIL(n_inducing=10, max_iter=20, bag_rule="auto", random_state=0).fit(*data).bag_rule_
-              for name, data in (("many_weak", many_weak), ("one_strong", one_strong))}
-    assert chosen == {"many_weak": "mean", "one_strong": "top_fraction"}
-    fixed = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=5, bag_rule="auto", random_state=0).fit(*many_weak)
+    assert model(n_inducing=10, max_iter=20, random_state=0).fit(*one_strong).bag_rule_ == "top_fraction"
+    fixed = model(n_inducing=10, kernel=RBF(4.0), max_iter=5, random_state=0).fit(X, bags, y)
     assert fixed.bag_rule_ == "top_fraction"  # "auto" without a kernel choice
-    assert VGPMIL(n_inducing=10, max_iter=20, random_state=0).fit(*many_weak).bag_rule_ == "top_fraction"  # the default
+    assert model(n_inducing=10, max_iter=20, bag_rule="top_fraction", random_state=0).fit(X, bags, y).bag_rule_ == "top_fraction"
     with pytest.raises(ValueError, match="bag_rule must be 'auto' or one of"):
-        VGPMIL(n_inducing=10, kernel=RBF(4.0), bag_rule="median").fit(*many_weak)
+        model(n_inducing=10, kernel=RBF(4.0), bag_rule="median").fit(X, bags, y)
+
+
+def test_auto_bag_rule_leaves_the_default_only_for_a_clearly_better_rule():
+    """``clearly_better_rule``: the first rule stays unless another beats it by more than 2 paired
+    standard errors *and* by more than 0.1 AUC; among those the largest mean gain wins;
+    degenerate (nan) points are left out."""
+    rng = np.random.default_rng(0)
+    base = 0.6 + 0.05 * rng.standard_normal((6, 4, 10))  # splits × variances × checkpoints
+    steady_small = base + 0.05 + 0.002 * rng.standard_normal((6, 1, 1))  # many standard errors, below the margin
+    assert clearly_better_rule({"top_fraction": base, "mean": steady_small}) == "top_fraction"
+    noisy_large = base + 0.15 * np.where(np.arange(6)[:, None, None] % 2, 2.0, -0.6)  # +0.21 on average, ± 0.4
+    assert clearly_better_rule({"top_fraction": base, "mean": noisy_large}) == "top_fraction"
+    steady = base + 0.15 + 0.002 * rng.standard_normal((6, 1, 1))
+    larger = base + 0.25 + 0.002 * rng.standard_normal((6, 1, 1))
+    assert clearly_better_rule({"top_fraction": base, "max": steady, "mean": larger}) == "mean"
+    assert clearly_better_rule({"top_fraction": base, "max": steady, "mean": base - 0.1}) == "max"
+    degenerate = larger.copy()
+    degenerate[:5] = np.nan  # one split left: no standard error, no switch
+    assert clearly_better_rule({"top_fraction": base, "mean": degenerate}) == "top_fraction"
 
 
 def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away():

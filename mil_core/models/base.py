@@ -33,6 +33,9 @@ _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
 _SELECTION_MIN_BAGS = 8
 _SELECTION_REPEATS = 3
+_RULE_SWITCH_SE, _RULE_SWITCH_MARGIN = 2.0, 0.1
+"""``bag_rule="auto"`` leaves the default rule only for one better by this many paired standard
+errors and by this much held-out AUC (:func:`clearly_better_rule`)."""
 
 
 def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray,
@@ -61,6 +64,32 @@ def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray,
             tied.append((-minus_w, -mean, -minus_s))
     v, _, sweeps = min(tied)
     return v, sweeps
+
+
+def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITCH_SE,
+                        margin: float = _RULE_SWITCH_MARGIN) -> str:
+    """The bag rule of an automatic choice: the first of ``curves`` (the default rule), unless
+    another rule's held-out AUC beats it, paired split by split, by more than ``n_se`` standard
+    errors *and* by more than ``margin`` on average. ``curves[rule]``: splits × variances ×
+    checkpoints, nan where degenerate; a split's score is its mean over every (variance, sweeps)
+    point, steadier than one maximum. Of several such rules, the one with the largest mean
+    advantage wins."""
+    default, *others = curves
+    overall = {}
+    for rule, c in curves.items():
+        flat = c.reshape(c.shape[0], -1)
+        finite = np.isfinite(flat)
+        overall[rule] = np.where(finite.any(axis=1), np.where(finite, flat, 0.0).sum(axis=1) / np.maximum(finite.sum(axis=1), 1), np.nan)
+    best, best_gain = default, 0.0
+    for rule in others:
+        gain = overall[rule] - overall[default]
+        gain = gain[np.isfinite(gain)]
+        if gain.size < 2:
+            continue
+        se = gain.std(ddof=1) / np.sqrt(gain.size)
+        if gain.mean() > max(n_se * se, margin, best_gain):
+            best, best_gain = rule, float(gain.mean())
+    return best
 
 
 def choice_bags(sizes: np.ndarray, labels: np.ndarray, random_state: Any, cap: int | None = None) -> np.ndarray:
@@ -338,13 +367,11 @@ class SparseGPMILBase(BaseEstimator):
                 for rule, points in curve.items():  # converged early: it stays
                     points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
                     curves[v, rule].append(np.asarray(points))
-        mean_curves = {key: np.mean(c, axis=0) for key, c in curves.items()}  # nan where a fold was degenerate
         rule = rules[0]
-        if len(rules) > 1:  # the rule first, by its AUC over every (v, sweeps) point: steadier than one maximum
-            overall = [np.nanmean(np.concatenate([mean_curves[v, r] for v in variances])) for r in rules]
-            rule = rules[int(np.nanargmax(overall))] if np.any(np.isfinite(overall)) else rule
-            self.bag_rule_ = rule
-        under_rule = [(v, mean_curves[v, rule]) for v in variances]
+        if len(rules) > 1:
+            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([np.stack(curves[v, r]) for v in variances], axis=1)
+                                                          for r in rules})
+        under_rule = [(v, np.mean(curves[v, rule], axis=0)) for v in variances]  # nan where a split was degenerate
         self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in under_rule])
         chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints, self._smaller_variance_within_se())
         if chosen is None:
