@@ -299,6 +299,17 @@ class SparseGPMILBase(BaseEstimator):
         candidate fits while they are scored); ``(None,)``: the model's own bag score only."""
         return (None,)
 
+    def _bag_probas_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray,
+                               rules: tuple[str | None, ...], **coords: Any) -> dict[str | None, np.ndarray]:
+        """Bag scores of a fit state under each of ``rules`` (``None``: the estimator's own), for the
+        kernel choice; a family that can share the instance probabilities between rules overrides it."""
+        scores = {}
+        for rule in rules:
+            if rule is not None:
+                self.bag_rule_ = rule
+            scores[rule] = self._bag_proba_from_state(gp, glob, X_sorted, offsets, **coords)
+        return scores
+
     def _choice_needs_coords(self) -> bool:
         """Whether :meth:`_select_kernel` needs instance coords: for models that read them (the Gibbs
         reference reads none at λ = 0)."""
@@ -312,9 +323,9 @@ class SparseGPMILBase(BaseEstimator):
         ``min(max_iter, 50)`` sweeps and is scored every 5; the (variance, sweeps) point with the
         best mean of its 6 held-out AUCs wins (:func:`best_candidate`), or the smallest variance
         within :meth:`_smaller_variance_within_se` standard errors of it (G-VGPMIL). Models with several
-        :meth:`_auto_bag_rules` score each checkpoint with each; the rule with the best AUC averaged
-        over all (variance, sweeps) points is chosen first (``bag_rule_``), then the variance and
-        sweeps under it. Sets ``kernel_selection_`` (rows: variance, its best mean AUC) and
+        :meth:`_auto_bag_rules` score each checkpoint with each; the rule is chosen first
+        (``bag_rule_``: the first rule unless another is clearly better, :func:`clearly_better_rule`),
+        then the variance and sweeps under it. Sets ``kernel_selection_`` (rows: variance, its best mean AUC) and
         ``auto_max_iter_`` (the sweeps the final fit may run). Returns ``None`` (the fallback
         kernel) when a class has fewer than 2 bags, or when every candidate is degenerate: a
         checkpoint whose held-out bag scores are non-finite or all equal (a fit that ran away, its
@@ -352,11 +363,8 @@ class SparseGPMILBase(BaseEstimator):
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
                 def score(iteration: int, glob: Any, model=model, curve=curve) -> bool:
-                    if iteration in checkpoints:
-                        for rule in rules:  # one fit, scored by every candidate rule
-                            if rule is not None:
-                                model.bag_rule_ = rule
-                            p = model._bag_proba_from_state(model.gp_, glob, X_val, val_offsets, **val_coords)
+                    if iteration in checkpoints:  # one fit, scored by every candidate rule
+                        for rule, p in model._bag_probas_from_state(model.gp_, glob, X_val, val_offsets, rules, **val_coords).items():
                             degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
                             curve[rule].append(np.nan if degenerate else float(roc_auc_score(labels[val], p)))
                     return False

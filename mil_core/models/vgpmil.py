@@ -134,10 +134,21 @@ class _LogisticGPMIL(SparseGPMILBase):
         return hyper_updates(self, updates)
 
     def _bag_proba_from_state(self, gp: SparseGP, glob: GaussianQ | HyperState, X_sorted: Any, offsets: np.ndarray) -> np.ndarray:
+        return bag_score(self._instance_proba_from_state(gp, glob, X_sorted), offsets, self.bag_rule_)
+
+    def _bag_probas_from_state(self, gp: SparseGP, glob: GaussianQ | HyperState, X_sorted: Any, offsets: np.ndarray,
+                               rules: tuple[str | None, ...]) -> dict[str | None, np.ndarray]:
+        """Every rule from one set of instance probabilities (the kernel choice's candidates)."""
+        p = self._instance_proba_from_state(gp, glob, X_sorted)
+        return {rule: bag_score(p, offsets, self.bag_rule_ if rule is None else rule) for rule in rules}
+
+    @staticmethod
+    def _instance_proba_from_state(gp: SparseGP, glob: GaussianQ | HyperState, X_sorted: Any) -> np.ndarray:
+        """``σ(κ(σ²) μ)`` of a fit state's latent at each row (the closed form validation scores with)."""
         if isinstance(glob, HyperState):
             gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
-        return bag_score(expit(probit_scale(mean, var)), offsets, self.bag_rule_)
+        return expit(probit_scale(mean, var))
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
                    coords: np.ndarray | None = None, choice: BagBlock | None = None) -> PsiMILUpdates | HyperMILUpdates:
