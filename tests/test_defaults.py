@@ -228,8 +228,9 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         assert np.all(np.diff(y[np.argsort(bags, kind="stable")])[np.cumsum(counts)[:-1] - 1] != 0)  # labels alternate
         assert np.all((per_bag > 0) == (y[first] == 1)), name  # a bag is positive iff it holds a witness
         assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
-    _, first, counts = np.unique(bench_accuracy.robustness_set("sizes")[1], return_index=True, return_counts=True)
-    positive = bench_accuracy.robustness_set("sizes")[2][first] == 1
+    _, bags, y, _ = bench_accuracy.robustness_set("sizes")
+    _, first, counts = np.unique(bags, return_index=True, return_counts=True)
+    positive = y[first] == 1
     assert counts[positive].max() <= 12 < 16 <= counts[~positive].min()  # size anti-predictive: negatives larger
     with pytest.raises(ValueError, match="pool too small"):
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
