@@ -12,6 +12,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BAG_RULES, bag_score
+from mil_core.metrics import binary_auc
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
 
 from tests.conftest import make_toy_bags
@@ -180,6 +181,16 @@ def test_auto_bag_rule_leaves_the_default_only_for_a_clearly_better_rule():
     degenerate = larger.copy()
     degenerate[:5] = np.nan  # one split left: no standard error, no switch
     assert clearly_better_rule({"top_fraction": base, "mean": degenerate}) == "top_fraction"
+
+
+def test_the_choices_auc_equals_scikit_learns_with_ties():
+    rng = np.random.default_rng(0)
+    for n in (2, 7, 50):
+        labels = np.r_[0, 1, rng.integers(0, 2, n)]
+        for scores in (rng.normal(size=labels.size), np.round(rng.normal(size=labels.size)), np.zeros(labels.size)):
+            assert binary_auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+    with pytest.raises(ValueError, match="both classes"):
+        binary_auc(np.ones(4), np.arange(4.0))
 
 
 def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away():

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator, clone
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import RepeatedStratifiedKFold, train_test_split
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
@@ -21,6 +20,7 @@ from ..bags import BagIndex, split_into_blocks
 from ..engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
+from ..metrics import binary_auc
 from ..threadpools import single_thread_when_small
 from ..validation import check_features, check_mil_data
 
@@ -235,7 +235,7 @@ class SparseGPMILBase(BaseEstimator):
             X_val, val_offsets = take_bags(X_sorted, bags.offsets, val)
             val_coords = {} if coords_sorted is None else {"coords": take_bags(coords_sorted, bags.offsets, val)[0]}
             monitor = _EarlyStopping(
-                score=lambda glob: roc_auc_score(
+                score=lambda glob: binary_auc(
                     labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets, **val_coords)
                 ),
                 patience=self.n_iter_no_change,
@@ -366,7 +366,7 @@ class SparseGPMILBase(BaseEstimator):
                     if iteration in checkpoints:  # one fit, scored by every candidate rule
                         for rule, p in model._bag_probas_from_state(model.gp_, glob, X_val, val_offsets, rules, **val_coords).items():
                             degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
-                            curve[rule].append(np.nan if degenerate else float(roc_auc_score(labels[val], p)))
+                            curve[rule].append(np.nan if degenerate else binary_auc(labels[val], p))
                     return False
 
                 with warnings.catch_warnings():  # stopping at the budget is the point here
