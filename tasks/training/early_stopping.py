@@ -28,8 +28,7 @@ class DistributedEarlyStopping:
 
     def __init__(self, client: Client, model: SparseGPMILBase, store: str, cohort, labels: np.ndarray,
                  validation: np.ndarray, partition_bytes: int, placement: ArrayPlacement, scaling: FeatureScaling | None):
-        from sklearn.metrics import roc_auc_score
-
+        from mil_core.metrics import binary_auc
         from mil_core.models.base import _EarlyStopping
 
         self.client, self.resources = client, placement.resources
@@ -44,7 +43,7 @@ class DistributedEarlyStopping:
                                                  resources=self.resources, key=f"validation-block-{p.index}-{self.token}"))
                 order.append(held_out)
         truth = labels[np.concatenate(order)]
-        self.stopping = _EarlyStopping(score=lambda glob: roc_auc_score(truth, self._scores(glob)), patience=model.n_iter_no_change)
+        self.stopping = _EarlyStopping(score=lambda glob: binary_auc(truth, self._scores(glob)), patience=model.n_iter_no_change)
 
     def _scores(self, glob: Any) -> np.ndarray:
         q = self.client.submit(identity, glob, pure=False)
