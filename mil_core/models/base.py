@@ -75,11 +75,7 @@ def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITC
     point, steadier than one maximum. Of several such rules, the one with the largest mean
     advantage wins."""
     default, *others = curves
-    overall = {}
-    for rule, c in curves.items():
-        flat = c.reshape(c.shape[0], -1)
-        finite = np.isfinite(flat)
-        overall[rule] = np.where(finite.any(axis=1), np.where(finite, flat, 0.0).sum(axis=1) / np.maximum(finite.sum(axis=1), 1), np.nan)
+    overall = {rule: np.ma.masked_invalid(c.reshape(c.shape[0], -1)).mean(axis=1).filled(np.nan) for rule, c in curves.items()}
     best, best_gain = default, 0.0
     for rule in others:
         gain = overall[rule] - overall[default]
@@ -375,13 +371,13 @@ class SparseGPMILBase(BaseEstimator):
                 for rule, points in curve.items():  # converged early: it stays
                     points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
                     curves[v, rule].append(np.asarray(points))
+        scores = {key: np.stack(c) for key, c in curves.items()}  # splits × checkpoints, nan where degenerate
         rule = rules[0]
         if len(rules) > 1:
-            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([np.stack(curves[v, r]) for v in variances], axis=1)
-                                                          for r in rules})
-        under_rule = [(v, np.mean(curves[v, rule], axis=0)) for v in variances]  # nan where a split was degenerate
+            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[v, r] for v in variances], axis=1) for r in rules})
+        under_rule = [(v, scores[v, rule].mean(axis=0)) for v in variances]
         self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in under_rule])
-        chosen = best_candidate({v: np.asarray(curves[v, rule]) for v in variances}, checkpoints, self._smaller_variance_within_se())
+        chosen = best_candidate({v: scores[v, rule] for v in variances}, checkpoints, self._smaller_variance_within_se())
         if chosen is None:
             return None
         v, sweeps = chosen
