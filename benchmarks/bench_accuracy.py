@@ -219,11 +219,16 @@ def fit_predict_lr_mean_max(train: Fold, test: Fold) -> Prediction:
     return Prediction({"own": model.predict_proba(E_test)[:, 1]})
 
 
+def _report_rule(model) -> None:
+    """Which rule ``bag_rule="auto"`` chose, on stderr (the tables report every rule)."""
+    if model.bag_rule == "auto":
+        print(f"# {type(model).__name__}(bag_rule='auto') chose {model.bag_rule_}", file=sys.stderr, flush=True)
+
+
 def _logistic_gp(model) -> Callable[[Fold, Fold], Prediction]:
     def fit_predict(train: Fold, test: Fold) -> Prediction:
         model.fit(train.X, train.bags, train.y)
-        if model.bag_rule == "auto":
-            print(f"# {type(model).__name__}(bag_rule='auto') chose {model.bag_rule_}", file=sys.stderr, flush=True)
+        _report_rule(model)
         scores = {"default": model.predict_bag_proba(test.X, test.bags, method="probit")[1]}
         for rule in BAG_RULES:
             scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]
@@ -261,6 +266,7 @@ def fit_predict_vgpmil_v1(train: Fold, test: Fold) -> Prediction:
 def _probit_gp(model) -> Callable[[Fold, Fold], Prediction]:
     def fit_predict(train: Fold, test: Fold) -> Prediction:
         model.fit(train.X, train.bags, train.y)
+        _report_rule(model)
         scores = {"default": model.predict_bag_proba(test.X, test.bags)[1]}
         for rule in PROBIT_BAG_RULES:
             scores[rule] = model.predict_bag_proba(test.X, test.bags, rule=rule)[1]
@@ -272,6 +278,11 @@ def _probit_gp(model) -> Callable[[Fold, Fold], Prediction]:
 def fit_predict_vgpmilpr(train: Fold, test: Fold) -> Prediction:
     """Default ``VGPMILPR()``; every bag rule on the same fit ("orthant" is the paper's Eq. 26)."""
     return _probit_gp(VGPMILPR(random_state=0))(train, test)
+
+
+def fit_predict_vgpmilpr_top_fraction(train: Fold, test: Fold) -> Prediction:
+    """``VGPMILPR(bag_rule="top_fraction")``: the default until session 15, without the rule guard."""
+    return _probit_gp(VGPMILPR(bag_rule="top_fraction", random_state=0))(train, test)
 
 
 def fit_predict_vgpmilpr_v1(train: Fold, test: Fold) -> Prediction:
@@ -332,6 +343,7 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vgpmil_top_fraction": fit_predict_vgpmil_top_fraction,
     "gvgpmil_top_fraction": fit_predict_gvgpmil_top_fraction,
     "vgpmilpr": fit_predict_vgpmilpr,
+    "vgpmilpr_top_fraction": fit_predict_vgpmilpr_top_fraction,
     "vwsgp": fit_predict_vwsgp,
     "vgpmil_v1": fit_predict_vgpmil_v1,
     "vgpmilpr_v1": fit_predict_vgpmilpr_v1,

@@ -10,7 +10,7 @@ from scipy.stats import spearmanr
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
-from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
 from mil_core.metrics import binary_auc
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
@@ -141,7 +141,7 @@ def _witness_bags(n_bags, size, n_witnesses, shift, seed, n_features=3):
     return np.concatenate(X), np.array(bags), np.array(y)
 
 
-@pytest.mark.parametrize("model", [VGPMIL, GVGPMIL])
+@pytest.mark.parametrize("model", [VGPMIL, GVGPMIL, VGPMILPR])
 def test_auto_bag_rule_leaves_top_fraction_where_it_ranks_by_size(model):
     """``bag_rule="auto"`` (the default): weak witnesses in small positive bags among large
     negative ones — the top instances of a large negative bag outscore a weak witness, so
@@ -151,8 +151,8 @@ def test_auto_bag_rule_leaves_top_fraction_where_it_ranks_by_size(model):
     Xte, bte, yte, _ = _size_anti_predictive_bags(seed=1, shift=2.0)
     fitted = model(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
     assert fitted.bag_rule == "auto" and fitted.bag_rule_ == "mean"
-    keys, p_auto = fitted.predict_bag_proba(Xte, bte, method="probit")
-    _, p_top = fitted.predict_bag_proba(Xte, bte, method="probit", rule="top_fraction")
+    keys, p_auto = fitted.predict_bag_proba(Xte, bte)
+    _, p_top = fitted.predict_bag_proba(Xte, bte, rule="top_fraction")
     truth = np.array([yte[bte == k][0] for k in keys])
     assert roc_auc_score(truth, p_top) < 0.5 < roc_auc_score(truth, p_auto) - 0.1
     one_strong = _witness_bags(40, 40, lambda rng: 1, 4.0, seed=0)
@@ -162,6 +162,14 @@ def test_auto_bag_rule_leaves_top_fraction_where_it_ranks_by_size(model):
     assert model(n_inducing=10, max_iter=20, bag_rule="top_fraction", random_state=0).fit(X, bags, y).bag_rule_ == "top_fraction"
     with pytest.raises(ValueError, match="bag_rule must be 'auto' or one of"):
         model(n_inducing=10, kernel=RBF(4.0), bag_rule="median").fit(X, bags, y)
+
+
+def test_the_gibbs_reference_takes_the_rule_its_variational_surrogate_chose():
+    """The sampler's kernel choice is VGPMIL-PR's (``_select_kernel``), and so is its ``"auto"`` rule."""
+    X, bags, y, _ = _size_anti_predictive_bags(seed=0, shift=2.0)
+    gibbs = VGPMILPRGibbs(n_inducing=10, n_samples=5, burn_in=0, thin=1, random_state=0).fit(X, bags, y)
+    assert gibbs.bag_rule_ == "mean"
+    assert VGPMILPRGibbs(n_inducing=10, n_samples=5, burn_in=0, thin=1, bag_rule="max", random_state=0).fit(X, bags, y).bag_rule_ == "max"
 
 
 def test_auto_bag_rule_leaves_the_default_only_for_a_clearly_better_rule():

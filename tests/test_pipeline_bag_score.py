@@ -16,15 +16,16 @@ from distributed import Client, LocalCluster
 from flows.config import PredictionConfig
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP
 from mil_core.bags import BagIndex
-from tasks.training import predict_cohort, read_predictions
+from tasks.training import fit_cohort, predict_cohort, read_predictions
 from tasks.training.predict import prediction_kwargs
 from tests.conftest import make_toy_bags
+from tests.test_defaults import _size_anti_predictive_bags
 from tests.test_distributed import write_store
 
 pytestmark = pytest.mark.timeout(300)
 
 SMALL = {"n_inducing": 8, "max_iter": 8, "tol": 0.0, "random_state": 0, "kernel": RBF(4.0)}
-FAMILIES = {  # each with its default bag rule (the constructor's, nothing passed)
+FAMILIES = {  # each with its default bag rule (the constructor's, nothing passed; "auto" keeps it with a fixed kernel)
     "VGPMIL": (lambda: VGPMIL(**SMALL), "top_fraction"),
     "GVGPMIL": (lambda: GVGPMIL(**SMALL), "top_fraction"),
     "VGPMILPR": (lambda: VGPMILPR(**SMALL), "top_fraction"),
@@ -75,6 +76,28 @@ def test_the_pipeline_writes_the_estimators_bag_scores(family, store, client):
     index = BagIndex.from_ids(bags)
     ranked = model._bag_proba_from_state(model.gp_, model.q_, X[index.order], index.offsets)
     np.testing.assert_allclose(written, ranked, rtol=1e-10)
+
+
+@pytest.mark.parametrize("make", [VGPMIL, VGPMILPR])
+def test_a_rule_the_guard_chose_is_the_cluster_fits_and_the_pipelines(make, client, tmp_path):
+    """``bag_rule="auto"`` where the top instances rank bags by size (weak witnesses in small
+    positive bags): the cluster fit leaves ``top_fraction`` for ``mean`` as ``model.fit`` does,
+    and the pipeline's default prediction settings write bag scores by that rule."""
+    X, bags, y, _ = _size_anti_predictive_bags(seed=0, shift=2.0)
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
+    path = write_store(tmp_path / "sizes.zarr", X, bags, y)
+    params = dict(n_inducing=10, max_iter=20, random_state=0)
+    serial = make(**params).fit(X, bags, y)
+    model = make(**params)
+    fit_cohort(model, path, client, partition_bytes=8_000, resume=False)
+    assert model.bag_rule == "auto" and model.bag_rule_ == serial.bag_rule_ == "mean"
+    np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
+    settings = PredictionConfig()
+    instance_kwargs, bag_kwargs = prediction_kwargs(model, settings.method, settings.rule)
+    predict_cohort(model, path, client, run="guard", partition_bytes=8_000, instance_kwargs=instance_kwargs, bag_kwargs=bag_kwargs)
+    written = read_predictions(path, "guard")["bags/proba"]
+    np.testing.assert_allclose(written, model.predict_bag_proba(X, bags, rule="mean", **bag_kwargs)[1], rtol=1e-10)
+    assert not np.allclose(written, model.predict_bag_proba(X, bags, rule="top_fraction", **bag_kwargs)[1], atol=1e-3)
 
 
 def test_the_prediction_method_reaches_every_model_that_takes_one():

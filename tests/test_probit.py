@@ -191,7 +191,7 @@ def test_default_bag_rule_ranks_bags_where_the_papers_orthant_probability_follow
     _, p_orthant = model.predict_bag_proba(X, bags, rule="orthant")
     truth = np.array([y[bags == k][0] for k in keys])
     sizes = np.array([np.sum(bags == k) for k in keys])
-    assert model.bag_rule == "top_fraction"
+    assert model.bag_rule_ == "top_fraction"  # "auto" with a fixed kernel
     assert roc_auc_score(truth, p_default) > 0.9
     assert roc_auc_score(truth, p_default) > roc_auc_score(truth, p_orthant) + 0.1
     negatives = truth == 0
@@ -217,8 +217,8 @@ def test_orthant_rule_is_eq_26_and_the_rules_score_instance_probabilities(toy_ba
                                    bag_score(model.predict_instance_proba(X)[order], offsets, rule), rtol=1e-12)
     with pytest.raises(ValueError, match="bag rule must be one of"):
         model.predict_bag_proba(X, bags, rule="median")
-    with pytest.raises(ValueError, match="bag rule must be one of"):
-        clone(model).set_params(bag_rule="median").fit(X, bags, y)  # validation scores bags too
+    with pytest.raises(ValueError, match="bag_rule must be 'auto' or one of"):
+        clone(model).set_params(bag_rule="median").fit(X, bags, y)  # checked before the fit: validation scores bags too
 
 
 def test_bag_score_std_is_the_spread_of_the_rule_over_latent_draws(toy_bags):

@@ -24,7 +24,7 @@ from ..metrics import binary_auc
 from ..threadpools import single_thread_when_small
 from ..validation import check_features, check_mil_data
 
-__all__ = ["SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
+__all__ = ["AUTO_BAG_RULES", "BagRuleChoice", "SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
 
 AUTO_VARIANCES: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
 """Kernel variances tried when ``kernel=None`` (ℓ = √D on standardised features)."""
@@ -33,6 +33,9 @@ _SELECTION_EVERY = 5
 _SELECTION_MAX_INSTANCES = 20_000
 _SELECTION_MIN_BAGS = 8
 _SELECTION_REPEATS = 3
+AUTO_BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean")
+"""Rules ``bag_rule="auto"`` chooses from, its default first (noisy-OR is left out: its ranking
+follows bag size; so is the probit family's orthant probability)."""
 _RULE_SWITCH_SE, _RULE_SWITCH_MARGIN = 2.0, 0.1
 """``bag_rule="auto"`` leaves the default rule only for one better by this many paired standard
 errors and by this much held-out AUC (:func:`clearly_better_rule`)."""
@@ -407,6 +410,30 @@ class SparseGPMILBase(BaseEstimator):
         """Mean and variance of the latent f* at each row (Eq. 30, FITC diagonal)."""
         X, _ = self._check_predict_input(X)
         return self.gp_.whiten(X).latent_moments(self.q_)
+
+
+class BagRuleChoice:
+    """The ``bag_rule`` parameter of a family that scores bags by a rule on its instance
+    probabilities (:func:`mil_core.bags.bag_score`; put before :class:`SparseGPMILBase` in the
+    bases). ``bag_rule="auto"`` is the guard of :func:`clearly_better_rule`: ``top_fraction``
+    unless the kernel choice finds ``mean`` or ``max`` clearly better; with a fixed kernel
+    (no choice) ``top_fraction``. The rule in use is the fitted ``bag_rule_``: predictions,
+    validation and the pipeline read it, never ``bag_rule``."""
+
+    bag_rules: tuple[str, ...] = ()
+    """The rules ``bag_rule`` may name besides ``"auto"``."""
+
+    def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
+                   coords: np.ndarray | None = None, choice: BagBlock | None = None) -> PartitionUpdates:
+        """``bag_rule_`` = the estimator's rule (``"auto"``: ``top_fraction`` until the kernel choice
+        says otherwise), then the model's start."""
+        if self.bag_rule != "auto" and self.bag_rule not in self.bag_rules:
+            raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(self.bag_rules)}, got {self.bag_rule!r}")
+        self.bag_rule_ = AUTO_BAG_RULES[0] if self.bag_rule == "auto" else self.bag_rule
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice)
+
+    def _auto_bag_rules(self) -> tuple[str | None, ...]:
+        return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)
 
 
 class _EarlyStopping:

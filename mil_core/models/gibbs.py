@@ -305,10 +305,11 @@ class VGPMILPRGibbs(VGPMILPRI):
     ----------
     lam, neighbourhood, n_inducing, exact_diag_max, diag_tol, exact_orthant_max, n_mc_samples
         As in :class:`~mil_core.models.probit.VGPMILPRI` (``lam=0`` by default here).
-    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
+    bag_rule : {"auto", "top_fraction", "max", "mean", "noisy_or", "orthant"}, default="auto"
         How bags are scored (``predict_bag_proba``, the kernel choice, the pipeline), as in the
         variational models: ``"orthant"`` is the paper's ``1 − P(m* < 0)`` (Eq. 26), which follows
-        the bag size.
+        the bag size; ``"auto"`` is chosen with the kernel by the variational model
+        (:meth:`_select_kernel`). The rule used is ``bag_rule_``.
     kernel : RBF or None
         ``None`` chooses the RBF variance on the training bags with the variational model of the same
         posterior (:meth:`_select_kernel`).
@@ -356,7 +357,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         exact_diag_max: int = 2000,
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
-        bag_rule: str = "top_fraction",
+        bag_rule: str = "auto",
         n_mc_samples: int = 500,
         random_state: int | None = None,
     ):
@@ -398,8 +399,9 @@ class VGPMILPRGibbs(VGPMILPRI):
         chains would cost 24 times the fit. Its chosen number of sweeps is not used: the sampler runs its chain.
         """
         surrogate = self._variational_model()
+        surrogate.bag_rule_ = self.bag_rule_
         kernel = surrogate._select_kernel(X_sorted, offsets, labels, coords)
-        self.kernel_selection_, self.auto_max_iter_ = surrogate.kernel_selection_, None
+        self.kernel_selection_, self.auto_max_iter_, self.bag_rule_ = surrogate.kernel_selection_, None, surrogate.bag_rule_
         return kernel
 
     def _choice_needs_coords(self) -> bool:

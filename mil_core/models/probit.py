@@ -18,7 +18,7 @@ from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
 from ..predictive import probit_link_scale, sample_latent
-from .base import SparseGPMILBase, store_params, take_bags
+from .base import BagRuleChoice, SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates, prior_mean_of
 
@@ -39,8 +39,10 @@ def _phi_and_spread(mean: np.ndarray, var: np.ndarray) -> tuple[np.ndarray, np.n
     return p, np.sqrt(np.clip(second - p**2, 0.0, None))
 
 
-class _ProbitGPMIL(SparseGPMILBase):
+class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
     """Fit plumbing and predictions (seed 002 Sec. 2.5, Eq. 21–26) of the probit family."""
+
+    bag_rules = PROBIT_BAG_RULES
 
     def _lam(self) -> float:
         return 0.0
@@ -49,7 +51,6 @@ class _ProbitGPMIL(SparseGPMILBase):
         return {}
 
     def _make_updates(self, gp: SparseGP) -> ProbitMILUpdates:
-        self._rule(None)  # validation and the kernel choice score bags by it: check it before the fit
         return ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options(), **self._prior_mean_options())
 
     def _prior_mean_options(self) -> dict[str, Any]:
@@ -83,15 +84,33 @@ class _ProbitGPMIL(SparseGPMILBase):
     def _bag_proba_from_state(
         self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None
     ) -> np.ndarray:
+        return self._bag_probas_from_state(gp, glob, X_sorted, offsets, (None,), coords=coords)[None]
+
+    def _bag_probas_from_state(
+        self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, rules: tuple[str | None, ...],
+        coords: np.ndarray | None = None,
+    ) -> dict[str | None, np.ndarray]:
+        """Bag scores of a fit state under each of ``rules`` (``None``: ``bag_rule_``); the latent
+        and the instance probabilities in context are computed once for every rule."""
         lam = self._fitted_lam()
         if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
             lam, glob = glob.lam, glob.q
         mean, var = self._latent(gp, glob, X_sorted)
-        return self._bag_proba(mean, var, offsets, coords, lam, self._rule(None), return_std=False)[0]
+        coupling = self._coupling(offsets, coords, lam)
+        names = {rule: self._rule(rule) for rule in rules}
+        if set(names.values()) != {"orthant"}:
+            p = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))[0]
+        scores = {}
+        for rule, name in names.items():
+            if name == "orthant":
+                scores[rule] = self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=False)[0]
+            else:
+                scores[rule] = bag_score(p, offsets, name)
+        return scores
 
     def _rule(self, rule: str | None) -> str:
-        """The bag rule of a prediction: ``rule``, or the estimator's ``bag_rule``."""
-        rule = self.bag_rule if rule is None else rule
+        """The bag rule of a prediction: ``rule``, or the fitted ``bag_rule_``."""
+        rule = self.bag_rule_ if rule is None else rule
         if rule not in PROBIT_BAG_RULES:
             raise ValueError(f"bag rule must be one of {', '.join(PROBIT_BAG_RULES)}, got {rule!r}")
         return rule
@@ -243,11 +262,14 @@ _COMMON_PARAMS = """
         mean a bag of thousands of instances is "surely positive" and its label says nothing
         (:mod:`mil_core.models.probit_updates`, ``docs/MODELS.md`` "Probit family"). The fitted
         value is ``q_.prior_mean``. VGPMIL-PR-I with ``learn_lam=True`` keeps it at its start.
-    bag_rule : {"top_fraction", "max", "mean", "noisy_or", "orthant"}, default="top_fraction"
+    bag_rule : {"auto", "top_fraction", "max", "mean", "noisy_or", "orthant"}, default="auto"
         How a bag is scored, in ``predict_bag_proba``, in validation (early stopping, kernel
         choice) and in the pipeline: a rule of :func:`mil_core.bags.bag_score` on the instance
         probabilities, or ``"orthant"``, the paper's ``1 − P(m* < 0)`` (Eq. 26), which follows the
-        bag size (``docs/MODELS.md``, "Probit family").
+        bag size (``docs/MODELS.md``, "Probit family"). ``"auto"``: ``top_fraction`` unless the
+        kernel choice finds ``mean`` or ``max`` clearly better on the training bags
+        (:class:`~mil_core.models.base.BagRuleChoice`); with a fixed kernel ``top_fraction``. The
+        rule used is ``bag_rule_``.
     n_mc_samples
         Monte Carlo draws for prediction spreads (and orthant importance sampling).
     random_state
@@ -261,7 +283,7 @@ _COMMON_PARAMS = """
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
         Objective per iteration (module docstring of :mod:`mil_core.models.probit_updates`).
-    n_iter_, converged_, kernel_, n_features_in_, classes_
+    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_
     validation_auc_, best_iteration_
         When ``early_stopping``.
 """
@@ -291,7 +313,7 @@ class VGPMILPR(_ProbitGPMIL):
         n_iter_no_change: int = 10,
         block_size: int = 65536,
         prior_mean: float | None = None,
-        bag_rule: str = "top_fraction",
+        bag_rule: str = "auto",
         n_mc_samples: int = 500,
         random_state: int | None = None,
     ):
@@ -358,7 +380,7 @@ class VGPMILPRI(_ProbitGPMIL):
         diag_tol: float = 1e-6,
         exact_orthant_max: int = 12,
         prior_mean: float | None = None,
-        bag_rule: str = "top_fraction",
+        bag_rule: str = "auto",
         n_mc_samples: int = 500,
         random_state: int | None = None,
         learn_lam: bool = False,

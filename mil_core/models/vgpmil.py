@@ -29,15 +29,10 @@ from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, Whitened
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
 from ..predictive import probit_scale, sample_latent
-from .base import SparseGPMILBase, store_params
+from .base import BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
 
-__all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL", "AUTO_BAG_RULES"]
-
-AUTO_BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean")
-"""Rules ``bag_rule="auto"`` chooses from, its default first (noisy-OR is left out: its ranking
-follows bag size)."""
-
+__all__ = ["PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
 
 @dataclass(frozen=True)
 class PsiStats(Summable):
@@ -117,8 +112,10 @@ def damped_logits(old: tuple[np.ndarray, np.ndarray], new: np.ndarray, damping: 
     return log_add_exp(a + old_pos, b + new_pos) - log_add_exp(a + old_neg, b + new_neg)
 
 
-class _LogisticGPMIL(SparseGPMILBase):
+class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     """Predictions for the logistic family (000, Eq. 30–37)."""
+
+    bag_rules = BAG_RULES
 
     @abstractmethod
     def _psi(self) -> Psi: ...
@@ -149,18 +146,6 @@ class _LogisticGPMIL(SparseGPMILBase):
             gp, glob = glob.gp, glob.q
         mean, var = gp.whiten(X_sorted).latent_moments(glob)
         return expit(probit_scale(mean, var))
-
-    def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
-                   coords: np.ndarray | None = None, choice: BagBlock | None = None) -> PsiMILUpdates | HyperMILUpdates:
-        """``bag_rule_``: the estimator's rule, or with ``"auto"`` the kernel choice's (``top_fraction``
-        where there is none: a fixed kernel), then the base class's start."""
-        if self.bag_rule != "auto" and self.bag_rule not in BAG_RULES:
-            raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(BAG_RULES)}, got {self.bag_rule!r}")
-        self.bag_rule_ = "top_fraction" if self.bag_rule == "auto" else self.bag_rule
-        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice)
-
-    def _auto_bag_rules(self) -> tuple[str | None, ...]:
-        return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)
 
     def _finish_fit(self, trace: FitTrace, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
