@@ -294,20 +294,18 @@ class SparseGPMILBase(BaseEstimator):
         return 0.0
 
     def _auto_bag_rules(self) -> tuple[str | None, ...]:
-        """Bag rules that ``kernel=None`` chooses from with the kernel (set as ``bag_rule_`` on the
-        candidate fits while they are scored); ``(None,)``: the model's own bag score only."""
+        """Bag rules that ``kernel=None`` chooses from with the kernel (each checkpoint is scored by
+        every one, :meth:`_bag_probas_from_state`); ``(None,)``: the model's own bag score only."""
         return (None,)
 
     def _bag_probas_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray,
                                rules: tuple[str | None, ...], **coords: Any) -> dict[str | None, np.ndarray]:
         """Bag scores of a fit state under each of ``rules`` (``None``: the estimator's own), for the
-        kernel choice; a family that can share the instance probabilities between rules overrides it."""
-        scores = {}
-        for rule in rules:
-            if rule is not None:
-                self.bag_rule_ = rule
-            scores[rule] = self._bag_proba_from_state(gp, glob, X_sorted, offsets, **coords)
-        return scores
+        kernel choice. A model scored by its own rule only (``rules == (None,)``) needs nothing
+        more; a family with several rules (:class:`BagRuleChoice`) overrides it."""
+        if rules != (None,):
+            raise NotImplementedError(f"{type(self).__name__} scores bags by its own rule only, not by {rules}")
+        return {None: self._bag_proba_from_state(gp, glob, X_sorted, offsets, **coords)}
 
     def _choice_needs_coords(self) -> bool:
         """Whether :meth:`_select_kernel` needs instance coords: for models that read them (the Gibbs

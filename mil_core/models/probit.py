@@ -128,7 +128,7 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None, return_orthant_error: bool = False,
         rule: str | None = None,
     ):
-        """Bag score by the bag ``rule`` (default: the estimator's ``bag_rule``): ``keys, p``, then
+        """Bag score by the bag ``rule`` (default: the fitted ``bag_rule_``): ``keys, p``, then
         ``std`` when ``return_std`` and ``orthant_error`` when ``return_orthant_error``.
 
         ``rule="orthant"`` is the paper's bag probability ``p(y* = 1) = 1 − P(m* < 0)`` (Eq. 26).
@@ -149,8 +149,8 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         ``std`` is the posterior spread of the bag score over ``f*`` (Monte Carlo,
         ``n_mc_samples`` draws, seeded by ``random_state``).
         """
-        rule = self._rule(rule)
         X, bags = self._check_predict_input(X, bag_ids)
+        rule = self._rule(rule)
         coords_sorted = None if coords is None else check_coords(coords, bags)
         mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
         p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), rule, return_std=return_std)
