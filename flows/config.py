@@ -6,6 +6,7 @@ A bad value fails with the dotted field path and the reason (``model.params.n_in
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -234,7 +235,9 @@ class TrainingConfig(_Strict):
 
 class PredictionConfig(_Strict):
     """``store``: cohort to predict (default: the training store); the MIL ``rule`` applies to the
-    logistic family, ``method`` to every model whose predictions take one (the logistic family,
+    models that score bags by a rule on instance probabilities (the logistic and probit families,
+    EmbeddedGPMIL through its GP; another model refuses it when the configuration is read),
+    ``method`` to every model whose predictions take one (the logistic family,
     VWSGP's bag probability; :func:`tasks.training.predict.prediction_kwargs`). ``rule: null`` (default) uses the
     estimator's fitted ``bag_rule_`` (its ``bag_rule``, or the rule its kernel choice picked for
     ``"auto"``; :func:`mil_core.bags.bag_score`), so the pipeline scores bags
@@ -328,6 +331,15 @@ class PipelineConfig(_Strict):
     prediction: PredictionConfig = PredictionConfig()
     dask: DaskConfig = DaskConfig()
 
+    @model_validator(mode="after")
+    def _rule_reaches_the_model(self) -> PipelineConfig:
+        """A ``prediction.rule`` the model cannot use fails here, before the fit, not after it."""
+        refused_by = _rule_refused_by(self.model) if self.prediction.rule is not None and "model" in self.model_fields_set else None
+        if refused_by:
+            raise ValueError(f"prediction.rule={self.prediction.rule!r}: {refused_by} scores bags by its own rule, "
+                             f"not by a rule on instance probabilities; leave prediction.rule out (null)")
+        return self
+
     def model_key(self, cohort_fingerprint: str) -> str:
         """Content key of a trained model: training cohort + model + training settings that change
         the result (partitioning and device do not)."""
@@ -341,6 +353,16 @@ class PipelineConfig(_Strict):
 
 def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _rule_refused_by(section: ModelConfig) -> str | None:
+    """The model whose ``predict_bag_proba`` takes no ``rule`` (EmbeddedGPMIL passes its rule to
+    its GP, so it may be that section's), or ``None`` when the rule reaches a rule on instance
+    probabilities."""
+    if "rule" not in inspect.signature(MODEL_CLASSES[section.name].predict_bag_proba).parameters:
+        return section.name
+    gp = section.params.get("gp")
+    return _rule_refused_by(ModelConfig.model_validate(gp)) if isinstance(gp, dict) else None
 
 
 def make_model(config: ModelConfig):

@@ -81,6 +81,10 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, training={"checkpoint_every": 0}))
     with pytest.raises(ConfigError, match="unknown model 'SVM'"):
         load_config(write_config(tmp_path, cohort, model={"name": "SVM"}))
+    for model in ({"name": "VWSGP"}, {"name": "EmbeddedGPMIL", "params": {"gp": {"name": "VWSGP"}}}):
+        with pytest.raises(ConfigError, match=r"prediction.rule='max': VWSGP scores bags by its own rule"):
+            load_config(write_config(tmp_path, cohort, model=model, prediction={"rule": "max"}))
+    assert load_config(write_config(tmp_path, cohort, model={"name": "VGPMILPR"}, prediction={"rule": "max"})).prediction.rule == "max"
     with pytest.raises(ConfigError, match=r"dask.cluster_class: .*cannot import dask_jobqeue"):
         load_config(write_config(tmp_path, cohort, dask={"cluster_class": "dask_jobqeue.SLURMCluster"}))
     with pytest.raises(ConfigError, match=r"dask.adapt_kwargs: .*1 <= minimum <= maximum \(got minimum=0"):

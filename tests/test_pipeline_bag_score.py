@@ -100,14 +100,20 @@ def test_a_rule_the_guard_chose_is_the_cluster_fits_and_the_pipelines(make, clie
     assert not np.allclose(written, model.predict_bag_proba(X, bags, rule="top_fraction", **bag_kwargs)[1], atol=1e-3)
 
 
-def test_the_prediction_method_reaches_every_model_that_takes_one():
+def test_the_prediction_settings_reach_every_model_that_takes_them():
     """``prediction.method`` is not only for the logistic family: VWSGP's bag probability takes it
-    too (left out, each partition drew its own Monte Carlo sample); ``rule`` stays the logistic
-    family's, and no model gets a keyword its predict methods do not name."""
+    too (left out, each partition drew its own Monte Carlo sample); ``prediction.rule`` reaches
+    the logistic and the probit family (VGPMILPR is the pipeline's default model; it used to be
+    ignored there), no model gets a keyword its predict methods do not name, and VWSGP, which
+    scores bags by its summed evidence, refuses a rule rather than ignore it."""
     X, bags, y, _ = make_toy_bags(12)
     vwsgp = VWSGP(**SMALL).fit(X, bags, y)
-    assert prediction_kwargs(vwsgp, "probit", "max") == ({}, {"method": "probit"})
+    assert prediction_kwargs(vwsgp, "probit", None) == ({}, {"method": "probit"})
+    with pytest.raises(ValueError, match="prediction.rule='max': VWSGP scores bags by its own rule"):
+        prediction_kwargs(vwsgp, "probit", "max")
     vgpmil = VGPMIL(**SMALL).fit(X, bags, y)
     assert prediction_kwargs(vgpmil, "mc", None) == ({"method": "mc"}, {"method": "mc"})
     assert prediction_kwargs(vgpmil, "probit", "max") == ({"method": "probit"}, {"method": "probit", "rule": "max"})
-    assert prediction_kwargs(VGPMILPR(**SMALL), "probit", "max") == ({}, {})
+    probit = VGPMILPR(**SMALL).fit(X, bags, y)
+    assert prediction_kwargs(probit, "probit", None) == ({}, {})
+    assert prediction_kwargs(probit, "probit", "max") == ({}, {"rule": "max"})

@@ -64,10 +64,13 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
     settings: ``method`` goes to every predict method that names a ``method`` parameter (the
     logistic family, and VWSGP's bag probability: the closed form the kernel choice and early
     stopping score with, where ``"mc"`` would draw afresh in every partition), and to
-    EmbeddedGPMIL's instance probabilities, which pass it to their GPs; ``rule``, when
-    set, to the logistic family. ``rule=None`` leaves the estimator's fitted ``bag_rule_``, so
-    the pipeline scores bags as the estimator's validation and ``predict_bag_proba`` do."""
-    def takes_method(name: str, forwarded: bool = False) -> bool:
+    EmbeddedGPMIL's instance probabilities, which pass it to their GPs; ``rule``, when set, to
+    every bag probability that takes a ``rule`` (the logistic and probit families; EmbeddedGPMIL
+    passes it to its GPs), and a model that scores bags otherwise refuses it (VWSGP, AbSMIL):
+    ignored, it would leave the user's setting silently unused. ``rule=None`` leaves the
+    estimator's fitted ``bag_rule_``, so the pipeline scores bags as the estimator's validation
+    and ``predict_bag_proba`` do."""
+    def takes(name: str, parameter: str, forwarded: bool = False) -> bool:
         function = getattr(model, name, None)
         if function is None:
             return False
@@ -76,12 +79,15 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
         if forwarded and members and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             function = getattr(members[0], name, None)
             parameters = {} if function is None else inspect.signature(function).parameters
-        return "method" in parameters
+        return parameter in parameters
 
     instance_name = "predict_instance_proba" if hasattr(model, "predict_instance_proba") else "predict_instance_evidence"
-    instance_kwargs = {"method": method} if takes_method(instance_name, forwarded=True) else {}
-    bag_kwargs = {"method": method} if takes_method("predict_bag_proba") else {}
-    if rule is not None and hasattr(model, "emax"):  # the logistic family
+    instance_kwargs = {"method": method} if takes(instance_name, "method", forwarded=True) else {}
+    bag_kwargs = {"method": method} if takes("predict_bag_proba", "method") else {}
+    if rule is not None:
+        if not takes("predict_bag_proba", "rule", forwarded=True):
+            raise ValueError(f"prediction.rule={rule!r}: {type(model).__name__} scores bags by its own rule, not by a rule "
+                             f"on instance probabilities; set prediction.rule to null")
         bag_kwargs["rule"] = rule
     return instance_kwargs, bag_kwargs
 
