@@ -63,7 +63,8 @@ def summary(stage: str, result: Any) -> str:
     elif stage == "train":
         stop = ("" if info.get("converged") else " (the sweeps chosen with the kernel)"
                 if info.get("n_iter") == info.get("chosen_sweeps") else " (not converged)")
-        what = f"{info.get('model')} on {info.get('n_bags')} bags, {info.get('n_iter')} iterations{stop}"
+        rule = info.get("choices", {}).get("bag_rule")
+        what = f"{info.get('model')} on {info.get('n_bags')} bags, {info.get('n_iter')} iterations{stop}" + f", bag rule {rule}" * bool(rule)
     elif stage == "predict":
         what = f"{info['n_bags']} bags" if "n_bags" in info else "predictions"
     else:

@@ -141,6 +141,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
         "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_),
         "chosen_sweeps": budget if (budget := sweep_budget(gp, None)[0]) < gp.max_iter else None,  # kernel=None's stop
+        "choices": report.model_choices(model),  # kernel variance, the choice's held-out AUCs, bag rule
         "objective_name": gp.objective_name, "objective": [float(e) for e in trace],  # ELBO, a chain's log joint, a loss
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
@@ -496,6 +497,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
                 f"model `{model_dir}` ({trained_on_info['model']}, {trained_on_info['n_iter']} iterations; training objective: "
                 f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
+    if chosen := report.choices_text(trained_on_info.get("choices", {}), trained_on_info.get("chosen_sweeps")):
+        sections += [chosen, ""]
     if in_sample:
         sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
                      "(optimistic). Predict a held-out cohort (`prediction.store`) for an honest estimate.**", ""]

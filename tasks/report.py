@@ -34,7 +34,9 @@ ScoreKind = Literal["probability", "evidence"]
 
 __all__ = [
     "bag_table",
+    "choices_text",
     "evaluate",
+    "model_choices",
     "calibration_table",
     "plot_objective",
     "plot_roc",
@@ -139,6 +141,54 @@ def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(collection, separators=(",", ":")))
     return path
+
+
+def model_choices(model: Any) -> dict[str, Any]:
+    """What a fit chose from its training bags, for ``model.json`` and the report: the kernel
+    variance (``kernel=None``: chosen; learnt kernels: learnt) and its length scale when scalar,
+    the mean held-out bag AUC of each variance the choice tried (``kernel_selection_``) and the
+    bag rule in use (``bag_rule_``; ``bag_rule="auto"`` chose it). EmbeddedGPMIL: each member GP's,
+    under ``"members"``. Empty for a model that has none of these."""
+    members = getattr(model, "gps_", None)
+    if members is not None:
+        return {"members": [model_choices(gp) for gp in members]}
+    choices: dict[str, Any] = {}
+    kernel = getattr(model, "kernel_", None)
+    if kernel is not None and hasattr(kernel, "variance"):
+        choices["kernel_variance"] = float(kernel.variance)
+        if np.ndim(kernel.length_scale) == 0 and kernel.length_scale is not None:
+            choices["length_scale"] = float(kernel.length_scale)
+    selection = np.asarray(getattr(model, "kernel_selection_", np.empty((0, 2))), dtype=np.float64)
+    if selection.size:
+        choices["held_out_auc_by_variance"] = {f"{v:g}": None if np.isnan(auc) else round(float(auc), 4) for v, auc in selection}
+    if getattr(model, "bag_rule_", None) is not None:
+        choices["bag_rule"] = str(model.bag_rule_)
+        choices["bag_rule_chosen"] = getattr(model, "bag_rule", None) == "auto"
+    return choices
+
+
+def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> str:
+    """One sentence of the report on :func:`model_choices` (and the sweeps ``kernel=None`` chose)."""
+    if "members" in choices:
+        members = choices["members"]
+        variances = ", ".join(f"{c['kernel_variance']:g}" for c in members if "kernel_variance" in c)
+        rules = ", ".join(c["bag_rule"] for c in members if "bag_rule" in c)
+        parts = [f"kernel variances {variances}" * bool(variances), f"bag rules {rules}" * bool(rules)]
+        shown = "; ".join(p for p in parts if p)
+        return f"Its {len(members)} member GPs chose from their training bags: {shown}." if shown else ""
+    parts = []
+    if "kernel_variance" in choices:
+        scale = f", length scale {choices['length_scale']:.3g}" if "length_scale" in choices else ""
+        parts.append(f"kernel variance {choices['kernel_variance']:g}{scale}")
+    if "held_out_auc_by_variance" in choices:
+        tried = ", ".join(f"{v}: {'degenerate' if auc is None else f'{auc:.3f}'}" for v, auc in choices["held_out_auc_by_variance"].items())
+        parts.append(f"chosen by held-out bag AUC on the training bags (3 repeats of a 2-fold split; per variance {tried})")
+    if chosen_sweeps is not None:
+        parts.append(f"{chosen_sweeps} sweeps, chosen with it")
+    if "bag_rule" in choices:
+        how = " (`bag_rule=\"auto\"`: `top_fraction` unless another rule is clearly better there)" if choices.get("bag_rule_chosen") else ""
+        parts.append(f"bag rule `{choices['bag_rule']}`{how}")
+    return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 
 def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, metrics: dict[str, Any] | None = None,

@@ -54,6 +54,11 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
         assert '"network_states_"' in tree and len(stored.files) > sum(map(len, serial.network_states_))
     trained = load_model(model_dir).estimator
     assert len(trained.network_states_) == len(serial.network_states_) == PARAMS["n_networks"]  # the ensemble's members
+    members = json.loads((model_dir / "model.json").read_text())["choices"]["members"]  # each member GP's own choice
+    assert [m["kernel_variance"] for m in members] == [gp.kernel_.variance for gp in serial.gps_]
+    assert [m["bag_rule"] for m in members] == [gp.bag_rule_ for gp in serial.gps_]
+    variances = ", ".join(f"{gp.kernel_.variance:g}" for gp in serial.gps_)
+    assert f"Its 2 member GPs chose from their training bags: kernel variances {variances}" in Path(result["report"].path).read_text()
     for state, serial_state in zip(trained.network_states_, serial.network_states_, strict=True):
         for name, weights in serial_state.items():  # the embeddings fitted on the training cohort, as weights
             np.testing.assert_array_equal(state[name], weights, err_msg=name)
