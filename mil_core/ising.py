@@ -43,7 +43,8 @@ across iterations).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -192,6 +193,7 @@ class CARCoupling:
     offsets: np.ndarray
     edge_count: np.ndarray  # per bag
     _factor: Any = field(default=None, repr=False, compare=False)
+    _kept: dict[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_coords(
@@ -223,8 +225,22 @@ class CARCoupling:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_factor"] = None
+        state["_factor"], state["_kept"] = None, None
         return state
+
+    def keeping_bag_terms(self) -> CARCoupling:
+        """This coupling, remembering what it computes per bag and what does not depend on the fit:
+        :meth:`diagonal` and each small bag's ``Σ_b ∘ Σ_b`` (:meth:`smoothed_variance`). For bags
+        scored again and again (the held-out bags of the kernel choice and of early stopping), not
+        for training partitions: it holds every bag of up to ``exact_max_size`` instances densely."""
+        return replace(self, _kept={})
+
+    def _remembered(self, key: Any, compute: Callable[[], Any]) -> Any:
+        if self._kept is None:
+            return compute()
+        if key not in self._kept:
+            self._kept[key] = compute()
+        return self._kept[key]
 
     def _lu(self):
         if self._factor is None:
@@ -311,6 +327,9 @@ class CARCoupling:
         Exact (dense Cholesky) for bags of ≤ ``exact_max_size`` instances, coordinate-colour
         probing with error ≤ ``tol`` (the bound returned) above (module docstring).
         """
+        return self._remembered(("diagonal", exact_max_size, tol), lambda: self._diagonal(exact_max_size, tol))
+
+    def _diagonal(self, exact_max_size: int, tol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n_bags = self.offsets.shape[0] - 1
         diag = np.ones(int(self.offsets[-1]))
         bound, logdet = np.zeros(n_bags), np.zeros(n_bags)
@@ -347,7 +366,7 @@ class CARCoupling:
         for b in np.flatnonzero(self.edge_count):
             a, z = self.offsets[b], self.offsets[b + 1]
             if z - a <= exact_max_size:
-                diag[a:z] = self.bag_covariance(b) ** 2 @ var[a:z]
+                diag[a:z] = self._remembered(("squared covariance", b), lambda: self.bag_covariance(b) ** 2) @ var[a:z]
                 continue
             if n_probes is None:
                 raise ValueError(f"diag(Σ diag(var) Σ) is computed densely per bag; a bag has {z - a} instances "

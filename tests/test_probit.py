@@ -251,6 +251,9 @@ def test_coupled_bag_rules_use_the_in_context_instance_probabilities_in_validati
     # what early stopping and the kernel choice score: the same rule on the same state
     state = model._bag_proba_from_state(model.gp_, model.q_, X[order], offsets, coords=coords[order][:, None])
     np.testing.assert_allclose(state, p, rtol=1e-12)
+    context = model._held_out_context(offsets, coords=coords[order][:, None])  # the coupling built once, as they use it
+    for _ in range(2):  # the second call reads the coupling's kept covariances
+        np.testing.assert_array_equal(model._bag_proba_from_state(model.gp_, model.q_, X[order], offsets, **context), state)
     _, sd = model.predict_bag_proba(X, bags, coords=coords, return_std=True)[1:]
     assert np.all(np.isfinite(sd)) and np.all(sd > 0)
 

@@ -140,6 +140,25 @@ def test_sparse_solves_and_diagonal_match_dense_inverse(neighbourhood):
     assert pickle.loads(pickle.dumps(coupling))._factor is None
 
 
+def test_a_coupling_that_keeps_its_bag_terms_gives_the_same_numbers_once_computed():
+    """``keeping_bag_terms``: ``diag Σ`` and each bag's ``Σ_b ∘ Σ_b`` are computed once and reused
+    (the same arrays come back), the values equal a fresh coupling's and the dense inverse's, the
+    original coupling keeps nothing, and a pickled copy travels without them."""
+    rng = np.random.default_rng(3)
+    coords = np.concatenate([_grid(3, 4), _grid(2, 5)])
+    offsets = np.array([0, 12, 22])
+    fresh = CARCoupling.from_coords(coords, offsets, 0.7)
+    kept = fresh.keeping_bag_terms()
+    dense = np.linalg.inv(fresh.precision.toarray())
+    for var in (rng.uniform(0.1, 2.0, 22), rng.uniform(0.1, 2.0, 22)):  # the second call reuses Σ_b ∘ Σ_b
+        np.testing.assert_allclose(kept.smoothed_variance(var)[0], np.diag(dense @ np.diag(var) @ dense), atol=1e-13)
+        np.testing.assert_array_equal(kept.smoothed_variance(var)[0], fresh.smoothed_variance(var)[0])
+    assert kept.diagonal() is kept.diagonal()
+    np.testing.assert_array_equal(kept.diagonal()[0], fresh.diagonal()[0])
+    assert fresh._kept is None and {key[0] for key in kept._kept} == {"diagonal", "squared covariance"}
+    assert pickle.loads(pickle.dumps(kept))._kept is None
+
+
 @pytest.mark.parametrize("neighbourhood, lam", [(4, 1.0), (8, 0.5)])
 def test_probed_diagonal_is_within_its_proven_bound(neighbourhood, lam):
     """Large-bag path on a 30×40 grid with holes: error ≤ the returned bound ≤ tol, and one-sided

@@ -233,9 +233,10 @@ class SparseGPMILBase(BaseEstimator):
         if val is not None:
             X_val, val_offsets = take_bags(X_sorted, bags.offsets, val)
             val_coords = {} if coords_sorted is None else {"coords": take_bags(coords_sorted, bags.offsets, val)[0]}
+            val_context = self._held_out_context(val_offsets, **val_coords)
             monitor = _EarlyStopping(
                 score=lambda glob: binary_auc(
-                    labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets, **val_coords)
+                    labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets, **val_context)
                 ),
                 patience=self.n_iter_no_change,
             )
@@ -307,6 +308,13 @@ class SparseGPMILBase(BaseEstimator):
             raise NotImplementedError(f"{type(self).__name__} scores bags by its own rule only, not by {rules}")
         return {None: self._bag_proba_from_state(gp, glob, X_sorted, offsets, **coords)}
 
+    def _held_out_context(self, offsets: np.ndarray, **coords: Any) -> dict[str, Any]:
+        """Keyword arguments of :meth:`_bag_proba_from_state` for held-out bags that are scored
+        again and again (every checkpoint of the kernel choice, every sweep of early stopping):
+        their ``coords``, and what a family can prepare for them once (the probit family: their
+        coupling and its per-bag covariances)."""
+        return dict(coords)
+
     def _choice_needs_coords(self) -> bool:
         """Whether :meth:`_select_kernel` needs instance coords: for models that read them (the Gibbs
         reference reads none at λ = 0)."""
@@ -352,7 +360,7 @@ class SparseGPMILBase(BaseEstimator):
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
-            val_coords = {} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}
+            val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             for v in variances:
                 model = clone(self).set_params(kernel=RBF(variance=v), **overrides)
                 updates = model._start_fit(X_tr, y_tr)
@@ -361,7 +369,7 @@ class SparseGPMILBase(BaseEstimator):
 
                 def score(iteration: int, glob: Any, model=model, curve=curve) -> bool:
                     if iteration in checkpoints:  # one fit, scored by every candidate rule
-                        for rule, p in model._bag_probas_from_state(model.gp_, glob, X_val, val_offsets, rules, **val_coords).items():
+                        for rule, p in model._bag_probas_from_state(model.gp_, glob, X_val, val_offsets, rules, **val_context).items():
                             degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
                             curve[rule].append(np.nan if degenerate else binary_auc(labels[val], p))
                     return False

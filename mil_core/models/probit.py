@@ -82,21 +82,33 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         return 4
 
     def _bag_proba_from_state(
-        self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None
+        self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, coords: np.ndarray | None = None,
+        coupling: CARCoupling | None = None,
     ) -> np.ndarray:
-        return self._bag_probas_from_state(gp, glob, X_sorted, offsets, (None,), coords=coords)[None]
+        return self._bag_probas_from_state(gp, glob, X_sorted, offsets, (None,), coords=coords, coupling=coupling)[None]
+
+    def _held_out_context(self, offsets: np.ndarray, coords: np.ndarray | None = None) -> dict[str, Any]:
+        """The held-out bags' coords and their coupling at this model's λ, built once and keeping its
+        per-bag covariances (:meth:`~mil_core.ising.CARCoupling.keeping_bag_terms`): the in-context
+        instance probabilities of every checkpoint reuse them (measured on the tissue grids:
+        ``docs/BENCHMARKS.md``, "The held-out bags' coupling, built once")."""
+        if coords is None:
+            return {}
+        return {"coords": coords, "coupling": self._coupling(offsets, coords, self._lam()).keeping_bag_terms()}
 
     def _bag_probas_from_state(
         self, gp: SparseGP, glob: GaussianQ | LamState, X_sorted: Any, offsets: np.ndarray, rules: tuple[str | None, ...],
-        coords: np.ndarray | None = None,
+        coords: np.ndarray | None = None, coupling: CARCoupling | None = None,
     ) -> dict[str | None, np.ndarray]:
         """Bag scores of a fit state under each of ``rules`` (``None``: ``bag_rule_``); the latent
-        and the instance probabilities in context are computed once for every rule."""
+        and the instance probabilities in context are computed once for every rule. ``coupling``:
+        the bags' coupling prepared by :meth:`_held_out_context` (used where the state's λ is its λ)."""
         lam = self._fitted_lam()
         if isinstance(glob, LamState):  # validation during a fit that learns λ: the state's λ
             lam, glob = glob.lam, glob.q
+        if coupling is None or coupling.lam != (0.0 if coords is None else lam):
+            coupling = self._coupling(offsets, coords, lam)
         mean, var = self._latent(gp, glob, X_sorted)
-        coupling = self._coupling(offsets, coords, lam)
         names = {rule: self._rule(rule) for rule in rules}
         if set(names.values()) != {"orthant"}:
             p = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))[0]
