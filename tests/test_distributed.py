@@ -106,11 +106,18 @@ def test_unlabelled_bags_are_left_out_of_training(tmp_path, toy_bags, client):
     assert_same_fit(model, serial)
 
 
-def test_early_stopping_matches_serial_fit(client, toy_store):
+@pytest.mark.parametrize("coupled", [False, True], ids=["VGPMIL", "VGPMILPRI"])
+def test_early_stopping_matches_serial_fit(client, toy_store, coupled):
+    """The hold-out bags are scored on the workers as ``model.fit`` scores them; VGPMIL-PR-I's
+    in-context scores through the coupling each hold-out block prepares once on its worker."""
+    from mil_core import VGPMILPRI
+
     path, (X, bags, y) = toy_store
     params = {**PARAMS, "max_iter": 30, "early_stopping": True, "n_iter_no_change": 3}
-    serial = VGPMIL(**params).fit(X, bags, y)
-    model = VGPMIL(**params)
+    coords = {"coords": np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]} if coupled else {}
+    make = (lambda: VGPMILPRI(lam=0.5, **params)) if coupled else (lambda: VGPMIL(**params))
+    serial = make().fit(X, bags, y, **coords)
+    model = make()
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
     np.testing.assert_allclose(model.validation_auc_, serial.validation_auc_, rtol=1e-10)
     assert model.best_iteration_ == serial.best_iteration_

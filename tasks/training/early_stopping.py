@@ -15,10 +15,15 @@ from tasks.training.executor import identity
 from tasks.training.placement import ArrayPlacement
 
 
-def bag_scores(model: SparseGPMILBase, block: BagBlock, glob: Any) -> np.ndarray:
+def held_out_context(model: SparseGPMILBase, block: BagBlock) -> dict[str, Any]:
+    """What scoring one partition's hold-out block needs at every sweep, prepared once on its
+    worker (the coords; for VGPMIL-PR-I their coupling, :meth:`~mil_core.models.base.SparseGPMILBase._held_out_context`)."""
+    return model._held_out_context(block.offsets, **({} if block.coords is None else {"coords": block.coords}))
+
+
+def bag_scores(model: SparseGPMILBase, block: BagBlock, context: dict[str, Any], glob: Any) -> np.ndarray:
     """Validation bag probabilities of one partition's hold-out block under ``glob``."""
-    coords = {} if block.coords is None else {"coords": block.coords}
-    return model._bag_proba_from_state(model.gp_, glob, block.X, block.offsets, **coords)
+    return model._bag_proba_from_state(model.gp_, glob, block.X, block.offsets, **context)
 
 
 
@@ -39,8 +44,11 @@ class DistributedEarlyStopping:
             held_out = validation[(validation >= p.bag_start) & (validation < p.bag_stop)]
             if held_out.size:
                 others = np.setdiff1d(np.arange(p.bag_start, p.bag_stop), held_out)
-                self.blocks.append(client.submit(load_block, store, p, placement, others, uses_coords(model), scaling, pure=False,
-                                                 resources=self.resources, key=f"validation-block-{p.index}-{self.token}"))
+                block = client.submit(load_block, store, p, placement, others, uses_coords(model), scaling, pure=False,
+                                      resources=self.resources, key=f"validation-block-{p.index}-{self.token}")
+                context = client.submit(held_out_context, self.model, block, pure=False, resources=self.resources,
+                                        key=f"validation-context-{p.index}-{self.token}")
+                self.blocks.append((block, context))
                 order.append(held_out)
         truth = labels[np.concatenate(order)]
         self.stopping = _EarlyStopping(score=lambda glob: binary_auc(truth, self._scores(glob)), patience=model.n_iter_no_change)
@@ -48,7 +56,8 @@ class DistributedEarlyStopping:
     def _scores(self, glob: Any) -> np.ndarray:
         q = self.client.submit(identity, glob, pure=False)
         return np.concatenate(self.client.gather([
-            self.client.submit(bag_scores, self.model, b, q, pure=False, resources=self.resources) for b in self.blocks
+            self.client.submit(bag_scores, self.model, block, context, q, pure=False, resources=self.resources)
+            for block, context in self.blocks
         ]))
 
     def __call__(self, iteration: int, glob: Any) -> bool:
