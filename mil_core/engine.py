@@ -43,6 +43,7 @@ from .kernels import RBF
 
 __all__ = [
     "BagBlock",
+    "HeldOutRows",
     "FitTrace",
     "GaussianQ",
     "PartitionUpdates",
@@ -80,6 +81,25 @@ class BagBlock:
         return int(self.offsets[-1])
 
 
+class HeldOutRows:
+    """Rows scored again and again, each time under the GP of one fit: the held-out bags of the
+    kernel choice (every checkpoint of a candidate) and of early stopping (every sweep).
+    :meth:`SparseGP.whiten` whitens them once and reuses that while the GP is the same object
+    (a fit that learns its kernel gives each state its own GP, whitened afresh)."""
+
+    def __init__(self, X: Any):
+        self.X = X
+        self._last: tuple[SparseGP, WhitenedBlock] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # sent to another worker: the rows, not a GP's whitening of them
+        return {"X": self.X, "_last": None}
+
+    def whitened_by(self, gp: SparseGP) -> WhitenedBlock:
+        if self._last is None or self._last[0] is not gp:
+            self._last = (gp, gp.whiten(self.X))
+        return self._last[1]
+
+
 @dataclass(frozen=True)
 class SparseGP:
     """The fixed part of the sparse prior: kernel, inducing points Z and ``chol(Kzz + jitter·I)``."""
@@ -101,6 +121,7 @@ class SparseGP:
 
     def whiten(self, X: Any) -> WhitenedBlock:
         """``A' = K(X, Z) L⁻ᵀ`` (rows a'ₙ) and the FITC residual ``k(xₙ, xₙ) − ‖a'ₙ‖² ≥ 0``.
+        ``X`` may be :class:`HeldOutRows`, whitened once per GP.
 
         Kernel block and triangular solve in float64 in the namespace of ``X``, over chunks of
         rows (:func:`_chunk_rows`) written into one C-ordered (n, M) array: on the host the
@@ -109,6 +130,8 @@ class SparseGP:
         row-major A' makes the sweeps' GEMMs fast. Float32 ``X`` gives float32 ``A'`` (half the
         memory, float32 GEMMs in the sweeps) whose statistics are still accumulated in float64.
         """
+        if isinstance(X, HeldOutRows):
+            return X.whitened_by(self)
         xp = array_namespace(X)
         n, dtype = X.shape[0], (xp.float32 if X.dtype == xp.float32 else xp.float64)
         Z = like(self.Z, X, dtype=xp.float64)

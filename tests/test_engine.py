@@ -6,7 +6,7 @@ from scipy.special import expit
 
 from mil_core import RBF, VGPMIL, GVGPMIL, GaussianQ, HyperbolicSecant, SparseGP
 from mil_core.bags import BagIndex, expected_max_of_others, split_into_blocks
-from mil_core.engine import BagBlock, gaussian_update
+from mil_core.engine import BagBlock, HeldOutRows, gaussian_update
 from mil_core.models.vgpmil import PsiMILUpdates
 
 
@@ -133,3 +133,23 @@ def test_whitening_and_sweep_statistics_in_row_chunks_equal_the_one_shot_formula
     np.testing.assert_allclose(var, np.einsum("ij,jk,ik->i", A, q.cov, A) + whitened.resid, **tol)
     for weights in (rng.random(150), rng.normal(size=150)):
         np.testing.assert_allclose(whitened.weighted_gram(weights), A.T @ (A * weights[:, None]), **tol)
+
+
+def test_held_out_rows_are_whitened_once_per_gp():
+    """``SparseGP.whiten(HeldOutRows(X))`` equals ``whiten(X)``; under the same GP object the same
+    whitening comes back (the kernel choice's checkpoints, early stopping's sweeps), under another
+    GP it is recomputed, and a pickled copy carries the rows without any GP's whitening."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    X, Z = rng.normal(size=(40, 3)), rng.normal(size=(6, 3))
+    gp, other = SparseGP.build(RBF(1.0).resolve(3), Z), SparseGP.build(RBF(4.0).resolve(3), Z)
+    rows = HeldOutRows(X)
+    first = gp.whiten(rows)
+    np.testing.assert_array_equal(first.A, gp.whiten(X).A)
+    np.testing.assert_array_equal(first.resid, gp.whiten(X).resid)
+    assert gp.whiten(rows) is first
+    assert other.whiten(rows) is not first
+    np.testing.assert_array_equal(other.whiten(rows).A, other.whiten(X).A)
+    copy = pickle.loads(pickle.dumps(rows))
+    assert copy._last is None and np.array_equal(copy.X, X)

@@ -17,7 +17,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from .._backend import take_rows, to_numpy
 from ..bags import BagIndex, split_into_blocks
-from ..engine import BagBlock, FitTrace, PartitionUpdates, SerialExecutor, SparseGP, optimise
+from ..engine import BagBlock, FitTrace, HeldOutRows, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..metrics import binary_auc
@@ -233,10 +233,10 @@ class SparseGPMILBase(BaseEstimator):
         if val is not None:
             X_val, val_offsets = take_bags(X_sorted, bags.offsets, val)
             val_coords = {} if coords_sorted is None else {"coords": take_bags(coords_sorted, bags.offsets, val)[0]}
-            val_context = self._held_out_context(val_offsets, **val_coords)
+            val_rows, val_context = HeldOutRows(X_val), self._held_out_context(val_offsets, **val_coords)
             monitor = _EarlyStopping(
                 score=lambda glob: binary_auc(
-                    labels[val], self._bag_proba_from_state(self.gp_, glob, X_val, val_offsets, **val_context)
+                    labels[val], self._bag_proba_from_state(self.gp_, glob, val_rows, val_offsets, **val_context)
                 ),
                 patience=self.n_iter_no_change,
             )
@@ -358,6 +358,7 @@ class SparseGPMILBase(BaseEstimator):
         for train, val in folds:
             X_tr, tr_offsets = take_bags(X_sorted, offsets, train)
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
+            held_out = HeldOutRows(X_val)  # whitened once per candidate's GP, not at every checkpoint
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
@@ -369,7 +370,7 @@ class SparseGPMILBase(BaseEstimator):
 
                 def score(iteration: int, glob: Any, model=model, curve=curve) -> bool:
                     if iteration in checkpoints:  # one fit, scored by every candidate rule
-                        for rule, p in model._bag_probas_from_state(model.gp_, glob, X_val, val_offsets, rules, **val_context).items():
+                        for rule, p in model._bag_probas_from_state(model.gp_, glob, held_out, val_offsets, rules, **val_context).items():
                             degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
                             curve[rule].append(np.nan if degenerate else binary_auc(labels[val], p))
                     return False

@@ -8,22 +8,24 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from mil_core.engine import BagBlock
+from mil_core.engine import BagBlock, HeldOutRows
 from mil_core.models.base import SparseGPMILBase, uses_coords
 from tasks.training.blocks import FeatureScaling, load_block
 from tasks.training.executor import identity
 from tasks.training.placement import ArrayPlacement
 
 
-def held_out_context(model: SparseGPMILBase, block: BagBlock) -> dict[str, Any]:
+def held_out_scoring(model: SparseGPMILBase, block: BagBlock) -> tuple[HeldOutRows, dict[str, Any]]:
     """What scoring one partition's hold-out block needs at every sweep, prepared once on its
-    worker (the coords; for VGPMIL-PR-I their coupling, :meth:`~mil_core.models.base.SparseGPMILBase._held_out_context`)."""
-    return model._held_out_context(block.offsets, **({} if block.coords is None else {"coords": block.coords}))
+    worker: its rows, whitened once per GP (:class:`~mil_core.engine.HeldOutRows`), and their
+    context (the coords; for VGPMIL-PR-I their coupling, ``SparseGPMILBase._held_out_context``)."""
+    return HeldOutRows(block.X), model._held_out_context(block.offsets, **({} if block.coords is None else {"coords": block.coords}))
 
 
-def bag_scores(model: SparseGPMILBase, block: BagBlock, context: dict[str, Any], glob: Any) -> np.ndarray:
+def bag_scores(model: SparseGPMILBase, block: BagBlock, prepared: tuple[HeldOutRows, dict[str, Any]], glob: Any) -> np.ndarray:
     """Validation bag probabilities of one partition's hold-out block under ``glob``."""
-    return model._bag_proba_from_state(model.gp_, glob, block.X, block.offsets, **context)
+    rows, context = prepared
+    return model._bag_proba_from_state(model.gp_, glob, rows, block.offsets, **context)
 
 
 
@@ -46,9 +48,9 @@ class DistributedEarlyStopping:
                 others = np.setdiff1d(np.arange(p.bag_start, p.bag_stop), held_out)
                 block = client.submit(load_block, store, p, placement, others, uses_coords(model), scaling, pure=False,
                                       resources=self.resources, key=f"validation-block-{p.index}-{self.token}")
-                context = client.submit(held_out_context, self.model, block, pure=False, resources=self.resources,
-                                        key=f"validation-context-{p.index}-{self.token}")
-                self.blocks.append((block, context))
+                prepared = client.submit(held_out_scoring, self.model, block, pure=False, resources=self.resources,
+                                         key=f"validation-scoring-{p.index}-{self.token}")
+                self.blocks.append((block, prepared))
                 order.append(held_out)
         truth = labels[np.concatenate(order)]
         self.stopping = _EarlyStopping(score=lambda glob: binary_auc(truth, self._scores(glob)), patience=model.n_iter_no_change)
@@ -56,8 +58,8 @@ class DistributedEarlyStopping:
     def _scores(self, glob: Any) -> np.ndarray:
         q = self.client.submit(identity, glob, pure=False)
         return np.concatenate(self.client.gather([
-            self.client.submit(bag_scores, self.model, block, context, q, pure=False, resources=self.resources)
-            for block, context in self.blocks
+            self.client.submit(bag_scores, self.model, block, prepared, q, pure=False, resources=self.resources)
+            for block, prepared in self.blocks
         ]))
 
     def __call__(self, iteration: int, glob: Any) -> bool:
