@@ -326,3 +326,16 @@ def test_gvgpmil_choice_leans_to_the_smaller_variance_and_vgpmil_takes_the_best_
     X, bags, y, _ = toy_bags
     clone(model).fit(X, bags, y)
     assert seen == [within]
+
+
+def test_the_kernel_choice_places_the_inducing_points_once_per_split(monkeypatch):
+    """The candidates of one split (4 variances) fit on the same training half with the same seed,
+    so they share one k-means: 6 splits + the final fit = 7 k-means runs, not 25."""
+    import mil_core.models.base as base
+
+    X, bags, y, _ = make_toy_bags(16)
+    calls = []
+    real = base.kmeans_inducing_points
+    monkeypatch.setattr(base, "kmeans_inducing_points", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = VGPMIL(n_inducing=8, max_iter=10, random_state=0).fit(X, bags, y)
+    assert len(calls) == 7 and model.kernel_selection_.shape == (4, 2)

@@ -254,10 +254,11 @@ class SparseGPMILBase(BaseEstimator):
 
     def _start_fit(
         self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None, coords: np.ndarray | None = None,
-        choice: BagBlock | None = None,
+        choice: BagBlock | None = None, inducing: np.ndarray | None = None,
     ) -> PartitionUpdates:
         """Set ``n_features_in_``, ``kernel_`` and ``gp_`` (k-means inducing points on
-        ``X_train``, labelled by their bag's label) and return the model's updates.
+        ``X_train``, labelled by their bag's label, unless ``inducing`` gives them) and return the
+        model's updates.
 
         With ``kernel=None`` and the bags' CSR ``offsets`` (whole bags in ``X_train``; and ``coords``
         for models that read them), the kernel variance is chosen by :meth:`_select_kernel` on the
@@ -279,9 +280,10 @@ class SparseGPMILBase(BaseEstimator):
                                   coords=None if coords is None else take_bags(coords, offsets, picked)[0])
             kernel = self._select_kernel(to_numpy(choice.X), choice.offsets, np.asarray(choice.labels), choice.coords)
         self.kernel_ = (kernel or RBF(variance=self._auto_variances()[1])).resolve(self.n_features_in_)
-        Z = kmeans_inducing_points(X_host, instance_labels, min(self.n_inducing, X_host.shape[0]),
-                                   random_state=self.random_state)
-        self.gp_ = SparseGP.build(self.kernel_, Z)
+        if inducing is None:
+            inducing = kmeans_inducing_points(X_host, instance_labels, min(self.n_inducing, X_host.shape[0]),
+                                              random_state=self.random_state)
+        self.gp_ = SparseGP.build(self.kernel_, inducing)
         return self._make_updates(self.gp_)
 
     def _auto_variances(self) -> tuple[float, ...]:
@@ -362,9 +364,11 @@ class SparseGPMILBase(BaseEstimator):
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
+            inducing = None
             for v in variances:
                 model = clone(self).set_params(kernel=RBF(variance=v), **overrides)
-                updates = model._start_fit(X_tr, y_tr)
+                updates = model._start_fit(X_tr, y_tr, inducing=inducing)
+                inducing = model.gp_.Z  # the same k-means for the split's other candidates: computed once
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
@@ -431,13 +435,14 @@ class BagRuleChoice:
     """The rules ``bag_rule`` may name besides ``"auto"``."""
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
-                   coords: np.ndarray | None = None, choice: BagBlock | None = None) -> PartitionUpdates:
+                   coords: np.ndarray | None = None, choice: BagBlock | None = None,
+                   inducing: np.ndarray | None = None) -> PartitionUpdates:
         """``bag_rule_`` = the estimator's rule (``"auto"``: ``top_fraction`` until the kernel choice
         says otherwise), then the model's start."""
         if self.bag_rule != "auto" and self.bag_rule not in self.bag_rules:
             raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(self.bag_rules)}, got {self.bag_rule!r}")
         self.bag_rule_ = AUTO_BAG_RULES[0] if self.bag_rule == "auto" else self.bag_rule
-        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice)
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing)
 
     def _auto_bag_rules(self) -> tuple[str | None, ...]:
         return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)
