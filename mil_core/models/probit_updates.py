@@ -80,7 +80,8 @@ CouplingForm = Literal["ising", "smoother"]
 @dataclass(frozen=True)
 class ProbitBags:
     """A prepared partition: whitened features, bag structure, the coupling ``Σ`` and what does
-    not change across iterations (``diag Σ``, ``log det P_b``, the mean-field gap, ``G'_p``)."""
+    not change across iterations (``diag Σ``, ``log det P_b``, the mean-field gap, ``G'_p``, and
+    ``Σ1``, through which the prior mean ``b`` enters ``m ~ N(Σ(b1 + A'v), ·)``)."""
 
     features: WhitenedBlock
     offsets: np.ndarray
@@ -91,6 +92,7 @@ class ProbitBags:
     mean_field_gap: np.ndarray
     gram: np.ndarray
     fitc_trace: float
+    ones_smoothed: np.ndarray
 
     @property
     def instance_labels(self) -> np.ndarray:
@@ -198,6 +200,7 @@ class ProbitMILUpdates:
             mean_field_gap=mean_field_gap(coupling, logdet_precision),
             gram=0.5 * (gram + gram.T),
             fitc_trace=float(np.sum(fitc_weight * to_numpy(features.resid))),
+            ones_smoothed=coupling.solve(np.ones(int(block.offsets[-1]))),
         )
 
     def init_local(self, block: ProbitBags) -> np.ndarray:
@@ -212,7 +215,7 @@ class ProbitMILUpdates:
         if isinstance(q, PriorMeanProbe):
             return self.prior_mean_terms(block, q.q, q.prior_mean), warm
         b = prior_mean_of(q)
-        ones_smoothed = block.coupling.solve(np.ones(int(block.offsets[-1])))  # Σ1: m ~ N(Σ(b1 + A'v), ·)
+        ones_smoothed = block.ones_smoothed  # Σ1: m ~ N(Σ(b1 + A'v), ·)
         mu = block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed  # Eq. 18
         pending = warm.size > 0 and bool(np.isnan(warm[0]))
         start = pending and bool(getattr(q, "started", True))
@@ -243,7 +246,7 @@ class ProbitMILUpdates:
         ``ρ = e^{−t}/(1 − e^{−t})``, all in log space where they can underflow."""
         offsets, labels = block.offsets, block.labels
         sizes = np.diff(offsets)
-        ones_smoothed = block.coupling.solve(np.ones(int(offsets[-1])))
+        ones_smoothed = block.ones_smoothed
         sd = np.sqrt(block.marginal_var)
         alpha = (block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed) / sd
         c = ones_smoothed / sd
