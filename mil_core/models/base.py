@@ -327,7 +327,8 @@ class SparseGPMILBase(BaseEstimator):
         """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by held-out bag AUC (the estimator's bag rule) over 3 repeats of a stratified 2-fold
         split of the training bags (the bags of :func:`choice_bags`). Each candidate runs up to
-        ``min(max_iter, 50)`` sweeps and is scored every 5; the (variance, sweeps) point with the
+        ``min(max_iter, 50)`` sweeps and is scored every 5 (a split's candidates share one k-means,
+        and its held-out rows are whitened once per candidate); the (variance, sweeps) point with the
         best mean of its 6 held-out AUCs wins (:func:`best_candidate`), or the smallest variance
         within :meth:`_smaller_variance_within_se` standard errors of it (G-VGPMIL). Models with several
         :meth:`_auto_bag_rules` score each checkpoint with each; the rule is chosen first
