@@ -1,5 +1,7 @@
 """VGPMIL / ψ-VGPMIL / G-VGPMIL as estimators (seed 000, Sec. 2–5, Eq. 25–37)."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -137,6 +139,11 @@ def test_more_inducing_points_than_instances_makes_every_instance_one(toy_bags):
     np.testing.assert_allclose(np.sort(model.gp_.Z, axis=0), np.sort(X, axis=0), atol=1e-9)
     keys, p = model.predict_bag_proba(X, bags)
     assert roc_auc_score([y[bags == k][0] for k in keys], p) > 0.9
+    small = np.isin(bags, np.unique(bags)[:12])  # fewer instances than the default n_inducing=100
+    assert small.sum() < 100
+    with warnings.catch_warnings():  # the default on a small cohort is the documented exact GP: no warning
+        warnings.filterwarnings("error", message="n_inducing")
+        VGPMIL(max_iter=5, random_state=0).fit(X[small], bags[small], y[small])
 
 
 def test_predicting_with_the_wrong_number_of_features_is_an_error(toy_bags):

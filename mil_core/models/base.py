@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable
@@ -184,7 +185,8 @@ class SparseGPMILBase(BaseEstimator):
     def _check_common_params(self, n_instances: int) -> None:
         if not (isinstance(self.n_inducing, (int, np.integer)) and self.n_inducing >= 2):
             raise ValueError(f"n_inducing must be an integer >= 2, got {self.n_inducing!r}")
-        if self.n_inducing > n_instances:
+        if self.n_inducing > n_instances and self.n_inducing != _constructor_default(self, "n_inducing"):
+            # the user's own n_inducing is worth a word; the default on a small cohort is the documented exact GP
             warnings.warn(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances}): "
                           f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=2)
         if self.max_iter < 1:
@@ -464,6 +466,11 @@ class _EarlyStopping:
         if self.best_state is None or s > max(self.scores[:-1]):
             self.best_state, self.best_iteration = copy.deepcopy(glob), iteration
         return iteration - self.best_iteration >= self.patience
+
+
+def _constructor_default(estimator: BaseEstimator, name: str) -> Any:
+    """The default of ``name`` in the estimator class's ``__init__``."""
+    return inspect.signature(type(estimator).__init__).parameters[name].default
 
 
 def uses_coords(model: Any) -> bool:

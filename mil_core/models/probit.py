@@ -258,7 +258,9 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
 
 _COMMON_PARAMS = """
     n_inducing : int, default=100
-        Number of inducing points M (k-means, half from each bag class).
+        Number of inducing points M (k-means, half from each bag class). A training set with
+        fewer instances makes every instance one (the exact GP); a warning says so when
+        ``n_inducing`` is not the default.
     kernel : RBF or None
         Kernel; ``None`` chooses the variance (and the number of sweeps) on the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).

@@ -248,7 +248,9 @@ def _rule_draws(rule: str, chunks, n: int) -> np.ndarray:
 
 _COMMON_PARAMS = """
     n_inducing : int, default=100
-        Number of inducing points M (k-means, half from each bag class).
+        Number of inducing points M (k-means, half from each bag class). A training set with
+        fewer instances makes every instance one (the exact GP); a warning says so when
+        ``n_inducing`` is not the default.
     kernel : RBF or None
         Kernel; ``None`` (default) chooses the variance v ∈ {1, 4, 16, 64} (G-VGPMIL: 1/32 … 2,
         see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, the number of sweeps and

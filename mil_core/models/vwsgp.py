@@ -135,7 +135,9 @@ class VWSGP(SparseGPMILBase):
     Parameters
     ----------
     n_inducing : int, default=100
-        Number of inducing points M (k-means, half from each bag class).
+        Number of inducing points M (k-means, half from each bag class). A training set with
+        fewer instances makes every instance one (the exact GP); a warning says so when
+        ``n_inducing`` is not the default.
     kernel : RBF or None
         Kernel; ``None`` chooses the variance of ``RBF(v, length_scale=√D)`` (the paper's ℓ = √D) and
         the number of sweeps on the training bags (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
