@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from sklearn.cluster import KMeans, MiniBatchKMeans
+from sklearn.exceptions import ConvergenceWarning
 
 __all__ = ["kmeans_inducing_points"]
 
@@ -22,6 +25,9 @@ def kmeans_inducing_points(
     centres and the negative half the rest; a class with fewer instances than its half gives
     every instance and the other class makes up the difference. Each half uses mini-batch k-means
     when it has more than ``minibatch_above`` instances. Deterministic given ``random_state``.
+    A class with fewer distinct rows than its centres (duplicated rows, e.g. padding or blank
+    tiles) gives each distinct row once: fewer inducing points, never two equal ones (they would
+    make ``Kzz`` singular).
     """
     X = np.asarray(X, dtype=np.float64)
     positive = np.asarray(instance_bag_label) == 1
@@ -42,5 +48,13 @@ def kmeans_inducing_points(
             km = MiniBatchKMeans(n_clusters=k, random_state=seed, n_init=3, batch_size=4096)
         else:
             km = KMeans(n_clusters=k, random_state=seed, n_init=1)
-        centres.append(km.fit(rows).cluster_centers_)
+        with warnings.catch_warnings():  # fewer distinct rows than k: handled below
+            warnings.filterwarnings("ignore", message="Number of distinct clusters", category=ConvergenceWarning)
+            km.fit(rows)
+        found = km.cluster_centers_
+        if np.unique(km.labels_).size < k:  # centres that own no row: fewer distinct rows than k?
+            distinct = np.unique(rows, axis=0)
+            if distinct.shape[0] <= k:
+                found = distinct  # each distinct row once, never two equal centres
+        centres.append(found)
     return np.concatenate(centres, axis=0)

@@ -207,3 +207,20 @@ def test_inducing_points_shift_to_the_other_class_when_one_is_short():
     assert Z.shape == (44, 2) and np.sum(Z[:, 0] > 5.0) == 5
     with pytest.raises(ValueError, match="n_inducing=46 exceeds the 45 instances"):
         kmeans_inducing_points(X, labels, 46)
+
+
+def test_duplicated_rows_give_each_distinct_inducing_point_once():
+    """Rows repeated many times (padding, blank tiles): a class with fewer distinct rows than its
+    centres gives each once — no two equal inducing points (a singular ``Kzz``), no k-means
+    warning — and the fit on such bags still ranks them."""
+    rng = np.random.default_rng(1)
+    distinct = rng.normal(size=(6, 3))
+    X = np.vstack([distinct[rng.integers(0, 3, 40)], distinct[3 + rng.integers(0, 3, 40)] + 2.0])
+    labels = np.r_[np.zeros(40), np.ones(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Z = kmeans_inducing_points(X, labels, 20, random_state=0)
+    assert Z.shape == (6, 3) and np.unique(Z, axis=0).shape == (6, 3)
+    bags = np.repeat(np.arange(16), 5)
+    model = VGPMIL(n_inducing=10, kernel=RBF(4.0), max_iter=10, random_state=0).fit(X, bags, labels)
+    assert model.gp_.Z.shape[0] == 6 and np.all(np.isfinite(model.predict_bag_proba(X, bags)[1]))
