@@ -182,7 +182,7 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
         parts.append(f"kernel variance {choices['kernel_variance']:g}{scale}")
     if "held_out_auc_by_variance" in choices:
         tried = ", ".join(f"{v}: {'degenerate' if auc is None else f'{auc:.3f}'}" for v, auc in choices["held_out_auc_by_variance"].items())
-        parts.append(f"chosen by held-out bag AUC on the training bags (3 repeats of a 2-fold split; per variance {tried})")
+        parts.append(f"chosen by held-out bag AUC on splits of the training bags (per variance {tried})")
     if chosen_sweeps is not None:
         parts.append(f"{chosen_sweeps} sweeps, chosen with it")
     if "bag_rule" in choices:

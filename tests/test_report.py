@@ -69,8 +69,8 @@ def test_the_report_says_what_the_fit_chose_and_leaves_out_what_it_did_not():
     choices = {"kernel_variance": 4.0, "length_scale": 12.884, "held_out_auc_by_variance": {"1": 0.81, "4": 0.862, "16": None},
                "bag_rule": "mean", "bag_rule_chosen": True}
     text = report.choices_text(choices, chosen_sweeps=25)
-    assert text == ("Fitted with kernel variance 4, length scale 12.9; chosen by held-out bag AUC on the training bags (3 repeats "
-                    "of a 2-fold split; per variance 1: 0.810, 4: 0.862, 16: degenerate); 25 sweeps, chosen with it; bag rule "
+    assert text == ("Fitted with kernel variance 4, length scale 12.9; chosen by held-out bag AUC on splits of the training bags "
+                    "(per variance 1: 0.810, 4: 0.862, 16: degenerate); 25 sweeps, chosen with it; bag rule "
                     "`mean` (`bag_rule=\"auto\"`: `top_fraction` unless another rule is clearly better there).")
     assert report.choices_text({"kernel_variance": 1.0, "bag_rule": "max", "bag_rule_chosen": False}) == \
         "Fitted with kernel variance 1; bag rule `max`."
