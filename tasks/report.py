@@ -156,7 +156,7 @@ def model_choices(model: Any) -> dict[str, Any]:
     kernel = getattr(model, "kernel_", None)
     if kernel is not None and hasattr(kernel, "variance"):
         choices["kernel_variance"] = float(kernel.variance)
-        if np.ndim(kernel.length_scale) == 0 and kernel.length_scale is not None:
+        if np.ndim(kernel.length_scale) == 0:  # a fitted kernel's scale is resolved: a number or an ARD vector
             choices["length_scale"] = float(kernel.length_scale)
     selection = np.asarray(getattr(model, "kernel_selection_", np.empty((0, 2))), dtype=np.float64)
     if selection.size:

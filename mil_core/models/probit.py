@@ -110,15 +110,8 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
             coupling = self._coupling(offsets, coords, lam)
         mean, var = self._latent(gp, glob, X_sorted)
         names = {rule: self._rule(rule) for rule in rules}
-        if set(names.values()) != {"orthant"}:
-            p = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))[0]
-        scores = {}
-        for rule, name in names.items():
-            if name == "orthant":
-                scores[rule] = self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=False)[0]
-            else:
-                scores[rule] = bag_score(p, offsets, name)
-        return scores
+        scores = self._rule_scores(mean, var, offsets, coords, coupling, set(names.values()), np.random.default_rng(self.random_state))
+        return {rule: scores[name] for rule, name in names.items()}
 
     def _rule(self, rule: str | None) -> str:
         """The bag rule of a prediction: ``rule``, or the fitted ``bag_rule_``."""
@@ -177,11 +170,25 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         coupling = self._coupling(offsets, coords, lam)
         if rule == "orthant":
             return self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=return_std)
-        n_bags = offsets.shape[0] - 1
         rng = np.random.default_rng(self.random_state)
-        p = bag_score(self._instance_proba_in_context(mean, var, coupling, rng)[0], offsets, rule)
+        p = self._rule_scores(mean, var, offsets, coords, coupling, {rule}, rng)[rule]
         std = self._rule_spread(mean, var, offsets, coupling, rule, rng) if return_std else None
-        return p, std, np.zeros(n_bags)
+        return p, std, np.zeros(offsets.shape[0] - 1)
+
+    def _rule_scores(
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling,
+        rules: set[str], rng: np.random.Generator,
+    ) -> dict[str, np.ndarray]:
+        """Bag scores under each of ``rules``: ``"orthant"`` the paper's ``1 − P(m* < 0)`` (Eq. 26),
+        the others :func:`~mil_core.bags.bag_score` of the instance probabilities in context,
+        computed once for all of them (Eq. 24–25)."""
+        scores = {}
+        if "orthant" in rules:
+            scores["orthant"] = self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=False)[0]
+        if rules - {"orthant"}:
+            p = self._instance_proba_in_context(mean, var, coupling, rng)[0]
+            scores |= {rule: bag_score(p, offsets, rule) for rule in rules - {"orthant"}}
+        return scores
 
     def _instance_proba_in_context(
         self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rng: np.random.Generator
