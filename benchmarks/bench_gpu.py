@@ -6,6 +6,7 @@ the store. D = 128 float32 features, M = 200 inducing points, bags of 100–1,00
 
     python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr                 # one H100 (CuPy)
     python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr --model VGPMILPR   # the pipeline's default model
+    python benchmarks/bench_gpu.py --n 1000000 --store /scratch/gpu-1e6.zarr --skip resident --defaults --model VGPMILPR
     python benchmarks/bench_gpu.py --n 20000 --namespace numpy --store /tmp/s.zarr   # CPU smoke test
     python benchmarks/bench_gpu.py --n 5000 --namespace array_api_strict:device1 --store /tmp/s.zarr
 
@@ -27,7 +28,7 @@ from distributed import Client, LocalCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_distributed import write_cohort  # noqa: E402
+from bench_distributed import log_iteration, write_cohort  # noqa: E402
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor, optimise  # noqa: E402
@@ -83,13 +84,19 @@ def from_store(store: str, args) -> dict[str, float]:
     resources = {"GPU": 1} if device == "gpu" else None
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=args.namespace.startswith("cupy"), resources=resources,
                       dashboard_address=":0") as cluster, Client(cluster) as client:
-        model = MODELS[args.model](n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
+        if args.defaults:  # as a user's run: kernel choice and stop, bag rule, n_inducing
+            model = MODELS[args.model](random_state=0)
+        else:
+            model = MODELS[args.model](n_inducing=args.m, kernel=KERNEL, max_iter=args.iterations, tol=0.0, random_state=0)
         stamps = []
         t = time.perf_counter()
         fit_cohort(model, store, client, run="bench-gpu", resume=False, mode="persist", device=device,
                    gpu_namespace=args.namespace, compute_dtype=args.dtype, partition_bytes=args.partition_mib * 2**20,
-                   checkpoint_every=10**6, on_iteration=lambda i, _: stamps.append(time.perf_counter()))
+                   checkpoint_every=10**6, on_iteration=lambda i, _: log_iteration(stamps, i, t, live=True))
         total = time.perf_counter() - t
+    if args.defaults:
+        print(f"defaults chose kernel variance {model.kernel_.variance:g}, bag rule {getattr(model, 'bag_rule_', None)}, "
+              f"{model.n_iter_} iterations", flush=True)
     return {"end to end s": total, "first iteration s (incl. load + whiten)": stamps[0] - t,
             "s / later iteration": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)}
 
@@ -106,6 +113,8 @@ def main() -> None:
     parser.add_argument("--partition-mib", type=int, default=512)
     parser.add_argument("--store", type=Path, required=True)
     parser.add_argument("--skip", choices=["resident", "store"], nargs="*", default=[])
+    parser.add_argument("--defaults", action="store_true",
+                        help="the store run fits the constructor's defaults (kernel choice and stop, bag rule, n_inducing)")
     parser.add_argument("--compare-float64", action="store_true",
                         help="also run the resident fit in float64 and print the float32 error against it")
     args = parser.parse_args()
@@ -116,7 +125,8 @@ def main() -> None:
         print(f"wrote {args.store} ({args.n:.0e} instances) in {time.perf_counter() - t:.0f} s")
     n = open_cohort(str(args.store)).n_instances
     print(f"{platform.node()} {platform.machine()}, python {platform.python_version()}; namespace {args.namespace}, "
-          f"A' {args.dtype}; {args.model}, N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations")
+          f"A' {args.dtype}; {args.model}, N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations"
+          + ("; the store run fits the defaults" if args.defaults else ""))
     if "resident" not in args.skip:
         times, trace = resident(str(args.store), args, args.dtype)
         print(f"resident ({args.dtype}):", {k: round(v, 2) for k, v in times.items()}, flush=True)

@@ -10,6 +10,9 @@ where CuPy sees no CUDA device (CI).
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +202,57 @@ def test_device_memory_is_read_from_the_gpu_worker(tmp_path, data, gpu_client):
     fraction = 2 * needed / cupy.cuda.runtime.memGetInfo()[1]  # half of it would not hold them
     assert resolve_mode(gpu_client, cohort, VGPMIL(**GP), "auto", fraction, ArrayPlacement.gpu()) == "persist"
     assert resolve_mode(gpu_client, cohort, VGPMIL(**GP), "auto", fraction / 4, ArrayPlacement.gpu()) == "stream"
+
+
+def test_the_documented_local_cuda_cluster_trains_the_default_model_on_its_gpu(tmp_path, data):
+    """infra/README.md's one-node recipe, as the pipeline starts it from the config's ``dask``
+    section: ``cluster_class: dask_cuda.LocalCUDACluster``, ``cluster_kwargs: {resources: {GPU: 1}}``,
+    ``training.device: auto``."""
+    pytest.importorskip("dask_cuda", reason="dask-cuda (the gpu extra) is not installed")
+    from distributed import Client
+
+    from tasks.cluster import start_cluster
+    from tasks.training import fit_cohort, predict_cohort, read_predictions
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = data
+    path = write_store(tmp_path / "cuda-cluster.zarr", X, bags, y)
+    serial = VGPMILPR(**GP).fit(X, bags, y)
+    model = VGPMILPR(**GP)
+    with start_cluster("dask_cuda.LocalCUDACluster", {"resources": {"GPU": 1}}) as cluster, Client(cluster) as client:
+        assert len(client.scheduler_info()["workers"]) == cupy.cuda.runtime.getDeviceCount()
+        summary = fit_cohort(model, path, client, partition_bytes=1_500, resume=False)
+        predict_cohort(model, path, client, run="cuda-cluster", partition_bytes=1_500)
+    assert summary.device == "gpu" and summary.n_partitions > 2
+    assert device_arrays(model) == []
+    np.testing.assert_allclose(model.q_.mean, serial.q_.mean, rtol=RTOL, atol=1e-8)
+    _, p_bag = serial.predict_bag_proba(X, bags)
+    np.testing.assert_allclose(read_predictions(path, "cuda-cluster")["bags/proba"], p_bag, rtol=RTOL, atol=1e-9)
+
+
+def test_the_gpu_workers_script_joins_a_scheduler_and_the_fit_runs_on_its_gpu(tmp_path, data):
+    """infra/gpu-workers.sh (``dask cuda worker … --resources GPU=1``) against a running scheduler,
+    as on a GPU node of a shared cluster."""
+    pytest.importorskip("dask_cuda", reason="dask-cuda (the gpu extra) is not installed")
+    if shutil.which("dask") is None:
+        pytest.skip("the dask command is not on PATH")
+    from distributed import Client, LocalCluster
+
+    from tasks.training import fit_cohort
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = data
+    path = write_store(tmp_path / "gpu-node.zarr", X, bags, y)
+    serial = VGPMIL(**GP).fit(X, bags, y)
+    model = VGPMIL(**GP)
+    script = Path(__file__).resolve().parents[1] / "infra" / "gpu-workers.sh"
+    with LocalCluster(n_workers=0, dashboard_address=":0") as scheduler, Client(scheduler) as client:
+        worker = subprocess.Popen(["bash", str(script), scheduler.scheduler_address])
+        try:
+            client.wait_for_workers(cupy.cuda.runtime.getDeviceCount(), timeout=120)
+            summary = fit_cohort(model, path, client, partition_bytes=1_500, resume=False)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+    assert summary.device == "gpu"
+    np.testing.assert_allclose(model.q_.mean, serial.q_.mean, rtol=RTOL, atol=1e-8)
