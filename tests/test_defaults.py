@@ -239,14 +239,21 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
     finally:
         sys.path.pop(0)
     assert set(bench_accuracy.HELD_OUT_SETS) <= set(bench_accuracy.ROBUSTNESS_SETS)
+    positive_fraction = {"imbalanced": 0.25, "highdim": 0.5, "dense": 0.5}  # the others alternate labels
     for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13)), ("hastie", (5, 25)), ("wine", (2, 6)),
-                        ("sizes", (4, 24))):
+                        ("sizes", (4, 24)), ("imbalanced", (5, 30)), ("highdim", (10, 40)), ("dense", (10, 30))):
         X, bags, y, witness = bench_accuracy.robustness_set(name)
         keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
         per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
-        assert np.all(np.diff(y[np.argsort(bags, kind="stable")])[np.cumsum(counts)[:-1] - 1] != 0)  # labels alternate
+        if name in positive_fraction:
+            assert np.mean(y[first]) == positive_fraction[name], name
+        else:
+            assert np.all(np.diff(y[np.argsort(bags, kind="stable")])[np.cumsum(counts)[:-1] - 1] != 0)  # labels alternate
         assert np.all((per_bag > 0) == (y[first] == 1)), name  # a bag is positive iff it holds a witness
         assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and np.all(np.isfinite(X))
+        if name == "dense":  # positive bags are mostly witnesses: at least 30 % each
+            positive = y[first] == 1
+            assert np.all(per_bag[positive] >= np.maximum(1, (0.3 * counts[positive]).astype(int)))
     _, bags, y, _ = bench_accuracy.robustness_set("sizes")
     _, first, counts = np.unique(bags, return_index=True, return_counts=True)
     positive = y[first] == 1
