@@ -206,6 +206,8 @@ class ModelConfig(_Strict):
         unknown = sorted(set(self.params) - set(estimator.get_params()))
         if unknown:
             raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(estimator.get_params()))}")
+        if "kernel" in self.params:
+            kernel_from_config(self.params["kernel"])
         if self.name == "EmbeddedGPMIL" and self.params.get("gp") is not None:
             gp = self.params["gp"]
             if not isinstance(gp, dict):
@@ -365,11 +367,45 @@ def _rule_refused_by(section: ModelConfig) -> str | None:
     return _rule_refused_by(ModelConfig.model_validate(gp)) if isinstance(gp, dict) else None
 
 
+def kernel_from_config(value: Any):
+    """``model.params.kernel`` of a configuration: ``null`` (the model's automatic choice) or the
+    fields of :class:`mil_core.RBF`, ``{variance: 4, length_scale: ard}`` — ``length_scale`` a
+    number, a list with one per feature, ``ard`` (one ``√D`` per feature, for ``learn_kernel``) or
+    ``null`` (``√D``)."""
+    from mil_core import RBF
+
+    if value is None or isinstance(value, RBF):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"params.kernel must be a mapping {{variance: ..., length_scale: ...}} or null, got {value!r}")
+    unknown = sorted(set(value) - {"variance", "length_scale"})
+    if unknown:
+        raise ValueError(f"params.kernel has no field(s) {', '.join(map(str, unknown))}; valid: variance, length_scale")
+    variance, scale = value.get("variance", 1.0), value.get("length_scale")
+    if isinstance(variance, bool) or not isinstance(variance, int | float):
+        raise ValueError(f"params.kernel.variance must be a positive number, got {variance!r}")
+    if isinstance(scale, list):
+        if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in scale):
+            raise ValueError(f"params.kernel.length_scale: every entry of the list must be a number, got {scale!r}")
+        scale = tuple(float(x) for x in scale)
+    elif isinstance(scale, bool) or not (scale is None or isinstance(scale, int | float | str)):
+        raise ValueError(f"params.kernel.length_scale must be a number, a list of numbers, ard or null, got {scale!r}")
+    kernel = RBF(variance=float(variance), length_scale=scale)
+    try:  # the feature count is not known yet: check what can be checked without it
+        kernel.resolve(len(scale) if isinstance(scale, tuple) else 1)
+    except ValueError as error:
+        raise ValueError(f"params.kernel: {error}") from None
+    return kernel
+
+
 def make_model(config: ModelConfig):
-    """A fresh estimator from the configuration (a nested ``gp`` section built the same way)."""
+    """A fresh estimator from the configuration (a nested ``gp`` section built the same way; a
+    ``kernel`` mapping becomes :class:`mil_core.RBF`, :func:`kernel_from_config`)."""
     params = dict(config.params)
     if isinstance(params.get("gp"), dict):
         params["gp"] = make_model(ModelConfig.model_validate(params["gp"]))
+    if "kernel" in params:
+        params["kernel"] = kernel_from_config(params["kernel"])
     return MODEL_CLASSES[config.name](**params)
 
 

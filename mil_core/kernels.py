@@ -8,7 +8,9 @@ scalar or a vector of per-feature length-scales (ARD: ``‖(x − z)/ℓ‖²``)
 The seeds write the kernel as ``v·exp(−‖x − x'‖/(2l))`` (000, Sec. 2.2) and initialise
 ``(v, l) = (0.5, D)`` for D-dimensional standardised features. Read with a squared norm, their
 ``l`` is our ``ℓ²``: the paper's default corresponds to ``ℓ = √D``, which is what
-``length_scale=None`` resolves to at fit time (see :meth:`RBF.resolve`).
+``length_scale=None`` resolves to at fit time (see :meth:`RBF.resolve`); ``length_scale="ard"``
+resolves to one ``√D`` per feature, the start of an ARD kernel learnt with ``learn_kernel=True``
+(seed 000 Sec. 4, Eq. 29).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ class RBF:
     variance:
         Signal variance ``v`` (> 0).
     length_scale:
-        ``ℓ`` (> 0): a scalar, a length-D vector for ARD, or ``None`` for ``√D``, resolved by
-        :meth:`resolve` once the number of features is known.
+        ``ℓ`` (> 0): a scalar, a length-D vector for ARD, ``None`` for ``√D``, or ``"ard"`` for a
+        length-D vector of ``√D`` (when D is not known in advance), resolved by :meth:`resolve`
+        once the number of features is known.
     """
 
     variance: float = 1.0
-    length_scale: float | tuple[float, ...] | None = None
+    length_scale: float | tuple[float, ...] | str | None = None
 
     def resolve(self, n_features: int) -> RBF:
         """Return a copy whose ``length_scale`` is concrete and validated for ``n_features``."""
@@ -46,6 +49,10 @@ class RBF:
             raise ValueError(f"kernel variance must be a positive finite number, got {self.variance}")
         if self.length_scale is None:
             return replace(self, length_scale=float(np.sqrt(n_features)))
+        if isinstance(self.length_scale, str):
+            if self.length_scale != "ard":
+                raise ValueError(f"length_scale must be a number, a list of numbers, None or 'ard', got {self.length_scale!r}")
+            return replace(self, length_scale=(float(np.sqrt(n_features)),) * n_features)
         ell = np.asarray(self.length_scale, dtype=np.float64)
         if ell.ndim > 1 or (ell.ndim == 1 and ell.shape[0] != n_features):
             raise ValueError(

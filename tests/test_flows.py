@@ -85,6 +85,11 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         with pytest.raises(ConfigError, match=r"prediction.rule='max': VWSGP scores bags by its own rule"):
             load_config(write_config(tmp_path, cohort, model=model, prediction={"rule": "max"}))
     assert load_config(write_config(tmp_path, cohort, model={"name": "VGPMILPR"}, prediction={"rule": "max"})).prediction.rule == "max"
+    for kernel, problem in (({"varience": 4}, r"params.kernel has no field\(s\) varience"), ("rbf", r"params.kernel must be a mapping"),
+                            ({"length_scale": "ARD"}, r"params.kernel: length_scale must be .* got 'ARD'"),
+                            ({"variance": -1}, r"params.kernel: kernel variance must be a positive")):
+        with pytest.raises(ConfigError, match=rf"model: .*{problem}"):
+            load_config(write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": {"kernel": kernel}}))
     with pytest.raises(ConfigError, match=r"dask.cluster_class: .*cannot import dask_jobqeue"):
         load_config(write_config(tmp_path, cohort, dask={"cluster_class": "dask_jobqeue.SLURMCluster"}))
     with pytest.raises(ConfigError, match=r"dask.adapt_kwargs: .*1 <= minimum <= maximum \(got minimum=0"):
@@ -129,6 +134,19 @@ def test_predicting_a_cohort_with_other_features_fails_clearly_and_keeps_the_mod
     with pytest.raises(ValueError, match=r"other.zarr has 5 features per instance, but the model was trained on 2"):
         predict_cohort(write_config(tmp_path, cohort), trained.path, store=other)
     assert (tmp_path / "out" / "models" / trained.key / "model.npz").exists()
+
+
+def test_a_kernel_written_in_the_config_is_the_trained_models_ard_kernel(tmp_path, cohort):
+    """``model.params.kernel`` in YAML: an RBF's fields; ``length_scale: ard`` learns one scale per feature."""
+    from tasks.prefect_tasks import load_model
+
+    params = {**MODEL["params"], "max_iter": 4, "kernel": {"variance": 4.0, "length_scale": "ard"}, "learn_kernel": True}
+    trained = train_model(write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": params}))
+    model = load_model(trained.path).estimator
+    assert model.kernel.length_scale == "ard" and len(model.kernel_.length_scale) == open_cohort(cohort).n_features
+    assert model.kernel_ != model.kernel.resolve(open_cohort(cohort).n_features)  # learnt away from its √D start
+    info = json.loads((Path(trained.path) / "model.json").read_text())
+    assert info["params"]["kernel"] == {"variance": 4.0, "length_scale": "ard"}
 
 
 def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(tmp_path, cohort, capsys):

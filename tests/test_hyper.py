@@ -137,6 +137,16 @@ def test_ard_learns_that_only_the_first_feature_matters():
     assert ell[0] < ell[1] and ell[0] < ell[2]
 
 
+def test_ard_started_from_sqrt_d_finds_the_informative_feature_among_noise():
+    """``RBF(length_scale="ard")``: one ℓ_d = √D per feature at the start, whatever D is."""
+    X, bags, y, _ = make_toy_bags(n_features=1)
+    X = np.hstack([X, np.random.default_rng(0).standard_normal((X.shape[0], 7))])  # seven pure-noise features
+    fitted = VGPMIL(n_inducing=10, max_iter=30, random_state=0, kernel=RBF(1.0, "ard"), learn_kernel=True, hyper_steps=4).fit(X, bags, y)
+    ell = np.asarray(fitted.kernel_.length_scale)
+    assert ell.shape == (8,) and fitted.kernel == RBF(1.0, "ard")  # the parameter stays as given
+    assert np.argmin(ell) == 0 and ell[0] < 0.5 * np.min(ell[1:])
+
+
 def test_g_vgpmil_learns_alpha_and_beta_within_their_domain():
     X, bags, y, _ = make_toy_bags()
     fitted = GVGPMIL(n_inducing=10, max_iter=20, random_state=0, learn_kernel=True, learn_psi=True, hyper_steps=4).fit(X, bags, y)

@@ -23,6 +23,12 @@ def test_default_length_scale_is_sqrt_of_the_dimension():
     assert RBF().resolve(166).length_scale == pytest.approx(np.sqrt(166))
 
 
+def test_ard_length_scale_resolves_to_sqrt_of_the_dimension_for_every_feature():
+    assert RBF(4.0, "ard").resolve(3) == RBF(4.0, (np.sqrt(3),) * 3)
+    with pytest.raises(ValueError, match="'ARD'"):
+        RBF(1.0, "ARD").resolve(3)
+
+
 def test_rbf_stays_accurate_and_finite_for_features_scaled_to_1e6():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(5, 4))
