@@ -272,8 +272,7 @@ def fit_predict_vgpmil(train: Fold, test: Fold) -> Prediction:
 def fit_predict_vgpmil_ard(train: Fold, test: Fold) -> Prediction:
     """``VGPMIL`` with one length scale per feature learnt by the ELBO (``learn_kernel``; ℓ_d from
     √D, v from 4): the recipe for many features of which few carry the signal."""
-    ard = RBF(variance=4.0, length_scale=(float(np.sqrt(train.X.shape[1])),) * train.X.shape[1])
-    return _logistic_gp(VGPMIL(kernel=ard, learn_kernel=True, random_state=0))(train, test)
+    return _logistic_gp(VGPMIL(kernel=RBF(variance=4.0, length_scale="ard"), learn_kernel=True, random_state=0))(train, test)
 
 
 def fit_predict_gvgpmil(train: Fold, test: Fold) -> Prediction:

@@ -10,10 +10,13 @@ import inspect
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from mil_core import RBF
 
 __all__ = ["PipelineConfig", "ConfigError", "load_config", "MODEL_CLASSES", "make_model"]
 
@@ -367,12 +370,12 @@ def _rule_refused_by(section: ModelConfig) -> str | None:
     return _rule_refused_by(ModelConfig.model_validate(gp)) if isinstance(gp, dict) else None
 
 
-def kernel_from_config(value: Any):
+def kernel_from_config(value: Any) -> RBF | None:
     """``model.params.kernel`` of a configuration: ``null`` (the model's automatic choice) or the
     fields of :class:`mil_core.RBF`, ``{variance: 4, length_scale: ard}`` — ``length_scale`` a
     number, a list with one per feature, ``ard`` (one ``√D`` per feature, for ``learn_kernel``) or
     ``null`` (``√D``)."""
-    from mil_core import RBF
+    from mil_core import RBF  # noqa: F811  (the configuration's other checks need no mil_core)
 
     if value is None or isinstance(value, RBF):
         return value
