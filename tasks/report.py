@@ -143,9 +143,13 @@ def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+ARD_FEATURES_SHOWN = 5  # features (0-based columns) with the shortest learnt ARD length scales, in model.json and the report
+
+
 def model_choices(model: Any) -> dict[str, Any]:
     """What a fit chose from its training bags, for ``model.json`` and the report: the kernel
-    variance (``kernel=None``: chosen; learnt kernels: learnt) and its length scale when scalar,
+    variance (``kernel=None``: chosen; learnt kernels: learnt) and its length scale when scalar
+    (an ARD kernel: the features with the shortest scales, ``shortest_length_scales``),
     the mean held-out bag AUC of each variance the choice tried (``kernel_selection_``) and the
     bag rule in use (``bag_rule_``; ``bag_rule="auto"`` chose it). EmbeddedGPMIL: each member GP's,
     under ``"members"``. Empty for a model that has none of these."""
@@ -156,8 +160,12 @@ def model_choices(model: Any) -> dict[str, Any]:
     kernel = getattr(model, "kernel_", None)
     if kernel is not None and hasattr(kernel, "variance"):
         choices["kernel_variance"] = float(kernel.variance)
-        if np.ndim(kernel.length_scale) == 0:  # a fitted kernel's scale is resolved: a number or an ARD vector
-            choices["length_scale"] = float(kernel.length_scale)
+        scales = np.asarray(kernel.length_scale, dtype=np.float64)  # resolved: a number, or one per feature (ARD)
+        if scales.ndim == 0:
+            choices["length_scale"] = float(scales)
+        else:  # the shortest learnt scales are the features the kernel weighs most
+            shortest = np.argsort(scales, kind="stable")[:ARD_FEATURES_SHOWN]
+            choices["shortest_length_scales"] = {str(int(d)): round(float(scales[d]), 4) for d in shortest}
     selection = np.asarray(getattr(model, "kernel_selection_", np.empty((0, 2))), dtype=np.float64)
     if selection.size:
         choices["held_out_auc_by_variance"] = {f"{v:g}": None if np.isnan(auc) else round(float(auc), 4) for v, auc in selection}
@@ -180,6 +188,9 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     if "kernel_variance" in choices:
         scale = f", length scale {choices['length_scale']:.3g}" if "length_scale" in choices else ""
         parts.append(f"kernel variance {choices['kernel_variance']:g}{scale}")
+    if "shortest_length_scales" in choices:
+        shortest = ", ".join(f"{d} ({ell:.3g})" for d, ell in choices["shortest_length_scales"].items())
+        parts.append(f"one length scale per feature, the shortest (the features it weighs most) at columns {shortest}")
     if "held_out_auc_by_variance" in choices:
         tried = ", ".join(f"{v}: {'degenerate' if auc is None else f'{auc:.3f}'}" for v, auc in choices["held_out_auc_by_variance"].items())
         parts.append(f"chosen by held-out bag AUC on splits of the training bags (per variance {tried})")

@@ -147,6 +147,8 @@ def test_a_kernel_written_in_the_config_is_the_trained_models_ard_kernel(tmp_pat
     assert model.kernel_ != model.kernel.resolve(open_cohort(cohort).n_features)  # learnt away from its √D start
     info = json.loads((Path(trained.path) / "model.json").read_text())
     assert info["params"]["kernel"] == {"variance": 4.0, "length_scale": "ard"}
+    scales = np.asarray(model.kernel_.length_scale)
+    assert info["choices"]["shortest_length_scales"] == {str(d): round(float(scales[d]), 4) for d in np.argsort(scales, kind="stable")}
 
 
 def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(tmp_path, cohort, capsys):

@@ -75,6 +75,8 @@ def test_the_report_says_what_the_fit_chose_and_leaves_out_what_it_did_not():
     assert report.choices_text({"kernel_variance": 1.0, "bag_rule": "max", "bag_rule_chosen": False}) == \
         "Fitted with kernel variance 1; bag rule `max`."
     assert report.choices_text({}) == "" and report.choices_text({"members": [{}, {}]}) == ""
+    assert report.choices_text({"kernel_variance": 2.5, "shortest_length_scales": {"7": 0.412, "0": 3.0}}) == \
+        "Fitted with kernel variance 2.5; one length scale per feature, the shortest (the features it weighs most) at columns 7 (0.412), 0 (3)."
 
 
 def test_model_choices_reads_what_each_fit_has():
@@ -87,3 +89,5 @@ def test_model_choices_reads_what_each_fit_has():
     assert len(vwsgp["held_out_auc_by_variance"]) == 4 and f"{vwsgp['kernel_variance']:g}" in vwsgp["held_out_auc_by_variance"]
     fixed = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0), bag_rule="max", max_iter=5, random_state=0).fit(X, bags, y))
     assert fixed == {"kernel_variance": 2.0, "length_scale": float(np.sqrt(X.shape[1])), "bag_rule": "max", "bag_rule_chosen": False}
+    ard = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0, (3.0, 0.5)), max_iter=5, random_state=0).fit(X, bags, y))
+    assert ard["shortest_length_scales"] == {"1": 0.5, "0": 3.0} and "length_scale" not in ard
