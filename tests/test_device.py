@@ -60,6 +60,7 @@ CASES = {
     "VGPMIL-early-stopping": (VGPMIL, {**GP, "max_iter": 6, "early_stopping": True, "n_iter_no_change": 2}),
     "VGPMIL-learn_kernel": (VGPMIL, {**GP, "max_iter": 2, "learn_kernel": True, "hyper_steps": 2}),
     "GVGPMIL-learn_kernel-inducing": (GVGPMIL, {**GP, "max_iter": 2, "learn_kernel": True, "learn_inducing": True, "hyper_steps": 2}),
+    "VGPMIL-learn_kernel-ard": (VGPMIL, {**GP, "max_iter": 2, "kernel": RBF(1.0, "ard"), "learn_kernel": True, "hyper_steps": 2}),
     "VWSGP": (VWSGP, GP),
     "VGPMILPR": (VGPMILPR, GP),
     "VGPMILPRI": (VGPMILPRI, {**GP, "lam": 0.7}),
