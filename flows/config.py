@@ -384,18 +384,10 @@ def kernel_from_config(value: Any) -> RBF | None:
     unknown = sorted(set(value) - {"variance", "length_scale"})
     if unknown:
         raise ValueError(f"params.kernel has no field(s) {', '.join(map(str, unknown))}; valid: variance, length_scale")
-    variance, scale = value.get("variance", 1.0), value.get("length_scale")
-    if isinstance(variance, bool) or not isinstance(variance, int | float):
-        raise ValueError(f"params.kernel.variance must be a positive number, got {variance!r}")
-    if isinstance(scale, list):
-        if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in scale):
-            raise ValueError(f"params.kernel.length_scale: every entry of the list must be a number, got {scale!r}")
-        scale = tuple(float(x) for x in scale)
-    elif isinstance(scale, bool) or not (scale is None or isinstance(scale, int | float | str)):
-        raise ValueError(f"params.kernel.length_scale must be a number, a list of numbers, ard or null, got {scale!r}")
-    kernel = RBF(variance=float(variance), length_scale=scale)
+    scale = value.get("length_scale")
+    kernel = RBF(variance=value.get("variance", 1.0), length_scale=tuple(scale) if isinstance(scale, list) else scale)
     try:  # the feature count is not known yet: check what can be checked without it
-        kernel.resolve(len(scale) if isinstance(scale, tuple) else 1)
+        kernel.resolve(len(kernel.length_scale) if isinstance(kernel.length_scale, tuple) else 1)
     except ValueError as error:
         raise ValueError(f"params.kernel: {error}") from None
     return kernel

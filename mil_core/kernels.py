@@ -15,6 +15,7 @@ resolves to one ``√D`` per feature, the start of an ARD kernel learnt with ``l
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,15 +46,19 @@ class RBF:
 
     def resolve(self, n_features: int) -> RBF:
         """Return a copy whose ``length_scale`` is concrete and validated for ``n_features``."""
-        if self.variance <= 0 or not np.isfinite(self.variance):
-            raise ValueError(f"kernel variance must be a positive finite number, got {self.variance}")
+        v = self.variance
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0 or not np.isfinite(v):
+            raise ValueError(f"kernel variance must be a positive finite number, got {v!r}")
         if self.length_scale is None:
             return replace(self, length_scale=float(np.sqrt(n_features)))
-        if isinstance(self.length_scale, str):
-            if self.length_scale != "ard":
-                raise ValueError(f"length_scale must be a number, a list of numbers, None or 'ard', got {self.length_scale!r}")
+        if isinstance(self.length_scale, str) and self.length_scale == "ard":
             return replace(self, length_scale=(float(np.sqrt(n_features)),) * n_features)
-        ell = np.asarray(self.length_scale, dtype=np.float64)
+        try:
+            ell = None if isinstance(self.length_scale, str | bool) else np.asarray(self.length_scale, dtype=np.float64)
+        except (TypeError, ValueError):
+            ell = None
+        if ell is None:
+            raise ValueError(f"length_scale must be a number, a list of numbers, None or 'ard', got {self.length_scale!r}")
         if ell.ndim > 1 or (ell.ndim == 1 and ell.shape[0] != n_features):
             raise ValueError(
                 f"ARD length_scale must have one entry per feature ({n_features}), got shape {ell.shape}"

@@ -29,6 +29,13 @@ def test_ard_length_scale_resolves_to_sqrt_of_the_dimension_for_every_feature():
         RBF(1.0, "ARD").resolve(3)
 
 
+def test_a_kernel_of_other_types_than_numbers_is_refused_by_name():
+    with pytest.raises(ValueError, match="variance must be a positive finite number, got '4'"):
+        RBF("4").resolve(2)
+    with pytest.raises(ValueError, match=r"length_scale must be .* got \(1.0, 'a'\)"):
+        RBF(1.0, (1.0, "a")).resolve(2)
+
+
 def test_rbf_stays_accurate_and_finite_for_features_scaled_to_1e6():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(5, 4))
