@@ -10,7 +10,9 @@ A model plugs into an executor through :class:`PartitionUpdates`:
 ``init_local(block)``       the block's local variational parameters (π, ξ, …);
 ``init_global()``           the starting global state (e.g. q(v) = prior);
 ``partition_step(block, local, global)`` → ``(statistics, new local)``;
-``global_update(statistics, global)`` → ``(new global, objective)``.
+``global_update(statistics, global)`` → ``(new global, objective)``;
+``step_from_local(local, global)`` (optional) → the partition step from the local state alone,
+                            or ``None`` when it needs the block (:func:`step_from_local`).
 
 Statistics are :class:`Summable` dataclasses, so the reduction is plain ``+`` (a Python
 ``sum`` here, a Dask tree reduction in ``tasks``). :class:`SerialExecutor` is the
@@ -54,6 +56,7 @@ __all__ = [
     "WhitenedBlock",
     "gaussian_update",
     "optimise",
+    "step_from_local",
 ]
 
 Block = TypeVar("Block")
@@ -340,6 +343,15 @@ class PartitionUpdates(Protocol, Generic[Block, Local, Global, Stats]):
     def partition_step(self, block: Block, local: Local, glob: Global) -> tuple[Stats, Local]: ...
 
     def global_update(self, stats: Stats, glob: Global) -> tuple[Global, float]: ...
+
+
+def step_from_local(updates: PartitionUpdates, local: Any, glob: Any) -> tuple[Any, Any] | None:
+    """The partition step answered from the partition's local state alone, when the model's optional
+    ``step_from_local`` can (a probe whose inputs the local state cached); ``None`` otherwise. An
+    executor that reads its blocks from storage on every sweep (``tasks.training``'s stream mode)
+    asks first and reads the block only on ``None``; one that holds its blocks need not ask."""
+    hook = getattr(updates, "step_from_local", None)
+    return None if hook is None else hook(local, glob)
 
 
 @dataclass

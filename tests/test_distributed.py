@@ -213,6 +213,40 @@ def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_stor
         np.testing.assert_allclose(read_predictions(path, "pri")["bags/proba"], p_bag, rtol=1e-10)
 
 
+@pytest.mark.parametrize("mode", ["persist", "stream"])
+def test_a_learnt_prior_mean_probes_from_the_cached_latent_and_equals_the_serial_fit(client, toy_store, tmp_path, mode):
+    """VGPMIL-PR's learnt b probes Σ log Z_b between sweeps; a partition caches ``A'm`` for them in its local
+    state, and in stream mode a probe after the first of an iteration reads nothing: the executor's step answers
+    it with no store at all. The fit equals the serial one."""
+    from mil_core import VGPMILPR
+    from mil_core.models.probit_updates import PriorMeanProbe, ProbitMILUpdates, ProbitQ, fresh_local
+    from tasks.store import open_cohort
+    from tasks.training.executor import _stream_partition_step
+    from tasks.training.placement import ArrayPlacement
+
+    path, (X, bags, y) = toy_store
+    serial = VGPMILPR(**FIXED_KERNEL).fit(X, bags, y)
+    model = VGPMILPR(**FIXED_KERNEL)
+    fit_cohort(model, path, client, partition_bytes=2_000, mode=mode, resume=False)
+    assert serial.q_.prior_mean != 0.0
+    assert model.q_.prior_mean == pytest.approx(serial.q_.prior_mean, rel=1e-8)
+    assert_same_fit(model, serial)
+
+    partition = open_cohort(path).partitions(2_000)[0]
+    updates = ProbitMILUpdates(gp=serial.gp_, learn_prior_mean=True)
+
+    def step(store, local, glob):
+        return _stream_partition_step(updates, store, partition, ArrayPlacement(), None, False, None, local, glob)
+
+    missing = str(tmp_path / "no-such-store.zarr")
+    probe = PriorMeanProbe(q=serial.q_, prior_mean=-1.0)
+    first, local = step(path, fresh_local(partition.n_rows), probe)
+    assert step(missing, local, probe)[0] == first  # answered from the partition's cache: nothing read
+    moved = PriorMeanProbe(q=ProbitQ(mean=serial.q_.mean + 0.1, cov=serial.q_.cov), prior_mean=-1.0)
+    with pytest.raises(FileNotFoundError):  # another q(v) needs the block, and there is no store
+        step(missing, local, moved)
+
+
 def test_vwsgp_trains_and_predicts_on_the_cluster(client, toy_store):
     from mil_core import VWSGP
 

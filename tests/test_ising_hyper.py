@@ -13,7 +13,7 @@ from mil_core import RBF, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, GaussianQ, SerialExecutor, SparseGP
 from mil_core.ising import laplacian, neighbour_edges
 from mil_core.models.ising_hyper import LAM_MAX, LAM_MIN, FieldStats, IsingLamUpdates, LamProbe, select_lam_by_validation
-from mil_core.models.probit_updates import ProbitMILUpdates
+from mil_core.models.probit_updates import ProbitLocal, ProbitMILUpdates
 
 
 def _grid_coords(side):
@@ -130,7 +130,7 @@ def test_lam_objective_is_the_tracked_elbo_data_term(form):
     updates, executor, q = _setup([0, 8], form)
     for lam in (0.3, 2.0):
         inner = ProbitMILUpdates(gp=updates.inner.gp, lam=lam, coupling_form=form)
-        expected = sum(inner.partition_step(inner.prepare(b.block), np.zeros(b.offsets[-1]), q)[0].elbo for b in executor.blocks)
+        expected = sum(inner.partition_step(inner.prepare(b.block), ProbitLocal(warm=np.zeros(b.offsets[-1])), q)[0].elbo for b in executor.blocks)
         np.testing.assert_allclose(updates.evaluate(executor.sweep, q, np.log(lam))[0], expected, rtol=1e-10)
 
 

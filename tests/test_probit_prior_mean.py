@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from mil_core import RBF, VGPMILPR
+from mil_core import RBF, VGPMILPR, persist
 from mil_core.bags import BagIndex
-from mil_core.engine import BagBlock, GaussianQ, SparseGP
-from mil_core.models.probit_updates import PriorMeanProbe, ProbitMILUpdates
+from mil_core.engine import BagBlock, GaussianQ, SparseGP, step_from_local
+from mil_core.models.probit_updates import PriorMeanProbe, ProbitMILUpdates, ProbitQ
 
 
 def large_bags(seed: int, n_bags: int = 16, sizes=(300, 900), rate=(0.003, 0.02), shift: float = 2.5):
@@ -62,7 +62,42 @@ def test_prior_mean_terms_are_the_derivatives_of_the_bag_log_normalisers():
     block = updates.prepare(BagBlock(X=X, offsets=offsets, labels=labels))
     q = GaussianQ(mean=rng.normal(size=6), cov=np.eye(6))
     for b in (3.0, 0.0, -2.5, -9.0, -40.0):
-        terms = [updates.partition_step(block, None, PriorMeanProbe(q=q, prior_mean=b + h))[0] for h in (-1e-4, 0.0, 1e-4)]
+        terms = [updates.partition_step(block, updates.init_local(block), PriorMeanProbe(q=q, prior_mean=b + h))[0] for h in (-1e-4, 0.0, 1e-4)]
         assert np.isfinite(terms[1].value)
         np.testing.assert_allclose(terms[1].grad, (terms[2].value - terms[0].value) / 2e-4, rtol=1e-4, atol=1e-8)
         np.testing.assert_allclose(terms[1].curvature, (terms[2].grad - terms[0].grad) / 2e-4, rtol=1e-3, atol=1e-6)
+
+
+def test_the_probes_and_the_next_sweep_share_one_latent_product_and_a_stale_one_is_never_used():
+    """A learnt b probes Σ log Z_b at several b with one q(v), then sweeps with that q(v): ``A'm`` is computed
+    once for them (cached in the local state), and a probe after the first needs no block. The cache answers
+    only for the q(v) it was computed at: with a cache of another q(v), or after a checkpoint (which drops
+    it), the statistics equal those from scratch."""
+    X, bags, y, _ = large_bags(0, n_bags=6, sizes=(40, 60))
+    index = BagIndex.from_ids(bags)
+    updates = ProbitMILUpdates(gp=SparseGP.build(RBF(1.0, 2.0), X[:8]), learn_prior_mean=True)
+    block = updates.prepare(BagBlock(X=X[index.order], offsets=index.offsets, labels=y[index.order][index.offsets[:-1]]))
+    rng = np.random.default_rng(0)
+    q, other = (ProbitQ(mean=rng.normal(size=8), cov=np.eye(8), prior_mean=-1.0) for _ in range(2))
+    scratch = updates.init_local(block)
+
+    assert step_from_local(updates, scratch, PriorMeanProbe(q=q, prior_mean=-0.5)) is None  # nothing cached yet
+    probe, local = updates.partition_step(block, scratch, PriorMeanProbe(q=q, prior_mean=-0.5))
+    again, kept = step_from_local(updates, local, PriorMeanProbe(q=q, prior_mean=-0.5))  # no block
+    assert kept is local and again == probe
+    assert updates.partition_step(block, local, PriorMeanProbe(q=q, prior_mean=0.3))[0] == \
+        updates.partition_step(block, scratch, PriorMeanProbe(q=q, prior_mean=0.3))[0]
+    stats, after = updates.partition_step(block, local, q)
+    assert after.inputs is local.inputs  # the sweep with the same q(v) reused the product
+    fresh = updates.partition_step(block, scratch, q)[0]
+    assert np.array_equal(stats.shift, fresh.shift) and stats.elbo == fresh.elbo
+    assert step_from_local(updates, after, q) is None  # a sweep needs the block
+
+    assert step_from_local(updates, after, PriorMeanProbe(q=other, prior_mean=-0.5)) is None
+    stale_probe, renewed = updates.partition_step(block, after, PriorMeanProbe(q=other, prior_mean=-0.5))
+    assert stale_probe == updates.partition_step(block, scratch, PriorMeanProbe(q=other, prior_mean=-0.5))[0]
+    assert renewed.inputs.is_for(other) and not renewed.inputs.is_for(q)
+
+    restored = persist.loads(persist.dumps(after))  # a checkpoint keeps the warm start, not the cache
+    assert restored.inputs is None and np.array_equal(restored.warm, after.warm, equal_nan=True)
+    assert updates.partition_step(block, restored, q)[0].elbo == stats.elbo

@@ -12,7 +12,7 @@ from .attention_mil import ABMIL
 from .embedded import EmbeddedGPMIL
 from .gibbs import GibbsChain, GibbsState, VGPMILPRGibbs
 from .probit import VGPMILPR, VGPMILPRI
-from .probit_updates import ProbitQ
+from .probit_updates import ProbitLocal, ProbitQ
 from .vgpmil import GVGPMIL, VGPMIL, PsiVGPMIL
 from .hyper import HyperState
 from .ising_hyper import LamLocal, LamState
@@ -22,4 +22,4 @@ __all__ = ["VGPMIL", "GVGPMIL", "PsiVGPMIL", "VGPMILPR", "VGPMILPRI", "VGPMILPRG
 
 # What a saved model or a training checkpoint may hold (mil_core.persist builds nothing else).
 allow_types(VGPMIL, GVGPMIL, PsiVGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs, VWSGP, AbSMIL, ABMIL, EmbeddedGPMIL,
-            HyperState, LamState, LamLocal, AbSMILState, GibbsState, GibbsChain, ProbitQ)
+            HyperState, LamState, LamLocal, AbSMILState, GibbsState, GibbsChain, ProbitQ, ProbitLocal)

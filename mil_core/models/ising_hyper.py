@@ -110,7 +110,7 @@ from ..ising import CARCoupling, laplacian, neighbour_edges
 from ..truncnorm import log_inverse_mills, positive_bag_log_normaliser
 from ..validation import check_features
 from .hyper import check_hyper_schedule
-from .probit_updates import ProbitBags, ProbitMILUpdates, fresh_local
+from .probit_updates import ProbitBags, ProbitLocal, ProbitMILUpdates, fresh_local
 
 __all__ = [
     "LAM_MIN",
@@ -282,7 +282,7 @@ class IsingLamUpdates:
         )
 
     def init_local(self, block: SpectralBags) -> LamLocal:
-        return LamLocal(warm=fresh_local(int(block.offsets[-1])))
+        return LamLocal(warm=fresh_local(int(block.offsets[-1])).warm)
 
     def init_global(self) -> LamState:
         return LamState(q=self.inner.init_global(), lam=float(self.inner.lam))
@@ -294,8 +294,8 @@ class IsingLamUpdates:
         bags = local.bags
         if bags is None or bags.coupling.lam != glob.lam:
             bags = self.inner_bags(block, glob.lam)
-        stats, warm = replace(self.inner, lam=glob.lam).partition_step(bags, local.warm, glob.q)
-        return stats, LamLocal(warm=warm, bags=bags)
+        stats, inner = replace(self.inner, lam=glob.lam).partition_step(bags, ProbitLocal(warm=local.warm), glob.q)
+        return stats, LamLocal(warm=inner.warm, bags=bags)
 
     def inner_bags(self, block: SpectralBags, lam: float) -> ProbitBags:
         """The inner model's prepared partition at ``λ`` from the spectra (module docstring): no

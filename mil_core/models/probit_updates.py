@@ -35,7 +35,9 @@ with ``log Z_b`` the log normaliser of ``q(m_b)`` under the chosen moment approx
 empirical Bayes: after every global update, safeguarded Newton steps on ``Σ_b log Z_b(b)`` — the
 ELBO's only term that depends on ``b`` once ``q(m)`` is optimal for the new ``b`` — each step one
 probe sweep (:class:`PriorMeanProbe` → :class:`PriorMeanStats`, value, gradient and curvature in
-closed form from the independent truncated moments; a step that lowers the value is halved), so
+closed form from the independent truncated moments; a step that lowers the value is halved; the
+probes and the next sweep share ``q(v)`` and with it ``A'm``, cached in :class:`ProbitLocal`: only
+the first probe after a global update reads the features), so
 the ELBO does not decrease across a ``b`` step (with ``moments="mean_field"`` and λ > 0 the steps use the
 diagonal form of ``log Z_b``, an approximation of the bound that fit tracks). Why: with a zero mean, a positive bag of
 10³–10⁴ instances is "surely positive" (``P(all negative) = Π Φ(−μ_i) ≈ 0``) at any instance
@@ -57,7 +59,7 @@ the label start (second sweep) regresses on the contrast between "above zero" an
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -70,8 +72,8 @@ from ..ising import CARCoupling, Neighbourhood
 from ..orthant import mean_field_gap, mean_field_negative_orthant
 from ..truncnorm import log1mexp, log_inverse_mills, positive_bag_log_normaliser, positive_bag_means, upper_truncated_moments
 
-__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitQ", "PriorMeanProbe", "PriorMeanStats", "ProbitMILUpdates",
-           "fresh_local"]
+__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitQ", "PriorMeanProbe", "PriorMeanStats", "PriorMeanInputs", "ProbitLocal",
+           "ProbitMILUpdates", "fresh_local"]
 
 Moments = Literal["diagonal", "mean_field"]
 CouplingForm = Literal["ising", "smoother"]
@@ -137,9 +139,45 @@ class PriorMeanStats(Summable):
     curvature: float
 
 
-def fresh_local(n_instances: int) -> np.ndarray:
+@dataclass(frozen=True)
+class PriorMeanInputs:
+    """What ``Σ_b log Z_b(b)`` needs of a partition at one ``q(v)``: ``latent = Σ A'm``, the part of
+    ``E[m]``'s mean ``Σ(b1 + A'v)`` (Eq. 18) free of ``b``, at the ``q(v)`` whose mean is ``q_mean``,
+    and the block's ``Σ1``, marginal sd, bag offsets and labels: vectors of the partition's length,
+    with no features."""
+
+    q_mean: np.ndarray
+    latent: np.ndarray
+    ones_smoothed: np.ndarray
+    sd: np.ndarray
+    offsets: np.ndarray
+    labels: np.ndarray
+
+    @classmethod
+    def at(cls, block: ProbitBags, q: GaussianQ) -> PriorMeanInputs:
+        return cls(q_mean=q.mean.copy(), latent=block.coupling.solve(block.features.latent_mean(q.mean)),
+                   ones_smoothed=block.ones_smoothed, sd=np.sqrt(block.marginal_var), offsets=block.offsets, labels=block.labels)
+
+    def is_for(self, q: GaussianQ) -> bool:
+        return self.q_mean.shape == q.mean.shape and bool((self.q_mean == q.mean).all())
+
+
+@dataclass
+class ProbitLocal:
+    """A partition's local state: ``warm``, the warm start of ``E[m]`` (NaN: the next started sweep
+    starts from the bag labels), and ``inputs`` (:class:`PriorMeanInputs`) at the last ``q(v)`` seen.
+    A learnt ``b``'s probe sweeps and the sweep after them all see one ``q(v)``: with ``inputs``
+    cached, ``A'm`` (an N×M product) and the coupling's solve run once per global update, and a
+    probe needs no features (:meth:`ProbitMILUpdates.step_from_local`: a streaming executor skips
+    reading the block). Transient: not saved in checkpoints, rebuilt when missing or stale."""
+
+    warm: np.ndarray
+    inputs: PriorMeanInputs | None = field(default=None, metadata={"transient": True})
+
+
+def fresh_local(n_instances: int) -> ProbitLocal:
     """The local state of a partition before its first sweep: NaN marks "start from the bag labels"."""
-    return np.full(n_instances, np.nan)
+    return ProbitLocal(warm=np.full(n_instances, np.nan))
 
 
 def prior_mean_of(q: GaussianQ) -> float:
@@ -149,8 +187,9 @@ def prior_mean_of(q: GaussianQ) -> float:
 
 @dataclass(frozen=True)
 class ProbitMILUpdates:
-    """Partition step and global update of VGPMIL-PR(-I). The local state of a partition is the
-    mean-field ``E[m]`` on the negative orthant (the warm start of ``moments="mean_field"``)."""
+    """Partition step and global update of VGPMIL-PR(-I). The local state of a partition is a
+    :class:`ProbitLocal`: the mean-field ``E[m]`` on the negative orthant (the warm start of
+    ``moments="mean_field"``) and the cached inputs of the prior mean's probes."""
 
     gp: SparseGP
     lam: float = 0.0
@@ -203,20 +242,21 @@ class ProbitMILUpdates:
             ones_smoothed=coupling.solve(np.ones(int(block.offsets[-1]))),
         )
 
-    def init_local(self, block: ProbitBags) -> np.ndarray:
+    def init_local(self, block: ProbitBags) -> ProbitLocal:
         return fresh_local(int(block.offsets[-1]))
 
     def init_global(self) -> ProbitQ:
         return replace(ProbitQ.prior(self.gp.n_inducing), prior_mean=float(self.prior_mean), started=not self.learn_prior_mean)
 
     def partition_step(
-        self, block: ProbitBags, warm: np.ndarray, q: GaussianQ | PriorMeanProbe
-    ) -> tuple[ProbitStats | PriorMeanStats, np.ndarray]:
+        self, block: ProbitBags, local: ProbitLocal, q: GaussianQ | PriorMeanProbe
+    ) -> tuple[ProbitStats | PriorMeanStats, ProbitLocal]:
+        local = self.with_inputs(block, local, q.q if isinstance(q, PriorMeanProbe) else q)
         if isinstance(q, PriorMeanProbe):
-            return self.prior_mean_terms(block, q.q, q.prior_mean), warm
-        b = prior_mean_of(q)
+            return self.prior_mean_terms(local.inputs, q.prior_mean), local
+        warm, b = local.warm, prior_mean_of(q)
         ones_smoothed = block.ones_smoothed  # Σ1: m ~ N(Σ(b1 + A'v), ·)
-        mu = block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed  # Eq. 18
+        mu = local.inputs.latent + b * ones_smoothed  # Eq. 18
         pending = warm.size > 0 and bool(np.isnan(warm[0]))
         start = pending and bool(getattr(q, "started", True))
         expected_m, log_z, new_warm = self.truncated_means(block, mu, np.zeros_like(warm) if pending else warm)
@@ -235,20 +275,34 @@ class ProbitMILUpdates:
             elbo=float(elbo),
             n_instances=int(mu.shape[0]),
         )
-        return stats, warm
+        return stats, replace(local, warm=warm)
 
-    def prior_mean_terms(self, block: ProbitBags, q: GaussianQ, b: float) -> PriorMeanStats:
-        """``Σ_b log Z_b`` at prior mean ``b`` and its derivatives in ``b``, with the independent
-        (diagonal) truncated moments: ``α_i = μ_i/σ_i``, ``dα_i/db = c_i = (Σ1)_i/σ_i > 0``; a
+    @staticmethod
+    def with_inputs(block: ProbitBags, local: ProbitLocal, q: GaussianQ) -> ProbitLocal:
+        """``local`` with its :class:`PriorMeanInputs` at ``q(v)``: the cached ones when they were
+        computed at this ``q(v)``, else new ones."""
+        if local.inputs is not None and local.inputs.is_for(q):
+            return local
+        return ProbitLocal(warm=local.warm, inputs=PriorMeanInputs.at(block, q))
+
+    def step_from_local(self, local: ProbitLocal, glob: Any) -> tuple[PriorMeanStats, ProbitLocal] | None:
+        """The partition step without the block where the local state holds all it needs: a prior-mean
+        probe at the ``q(v)`` of the cached inputs (after the first probe of a global update); ``None``
+        otherwise (:func:`mil_core.engine.step_from_local`)."""
+        if isinstance(glob, PriorMeanProbe) and local.inputs is not None and local.inputs.is_for(glob.q):
+            return self.prior_mean_terms(local.inputs, glob.prior_mean), local
+        return None
+
+    def prior_mean_terms(self, inputs: PriorMeanInputs, b: float) -> PriorMeanStats:
+        """``Σ_b log Z_b`` at prior mean ``b`` and the ``q(v)`` of ``inputs``, and its derivatives in
+        ``b``, with the independent (diagonal) truncated moments: ``α_i = μ_i/σ_i``, ``dα_i/db = c_i = (Σ1)_i/σ_i > 0``; a
         negative bag has ``log Z = Σ log Φ(−α_i)``, a positive bag ``log(1 − e^{−t})`` with
         ``t = Σ −log Φ(−α_i)``, ``t' = Σ r_i c_i``, ``t'' = Σ r_i(r_i − α_i)c_i²`` (``r`` the
         inverse Mills ratio), so ``L' = ρt'`` and ``L'' = ρt'' − L'² − L't'`` with
         ``ρ = e^{−t}/(1 − e^{−t})``, all in log space where they can underflow."""
-        offsets, labels = block.offsets, block.labels
+        offsets, labels, ones_smoothed, sd = inputs.offsets, inputs.labels, inputs.ones_smoothed, inputs.sd
         sizes = np.diff(offsets)
-        ones_smoothed = block.ones_smoothed
-        sd = np.sqrt(block.marginal_var)
-        alpha = (block.coupling.solve(block.features.latent_mean(q.mean)) + b * ones_smoothed) / sd
+        alpha = (inputs.latent + b * ones_smoothed) / sd
         c = ones_smoothed / sd
         log_q = log_ndtr(-alpha)
         log_r = log_inverse_mills(alpha, log_q)

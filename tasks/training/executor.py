@@ -10,7 +10,8 @@ the map on the cluster.
 The executor only uses the model's :class:`~mil_core.engine.PartitionUpdates`, so every model
 whose fit has that form runs unchanged. Partition features are either loaded once and kept on the
 workers (``mode="persist"``) or read from Zarr inside every step (``mode="stream"``) when they would
-not fit in cluster memory. Tasks are submitted as futures, never as a fused graph, so the ``GPU``
+not fit in cluster memory (a step the model answers from the local state alone, such as a learnt
+prior mean's probe, reads nothing: :func:`mil_core.engine.step_from_local`). Tasks are submitted as futures, never as a fused graph, so the ``GPU``
 resource annotation of GPU tasks cannot be dropped by graph optimisation.
 
 Fault tolerance: every task is a pure function of its inputs, so a lost worker's results are
@@ -29,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from distributed import Client, Future, wait
 
-from mil_core.engine import FitTrace, PartitionUpdates
+from mil_core.engine import FitTrace, PartitionUpdates, step_from_local
 from tasks.store import Partition
 from tasks.training.blocks import FeatureScaling, load_block
 from tasks.training.checkpoint import Checkpoint, _load_local, _save_local
@@ -58,6 +59,9 @@ def _stream_partition_step(
     updates: PartitionUpdates, path: str, partition: Partition, placement: ArrayPlacement, exclude: np.ndarray | None, with_coords: bool,
     scaling: FeatureScaling | None, local: Any, glob: Any,
 ) -> tuple[Any, Any]:
+    from_local = step_from_local(updates, local, glob)  # e.g. a probe that needs no features: nothing read
+    if from_local is not None:
+        return from_local
     return updates.partition_step(_prepare(updates, path, partition, placement, exclude, with_coords, scaling), local, glob)
 
 
