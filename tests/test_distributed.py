@@ -10,7 +10,7 @@ import pytest
 import zarr
 from distributed import Client, LocalCluster
 
-from mil_core import GVGPMIL, RBF, VGPMIL
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR
 from tasks.store import BagData, CohortSpec, append_bags, create_cohort
 from tasks.training import fit_cohort, predict_cohort, read_predictions
 
@@ -145,9 +145,10 @@ class ClientDied(Exception):
     pass
 
 
-def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store):
+@pytest.mark.parametrize("model_class", [VGPMIL, VGPMILPR])  # VGPMILPR: local states whose cache is not saved
+def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store, model_class):
     path, (X, bags, y) = toy_store  # a fixed kernel: all 12 sweeps run (kernel=None may stop before 8)
-    uninterrupted = VGPMIL(**FIXED_KERNEL)
+    uninterrupted = model_class(**FIXED_KERNEL)
     fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
 
     def die(iteration, objective):
@@ -155,10 +156,10 @@ def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client
             raise ClientDied
 
     with pytest.raises(ClientDied):
-        fit_cohort(VGPMIL(**FIXED_KERNEL), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+        fit_cohort(model_class(**FIXED_KERNEL), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
     assert zarr.open_group(path, mode="r")["training/crashy"].attrs["latest"] == 6
 
-    resumed = VGPMIL(**FIXED_KERNEL)
+    resumed = model_class(**FIXED_KERNEL)
     summary = fit_cohort(resumed, path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3)
     assert summary.resumed_from == 6
     assert_same_fit(resumed, uninterrupted)
@@ -218,7 +219,6 @@ def test_a_learnt_prior_mean_probes_from_the_cached_latent_and_equals_the_serial
     """VGPMIL-PR's learnt b probes Σ log Z_b between sweeps; a partition caches ``A'm`` for them in its local
     state, and in stream mode a probe after the first of an iteration reads nothing: the executor's step answers
     it with no store at all. The fit equals the serial one."""
-    from mil_core import VGPMILPR
     from mil_core.models.probit_updates import PriorMeanProbe, ProbitMILUpdates, ProbitQ, fresh_local
     from tasks.store import open_cohort
     from tasks.training.executor import _stream_partition_step
