@@ -155,11 +155,11 @@ class PriorMeanInputs:
 
     @classmethod
     def at(cls, block: ProbitBags, q: GaussianQ) -> PriorMeanInputs:
-        return cls(q_mean=q.mean.copy(), latent=block.coupling.solve(block.features.latent_mean(q.mean)),
+        return cls(q_mean=array_namespace(q.mean).asarray(q.mean, copy=True), latent=block.coupling.solve(block.features.latent_mean(q.mean)),
                    ones_smoothed=block.ones_smoothed, sd=np.sqrt(block.marginal_var), offsets=block.offsets, labels=block.labels)
 
     def is_for(self, q: GaussianQ) -> bool:
-        return self.q_mean.shape == q.mean.shape and bool((self.q_mean == q.mean).all())
+        return self.q_mean.shape == q.mean.shape and bool(array_namespace(q.mean).all(self.q_mean == q.mean))
 
 
 @dataclass
