@@ -11,8 +11,9 @@ The executor only uses the model's :class:`~mil_core.engine.PartitionUpdates`, s
 whose fit has that form runs unchanged. Partition features are either loaded once and kept on the
 workers (``mode="persist"``) or read from Zarr inside every step (``mode="stream"``) when they would
 not fit in cluster memory (a step the model answers from the local state alone, such as a learnt
-prior mean's probe, reads nothing: :func:`mil_core.engine.step_from_local`). Tasks are submitted as futures, never as a fused graph, so the ``GPU``
-resource annotation of GPU tasks cannot be dropped by graph optimisation.
+prior mean's probe, reads nothing: :func:`mil_core.engine.step_from_local`). Tasks are submitted
+as futures, never as a fused graph, so the ``GPU`` resource annotation of GPU tasks cannot be
+dropped by graph optimisation.
 
 Fault tolerance: every task is a pure function of its inputs, so a lost worker's results are
 recomputed by the scheduler; :meth:`DaskExecutor.checkpoint` writes the local state and cuts
