@@ -9,7 +9,7 @@ from sklearn.metrics import roc_auc_score
 from mil_core import RBF, VGPMILPR, persist
 from mil_core.bags import BagIndex
 from mil_core.engine import BagBlock, GaussianQ, SparseGP, step_from_local
-from mil_core.models.probit_updates import PriorMeanProbe, ProbitMILUpdates, ProbitQ
+from mil_core.models.probit_updates import PriorMeanInputs, PriorMeanProbe, ProbitMILUpdates, ProbitQ
 
 
 def large_bags(seed: int, n_bags: int = 16, sizes=(300, 900), rate=(0.003, 0.02), shift: float = 2.5):
@@ -101,3 +101,27 @@ def test_the_probes_and_the_next_sweep_share_one_latent_product_and_a_stale_one_
     restored = persist.loads(persist.dumps(after))  # a checkpoint keeps the warm start, not the cache
     assert restored.inputs is None and np.array_equal(restored.warm, after.warm, equal_nan=True)
     assert updates.partition_step(block, restored, q)[0].elbo == stats.elbo
+
+
+def test_each_bags_moments_and_prior_mean_terms_are_its_own_whatever_bags_share_its_partition():
+    """The positive bags' terms are computed on their rows only: a partition's E[m], log Z_b and Σ log Z_b(b)
+    terms equal those of its bags taken one at a time (all-negative and all-positive partitions included)."""
+    rng = np.random.default_rng(3)
+    sizes, labels = np.array([5, 9, 1, 7, 4]), np.array([0, 1, 1, 0, 1])
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    X = rng.normal(size=(offsets[-1], 3))
+    updates = ProbitMILUpdates(gp=SparseGP.build(RBF(1.0, 1.0), X[:6]), learn_prior_mean=True)
+    q = ProbitQ(mean=rng.normal(size=6), cov=np.eye(6), prior_mean=-1.5)
+
+    def moments(rows, offs, labs):
+        block = updates.prepare(BagBlock(X=X[rows], offsets=offs, labels=labs))
+        mu = PriorMeanInputs.at(block, q).latent - 1.5 * block.ones_smoothed
+        expected, log_z, _ = updates.truncated_means(block, mu, np.zeros(offs[-1]))
+        return expected, log_z, updates.partition_step(block, updates.init_local(block), PriorMeanProbe(q=q, prior_mean=-0.7))[0]
+
+    whole = moments(slice(None), offsets, labels)
+    alone = [moments(slice(a, z), np.array([0, z - a]), labels[[b]]) for b, (a, z) in enumerate(zip(offsets[:-1], offsets[1:]))]
+    np.testing.assert_allclose(whole[0], np.concatenate([m[0] for m in alone]), rtol=1e-12)
+    np.testing.assert_allclose(whole[1], np.concatenate([m[1] for m in alone]), rtol=1e-12)
+    for field in ("value", "grad", "curvature"):
+        np.testing.assert_allclose(getattr(whole[2], field), sum(getattr(m[2], field) for m in alone), rtol=1e-10)

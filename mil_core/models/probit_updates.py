@@ -180,6 +180,11 @@ def fresh_local(n_instances: int) -> ProbitLocal:
     return ProbitLocal(warm=np.full(n_instances, np.nan))
 
 
+def positive_bag_offsets(sizes: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """CSR offsets of the positive bags' rows taken out of a partition (``positive``: per bag)."""
+    return np.concatenate([[0], np.cumsum(sizes[positive])]).astype(np.int64)
+
+
 def prior_mean_of(q: GaussianQ) -> float:
     """``b`` of a fitted state (0 for a plain :class:`~mil_core.engine.GaussianQ`, e.g. the Gibbs reference's)."""
     return float(getattr(q, "prior_mean", 0.0))
@@ -313,17 +318,19 @@ class ProbitMILUpdates:
         value = float(np.sum(log_q[negative_rows]))
         grad = -float(np.sum((r * c)[negative_rows]))
         curvature = -float(np.sum((r * slope * c**2)[negative_rows]))
-        if np.any(positive):
-            log_p0, log_z = positive_bag_log_normaliser(alpha, offsets, log_q)
+        if np.any(positive):  # on the positive bags' rows only
+            rows, bags = ~negative_rows, positive_bag_offsets(sizes, positive)
+            log_p0, log_z = positive_bag_log_normaliser(alpha[rows], bags, log_q[rows])
+            log_r, log_c = log_r[rows], np.log(c[rows])
             with np.errstate(divide="ignore"):
-                log_t1 = segment_logsumexp(log_r + np.log(c), offsets)
-                log_t2 = segment_logsumexp(log_r + np.log(slope) + 2.0 * np.log(c), offsets)
+                log_t1 = segment_logsumexp(log_r + log_c, bags)
+                log_t2 = segment_logsumexp(log_r + np.log(slope[rows]) + 2.0 * log_c, bags)
             log_rho = log_p0 - log_z
             first = np.exp(log_rho + log_t1)
             second = np.exp(log_rho + log_t2) - first**2 - first * np.exp(log_t1)
-            value += float(np.sum(log_z[positive]))
-            grad += float(np.sum(first[positive]))
-            curvature += float(np.sum(second[positive]))
+            value += float(np.sum(log_z))
+            grad += float(np.sum(first))
+            curvature += float(np.sum(second))
         return PriorMeanStats(value=value, grad=grad, curvature=curvature)
 
     def hyper_step(self, sweep: Callable[[Any], Any], iteration: int, q: ProbitQ) -> ProbitQ:
@@ -350,14 +357,17 @@ class ProbitMILUpdates:
     def truncated_means(self, block: ProbitBags, mu: np.ndarray, warm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``E[m]`` of ``q(m_b)`` (Eq. 15, 19–20), ``log Z_b`` per bag and the new warm start."""
         offsets, labels = block.offsets, block.labels
-        positive = np.repeat(labels == 1, np.diff(offsets))
+        sizes, positive_bags = np.diff(offsets), labels == 1
+        positive = np.repeat(positive_bags, sizes)
         if self.moments == "diagonal" or self.coupling_form == "smoother" or block.coupling.identity:
             sd = np.sqrt(block.marginal_var)
             log_q = log_ndtr(-mu / sd)  # log Φ(−α), shared by the three below
-            neg_mean, _ = upper_truncated_moments(mu, sd, log_q)
-            pos_mean, log_z_pos = positive_bag_means(mu, sd, offsets, log_q)
-            log_z_neg = segment_sum(log_q, offsets)
-            return np.where(positive, pos_mean, neg_mean), np.where(labels == 1, log_z_pos, log_z_neg), neg_mean
+            neg_mean, _ = upper_truncated_moments(mu, sd, log_q)  # every row: the warm start
+            expected, log_z = neg_mean.copy(), segment_sum(log_q, offsets)
+            if np.any(positive_bags):  # the positive bags' moments on their rows only
+                expected[positive], log_z[positive_bags] = positive_bag_means(
+                    mu[positive], sd[positive], positive_bag_offsets(sizes, positive_bags), log_q[positive])
+            return expected, log_z, neg_mean
         neg_mean, log_p0_bound = mean_field_negative_orthant(
             block.coupling, mu, warm, block.logdet_precision, self.mean_field_tol, self.mean_field_max_sweeps
         )
