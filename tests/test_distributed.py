@@ -165,6 +165,31 @@ def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client
     assert_same_fit(resumed, uninterrupted)
 
 
+def test_a_vgpmil_pr_checkpoint_of_bare_warm_starts_resumes(client, toy_store):
+    """Checkpoints written before session 17 hold each partition's warm start as a bare array, not a
+    ``ProbitLocal``: a run interrupted before an upgrade resumes after it, to the uninterrupted fit."""
+    from tasks.training.checkpoint import Checkpoint
+
+    path, _ = toy_store
+    uninterrupted = VGPMILPR(**FIXED_KERNEL)
+    fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
+
+    def die(iteration, objective):
+        if iteration == 8:
+            raise ClientDied
+
+    with pytest.raises(ClientDied):
+        fit_cohort(VGPMILPR(**FIXED_KERNEL), path, client, run="old", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    checkpoint = Checkpoint(path, "old")
+    saved = zarr.open_group(path, mode="r")["training/old/it6/local"]
+    for index in map(int, saved.array_keys()):
+        checkpoint.save_local(6, index, checkpoint.load_local(6, index).warm)  # the previous format
+    assert isinstance(checkpoint.load_local(6, 0), np.ndarray)
+    resumed = VGPMILPR(**FIXED_KERNEL)
+    assert fit_cohort(resumed, path, client, run="old", partition_bytes=2_000, checkpoint_every=3).resumed_from == 6
+    assert_same_fit(resumed, uninterrupted)
+
+
 def test_resuming_with_another_configuration_is_refused(client, toy_store):
     path, _ = toy_store
     fit_cohort(VGPMIL(**PARAMS), path, client, run="r", partition_bytes=2_000)

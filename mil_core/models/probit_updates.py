@@ -175,6 +175,12 @@ class ProbitLocal:
     inputs: PriorMeanInputs | None = field(default=None, metadata={"transient": True})
 
 
+def as_probit_local(local: ProbitLocal | np.ndarray) -> ProbitLocal:
+    """A partition's local state; a bare warm-start array (a training checkpoint written before
+    :class:`ProbitLocal`, session 17) is taken as one, so such a run still resumes."""
+    return local if isinstance(local, ProbitLocal) else ProbitLocal(warm=local)
+
+
 def fresh_local(n_instances: int) -> ProbitLocal:
     """The local state of a partition before its first sweep: NaN marks "start from the bag labels"."""
     return ProbitLocal(warm=np.full(n_instances, np.nan))
@@ -256,7 +262,7 @@ class ProbitMILUpdates:
     def partition_step(
         self, block: ProbitBags, local: ProbitLocal, q: GaussianQ | PriorMeanProbe
     ) -> tuple[ProbitStats | PriorMeanStats, ProbitLocal]:
-        local = self.with_inputs(block, local, q.q if isinstance(q, PriorMeanProbe) else q)
+        local = self.with_inputs(block, as_probit_local(local), q.q if isinstance(q, PriorMeanProbe) else q)
         if isinstance(q, PriorMeanProbe):
             return self.prior_mean_terms(local.inputs, q.prior_mean), local
         warm, b = local.warm, prior_mean_of(q)
@@ -294,6 +300,7 @@ class ProbitMILUpdates:
         """The partition step without the block where the local state holds all it needs: a prior-mean
         probe at the ``q(v)`` of the cached inputs (after the first probe of a global update); ``None``
         otherwise (:func:`mil_core.engine.step_from_local`)."""
+        local = as_probit_local(local)
         if isinstance(glob, PriorMeanProbe) and local.inputs is not None and local.inputs.is_for(glob.q):
             return self.prior_mean_terms(local.inputs, glob.prior_mean), local
         return None
