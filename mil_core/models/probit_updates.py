@@ -72,8 +72,8 @@ from ..ising import CARCoupling, Neighbourhood
 from ..orthant import mean_field_gap, mean_field_negative_orthant
 from ..truncnorm import log1mexp, log_inverse_mills, positive_bag_log_normaliser, positive_bag_means, upper_truncated_moments
 
-__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitQ", "PriorMeanProbe", "PriorMeanStats", "PriorMeanInputs", "ProbitLocal",
-           "ProbitMILUpdates", "fresh_local"]
+__all__ = ["Moments", "CouplingForm", "ProbitBags", "ProbitStats", "ProbitQ", "PriorMeanProbe", "PriorMeanStats",
+           "PriorMeanInputs", "ProbitLocal", "ProbitMILUpdates", "as_probit_local", "fresh_local", "positive_bag_offsets"]
 
 Moments = Literal["diagonal", "mean_field"]
 CouplingForm = Literal["ising", "smoother"]
@@ -155,8 +155,9 @@ class PriorMeanInputs:
 
     @classmethod
     def at(cls, block: ProbitBags, q: GaussianQ) -> PriorMeanInputs:
-        return cls(q_mean=array_namespace(q.mean).asarray(q.mean, copy=True), latent=block.coupling.solve(block.features.latent_mean(q.mean)),
-                   ones_smoothed=block.ones_smoothed, sd=np.sqrt(block.marginal_var), offsets=block.offsets, labels=block.labels)
+        return cls(q_mean=array_namespace(q.mean).asarray(q.mean, copy=True),
+                   latent=block.coupling.solve(block.features.latent_mean(q.mean)), ones_smoothed=block.ones_smoothed,
+                   sd=np.sqrt(block.marginal_var), offsets=block.offsets, labels=block.labels)
 
     def is_for(self, q: GaussianQ) -> bool:
         return self.q_mean.shape == q.mean.shape and bool(array_namespace(q.mean).all(self.q_mean == q.mean))
@@ -307,11 +308,12 @@ class ProbitMILUpdates:
 
     def prior_mean_terms(self, inputs: PriorMeanInputs, b: float) -> PriorMeanStats:
         """``Σ_b log Z_b`` at prior mean ``b`` and the ``q(v)`` of ``inputs``, and its derivatives in
-        ``b``, with the independent (diagonal) truncated moments: ``α_i = μ_i/σ_i``, ``dα_i/db = c_i = (Σ1)_i/σ_i > 0``; a
-        negative bag has ``log Z = Σ log Φ(−α_i)``, a positive bag ``log(1 − e^{−t})`` with
-        ``t = Σ −log Φ(−α_i)``, ``t' = Σ r_i c_i``, ``t'' = Σ r_i(r_i − α_i)c_i²`` (``r`` the
-        inverse Mills ratio), so ``L' = ρt'`` and ``L'' = ρt'' − L'² − L't'`` with
-        ``ρ = e^{−t}/(1 − e^{−t})``, all in log space where they can underflow."""
+        ``b``, with the independent (diagonal) truncated moments: ``α_i = μ_i/σ_i``,
+        ``dα_i/db = c_i = (Σ1)_i/σ_i > 0``; a negative bag has ``log Z = Σ log Φ(−α_i)``, a
+        positive bag ``log(1 − e^{−t})`` with ``t = Σ −log Φ(−α_i)``, ``t' = Σ r_i c_i``,
+        ``t'' = Σ r_i(r_i − α_i)c_i²`` (``r`` the inverse Mills ratio), so ``L' = ρt'`` and
+        ``L'' = ρt'' − L'² − L't'`` with ``ρ = e^{−t}/(1 − e^{−t})``, all in log space where they
+        can underflow."""
         offsets, labels, ones_smoothed, sd = inputs.offsets, inputs.labels, inputs.ones_smoothed, inputs.sd
         sizes = np.diff(offsets)
         alpha = (inputs.latent + b * ones_smoothed) / sd
