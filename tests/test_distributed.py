@@ -145,9 +145,10 @@ class ClientDied(Exception):
     pass
 
 
-@pytest.mark.parametrize("model_class", [VGPMIL, VGPMILPR])  # VGPMILPR: local states whose cache is not saved
-def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store, model_class):
-    path, (X, bags, y) = toy_store  # a fixed kernel: all 12 sweeps run (kernel=None may stop before 8)
+def fit_and_interrupt(model_class, path, client, run):
+    """The uninterrupted fit (run ``reference``), and run ``run`` of the same model killed on the
+    client at iteration 8 with checkpoints every 3 (its latest: 6). A fixed kernel: all 12 sweeps
+    run (kernel=None may stop before 8)."""
     uninterrupted = model_class(**FIXED_KERNEL)
     fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
 
@@ -156,9 +157,15 @@ def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client
             raise ClientDied
 
     with pytest.raises(ClientDied):
-        fit_cohort(model_class(**FIXED_KERNEL), path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
-    assert zarr.open_group(path, mode="r")["training/crashy"].attrs["latest"] == 6
+        fit_cohort(model_class(**FIXED_KERNEL), path, client, run=run, partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    assert zarr.open_group(path, mode="r")[f"training/{run}"].attrs["latest"] == 6
+    return uninterrupted
 
+
+@pytest.mark.parametrize("model_class", [VGPMIL, VGPMILPR])  # VGPMILPR: local states whose cache is not saved
+def test_a_fit_interrupted_on_the_client_resumes_from_the_last_checkpoint(client, toy_store, model_class):
+    path, _ = toy_store
+    uninterrupted = fit_and_interrupt(model_class, path, client, "crashy")
     resumed = model_class(**FIXED_KERNEL)
     summary = fit_cohort(resumed, path, client, run="crashy", partition_bytes=2_000, checkpoint_every=3)
     assert summary.resumed_from == 6
@@ -171,18 +178,9 @@ def test_a_vgpmil_pr_checkpoint_of_bare_warm_starts_resumes(client, toy_store):
     from tasks.training.checkpoint import Checkpoint
 
     path, _ = toy_store
-    uninterrupted = VGPMILPR(**FIXED_KERNEL)
-    fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
-
-    def die(iteration, objective):
-        if iteration == 8:
-            raise ClientDied
-
-    with pytest.raises(ClientDied):
-        fit_cohort(VGPMILPR(**FIXED_KERNEL), path, client, run="old", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    uninterrupted = fit_and_interrupt(VGPMILPR, path, client, "old")
     checkpoint = Checkpoint(path, "old")
-    saved = zarr.open_group(path, mode="r")["training/old/it6/local"]
-    for index in map(int, saved.array_keys()):
+    for index in map(int, zarr.open_group(path, mode="r")["training/old/it6/local"].array_keys()):
         checkpoint.save_local(6, index, checkpoint.load_local(6, index).warm)  # the previous format
     assert isinstance(checkpoint.load_local(6, 0), np.ndarray)
     resumed = VGPMILPR(**FIXED_KERNEL)
