@@ -276,7 +276,7 @@ class ProbitMILUpdates:
         elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
         if start:  # the first sweep: every instance of a positive bag truncated to m > 0 (module docstring)
             positive = np.repeat(block.labels == 1, np.diff(block.offsets))
-            above = -upper_truncated_moments(-mu, np.sqrt(block.marginal_var))[0]
+            above = -upper_truncated_moments(-mu, local.inputs.sd)[0]
             expected_m = np.where(positive, above, expected_m)
         targets = expected_m - b * ones_smoothed
         if self.coupling_form == "smoother":  # E[mᵀΣf] = (ΣE[m])ᵀA'v
