@@ -280,6 +280,16 @@ def fit_predict_gvgpmil(train: Fold, test: Fold) -> Prediction:
     return _logistic_gp(GVGPMIL(random_state=0))(train, test)
 
 
+def fit_predict_gvgpmil_h100(train: Fold, test: Fold) -> Prediction:
+    """``GVGPMIL(H=100)``: the default until session 18 (``docs/BENCHMARKS.md``, "The bag likelihood's H")."""
+    return _logistic_gp(GVGPMIL(H=100.0, random_state=0))(train, test)
+
+
+def fit_predict_vgpmil_h1e12(train: Fold, test: Fold) -> Prediction:
+    """``VGPMIL(H=1e12)``: the paper's H, measured against VGPMIL's default H = 100 and not adopted."""
+    return _logistic_gp(VGPMIL(H=1e12, random_state=0))(train, test)
+
+
 def fit_predict_vgpmil_top_fraction(train: Fold, test: Fold) -> Prediction:
     """``VGPMIL(bag_rule="top_fraction")``: the default until session 14, without the rule guard."""
     return _logistic_gp(VGPMIL(bag_rule="top_fraction", random_state=0))(train, test)
@@ -373,6 +383,8 @@ METHODS: dict[str, Callable[[Fold, Fold], Prediction]] = {
     "vgpmil": fit_predict_vgpmil,
     "vgpmil_ard": fit_predict_vgpmil_ard,
     "gvgpmil": fit_predict_gvgpmil,
+    "gvgpmil_h100": fit_predict_gvgpmil_h100,
+    "vgpmil_h1e12": fit_predict_vgpmil_h1e12,
     "vgpmil_top_fraction": fit_predict_vgpmil_top_fraction,
     "gvgpmil_top_fraction": fit_predict_gvgpmil_top_fraction,
     "vgpmilpr": fit_predict_vgpmilpr,
