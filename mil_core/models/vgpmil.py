@@ -257,7 +257,7 @@ _COMMON_PARAMS = """
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float, default=100 (G-VGPMIL: 1e12, the paper's)
-        Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4). Each family's default is measured
+        Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4). Each model's default is measured
         (``docs/MODELS.md``, "The bag likelihood's H"): 1e12 raised G-VGPMIL's held-out bag AUC
         on 7 of 13 sets (lowered it on 4) and lowered VGPMIL's on the large bags and ``sizes``.
     emax : {"max", "exact"}, default="max"
