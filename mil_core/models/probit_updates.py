@@ -175,6 +175,10 @@ class ProbitLocal:
     warm: np.ndarray
     inputs: PriorMeanInputs | None = field(default=None, metadata={"transient": True})
 
+    def has_inputs_for(self, q: GaussianQ) -> bool:
+        """Whether the cached :class:`PriorMeanInputs` were computed at this ``q(v)``."""
+        return self.inputs is not None and self.inputs.is_for(q)
+
 
 def as_probit_local(local: ProbitLocal | np.ndarray) -> ProbitLocal:
     """A partition's local state; a bare warm-start array (a training checkpoint written before
@@ -293,7 +297,7 @@ class ProbitMILUpdates:
     def with_inputs(block: ProbitBags, local: ProbitLocal, q: GaussianQ) -> ProbitLocal:
         """``local`` with its :class:`PriorMeanInputs` at ``q(v)``: the cached ones when they were
         computed at this ``q(v)``, else new ones."""
-        if local.inputs is not None and local.inputs.is_for(q):
+        if local.has_inputs_for(q):
             return local
         return ProbitLocal(warm=local.warm, inputs=PriorMeanInputs.at(block, q))
 
@@ -302,7 +306,7 @@ class ProbitMILUpdates:
         probe at the ``q(v)`` of the cached inputs (after the first probe of a global update); ``None``
         otherwise (:func:`mil_core.engine.step_from_local`)."""
         local = as_probit_local(local)
-        if isinstance(glob, PriorMeanProbe) and local.inputs is not None and local.inputs.is_for(glob.q):
+        if isinstance(glob, PriorMeanProbe) and local.has_inputs_for(glob.q):
             return self.prior_mean_terms(local.inputs, glob.prior_mean), local
         return None
 
