@@ -185,7 +185,7 @@ class ModelConfig(_Strict):
 
     The default, ``VGPMILPR`` (probit GP-MIL, seed 002, with its automatic defaults and learnt prior
     mean), has the best mean held-out bag AUC of the GP-MIL defaults over the seven sets of
-    ``docs/BENCHMARKS.md``, "Accuracy of the defaults" (mean of 7: VGPMILPR 0.869, VGPMIL 0.853,
+    ``docs/BENCHMARKS.md``, "Accuracy of the defaults" (mean of 7: VGPMILPR 0.869, VGPMIL 0.855,
     GVGPMIL 0.850, VWSGP 0.822; ``tests/test_default_model.py`` holds these to that table), costs
     no more per cluster sweep in persist mode (same section, "The pipeline's default model"), and
     gives instance probabilities for the heat maps (VWSGP gives evidences).

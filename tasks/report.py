@@ -150,8 +150,9 @@ def model_choices(model: Any) -> dict[str, Any]:
     """What a fit chose from its training bags, for ``model.json`` and the report: the kernel
     variance (``kernel=None``: chosen; learnt kernels: learnt) and its length scale when scalar
     (an ARD kernel: the features with the shortest scales, ``shortest_length_scales``),
-    the mean held-out bag AUC of each variance the choice tried (``kernel_selection_``) and the
-    bag rule in use (``bag_rule_``; ``bag_rule="auto"`` chose it). EmbeddedGPMIL: each member GP's,
+    the mean held-out bag AUC of each variance the choice tried (``kernel_selection_``), the
+    bag rule in use (``bag_rule_``; ``bag_rule="auto"`` chose it) and the logistic family's
+    bag-likelihood odds (``H_``; with ``H="auto"`` the choice's best AUC per H). EmbeddedGPMIL: each member GP's,
     under ``"members"``. Empty for a model that has none of these."""
     members = getattr(model, "gps_", None)
     if members is not None:
@@ -172,6 +173,11 @@ def model_choices(model: Any) -> dict[str, Any]:
     if getattr(model, "bag_rule_", None) is not None:
         choices["bag_rule"] = str(model.bag_rule_)
         choices["bag_rule_chosen"] = getattr(model, "bag_rule", None) == "auto"
+    if getattr(model, "H_", None) is not None:
+        choices["H"] = float(model.H_)
+        tried = getattr(model, "setting_selection_", [])
+        if tried:  # H="auto": the choice's best mean held-out bag AUC with each H
+            choices["held_out_auc_by_H"] = {f"{s['H']:g}": None if np.isnan(auc) else round(float(auc), 4) for s, auc in tried}
     return choices
 
 
@@ -181,7 +187,9 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
         members = choices["members"]
         variances = ", ".join(f"{c['kernel_variance']:g}" for c in members if "kernel_variance" in c)
         rules = ", ".join(c["bag_rule"] for c in members if "bag_rule" in c)
-        parts = [f"kernel variances {variances}" * bool(variances), f"bag rules {rules}" * bool(rules)]
+        odds = ", ".join(f"{c['H']:g}" for c in members if "H" in c)
+        parts = [f"kernel variances {variances}" * bool(variances), f"bag rules {rules}" * bool(rules),
+                 f"bag-likelihood odds H {odds}" * bool(odds)]
         shown = "; ".join(p for p in parts if p)
         return f"Its {len(members)} member GPs chose from their training bags: {shown}." if shown else ""
     parts = []
@@ -199,6 +207,9 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     if "bag_rule" in choices:
         how = " (`bag_rule=\"auto\"`: `top_fraction` unless another rule is clearly better there)" if choices.get("bag_rule_chosen") else ""
         parts.append(f"bag rule `{choices['bag_rule']}`{how}")
+    if "H" in choices:
+        tried = ", ".join(f"{h}: {'degenerate' if auc is None else f'{auc:.3f}'}" for h, auc in choices.get("held_out_auc_by_H", {}).items())
+        parts.append(f"bag-likelihood odds H = {choices['H']:g}" + (f" (`H=\"auto\"`, chosen with the kernel: {tried})" if tried else ""))
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 

@@ -4,16 +4,20 @@ bag size. Accuracy numbers belong in ``benchmarks/bench_accuracy.py``; these are
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from scipy.stats import spearmanr
 from sklearn.base import clone
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
 from mil_core.metrics import binary_auc
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
+from mil_core.models.vgpmil import AUTO_H
 
 from tests.conftest import make_toy_bags
 
@@ -47,6 +51,42 @@ def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_p
     np.testing.assert_array_equal(again.q_.mean, model.q_.mean)
     fixed = VGPMIL(n_inducing=10, kernel=RBF(2.0), random_state=0).fit(X, bags, y)
     assert fixed.kernel_.variance == 2.0 and fixed.kernel_selection_.shape == (0, 2) and fixed.auto_max_iter_ is None
+
+
+def test_h_auto_tries_each_h_beside_every_variance_and_fits_the_chosen_one(monkeypatch):
+    """``H="auto"``: every split fits each (variance, H) candidate; ``H_`` is the H of the best
+    point, ``kernel_selection_`` is under that H, and the final fit is the fixed-parameter fit at
+    the chosen kernel, H and sweeps. On these bags 1e12 scores higher than the fallback 100."""
+    X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
+    seen = []
+    real = VGPMIL._make_updates
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append(self.H_) or real(self, gp))
+    model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
+    assert model.H == "auto" and model.H_ in AUTO_H
+    assert seen[:-1].count(AUTO_H[0]) == seen[:-1].count(AUTO_H[1]) == 6 * len(AUTO_VARIANCES) and seen[-1] == model.H_
+    tried = {s["H"]: auc for s, auc in model.setting_selection_}
+    assert set(tried) == set(AUTO_H) and tried[1e12] > tried[100.0]
+    assert model.H_ == 1e12 and tried[1e12] == np.nanmax(model.kernel_selection_[:, 1])
+    sweeps = model.auto_max_iter_ or model.max_iter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fixed = VGPMIL(n_inducing=10, kernel=model.kernel_, H=model.H_, max_iter=sweeps, random_state=0).fit(X, bags, y)
+    np.testing.assert_allclose(fixed.q_.mean, model.q_.mean, rtol=1e-10, atol=1e-12)
+
+
+def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_bags):
+    X, bags, y, _ = toy_bags
+    fixed = VGPMIL(n_inducing=10, kernel=RBF(2.0), max_iter=5, random_state=0).fit(X, bags, y)
+    assert fixed.H_ == 100.0 and fixed.setting_selection_ == []
+    gv = GVGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
+    assert gv.H == 1e12 and gv.H_ == 1e12 and gv.setting_selection_ == []  # one H: nothing to choose
+
+
+@pytest.mark.parametrize("H", [1.0, 0.5, -3, "big", None])
+def test_h_must_be_auto_or_above_one(H, toy_bags):
+    X, bags, y, _ = toy_bags
+    with pytest.raises(ValueError, match="H must be 'auto' or a number > 1"):
+        VGPMIL(H=H, max_iter=2).fit(X, bags, y)
 
 
 def _consecutive_bag_scores(model, X, bags, y, n_iter):

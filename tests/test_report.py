@@ -77,10 +77,16 @@ def test_the_report_says_what_the_fit_chose_and_leaves_out_what_it_did_not():
     assert report.choices_text({}) == "" and report.choices_text({"members": [{}, {}]}) == ""
     assert report.choices_text({"kernel_variance": 2.5, "shortest_length_scales": {"7": 0.412, "0": 3.0}}) == \
         "Fitted with kernel variance 2.5; one length scale per feature, the shortest (the features it weighs most) at columns 7 (0.412), 0 (3)."
+    assert report.choices_text({"kernel_variance": 1.0, "H": 1e12, "held_out_auc_by_H": {"100": 0.9, "1e+12": 0.925}}) == \
+        "Fitted with kernel variance 1; bag-likelihood odds H = 1e+12 (`H=\"auto\"`, chosen with the kernel: 100: 0.900, 1e+12: 0.925)."
+    assert report.choices_text({"H": 100.0}) == "Fitted with bag-likelihood odds H = 100."
+    members = {"members": [{"kernel_variance": 4.0, "bag_rule": "max", "H": 100.0}, {"kernel_variance": 16.0, "bag_rule": "max", "H": 1e12}]}
+    assert report.choices_text(members) == ("Its 2 member GPs chose from their training bags: kernel variances 4, 16; "
+                                            "bag rules max, max; bag-likelihood odds H 100, 1e+12.")
 
 
 def test_model_choices_reads_what_each_fit_has():
-    from mil_core import RBF, VGPMILPR, VWSGP
+    from mil_core import RBF, VGPMIL, VGPMILPR, VWSGP
     from tests.conftest import make_toy_bags
 
     X, bags, y, _ = make_toy_bags(20)
@@ -89,5 +95,9 @@ def test_model_choices_reads_what_each_fit_has():
     assert len(vwsgp["held_out_auc_by_variance"]) == 4 and f"{vwsgp['kernel_variance']:g}" in vwsgp["held_out_auc_by_variance"]
     fixed = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0), bag_rule="max", max_iter=5, random_state=0).fit(X, bags, y))
     assert fixed == {"kernel_variance": 2.0, "length_scale": float(np.sqrt(X.shape[1])), "bag_rule": "max", "bag_rule_chosen": False}
+    vgpmil = report.model_choices(VGPMIL(n_inducing=8, max_iter=10, random_state=0).fit(X, bags, y))
+    assert vgpmil["H"] in (100.0, 1e12) and set(vgpmil["held_out_auc_by_H"]) == {"100", "1e+12"}
+    assert vgpmil["held_out_auc_by_H"][f"{vgpmil['H']:g}"] == max(vgpmil["held_out_auc_by_variance"].values())
+    assert "held_out_auc_by_H" not in report.model_choices(VGPMIL(n_inducing=8, H=1e12, max_iter=10, random_state=0).fit(X, bags, y))
     ard = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0, (3.0, 0.5)), max_iter=5, random_state=0).fit(X, bags, y))
     assert ard["shortest_length_scales"] == {"1": 0.5, "0": 3.0} and "length_scale" not in ard

@@ -42,32 +42,33 @@ _RULE_SWITCH_SE, _RULE_SWITCH_MARGIN = 2.0, 0.1
 errors and by this much held-out AUC (:func:`clearly_better_rule`)."""
 
 
-def best_candidate(scores: dict[float, np.ndarray], checkpoints: np.ndarray,
-                   smaller_within_se: float = 0.0) -> tuple[float, int] | None:
-    """``(variance, sweeps)`` with the best mean held-out AUC over the splits (``scores[v]``: splits ×
-    checkpoints); ties go to fewer sweeps, then the smaller variance. A checkpoint with a nan (a
-    degenerate split) is out; ``None`` when none is left.
+def best_candidate(scores: dict[Any, np.ndarray], checkpoints: np.ndarray,
+                   smaller_within_se: float = 0.0) -> tuple[Any, int] | None:
+    """``(candidate, sweeps)`` with the best mean held-out AUC over the splits (``scores[c]``:
+    splits × checkpoints; a candidate is a variance, or a tuple that starts with one); ties go to
+    fewer sweeps, then the smaller candidate. A checkpoint with a nan (a degenerate split) is out;
+    ``None`` when none is left.
 
     ``smaller_within_se = f > 0``: every point whose shortfall to that best point, paired split by
     split, averages at most ``f`` of its standard error counts as tied with it, and the smallest
-    variance among those wins (at its best mean; ties: fewer sweeps). The splits are the same for
-    every candidate, so the paired difference is what tells them apart."""
-    table = [(round(float(np.mean(a[:, i])), 9), -int(checkpoints[i]), -v, i)
-             for v, a in scores.items() for i in range(checkpoints.shape[0]) if np.all(np.isfinite(a[:, i]))]
+    candidate (variance) among those wins (at its best mean; ties: fewer sweeps). The splits are
+    the same for every candidate, so the paired difference is what tells them apart."""
+    table = [(round(float(np.mean(a[:, i])), 9), int(checkpoints[i]), c, i)
+             for c, a in scores.items() for i in range(checkpoints.shape[0]) if np.all(np.isfinite(a[:, i]))]
     if not table:
         return None
-    _, minus_sweeps, minus_v, column = max(table)
+    _, sweeps, chosen, column = min(table, key=lambda row: (-row[0], row[1], row[2]))
     if smaller_within_se <= 0:
-        return -minus_v, -minus_sweeps
-    best = scores[-minus_v][:, column]
+        return chosen, sweeps
+    best = scores[chosen][:, column]
     tied = []
-    for mean, minus_s, minus_w, i in table:
-        shortfall = best - scores[-minus_w][:, i]
+    for mean, s, c, i in table:
+        shortfall = best - scores[c][:, i]
         se = shortfall.std(ddof=1) / np.sqrt(shortfall.size) if shortfall.size > 1 else 0.0
         if shortfall.mean() <= smaller_within_se * se + 1e-12:
-            tied.append((-minus_w, -mean, -minus_s))
-    v, _, sweeps = min(tied)
-    return v, sweeps
+            tied.append((c, -mean, s))
+    c, _, sweeps = min(tied)
+    return c, sweeps
 
 
 def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITCH_SE,
@@ -90,6 +91,11 @@ def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITC
         if gain.mean() > max(n_se * se, margin, best_gain):
             best, best_gain = rule, float(gain.mean())
     return best
+
+
+def _nan_max(a: np.ndarray) -> float:
+    """The largest entry of ``a`` that is not nan; nan when all are (every checkpoint degenerate)."""
+    return np.nan if np.all(np.isnan(a)) else float(np.nanmax(a))
 
 
 def choice_bags(sizes: np.ndarray, labels: np.ndarray, random_state: Any, cap: int | None = None) -> np.ndarray:
@@ -271,7 +277,7 @@ class SparseGPMILBase(BaseEstimator):
         """
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
-        kernel, self.auto_max_iter_, self.kernel_selection_ = self.kernel, None, np.empty((0, 2))
+        kernel, self.auto_max_iter_, self.kernel_selection_, self.setting_selection_ = self.kernel, None, np.empty((0, 2)), []
         X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
         if kernel is None and offsets is not None and (coords is not None or not self._choice_needs_coords()):
             if choice is None:
@@ -302,6 +308,13 @@ class SparseGPMILBase(BaseEstimator):
         """Bag rules that ``kernel=None`` chooses from with the kernel (each checkpoint is scored by
         every one, :meth:`_bag_probas_from_state`); ``(None,)``: the model's own bag score only."""
         return (None,)
+
+    def _auto_settings(self) -> tuple[dict[str, Any], ...]:
+        """Constructor parameters that ``kernel=None`` chooses together with the variance: each
+        setting is a candidate beside every variance (ties: fewer sweeps, the smaller variance,
+        then the earlier setting), and the chosen one's values become the fitted ``<name>_``
+        attributes (VGPMIL's ``H="auto"``: ``H_``). ``({},)``: the variance and sweeps only."""
+        return ({},)
 
     def _bag_probas_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray,
                                rules: tuple[str | None, ...], **coords: Any) -> dict[str | None, np.ndarray]:
@@ -335,7 +348,10 @@ class SparseGPMILBase(BaseEstimator):
         within :meth:`_smaller_variance_within_se` standard errors of it (G-VGPMIL). Models with several
         :meth:`_auto_bag_rules` score each checkpoint with each; the rule is chosen first
         (``bag_rule_``: the first rule unless another is clearly better, :func:`clearly_better_rule`),
-        then the variance and sweeps under it. Sets ``kernel_selection_`` (rows: variance, its best mean AUC) and
+        then the variance and sweeps under it. A model with several :meth:`_auto_settings` (VGPMIL's
+        ``H="auto"``) tries each beside every variance and keeps the best point's. Sets
+        ``kernel_selection_`` (rows: variance, its best mean AUC, under the chosen setting),
+        ``setting_selection_`` (``[setting, its best mean AUC]`` when there are several) and
         ``auto_max_iter_`` (the sweeps the final fit may run). Returns ``None`` (the fallback
         kernel) when a class has fewer than 2 bags, or when every candidate is degenerate: a
         checkpoint whose held-out bag scores are non-finite or all equal (a fit that ran away, its
@@ -350,7 +366,7 @@ class SparseGPMILBase(BaseEstimator):
         split of the training bags sees no test bag and needs no proper
         likelihood (G-VGPMIL's is improper).
         """
-        self.kernel_selection_, self.auto_max_iter_ = np.empty((0, 2)), None
+        self.kernel_selection_, self.auto_max_iter_, self.setting_selection_ = np.empty((0, 2)), None, []
         if np.bincount(labels, minlength=2).min() < 2:
             return None
         rng = check_random_state(self.random_state)
@@ -358,8 +374,9 @@ class SparseGPMILBase(BaseEstimator):
         checkpoints = np.unique(np.r_[np.arange(_SELECTION_EVERY, budget + 1, _SELECTION_EVERY), budget])
         overrides = {"early_stopping": False, **{k: False for k in ("learn_kernel", "learn_inducing", "learn_psi") if k in self.get_params()}}
         folds = RepeatedStratifiedKFold(n_splits=2, n_repeats=_SELECTION_REPEATS, random_state=rng.randint(2**31 - 1)).split(labels, labels)
-        variances, rules = self._auto_variances(), self._auto_bag_rules()
-        curves: dict[tuple[float, str | None], list[np.ndarray]] = {(v, r): [] for v in variances for r in rules}
+        settings, rules = self._auto_settings(), self._auto_bag_rules()
+        candidates = [(v, k) for v in self._auto_variances() for k in range(len(settings))]  # (variance, setting)
+        curves: dict[tuple[tuple[float, int], str | None], list[np.ndarray]] = {(c, r): [] for c in candidates for r in rules}
         for train, val in folds:
             X_tr, tr_offsets = take_bags(X_sorted, offsets, train)
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
@@ -368,8 +385,8 @@ class SparseGPMILBase(BaseEstimator):
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             inducing = None
-            for v in variances:
-                model = clone(self).set_params(kernel=RBF(variance=v), **overrides)
+            for v, k in candidates:
+                model = clone(self).set_params(kernel=RBF(variance=v), **settings[k], **overrides)
                 updates = model._start_fit(X_tr, y_tr, inducing=inducing)
                 inducing = model.gp_.Z  # the same k-means for the split's other candidates: computed once
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
@@ -387,17 +404,23 @@ class SparseGPMILBase(BaseEstimator):
                     optimise(executor.sweep, updates, updates.init_global(), max_iter=budget, tol=self.tol, monitor=score)
                 for rule, points in curve.items():  # converged early: it stays
                     points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
-                    curves[v, rule].append(np.asarray(points))
+                    curves[(v, k), rule].append(np.asarray(points))
         scores = {key: np.stack(c) for key, c in curves.items()}  # splits × checkpoints, nan where degenerate
         rule = rules[0]
         if len(rules) > 1:
-            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[v, r] for v in variances], axis=1) for r in rules})
-        under_rule = [(v, scores[v, rule].mean(axis=0)) for v in variances]
-        self.kernel_selection_ = np.array([[v, np.nan if np.all(np.isnan(c)) else np.nanmax(c)] for v, c in under_rule])
-        chosen = best_candidate({v: scores[v, rule] for v in variances}, checkpoints, self._smaller_variance_within_se())
+            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
+        best_mean = {c: _nan_max(scores[c, rule].mean(axis=0)) for c in candidates}
+        chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
+        k = 0 if chosen is None else chosen[0][1]
+        self.kernel_selection_ = np.array([[v, best_mean[v, j]] for v, j in candidates if j == k])
+        if len(settings) > 1:  # each setting's best mean over the variances
+            self.setting_selection_ = [[dict(setting), _nan_max(np.array([best_mean[v, i] for v, i in candidates if i == j]))]
+                                       for j, setting in enumerate(settings)]
         if chosen is None:
             return None
-        v, sweeps = chosen
+        (v, k), sweeps = chosen
+        for name, value in settings[k].items():
+            setattr(self, f"{name}_", value)
         self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
         return RBF(variance=v)
 
