@@ -399,3 +399,4 @@ def test_kernel_choice_is_the_serial_one_when_the_kmeans_sample_leaves_bags_out(
     assert model.gp_.Z.shape == serial.gp_.Z.shape and not np.allclose(model.gp_.Z, serial.gp_.Z)  # k-means on a sample
     np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
     assert model.kernel_.variance == serial.kernel_.variance and model.auto_max_iter_ == serial.auto_max_iter_
+    assert model.H_ == serial.H_ and model.setting_selection_ == serial.setting_selection_  # H="auto": chosen with it
