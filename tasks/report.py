@@ -7,6 +7,7 @@ tasks in :mod:`tasks.prefect_tasks` wrap them and publish the results as UI arti
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -169,7 +170,7 @@ def model_choices(model: Any) -> dict[str, Any]:
             choices["shortest_length_scales"] = {str(int(d)): round(float(scales[d]), 4) for d in shortest}
     selection = np.asarray(getattr(model, "kernel_selection_", np.empty((0, 2))), dtype=np.float64)
     if selection.size:
-        choices["held_out_auc_by_variance"] = {f"{v:g}": None if np.isnan(auc) else round(float(auc), 4) for v, auc in selection}
+        choices["held_out_auc_by_variance"] = _aucs_by_value(selection)
     if getattr(model, "bag_rule_", None) is not None:
         choices["bag_rule"] = str(model.bag_rule_)
         choices["bag_rule_chosen"] = getattr(model, "bag_rule", None) == "auto"
@@ -177,8 +178,19 @@ def model_choices(model: Any) -> dict[str, Any]:
         choices["H"] = float(model.H_)
         tried = getattr(model, "setting_selection_", [])
         if tried:  # H="auto": the choice's best mean held-out bag AUC with each H
-            choices["held_out_auc_by_H"] = {f"{s['H']:g}": None if np.isnan(auc) else round(float(auc), 4) for s, auc in tried}
+            choices["held_out_auc_by_H"] = _aucs_by_value((s["H"], auc) for s, auc in tried)
     return choices
+
+
+def _aucs_by_value(pairs: Iterable[tuple[float, float]]) -> dict[str, float | None]:
+    """The kernel choice's best mean held-out AUC per value it tried (a variance, an H), for
+    ``model.json``: keyed by the value, rounded; ``None`` where every checkpoint was degenerate."""
+    return {f"{value:g}": None if np.isnan(auc) else round(float(auc), 4) for value, auc in pairs}
+
+
+def _aucs_text(aucs: dict[str, float | None]) -> str:
+    """:func:`_aucs_by_value` as the report writes it."""
+    return ", ".join(f"{value}: {'degenerate' if auc is None else f'{auc:.3f}'}" for value, auc in aucs.items())
 
 
 def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> str:
@@ -200,7 +212,7 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
         shortest = ", ".join(f"{d} ({ell:.3g})" for d, ell in choices["shortest_length_scales"].items())
         parts.append(f"one length scale per feature, the shortest (the features it weighs most) at columns {shortest}")
     if "held_out_auc_by_variance" in choices:
-        tried = ", ".join(f"{v}: {'degenerate' if auc is None else f'{auc:.3f}'}" for v, auc in choices["held_out_auc_by_variance"].items())
+        tried = _aucs_text(choices["held_out_auc_by_variance"])
         parts.append(f"chosen by held-out bag AUC on splits of the training bags (per variance {tried})")
     if chosen_sweeps is not None:
         parts.append(f"{chosen_sweeps} sweeps, chosen with it")
@@ -208,7 +220,7 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
         how = " (`bag_rule=\"auto\"`: `top_fraction` unless another rule is clearly better there)" if choices.get("bag_rule_chosen") else ""
         parts.append(f"bag rule `{choices['bag_rule']}`{how}")
     if "H" in choices:
-        tried = ", ".join(f"{h}: {'degenerate' if auc is None else f'{auc:.3f}'}" for h, auc in choices.get("held_out_auc_by_H", {}).items())
+        tried = _aucs_text(choices.get("held_out_auc_by_H", {}))
         parts.append(f"bag-likelihood odds H = {choices['H']:g}" + (f" (`H=\"auto\"`, chosen with the kernel: {tried})" if tried else ""))
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
