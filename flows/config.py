@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,6 +24,16 @@ __all__ = ["PipelineConfig", "ConfigError", "load_config", "MODEL_CLASSES", "mak
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the file and the field."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads YAML 1.2 floats: PyYAML follows YAML 1.1, where ``1e12``
+    and ``1e-6`` (no decimal point) are strings, so ``H: 1e12`` or ``tol: 1e-6`` would reach the
+    estimator as text."""
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
 
 
 def _model_classes() -> dict[str, type]:
@@ -410,7 +421,7 @@ def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | 
     model section, before the model check imports mil_core."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file not found") from None
     except yaml.YAMLError as error:

@@ -99,6 +99,21 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
     assert not (tmp_path / "out").exists()
 
 
+def test_numbers_written_as_1e12_are_numbers_and_a_python_tag_is_refused(tmp_path, cohort):
+    # PyYAML reads YAML 1.1, where 1e12 and 1e-6 (no decimal point) are strings
+    path = tmp_path / "config.yaml"
+    path.write_text(f"name: toy\nstore: {cohort}\noutput_dir: {tmp_path / 'out'}\n"
+                    "model: {name: VGPMIL, params: {H: 1e12, tol: 1e-6, n_inducing: 10, bag_rule: max}}\n")
+    params = load_config(path).model.params
+    assert params == {"H": 1e12, "tol": 1e-6, "n_inducing": 10, "bag_rule": "max"}
+    assert isinstance(params["H"], float) and isinstance(params["tol"], float)
+    marker = tmp_path / "ran"
+    path.write_text(f"name: !!python/object/apply:os.system ['touch {marker}']\nstore: {cohort}\n")
+    with pytest.raises(ConfigError, match="not valid YAML.*python/object/apply"):
+        load_config(path)
+    assert not marker.exists()
+
+
 def test_relative_paths_are_read_from_the_config_folder(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"store": "data/c.zarr", "output_dir": "out"}))

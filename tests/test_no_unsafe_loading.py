@@ -27,6 +27,10 @@ def unsafe_calls(source: str) -> list[str]:
     bare = {a.asname or a.name: f"{ {'numpy': 'np', 'pandas': 'pd'}.get(n.module, n.module)}.{a.name}"
             for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in ("numpy", "pandas", "torch", "yaml")
             for a in n.names}
+    # a loader class of this module counts as safe when it derives from safe loaders only
+    safe_loaders = SAFE_YAML_LOADERS | {
+        n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.bases
+        and all((b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", None)) in SAFE_YAML_LOADERS for b in n.bases)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -54,7 +58,7 @@ def unsafe_calls(source: str) -> list[str]:
                 found.append(f"{node.lineno}: np.load(allow_pickle=True)")
             elif call in ("pd.read_pickle", "yaml.unsafe_load", "yaml.full_load"):
                 found.append(f"{node.lineno}: {call}")
-            elif call == "yaml.load" and loader_name not in SAFE_YAML_LOADERS:
+            elif call == "yaml.load" and loader_name not in safe_loaders:
                 found.append(f"{node.lineno}: yaml.load without a safe Loader")
     return found
 
@@ -77,10 +81,12 @@ def test_the_check_sees_through_aliases_loaders_and_non_constant_flags():
     source = ("from numpy import load as npload\nfrom yaml import load\nimport numpy, yaml\n"
               "npload('a.npy', allow_pickle=flag)\nnumpy.load('a.npy', allow_pickle=False)\n"
               "load(s, Loader=yaml.Loader)\nyaml.load(s, Loader=yaml.SafeLoader)\nyaml.load(s, Loader=yaml.UnsafeLoader)\n"
-              "eval(text)\nexec(code)\ntorch.load('w.pt', weights_only=False)\n")
+              "eval(text)\nexec(code)\ntorch.load('w.pt', weights_only=False)\n"
+              "class Mine(yaml.SafeLoader): pass\nclass Yours(yaml.Loader): pass\n"
+              "yaml.load(s, Loader=Mine)\nyaml.load(s, Loader=Yours)\n")
     assert [f.split(": ")[1] for f in unsafe_calls(source)] == [
         "np.load(allow_pickle=True)", "yaml.load without a safe Loader", "yaml.load without a safe Loader", "eval()", "exec()",
-        "torch.load without weights_only=True"]
+        "torch.load without weights_only=True", "yaml.load without a safe Loader"]
 
 
 class _Payload:
