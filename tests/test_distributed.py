@@ -188,6 +188,28 @@ def test_a_vgpmil_pr_checkpoint_of_bare_warm_starts_resumes(client, toy_store):
     assert_same_fit(resumed, uninterrupted)
 
 
+def test_a_checkpoint_without_a_fitted_attribute_of_this_version_is_refused_clearly(client, toy_store):
+    """A VGPMIL checkpoint written before ``H_`` existed (session 19) cannot resume: the error says
+    so and names the attribute, instead of an AttributeError from deep in the fit."""
+    from mil_core import persist
+    from tasks.training.checkpoint import _read, _write_bytes
+
+    path, _ = toy_store
+
+    def die(iteration, objective):
+        if iteration == 4:
+            raise ClientDied
+
+    with pytest.raises(ClientDied):
+        fit_cohort(VGPMIL(**FIXED_KERNEL), path, client, run="older", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    group = zarr.open_group(path, mode="a")["training/older"]
+    model, scaling = _read(group, "model")
+    del model.H_  # as the previous version wrote it
+    _write_bytes(group, "model", persist.dumps((model, scaling)))
+    with pytest.raises(ValueError, match=r"training/older was written by an older gpmil: its VGPMIL has no 'H_'.*new run name"):
+        fit_cohort(VGPMIL(**FIXED_KERNEL), path, client, run="older", partition_bytes=2_000, checkpoint_every=3)
+
+
 def test_resuming_with_another_configuration_is_refused(client, toy_store):
     path, _ = toy_store
     fit_cohort(VGPMIL(**PARAMS), path, client, run="r", partition_bytes=2_000)

@@ -118,7 +118,13 @@ def fit_cohort(
         check_feature_dimension(model, cohort)
         if (scaling is not None) != standardize:
             raise ValueError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; use a new run name")
-        updates = model._make_updates(getattr(model, "gp_", None))
+        try:
+            updates = model._make_updates(getattr(model, "gp_", None))
+        except AttributeError as error:  # a fitted attribute added since the checkpoint was written
+            if error.obj is not model:
+                raise
+            raise ValueError(f"checkpoint {store}/training/{run} was written by an older gpmil: its {type(model).__name__} "
+                             f"has no {error.name!r}, which this version needs to resume; use a new run name") from None
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
