@@ -17,6 +17,7 @@ from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
 from mil_core.metrics import binary_auc
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
+from mil_core.models.vgpmil import VGPMIL_VARIANCES
 from mil_core.models.vgpmil import AUTO_H
 
 from tests.conftest import make_toy_bags
@@ -43,9 +44,9 @@ def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_p
     model = VGPMIL(n_inducing=10, random_state=0)
     model.fit(X, bags, y)
     assert model.kernel is None and model.max_iter == 200  # parameters untouched (scikit-learn)
-    np.testing.assert_array_equal(model.kernel_selection_[:, 0], AUTO_VARIANCES)
+    np.testing.assert_array_equal(model.kernel_selection_[:, 0], VGPMIL_VARIANCES)
     assert np.all((model.kernel_selection_[:, 1] >= 0) & (model.kernel_selection_[:, 1] <= 1))
-    assert model.kernel_.variance in AUTO_VARIANCES
+    assert model.kernel_.variance in VGPMIL_VARIANCES
     assert model.auto_max_iter_ is None or 1 <= model.n_iter_ <= model.auto_max_iter_
     again = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)  # deterministic given the seed
     np.testing.assert_array_equal(again.q_.mean, model.q_.mean)
@@ -63,7 +64,7 @@ def test_h_auto_tries_each_h_beside_every_variance_and_fits_the_chosen_one(monke
     monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append(self.H_) or real(self, gp))
     model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
     assert model.H == "auto" and model.H_ in AUTO_H
-    assert seen[:-1].count(AUTO_H[0]) == seen[:-1].count(AUTO_H[1]) == 6 * len(AUTO_VARIANCES) and seen[-1] == model.H_
+    assert seen[:-1].count(AUTO_H[0]) == seen[:-1].count(AUTO_H[1]) == 6 * len(VGPMIL_VARIANCES) and seen[-1] == model.H_
     tried = {s["H"]: auc for s, auc in model.setting_selection_}
     assert set(tried) == set(AUTO_H) and tried[1e12] > tried[100.0]
     assert model.H_ == 1e12 and tried[1e12] == np.nanmax(model.kernel_selection_[:, 1])
@@ -80,6 +81,19 @@ def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_ba
     assert fixed.H_ == 100.0 and fixed.setting_selection_ == []
     gv = GVGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
     assert gv.H == 1e12 and gv.H_ == 1e12 and gv.setting_selection_ == []  # one H: nothing to choose
+
+
+def test_without_two_bags_of_each_class_the_kernel_is_the_middle_of_the_grid(toy_bags):
+    """The choice needs two bags of each class; without them the variance is the middle of the
+    model's grid (the lower of two): 4 for VGPMIL's five and VGPMILPR's four, ⅛ for G-VGPMIL's."""
+    X, bags, y, _ = toy_bags
+    keep = np.isin(bags, [*np.unique(bags[y == 0]), np.unique(bags[y == 1])[0]])  # one positive bag
+    X, bags, y = X[keep], bags[keep], y[keep]
+    for model, variance in ((VGPMIL(), 4.0), (VGPMILPR(), 4.0), (GVGPMIL(), 0.125)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.set_params(n_inducing=10, max_iter=3, random_state=0).fit(X, bags, y)
+        assert model.kernel_.variance == variance and model.kernel_selection_.shape == (0, 2), type(model).__name__
 
 
 @pytest.mark.parametrize("H", [1.0, 0.5, -3, "big", None])
@@ -377,8 +391,8 @@ def test_gvgpmil_choice_leans_to_the_smaller_variance_and_vgpmil_takes_the_best_
 
 
 def test_the_kernel_choice_places_the_inducing_points_once_per_split(monkeypatch):
-    """The candidates of one split (4 variances) fit on the same training half with the same seed,
-    so they share one k-means: 6 splits + the final fit = 7 k-means runs, not 25."""
+    """The candidates of one split (5 variances × 2 H) fit on the same training half with the same
+    seed, so they share one k-means: 6 splits + the final fit = 7 k-means runs, not 61."""
     import mil_core.models.base as base
 
     X, bags, y, _ = make_toy_bags(16)
@@ -386,4 +400,4 @@ def test_the_kernel_choice_places_the_inducing_points_once_per_split(monkeypatch
     real = base.kmeans_inducing_points
     monkeypatch.setattr(base, "kmeans_inducing_points", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = VGPMIL(n_inducing=8, max_iter=10, random_state=0).fit(X, bags, y)
-    assert len(calls) == 7 and model.kernel_selection_.shape == (4, 2)
+    assert len(calls) == 7 and model.kernel_selection_.shape == (5, 2)

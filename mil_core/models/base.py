@@ -271,8 +271,8 @@ class SparseGPMILBase(BaseEstimator):
         With ``kernel=None`` and the bags' CSR ``offsets`` (whole bags in ``X_train``; and ``coords``
         for models that read them), the kernel variance is chosen by :meth:`_select_kernel` on the
         bags of :func:`choice_bags`, or on ``choice`` (those bags, read by an executor whose
-        ``X_train`` is a sample of the training bags); otherwise it is the second of
-        :meth:`_auto_variances` (4 for most models).
+        ``X_train`` is a sample of the training bags); otherwise it is the middle of
+        :meth:`_auto_variances` (the lower of two middles; 4 for most models).
         Also the entry point of executors that train outside :meth:`fit` (``tasks.training``).
         """
         self.n_features_in_ = X_train.shape[1]
@@ -287,7 +287,8 @@ class SparseGPMILBase(BaseEstimator):
                 choice = BagBlock(X=X_choice, offsets=choice_offsets, labels=labels[picked],
                                   coords=None if coords is None else take_bags(coords, offsets, picked)[0])
             kernel = self._select_kernel(to_numpy(choice.X), choice.offsets, np.asarray(choice.labels), choice.coords)
-        self.kernel_ = (kernel or RBF(variance=self._auto_variances()[1])).resolve(self.n_features_in_)
+        grid = self._auto_variances()
+        self.kernel_ = (kernel or RBF(variance=grid[(len(grid) - 1) // 2])).resolve(self.n_features_in_)
         if inducing is None:
             inducing = kmeans_inducing_points(X_host, instance_labels, min(self.n_inducing, X_host.shape[0]),
                                               random_state=self.random_state)

@@ -30,14 +30,19 @@ from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, Whitened
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
 from ..predictive import probit_scale, sample_latent
-from .base import BagRuleChoice, SparseGPMILBase, store_params
+from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
 
-__all__ = ["AUTO_H", "PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
+__all__ = ["AUTO_H", "VGPMIL_VARIANCES", "PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
 
 AUTO_H: tuple[float, ...] = (100.0, 1e12)
 """Bag-likelihood odds that ``H="auto"`` chooses from with the kernel; the first is used with a
 fixed kernel (``docs/MODELS.md``, "The bag likelihood's H")."""
+
+VGPMIL_VARIANCES: tuple[float, ...] = (0.25, *AUTO_VARIANCES)
+"""Kernel variances that VGPMIL's and ψ-VGPMIL's ``kernel=None`` tries: the common grid and ¼
+below it, which the held-out set whose witnesses lie outside a sphere wants
+(``docs/MODELS.md``, "Automatic defaults")."""
 
 @dataclass(frozen=True)
 class PsiStats(Summable):
@@ -134,6 +139,9 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
             raise ValueError(f"H must be 'auto' or a number > 1 (the bag-likelihood odds), got {self.H!r}")
         self.H_ = AUTO_H[0] if isinstance(self.H, str) else float(self.H)
         return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing)
+
+    def _auto_variances(self) -> tuple[float, ...]:
+        return VGPMIL_VARIANCES
 
     def _auto_settings(self) -> tuple[dict[str, Any], ...]:
         """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance."""
@@ -269,7 +277,7 @@ _COMMON_PARAMS = """
         fewer instances makes every instance one (the exact GP); a warning says so when
         ``n_inducing`` is not the default.
     kernel : RBF or None
-        Kernel; ``None`` (default) chooses the variance v ∈ {1, 4, 16, 64} (G-VGPMIL: 1/32 … 2,
+        Kernel; ``None`` (default) chooses the variance v ∈ {¼, 1, 4, 16, 64} (G-VGPMIL: 1/32 … 2,
         see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, the number of sweeps and
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
@@ -477,7 +485,7 @@ class GVGPMIL(_LogisticGPMIL):
     def _auto_variances(self) -> tuple[float, ...]:
         """``kernel=None`` tries v ∈ v_max·(1/64, 1/16, 1/4, 1) with ``v_max = 4α² − 2β`` (α = β = 1:
         1/32 … 2): below it every instance has a finite fixed point (Notes), whatever its position.
-        The grid is the logistic family's (×4 steps over a 64× range) hung from the bound: the
+        The grid is the common one (×4 steps over a 64× range) hung from the bound: the
         earlier 8× range (0.25 … 2) could not reach the small variances that the noisy Fox-like set
         (v = 1/32: 0.628 bag AUC against 0.615 at 0.25) and the text-like set (1/8: 0.878 against
         0.862) want, while MUSK1 and digits want 0.5–2 (``docs/MODELS.md``).
@@ -486,10 +494,10 @@ class GVGPMIL(_LogisticGPMIL):
         ``c² = f² + s`` (Eq. 38), i.e. ``f²/2 + 2αf + β + s/2 = 0``, which has a real root only
         when ``s ≤ 4α² − 2β``. Far from the inducing points s is the prior variance v, so a larger
         v lets those instances run to f → −∞ (the large-bag collapse to bag AUC 0.50,
-        ``docs/MODELS.md``). Where ``4α² − 2β ≤ 0`` no variance is safe and the logistic
-        family's grid is kept."""
+        ``docs/MODELS.md``). Where ``4α² − 2β ≤ 0`` no variance is safe and the common grid
+        (:data:`~mil_core.models.base.AUTO_VARIANCES`) is kept."""
         bound = 4.0 * self.alpha**2 - 2.0 * self.beta
-        return tuple(bound * f for f in (1 / 64, 1 / 16, 0.25, 1.0)) if bound > 0 else super()._auto_variances()
+        return tuple(bound * f for f in (1 / 64, 1 / 16, 0.25, 1.0)) if bound > 0 else AUTO_VARIANCES
 
     def _smaller_variance_within_se(self) -> float:
         """½: a smaller variance within half a standard error of the best point is chosen. Here the
