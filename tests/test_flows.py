@@ -177,8 +177,8 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     assert not info["converged"] and info["n_iter"] == info["chosen_sweeps"] < 40
     # what the defaults chose on the training bags, in model.json, the CLI line and the report
     choices = info["choices"]
-    assert set(choices["held_out_auc_by_variance"]) == {"1", "4", "16", "64"}
-    assert str(int(choices["kernel_variance"])) in choices["held_out_auc_by_variance"]
+    assert set(choices["held_out_auc_by_variance"]) == {"0.25", "1", "4", "16", "64"}
+    assert f"{choices['kernel_variance']:g}" in choices["held_out_auc_by_variance"]
     assert choices["bag_rule"] == "top_fraction" and choices["bag_rule_chosen"]  # VGPMIL's default "auto" kept it here
     assert set(choices["held_out_auc_by_H"]) == {"100", "1e+12"} and f"{choices['H']:g}" in choices["held_out_auc_by_H"]
     assert f"VGPMIL on 30 bags, {info['n_iter']} iterations (the sweeps chosen with the kernel), bag rule top_fraction" in lines[0]

@@ -141,6 +141,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing)
 
     def _auto_variances(self) -> tuple[float, ...]:
+        """:data:`VGPMIL_VARIANCES` (G-VGPMIL overrides it with a grid under its bound)."""
         return VGPMIL_VARIANCES
 
     def _auto_settings(self) -> tuple[dict[str, Any], ...]:
