@@ -421,7 +421,7 @@ def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | 
     model section, before the model check imports mil_core."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}  # noqa: S506 (a SafeLoader)
+        raw = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file not found") from None
     except yaml.YAMLError as error:
