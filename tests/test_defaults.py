@@ -17,8 +17,7 @@ from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
 from mil_core.metrics import binary_auc
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
-from mil_core.models.vgpmil import VGPMIL_VARIANCES
-from mil_core.models.vgpmil import AUTO_H
+from mil_core.models.vgpmil import AUTO_H, VGPMIL_VARIANCES
 
 from tests.conftest import make_toy_bags
 

@@ -145,19 +145,23 @@ class ClientDied(Exception):
     pass
 
 
-def fit_and_interrupt(model_class, path, client, run):
-    """The uninterrupted fit (run ``reference``), and run ``run`` of the same model killed on the
-    client at iteration 8 with checkpoints every 3 (its latest: 6). A fixed kernel: all 12 sweeps
-    run (kernel=None may stop before 8)."""
-    uninterrupted = model_class(**FIXED_KERNEL)
-    fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
-
+def interrupt(model_class, path, client, run, at):
+    """Run ``run`` of ``model_class(**FIXED_KERNEL)`` killed on the client at iteration ``at``, with
+    checkpoints every 3. A fixed kernel: all 12 sweeps run (kernel=None may stop before ``at``)."""
     def die(iteration, objective):
-        if iteration == 8:
+        if iteration == at:
             raise ClientDied
 
     with pytest.raises(ClientDied):
         fit_cohort(model_class(**FIXED_KERNEL), path, client, run=run, partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+
+
+def fit_and_interrupt(model_class, path, client, run):
+    """The uninterrupted fit (run ``reference``), and run ``run`` of the same model killed at
+    iteration 8 (its latest checkpoint: 6)."""
+    uninterrupted = model_class(**FIXED_KERNEL)
+    fit_cohort(uninterrupted, path, client, run="reference", partition_bytes=2_000, resume=False)
+    interrupt(model_class, path, client, run, at=8)
     assert zarr.open_group(path, mode="r")[f"training/{run}"].attrs["latest"] == 6
     return uninterrupted
 
@@ -195,13 +199,7 @@ def test_a_checkpoint_without_a_fitted_attribute_of_this_version_is_refused_clea
     from tasks.training.checkpoint import _read, _write_bytes
 
     path, _ = toy_store
-
-    def die(iteration, objective):
-        if iteration == 4:
-            raise ClientDied
-
-    with pytest.raises(ClientDied):
-        fit_cohort(VGPMIL(**FIXED_KERNEL), path, client, run="older", partition_bytes=2_000, checkpoint_every=3, on_iteration=die)
+    interrupt(VGPMIL, path, client, "older", at=4)
     group = zarr.open_group(path, mode="a")["training/older"]
     model, scaling = _read(group, "model")
     del model.H_  # as the previous version wrote it
