@@ -82,13 +82,17 @@ def fit_predict_embedded_gpmil(train, test, **params):
     ``attention``: the GP's probabilities pooled by the attention alone; ``network``: the
     network's own bag probability; then the GP's own bag rules on the same fit. Instance scores:
     the default mixture of the networks and the GPs, and the GPs' (``gp``) and the networks'
-    (``network``) alone."""
+    (``network``) alone. A fit that kept the GP on the input features (``representation_``, printed
+    to stderr with the two AUCs it compared) has no attention pooling: its ``attention`` row holds
+    its default probabilities."""
     from bench_accuracy import Prediction
 
     model = EmbeddedGPMIL(random_state=SEED, **params).fit(train.X, train.bags, train.y)
+    print(f"representation {model.representation_}: held-out AUC {model.representation_auc_}", file=sys.stderr, flush=True)
     p = model.predict_bag_proba(test.X, test.bags)[1]
     scores = {"default": p, "uncalibrated": _uncalibrated(p, model)}
-    scores["attention"] = model.predict_bag_proba(test.X, test.bags, rule="attention")[1]
+    features = model.representation_ == "features"
+    scores["attention"] = p if features else model.predict_bag_proba(test.X, test.bags, rule="attention")[1]
     scores["network"] = model.predict_bag_proba(test.X, test.bags, rule="network")[1]
     for rule in GP_RULES:
         scores[rule] = model.predict_bag_proba(test.X, test.bags, method="probit", rule=rule)[1]

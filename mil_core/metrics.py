@@ -1,4 +1,4 @@
-"""The ROC AUC of the inner model-selection loops, without scikit-learn's per-call validation."""
+"""The ROC AUC of the inner model-selection loops, without scikit-learn's per-call validation, and its spread under chance."""
 
 from __future__ import annotations
 
@@ -19,3 +19,13 @@ def binary_auc(labels: np.ndarray, scores: np.ndarray) -> float:
         raise ValueError("the AUC needs labels of both classes")
     ranks = rankdata(np.asarray(scores, dtype=np.float64))
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def chance_auc_std(labels: np.ndarray) -> float:
+    """Standard deviation of the AUC of scores unrelated to 0/1 ``labels`` (the Mann–Whitney
+    statistic under the null, no ties): ``sqrt((n₁ + n₀ + 1) / (12 n₁ n₀))``. An AUC within two of
+    them of ½ is not distinguishable from chance."""
+    labels = np.asarray(labels).astype(bool)
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    return float(np.sqrt((n_pos + n_neg + 1) / (12.0 * n_pos * n_neg)))

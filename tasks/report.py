@@ -153,11 +153,17 @@ def model_choices(model: Any) -> dict[str, Any]:
     (an ARD kernel: the features with the shortest scales, ``shortest_length_scales``),
     the mean held-out bag AUC of each variance the choice tried (``kernel_selection_``), the
     bag rule in use (``bag_rule_``; ``bag_rule="auto"`` chose it) and the logistic family's
-    bag-likelihood odds (``H_``; with ``H="auto"`` the choice's best AUC per H). EmbeddedGPMIL: each member GP's,
-    under ``"members"``. Empty for a model that has none of these."""
+    bag-likelihood odds (``H_``; with ``H="auto"`` the choice's best AUC per H). EmbeddedGPMIL: each
+    member GP's, under ``"members"``, and the representation they see with the two out-of-fold AUCs
+    that chose it. Empty for a model that has none of these."""
     members = getattr(model, "gps_", None)
     if members is not None:
-        return {"members": [model_choices(gp) for gp in members]}
+        choices = {"members": [model_choices(gp) for gp in members]}
+        if hasattr(model, "representation_auc_"):
+            choices["representation"] = model.representation_
+            choices["representation_held_out_auc"] = {k: None if np.isnan(v) else round(float(v), 4)
+                                                      for k, v in model.representation_auc_.items()}
+        return choices
     choices: dict[str, Any] = {}
     kernel = getattr(model, "kernel_", None)
     if kernel is not None and hasattr(kernel, "variance"):
@@ -195,6 +201,13 @@ def _aucs_text(aucs: dict[str, float | None]) -> str:
 
 def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> str:
     """One sentence of the report on :func:`model_choices` (and the sweeps ``kernel=None`` chose)."""
+    if "representation" in choices:
+        aucs = {k: "not measured" if v is None else f"{v:.3f}" for k, v in choices["representation_held_out_auc"].items()}
+        kept = ("Its GPs see the input features, not the networks' embeddings"
+                if choices["representation"] == "features" else "Its GPs see the networks' embeddings")
+        rest = choices_text({k: v for k, v in choices.items() if not k.startswith("representation")}, chosen_sweeps)
+        return (f"{kept} (out-of-fold bag AUC of the networks {aucs['embedding']}, of GPs on the input features "
+                f"{aucs['features']}). {rest}").strip()
     if "members" in choices:
         members = choices["members"]
         variances = ", ".join(f"{c['kernel_variance']:g}" for c in members if "kernel_variance" in c)

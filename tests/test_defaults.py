@@ -15,7 +15,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
-from mil_core.metrics import binary_auc
+from mil_core.metrics import binary_auc, chance_auc_std
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
 from mil_core.models.vgpmil import AUTO_H, VGPMIL_VARIANCES
 
@@ -252,6 +252,14 @@ def test_the_choices_auc_equals_scikit_learns_with_ties():
             assert binary_auc(labels, scores) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
     with pytest.raises(ValueError, match="both classes"):
         binary_auc(np.ones(4), np.arange(4.0))
+
+
+def test_the_chance_std_of_the_auc_is_that_of_random_scores():
+    rng = np.random.default_rng(1)
+    for n_pos, n_neg in ((37, 36), (60, 60), (5, 40)):
+        labels = np.r_[np.ones(n_pos), np.zeros(n_neg)]
+        aucs = [binary_auc(labels, rng.permutation(labels.size).astype(float)) for _ in range(4000)]
+        assert chance_auc_std(labels) == pytest.approx(np.std(aucs), rel=0.05)
 
 
 def test_gvgpmil_kernel_choice_stays_below_the_variance_where_negatives_run_away():

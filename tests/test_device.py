@@ -148,9 +148,12 @@ def assert_attention_networks_match_the_host(to_device, X, bags, y) -> list:
 
     network = dict(hidden=(8,), n_components=4, max_epochs=3, random_state=0)
     fits = []
-    for cls, params in ((ABMIL, network), (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP, kernel=RBF(4.0)), "n_networks": 2})):
+    for cls, params in ((ABMIL, network), (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP, kernel=RBF(4.0)), "n_networks": 2}),
+                        (EmbeddedGPMIL, {**network, "gp": VGPMIL(**GP), "n_networks": 2})):  # kernel choice: the GPs on X kept
         on_host = cls(**params).fit(X, bags, y)
         on_device = cls(**params).fit(to_device(X), bags, y)
+        if "gp" in params:
+            assert on_device.representation_ == on_host.representation_ == ("embedding" if params["gp"].kernel else "features")
         _, p_device = on_device.predict_bag_proba(to_device(X), bags)
         np.testing.assert_allclose(p_device, on_host.predict_bag_proba(X, bags)[1], rtol=1e-7, err_msg=cls.__name__)
         np.testing.assert_allclose(on_device.predict_instance_proba(to_device(X)), on_host.predict_instance_proba(X),

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy.special import expit
+from scipy.special import expit, logit
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
-from mil_core import ABMIL, VGPMIL, EmbeddedGPMIL
+from mil_core import ABMIL, RBF, VGPMIL, EmbeddedGPMIL
 from mil_core.attention import (
     FITTED_LOSS_FRACTION,
     _single_bag_logit,
@@ -26,6 +26,7 @@ from mil_core.attention import (
     training_loss,
 )
 from mil_core.calibration import expected_calibration_error, fit_platt, reliability_bins
+from mil_core.metrics import chance_auc_std
 from mil_core.persist import load, save
 from tests.conftest import make_toy_bags
 
@@ -245,7 +246,7 @@ def test_members_are_capped_at_the_smaller_class(data):
     X, bags, y, _ = make_toy_bags(12, seed=3)
     labels = np.array([y[bags == k][0] for k in np.unique(bags)])
     model = small_model(n_networks=50, max_epochs=3).fit(X, bags, y)
-    assert len(model.gps_) == np.bincount(labels).min()
+    assert len(model.network_states_) == np.bincount(labels).min()
 
 
 def test_without_calibration_the_score_is_the_plain_average(data):
@@ -548,6 +549,156 @@ def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
         ModelConfig(name="EmbeddedGPMIL", params={"gp": "VGPMIL"})
 
 
+# ------------------------------------------------ the representation: the embedding or the input features
+def norm_witness_bags(n_bags: int, seed: int):
+    """Bags of 4–9 instances in 4 dimensions, all N(0, I) but a positive bag's 1–2 witnesses, which
+    are 3× longer (the ``hastie`` benchmark's kind of witness: the norm alone tells). Returns
+    ``X, bag_ids, y, instance_labels`` as :func:`make_toy_bags`."""
+    rng = np.random.default_rng(seed)
+    X, bags, y, inst = [], [], [], []
+    for b in range(n_bags):
+        size, label = int(rng.integers(4, 10)), b % 2
+        n_pos = int(rng.integers(1, 3)) if label else 0
+        x = rng.normal(size=(size, 4))
+        x[:n_pos] *= 3.0
+        X.append(x)
+        bags += [b] * size
+        y += [label] * size
+        inst += [1] * n_pos + [0] * (size - n_pos)
+    return np.concatenate(X), np.array(bags), np.array(y), np.array(inst)
+
+
+BLIND = {"learning_rate": 1e-6, "max_epochs": 3}  # networks that learn nothing: the embedding ranks near chance
+
+
+@pytest.fixture(scope="module")
+def on_features():
+    X, bags, y, _ = norm_witness_bags(40, seed=0)
+    return small_model(**BLIND).fit(X, bags, y), (X, bags, y)
+
+
+def _features_evidence(gp, X, bags):
+    """``logit p_b`` of a member GP on the input features, bags in ``np.unique`` order."""
+    return logit(np.clip(gp.predict_bag_proba(X, bags)[1], 1e-9, 1 - 1e-9))
+
+
+def test_auto_keeps_the_gps_on_the_input_features_where_they_score_higher_out_of_fold(on_features, tmp_path):
+    model, (X, bags, y) = on_features
+    assert model.representation == "auto" and model.representation_ == "features"
+    keys, labels = np.unique(bags), _bag_labels(bags, y)
+    assert model.representation_auc_["embedding"] <= 0.5 + 2 * chance_auc_std(labels)  # within chance: look at X
+    assert model.representation_auc_["features"] > model.representation_auc_["embedding"]
+    assert len(model.gps_) == len(model.network_states_) == 5
+    scores, truth = [], []
+    for k, gp in enumerate(model.gps_):  # member k's GP trained on the input features of its training bags only
+        assert gp.random_state == (model._seeds()[1] + 5 + k) % (2**31 - 1)  # seeded after the GPs on the embeddings
+        rows = np.isin(bags, keys[model.gp_training_bags(k, keys.size)])
+        expected = clone(model.gp).set_params(random_state=gp.random_state).fit(X[rows], bags[rows], y[rows])
+        np.testing.assert_allclose(gp.q_.mean, expected.q_.mean, rtol=1e-10, atol=1e-12)
+        held_out = np.isin(bags, keys[model.validation_bags_[k]])
+        scores.append(_features_evidence(gp, X[held_out], bags[held_out]))
+        truth.append(labels[model.validation_bags_[k]])
+    scores, truth = np.concatenate(scores), np.concatenate(truth)
+    assert model.representation_auc_["features"] == pytest.approx(roc_auc_score(truth, scores), rel=1e-12)
+    assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx(fit_platt(scores, truth), rel=1e-6)
+
+    X_test, bags_test, y_test, instance_labels = norm_witness_bags(30, seed=1)
+    score = np.mean([_features_evidence(gp, X_test, bags_test) for gp in model.gps_], axis=0)
+    keys_test, p, sd = model.predict_bag_proba(X_test, bags_test, return_std=True)
+    np.testing.assert_allclose(p, expit(model.calibration_slope_ * score + model.calibration_intercept_), rtol=1e-10)
+    assert np.all((sd > 0) & (sd <= np.sqrt(p * (1 - p)) + 1e-12))
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test, rule="max", method="probit")[1],
+                               np.mean([gp.predict_bag_proba(X_test, bags_test, rule="max", method="probit")[1]
+                                        for gp in model.gps_], axis=0), rtol=1e-12)
+    np.testing.assert_allclose(model.predict_instance_proba(X_test),  # the GPs' mixture: the networks found less
+                               np.mean([gp.predict_instance_proba(X_test) for gp in model.gps_], axis=0), rtol=1e-12)
+    assert roc_auc_score(_bag_labels(bags_test, y_test), p) > 0.8
+    assert roc_auc_score(instance_labels, model.predict_instance_proba(X_test)) > 0.8
+    # the networks are kept and still answer for themselves; attention pooling needs GPs on the embeddings
+    assert not np.allclose(model.predict_bag_proba(X_test, bags_test, rule="network")[1], p)
+    with pytest.raises(ValueError, match="representation_='features'"):
+        model.predict_bag_proba(X_test, bags_test, rule="attention")
+    restored = load(save(model, tmp_path / "model"))
+    assert restored.representation_ == "features"
+    np.testing.assert_array_equal(restored.predict_bag_proba(X_test, bags_test, return_std=True)[2], sd)
+
+
+def test_auto_keeps_an_embedding_that_ranks_above_chance_without_fitting_gps_on_the_features(fitted, data):
+    (X, bags, y, _), _ = data
+    assert fitted.representation == "auto" and fitted.representation_ == "embedding"
+    assert fitted.representation_auc_["embedding"] > 0.5 + 2 * chance_auc_std(_bag_labels(bags, y))
+    assert np.isnan(fitted.representation_auc_["features"]) and len(fitted.gps_) == 5
+
+
+def test_representation_embedding_and_a_fixed_kernel_compare_nothing(on_features):
+    """``representation="embedding"`` fits no GP on the input features; neither does ``"auto"`` with a
+    GP of fixed kernel (it makes no choice of its own): both keep the ensemble, NaN for what was not measured."""
+    model, (X, bags, y) = on_features
+    embedding = clone(model).set_params(representation="embedding").fit(X, bags, y)
+    fixed = clone(model).set_params(gp=VGPMIL(n_inducing=10, max_iter=20, kernel=RBF(variance=4.0))).fit(X, bags, y)
+    keys, labels = np.unique(bags), _bag_labels(bags, y)
+    scores, truth = [], []  # the ensemble's out-of-fold scores, which its calibration is fitted on
+    for k, val in enumerate(embedding.validation_bags_):
+        rows = np.isin(bags, keys[val])
+        scores.append(_member_score(embedding, k, X[rows], bags[rows]))
+        truth.append(labels[val])
+    assert embedding.representation_auc_["embedding"] == pytest.approx(roc_auc_score(np.concatenate(truth), np.concatenate(scores)))
+    assert model.representation_auc_["embedding"] == embedding.representation_auc_["embedding"]  # the same ensemble
+    for other in (embedding, fixed):
+        assert other.representation_ == "embedding" and np.isnan(other.representation_auc_["features"])
+        assert len(other.gps_) == len(other.network_states_) == 5
+    with pytest.raises(ValueError, match="representation must be one of"):
+        clone(model).set_params(representation="features").fit(X, bags, y)
+
+
+def test_the_report_says_which_representation_was_kept(on_features, fitted):
+    from tasks import report
+
+    model, _ = on_features
+    choices = report.model_choices(model)
+    assert choices["representation"] == "features" and len(choices["members"]) == 5
+    assert [m["kernel_variance"] for m in choices["members"]] == [gp.kernel_.variance for gp in model.gps_]
+    assert choices["representation_held_out_auc"] == {k: round(v, 4) for k, v in model.representation_auc_.items()}
+    assert report.choices_text(choices).startswith(
+        "Its GPs see the input features, not the networks' embeddings (out-of-fold bag AUC of the networks "
+        f"{model.representation_auc_['embedding']:.3f}, of GPs on the input features {model.representation_auc_['features']:.3f}). "
+        "Its 5 member GPs chose from their training bags: kernel variances")
+    ensemble = report.model_choices(fitted)
+    assert ensemble["representation"] == "embedding" and len(ensemble["members"]) == 5
+    assert report.choices_text(ensemble).startswith("Its GPs see the networks' embeddings (out-of-fold bag AUC of the networks ")
+
+
+def test_pipeline_fit_on_a_store_keeps_the_gps_on_the_input_features_as_fit_does(tmp_path, on_features):
+    """``fit_cohort_embedded`` makes the same choice as ``fit``: each member's GPs on the embeddings
+    and on the input features through the Dask executor (runs ``…-member<k>``, ``…-features<k>``),
+    the latter kept, predictions those of ``fit``."""
+    from distributed import Client, LocalCluster
+
+    from tasks.prefect_tasks import TrainedModel, load_model, save_model
+    from tasks.training import predict_cohort, read_predictions
+    from tasks.training.embedded import fit_cohort_embedded
+    from tests.test_distributed import write_store
+
+    _, (X, bags, y) = on_features
+    X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
+    path = write_store(tmp_path / "norm.zarr", X, bags, y)
+    serial = small_model(n_networks=2, **BLIND).fit(X, bags, y)
+    assert serial.representation_ == "features"
+    model = small_model(n_networks=2, **BLIND)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        summary = fit_cohort_embedded(model, path, client, run="emb", partition_bytes=2_000)
+        assert model.representation_ == "features" and len(model.gps_) == 2
+        assert model.representation_auc_ == pytest.approx(serial.representation_auc_, rel=1e-6)
+        for gp, serial_gp in zip(model.gps_, serial.gps_, strict=True):
+            np.testing.assert_allclose(gp.q_.mean, serial_gp.q_.mean, rtol=1e-6, atol=1e-8)
+        assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx(
+            (serial.calibration_slope_, serial.calibration_intercept_), rel=1e-6)
+        assert all((tmp_path / "norm.zarr" / "training" / run).exists() for run in ("emb-member1", "emb-features1"))
+        save_model(tmp_path / "model", TrainedModel(model, summary.scaling))
+        predict_cohort(load_model(tmp_path / "model").estimator, path, client, run="p", partition_bytes=2_000)
+    np.testing.assert_allclose(read_predictions(path, "p")["bags/proba"], serial.predict_bag_proba(X, bags)[1], rtol=1e-6)
+
+
 def test_default_gp_fits_a_cohort_smaller_than_its_inducing_points():
     """A small cohort (16 bags, ~90 instances; each member's GP sees ~60) fits with the default GP's
     100 inducing points: every member's training instance becomes one, the documented exact GP,
@@ -556,7 +707,7 @@ def test_default_gp_fits_a_cohort_smaller_than_its_inducing_points():
     assert X.shape[0] * 0.8 < 100
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="n_inducing")
-        model = EmbeddedGPMIL(**(NET | {"random_state": 0})).fit(X, bags, y)
+        model = EmbeddedGPMIL(**(NET | {"random_state": 0, "representation": "embedding"})).fit(X, bags, y)
     for k, gp in enumerate(model.gps_):
         assert gp.gp_.Z.shape[0] == np.isin(bags, np.unique(bags)[model.gp_training_bags(k, 16)]).sum()
     assert roc_auc_score(instance_labels, model.predict_instance_proba(X)) > 0.8

@@ -22,8 +22,10 @@ from tests.test_flows import cohort, write_config  # noqa: F401  (the fixture)
 pytest.importorskip("torch", reason='training the network needs the optional extra "torch"')
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("prefect_server")]
 
+# The ensemble's path (member GPs on the embeddings); a fit that keeps the GP on the input features
+# is test_embedded.py's (representation="auto" would keep it on these bags).
 PARAMS = {"n_networks": 2, "n_components": 4, "hidden": [16], "attention_dim": 8, "learning_rate": 0.01, "max_epochs": 15, "random_state": 0,
-          "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 10, "random_state": 0}}}
+          "representation": "embedding", "gp": {"name": "VGPMIL", "params": {"n_inducing": 10, "max_iter": 10, "random_state": 0}}}
 
 
 def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp_path, cohort):  # noqa: F811

@@ -5,7 +5,9 @@ model is fitted on the instance embeddings ``h_n = f_emb(x_n)``, as seed 000 doe
 features and VGPMIL / G-VGPMIL. The GP gives the instance probabilities and their uncertainty;
 the default bag probability averages the network's and the GP's bag evidence. A small
 cross-fitted ensemble of such (network, GP) pairs cuts the variance of small data sets and gives
-every training bag an out-of-fold score, on which the bag probability is calibrated.
+every training bag an out-of-fold score, on which the bag probability is calibrated. Where the
+networks find less in the bags than the GP finds in the input features, the fit keeps the same
+cross-fitted ensemble of GPs on the input features instead (``representation="auto"``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,22 @@ from sklearn.utils.validation import check_is_fitted
 from .._backend import to_numpy
 from ..attention import attention_weights, bag_logits, instance_logits, network_arrays
 from ..bags import segment_sum
+from ..metrics import binary_auc, chance_auc_std
 from ..validation import check_mil_data, standardisation
 from .attention_mil import AttentionNetworkParams
 from .base import store_params, take_bags
 from .vgpmil import VGPMIL
 
-__all__ = ["EmbeddedGPMIL", "default_gp"]
+__all__ = ["EmbeddedGPMIL", "REPRESENTATIONS", "default_gp"]
+
+REPRESENTATIONS = ("auto", "embedding")
+"""``EmbeddedGPMIL(representation=…)``: choose between the embedding and the input features per
+fit, or always use the embedding."""
+
+_CHANCE_SE = 2.0
+"""``representation="auto"`` looks at the input features only when the ensemble's out-of-fold AUC
+on the embeddings is within this many of its chance standard deviations of ½
+(:func:`mil_core.metrics.chance_auc_std`)."""
 
 
 _PROBA_FLOOR = 1e-9
@@ -44,6 +56,17 @@ def default_gp() -> BaseEstimator:
     ``VGPMIL()`` with its automatic kernel choice. (The pipeline's default model, ``VGPMILPR()``,
     measured level on these embeddings and no faster: ``docs/BENCHMARKS.md``, "Session 12".)"""
     return VGPMIL()
+
+
+def _bag_ids(offsets: np.ndarray) -> np.ndarray:
+    """Bag ``0 … B−1`` of each row of bags in CSR form."""
+    return np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+
+
+def _features_score(gp: BaseEstimator, X: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """A member GP on the input features: its bag evidence ``logit p_b`` (its own bag rule, its
+    default, closed-form probabilities) of bags in CSR form."""
+    return _logit(gp.predict_bag_proba(X, _bag_ids(offsets))[1])
 
 
 class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
@@ -77,6 +100,22 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     Why the average of two evidences: it beats the networks alone on MUSK1, MUSK2, digits and the
     large-bag draw.
 
+    The representation (``representation="auto"``): when the ensemble's out-of-fold scores
+    ``s_b^{k(b)}`` (those the calibration is fitted on) rank the training bags no better than
+    chance can — their AUC within two chance standard deviations of ½
+    (:func:`mil_core.metrics.chance_auc_std`: 0.61 with 60 bags per class) — member ``k`` also fits a
+    clone of ``gp`` on the *input features* of its training bags, and these GPs replace those on
+    the embeddings if their pooled out-of-fold AUC (each bag scored ``s_b^k = logit p_b^k`` by the
+    GP that did not train on it) is higher; Platt's ``(a, c)`` is then fitted on their scores.
+    Why: where the witness differs from the negatives in a way the networks do not learn from bag
+    labels (``hastie``: only the norm of the features), the ensemble on the embeddings fell below
+    chance while ``VGPMIL()`` on the features did not (``docs/BENCHMARKS.md``, "GP-MIL on learned
+    embeddings"). Why only then: comparing the two on every fit picked the features on near ties
+    (out-of-fold AUC 0.936 against 0.935 on a MUSK1 fold) and lost on the test bags (MUSK1 bag AUC
+    −0.038 on one model seed); where the embedding clearly works it is kept and no GP on the input
+    features is fitted. Nothing is compared when the networks held out no bags or the GP makes no
+    kernel choice (a fixed ``kernel``).
+
     Parameters
     ----------
     gp : estimator or None
@@ -105,6 +144,10 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         assumption, seed 000 §2.1; :func:`mil_core.attention.training_loss`): without it, the bag
         loss reaches an instance only through its attention weight, and on bags of 10³–10⁴
         instances the networks did not learn at all (``docs/BENCHMARKS.md``).
+    representation : {"auto", "embedding"}, default="auto"
+        ``"auto"``: the GPs on the embeddings, or on the input features where the embeddings rank
+        the bags no better than chance out of fold and the features do better (above);
+        ``"embedding"``: always on the embeddings.
     random_state : int, RandomState or None
         Seeds the networks (weights, bag order, folds) and the GPs' clones.
 
@@ -119,8 +162,13 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     embedding_mean_, embedding_scale_ : ndarray of shape (n_members, n_components)
         Standardisation of each member's embeddings (training instances; a dimension with std <
         1e-12 is left unscaled).
+    representation_ : {"embedding", "features"}
+        What the member GPs see: the standardised embeddings, or the input features.
+    representation_auc_ : dict[str, float]
+        The out-of-fold bag AUCs (``"embedding"``: the ensemble's on the embeddings;
+        ``"features"``: the GPs' on the input features, NaN where they were not fitted).
     gps_ : list of estimators
-        Each member's fitted GP-MIL model on the standardised embeddings of its training bags.
+        Each member's fitted GP-MIL model on its training bags, on the representation kept.
     calibration_slope_, calibration_intercept_ : float
         Platt's ``a`` and ``c`` (1 and 0 without calibration).
     n_features_in_, classes_
@@ -142,13 +190,17 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         n_epochs_no_change: int = 10,
         calibration: str | None = "platt",
         negative_instances: bool = True,
+        representation: str = "auto",
         random_state: Any = None,
     ):
         store_params(self, locals())
 
     def fit(self, X: Any, bag_ids: Any, y: Any) -> EmbeddedGPMIL:
-        """Train the members' networks, each member's GP on the embeddings of its training bags,
-        then the calibration on the out-of-fold scores."""
+        """Train the members' networks, each member's GP on the embeddings of its training bags and
+        the calibration on the out-of-fold scores; with ``representation="auto"`` also each
+        member's GP on the input features of its training bags, kept instead (with their own
+        calibration) when they score higher out of fold."""
+        self._check_representation()
         X, bags, labels = check_mil_data(X, bag_ids, y)
         X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
         network_seed, gp_seed = self._seeds()
@@ -156,14 +208,16 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         held_out = self.held_out_embeddings(X_sorted, bags.offsets)
         gps = []
         for member in range(len(self.network_states_)):
-            training = self.gp_training_bags(member, labels.size)
-            X_train, train_offsets = take_bags(X_sorted, bags.offsets, training)
-            sizes = np.diff(train_offsets)
-            gps.append(self.gp_clone(member, gp_seed).fit(self.member_transform(X_train, member),
-                                                          np.repeat(np.arange(training.size), sizes),
-                                                          np.repeat(labels[training], sizes)))
+            X_train, train_ids, y_train = self._member_training_data(X_sorted, bags.offsets, labels, member)
+            gps.append(self.gp_clone(member, gp_seed).fit(self.member_transform(X_train, member), train_ids, y_train))
         self.gps_ = gps
         self.fit_calibration(held_out, labels)
+        embedding_auc = self.out_of_fold_auc(held_out, labels)
+        features_gps = self.features_gp_candidates(gp_seed, embedding_auc, labels)
+        for member, gp in enumerate(features_gps or []):
+            gp.fit(*self._member_training_data(X_sorted, bags.offsets, labels, member))
+        held_out_inputs = None if features_gps is None else self.held_out_inputs(X_sorted, bags.offsets)
+        self.choose_representation(features_gps, held_out_inputs, embedding_auc, labels)
         return self
 
     def fit_embedding(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, *, seed: int) -> EmbeddedGPMIL:
@@ -180,16 +234,23 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         self.embedding_scale_ = np.stack([scale for _, scale in scalings])
         return self
 
+    def held_out_inputs(self, X_sorted: np.ndarray, offsets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each member's held-out bags, ``(rows, offsets)`` in CSR form (input features)."""
+        check_is_fitted(self, "validation_bags_")
+        return [take_bags(np.asarray(X_sorted, dtype=np.float64), np.asarray(offsets), bags) for bags in self.validation_bags_]
+
     def held_out_embeddings(self, X_sorted: np.ndarray, offsets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each member's embedding of its held-out bags, ``(H, offsets)`` in CSR form, for
         :meth:`fit_calibration` (``n_components`` numbers per instance, so the executor need not
         keep the input rows while the GPs train)."""
-        check_is_fitted(self, "validation_bags_")
-        held_out = []
-        for member, bags in enumerate(self.validation_bags_):
-            rows, local = take_bags(np.asarray(X_sorted, dtype=np.float64), np.asarray(offsets), bags)
-            held_out.append((self._embed(rows, member), local))
-        return held_out
+        return [(self._embed(rows, member), local) for member, (rows, local) in enumerate(self.held_out_inputs(X_sorted, offsets))]
+
+    def _member_training_data(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
+                              member: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``X, bag_ids, y`` of member ``member``'s training bags (input features), for a GP's ``fit``."""
+        training = self.gp_training_bags(member, labels.size)
+        X_train, train_offsets = take_bags(X_sorted, offsets, training)
+        return X_train, _bag_ids(train_offsets), np.repeat(labels[training], np.diff(train_offsets))
 
     def gp_training_bags(self, member: int, n_bags: int) -> np.ndarray:
         """The bags (of the ``n_bags`` given to :meth:`fit_embedding`) member ``member``'s GP trains
@@ -204,6 +265,70 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         if "random_state" in gp.get_params(deep=False) and gp.get_params(deep=False)["random_state"] is None:
             gp.set_params(random_state=(seed + member) % (2**31 - 1))
         return gp
+
+    def out_of_fold_auc(self, held_out: list[tuple[np.ndarray, np.ndarray]], labels: np.ndarray) -> float:
+        """The bag AUC of the ensemble's out-of-fold scores ``s_b^{k(b)}`` on ``held_out``
+        (:meth:`held_out_embeddings`; ``labels`` of all bags given to :meth:`fit_embedding`), the
+        scores the calibration is fitted on; NaN without held-out bags of both classes."""
+        check_is_fitted(self, "gps_")
+        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        if np.unique(truth).size < 2:
+            return float("nan")
+        return binary_auc(truth, np.concatenate([self._member_score(k, H, offsets) for k, (H, offsets) in enumerate(held_out)]))
+
+    def features_gp_candidates(self, seed: int, embedding_auc: float, labels: np.ndarray) -> list[BaseEstimator] | None:
+        """The members' unfitted GPs on the input features for ``representation="auto"``: clones of
+        ``gp``, member ``k``'s seeded ``seed + n_members + k`` (after the GPs on the embeddings),
+        each to be fitted on its member's training bags (:meth:`gp_training_bags`). ``None`` when
+        nothing is compared: ``representation="embedding"``, an ``embedding_auc``
+        (:meth:`out_of_fold_auc`; NaN without held-out bags) more than two chance standard
+        deviations above ½ (class docstring), or a GP that makes no kernel choice (a fixed ``kernel``)."""
+        check_is_fitted(self, "validation_bags_")
+        n_members = len(self.validation_bags_)
+        gps = [self.gp_clone(n_members + member, seed) for member in range(n_members)]
+        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        if (self.representation != "auto" or not np.isfinite(embedding_auc)
+                or embedding_auc > 0.5 + _CHANCE_SE * chance_auc_std(truth)
+                or gps[0].get_params(deep=False).get("kernel", "fixed") is not None):
+            return None
+        return gps
+
+    def choose_representation(self, features_gps: list[BaseEstimator] | None,
+                              held_out_inputs: list[tuple[np.ndarray, np.ndarray]] | None,
+                              embedding_auc: float, labels: np.ndarray) -> str:
+        """Keep ``features_gps`` (from :meth:`features_gp_candidates`, member ``k``'s fitted on the
+        input features of its training bags; ``None``: nothing to compare) instead of ``gps_`` when
+        their pooled out-of-fold bag AUC on ``held_out_inputs`` (:meth:`held_out_inputs`; ``labels``
+        of all bags given to :meth:`fit_embedding`) exceeds ``embedding_auc``
+        (:meth:`out_of_fold_auc`). Sets ``representation_`` and ``representation_auc_``, and with
+        ``"features"`` replaces ``gps_`` and the calibration (fitted on the features' out-of-fold
+        scores). Returns ``representation_``. :meth:`fit`'s last step; also the cluster fit's."""
+        check_is_fitted(self, "gps_")
+        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        features, scores = float("nan"), None
+        if features_gps is not None:
+            scores = np.concatenate([_features_score(gp, rows, offsets)
+                                     for gp, (rows, offsets) in zip(features_gps, held_out_inputs, strict=True)])
+            features = binary_auc(truth, scores)
+        self.representation_auc_ = {"embedding": float(embedding_auc), "features": features}
+        self.representation_ = "features" if features > embedding_auc else "embedding"  # False with a NaN: the embedding
+        if self.representation_ == "features":
+            self.gps_ = list(features_gps)
+            self._fit_calibration(lambda: scores, truth)
+        return self.representation_
+
+    def _check_representation(self) -> None:
+        if self.representation not in REPRESENTATIONS:
+            raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {self.representation!r}")
+
+    def _on_features(self) -> bool:
+        """Whether the member GPs are on the input features (a model saved before
+        ``representation`` existed has no ``representation_``: on the embeddings)."""
+        return getattr(self, "representation_", "embedding") == "features"
+
+    def _gp_input(self, X: Any, member: int) -> Any:
+        """What member ``member``'s GP sees of the rows ``X``: the input features or its embedding."""
+        return X if self._on_features() else self.member_transform(X, member)
 
     def fit_calibration(self, held_out: list[tuple[np.ndarray, np.ndarray]], labels: np.ndarray) -> EmbeddedGPMIL:
         """Platt scaling of the out-of-fold ensemble scores: each member's score
@@ -254,19 +379,21 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``rule="gp"``: the mixture of the members' GPs alone (the default until session 12);
         ``rule="network"``: ``σ(mean_k ℓ_n^k)`` (no std; :meth:`ABMIL.predict_instance_proba` of
         the networks trained here). Keyword arguments go to each ``gps_[k].predict_instance_proba``
-        (default its closed form).
+        (default its closed form). With ``representation_ == "features"`` the networks found less
+        than the GPs on the input features, and ``"ensemble"`` is ``"gp"``: the mixture of those GPs.
         """
         check_is_fitted(self, "gps_")
         if rule not in ("ensemble", "gp", "network"):
             raise ValueError(f"rule must be 'ensemble', 'gp' or 'network', got {rule!r}")
         if rule == "network" and (return_std or kwargs):
             raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
-        H = [self._embed(X, k) for k in range(len(self.gps_))]  # once per member, for both experts
-        logits = [] if rule == "gp" else [instance_logits(network_arrays(self.network_states_[k]), h)
-                                          for k, h in enumerate(H)]
+        features = self._on_features() and rule != "network"
+        H = None if features else [self._embed(X, k) for k in range(len(self.network_states_))]  # once per member
+        logits = [] if rule == "gp" or features else [instance_logits(network_arrays(self.network_states_[k]), h)
+                                                      for k, h in enumerate(H)]
         if rule == "network":
             return expit(np.mean(logits, axis=0))
-        gps = [gp.predict_instance_proba(self._standardised(H[k], k), return_std=return_std, **kwargs)
+        gps = [gp.predict_instance_proba(X if features else self._standardised(H[k], k), return_std=return_std, **kwargs)
                for k, gp in enumerate(self.gps_)]
         networks = [expit(logit) for logit in logits]
         if not return_std:
@@ -316,38 +443,52 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         go to the GPs' ``predict_instance_proba``), std the mean of ``sqrt(Σ_n α_n² sd_n²)``
         (independent f*ₙ, the FITC diagonal, as for the noisy-OR std of seed 000 Eq. 37). Any
         other ``rule`` goes, with the keyword arguments, to each member GP's ``predict_bag_proba``
-        on its embedding, and the members' probabilities (and stds) are averaged.
+        on what it sees (its embedding, or the input features), and the members' probabilities (and
+        stds) are averaged.
 
         ``rule="network"``: the networks' own bag probability ``σ(mean_k ℓ_b^k)`` (no std; the
         ABMIL estimate of the networks trained here), for comparison.
+
+        With ``representation_ == "features"`` the member GPs see the input features: ``"ensemble"``
+        is ``p_b = σ(a s_b + c)`` with ``s_b`` the members' mean of ``logit p_b^k``, each member GP's
+        own (closed-form) bag probability, as calibrated; its std by the same delta method with
+        ``a / K`` for ``a / 2K``. ``"attention"`` needs the embeddings and is refused.
         """
         check_is_fitted(self, "gps_")
         X, bags, _ = check_mil_data(X, bag_ids)
         X_sorted = to_numpy(X)[bags.order]
-        members = range(len(self.gps_))
         if rule == "network":
             if return_std or kwargs:
                 raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
-            logits = [bag_logits(network_arrays(self.network_states_[k]), self._embed(X_sorted, k), bags.offsets)
-                      for k in members]
+            logits = [bag_logits(network_arrays(state), self._embed(X_sorted, k), bags.offsets)
+                      for k, state in enumerate(self.network_states_)]
             return bags.keys, expit(np.mean(logits, axis=0))
         if rule not in ("ensemble", "attention"):
-            per_member = [gp.predict_bag_proba(self.member_transform(X, k), bag_ids, return_std=return_std, rule=rule,
+            per_member = [gp.predict_bag_proba(self._gp_input(X, k), bag_ids, return_std=return_std, rule=rule,
                                                **kwargs)[1:] for k, gp in enumerate(self.gps_)]
             return (bags.keys, *np.mean(per_member, axis=0))
         if rule == "ensemble" and kwargs:
             raise ValueError(f"rule='ensemble' uses the GPs' closed-form probabilities it was calibrated with; "
                              f"got keyword arguments {sorted(kwargs)}")
-        H = [self._embed(X_sorted, k) for k in members]
-        pooled = [self._pooled(k, H[k], bags.offsets, return_std, **kwargs) for k in members]
-        if rule == "attention":
-            mean = np.mean([p for p, _ in pooled], axis=0)
-            return (bags.keys, mean, np.mean([sd for _, sd in pooled], axis=0)) if return_std else (bags.keys, mean)
-        score = np.mean([self._member_score(k, H[k], bags.offsets, pooled[k][0]) for k in members], axis=0)
+        members = range(len(self.gps_))
+        if self._on_features():
+            if rule == "attention":
+                raise ValueError("rule='attention' pools GPs on the embeddings by the networks' attention; this fit kept "
+                                 "the GPs on the input features (representation_='features')")
+            outputs = [gp.predict_bag_proba(X_sorted, _bag_ids(bags.offsets), return_std=return_std) for gp in self.gps_]
+            pooled = [(out[1], out[2] if return_std else None) for out in outputs]
+            score, weight = np.mean([_logit(q) for q, _ in pooled], axis=0), 1.0
+        else:
+            H = [self._embed(X_sorted, k) for k in members]
+            pooled = [self._pooled(k, H[k], bags.offsets, return_std, **kwargs) for k in members]
+            if rule == "attention":
+                mean = np.mean([p for p, _ in pooled], axis=0)
+                return (bags.keys, mean, np.mean([sd for _, sd in pooled], axis=0)) if return_std else (bags.keys, mean)
+            score, weight = np.mean([self._member_score(k, H[k], bags.offsets, pooled[k][0]) for k in members], axis=0), 0.5
         p = expit(self.calibration_slope_ * score + self.calibration_intercept_)
         if not return_std:
             return bags.keys, p
         sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)
                                                                    for q, sd in pooled)], axis=0)
-        delta = p * (1.0 - p) * 0.5 * abs(self.calibration_slope_) * sensitivity
+        delta = p * (1.0 - p) * weight * abs(self.calibration_slope_) * sensitivity
         return bags.keys, p, np.minimum(delta, np.sqrt(p * (1.0 - p)))

@@ -7,7 +7,8 @@ by that member's stored network (NumPy).
 
 Memory bound: the client holds every labelled training instance once, as float64, while the
 networks train (then, for the calibration, each instance's embedding by the member that held its
-bag out, ``8 · N_train · n_components`` bytes): ``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
+bag out, ``8 · N_train · n_components`` bytes, and with ``representation="auto"`` the input rows
+of the held-out bags, a fifth of the instances at ``n_networks=5``): ``8 · N_train · D`` bytes (PANDA-scale, 10⁷ tiles × 512 features: 41 GB — use a
 feature extractor with fewer dimensions, or a sub-cohort, beyond what the client holds).
 """
 
@@ -67,11 +68,16 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
                         run: str = "default", **fit_kwargs: Any) -> TrainingSummary:
     """Fit ``model`` on the labelled bags of ``store``: the member networks on the client (their
     own cross-fitted folds of bags), then each member's clone of ``model.gp`` through
-    :func:`fit_cohort` (run ``{run}-member{k}``; ``fit_kwargs`` go there) on its embedded features,
-    its held-out bags excluded, then the calibration on the client from the members' embeddings
-    of their held-out bags. Sets the fitted attributes of ``model.fit``; predictions go through
+    :func:`fit_cohort` (run ``{run}-member{k}``) on its embedded features, its held-out bags
+    excluded, then the calibration on the client from the members' embeddings of their held-out
+    bags; with ``representation="auto"``, where those rank the bags no better than chance, also
+    each member's clone on the input features (run ``{run}-features{k}``), kept with their own
+    calibration when they score higher out of fold
+    (:meth:`~mil_core.EmbeddedGPMIL.choose_representation`, on the client). ``fit_kwargs`` go to
+    every :func:`fit_cohort`. Sets the fitted attributes of ``model.fit``; predictions go through
     :func:`~tasks.training.predict.predict_cohort` with the returned summary's ``scaling``, like
-    any model. The summary is the last member GP's."""
+    any model. The summary is the last member GP's of the representation kept."""
+    model._check_representation()
     store = str(store)
     cohort = open_cohort(store)
     labels = np.asarray(cohort.bag_labels)
@@ -82,14 +88,21 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     X_sorted, offsets, bag_labels = _training_bags(store, scaling)
     model.fit_embedding(X_sorted, offsets, bag_labels, seed=network_seed)
     held_out = model.held_out_embeddings(X_sorted, offsets)  # D numbers per instance: the rows can go
+    held_out_inputs = model.held_out_inputs(X_sorted, offsets) if model.representation == "auto" else None
     del X_sorted
-    gps, summary = [], None
+    gps, summaries = [], {}
     for member, validation in enumerate(model.validation_bags_):
         gp = model.gp_clone(member, gp_seed)
-        summary = fit_cohort(gp, store, client, run=f"{run}-member{member}",
-                             transform=EmbeddedFeatures(model, scaling, member), exclude_bags=labelled[validation],
-                             **fit_kwargs)
+        summaries["embedding"] = fit_cohort(gp, store, client, run=f"{run}-member{member}",
+                                            transform=EmbeddedFeatures(model, scaling, member),
+                                            exclude_bags=labelled[validation], **fit_kwargs)
         gps.append(gp)
     model.gps_ = gps
     model.fit_calibration(held_out, bag_labels)
-    return dataclasses.replace(summary, scaling=scaling)
+    embedding_auc = model.out_of_fold_auc(held_out, bag_labels)
+    features_gps = model.features_gp_candidates(gp_seed, embedding_auc, bag_labels)
+    for member, gp in enumerate(features_gps or []):
+        summaries["features"] = fit_cohort(gp, store, client, run=f"{run}-features{member}", transform=scaling,
+                                           exclude_bags=labelled[model.validation_bags_[member]], **fit_kwargs)
+    kept = model.choose_representation(features_gps, held_out_inputs, embedding_auc, bag_labels)
+    return dataclasses.replace(summaries[kept], scaling=scaling)
