@@ -22,7 +22,8 @@ the seed.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
 network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and
-``_d128``, ``_bag_loss`` (networks trained on the bag loss alone), ``abmil_negative_instances`` on
+``_d128``, ``_bag_loss`` (networks trained on the bag loss alone), ``_embedding``
+(``representation="embedding"``: never the GPs on the input features), ``abmil_negative_instances`` on
 request) have bench_accuracy's method signature; bench_accuracy's ``METHODS`` includes ``abmil``
 and ``embedded_gpmil``. ``--draws N`` runs N large-bag draws.
 """
@@ -106,11 +107,13 @@ def fit_predict_embedded_gpmil(train, test, **params):
 EMBEDDED_METHODS = {"abmil": fit_predict_abmil, "abmil_platt": fit_predict_abmil_platt,
                     "embedded_gpmil": fit_predict_embedded_gpmil,
                     # on request, not default methods of a run: one network (session 7's default), 5 or 10 members,
-                    # ABMIL's fixed 50 epochs instead of early stopping, seed 000's other embedding widths
+                    # ABMIL's fixed 50 epochs instead of early stopping, the GPs on the embeddings always (session 22),
+                    # seed 000's other embedding widths
                     "embedded_gpmil_n1": partial(fit_predict_embedded_gpmil, n_networks=1, early_stopping=True, max_epochs=100),
                     "embedded_gpmil_n5": partial(fit_predict_embedded_gpmil, n_networks=5, early_stopping=True, max_epochs=100),
                     "embedded_gpmil_n10": partial(fit_predict_embedded_gpmil, n_networks=10, early_stopping=True, max_epochs=100),
                     "embedded_gpmil_e50": partial(fit_predict_embedded_gpmil, early_stopping=False, max_epochs=50),
+                    "embedded_gpmil_embedding": partial(fit_predict_embedded_gpmil, representation="embedding"),  # never X
                     "embedded_gpmil_d8": partial(fit_predict_embedded_gpmil, n_components=8),
                     "embedded_gpmil_d128": partial(fit_predict_embedded_gpmil, n_components=128),
                     # the networks trained on the bag loss alone (the default until session 11)
