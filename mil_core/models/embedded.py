@@ -271,7 +271,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         (:meth:`held_out_embeddings`; ``labels`` of all bags given to :meth:`fit_embedding`), the
         scores the calibration is fitted on; NaN without held-out bags of both classes."""
         check_is_fitted(self, "gps_")
-        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        truth = self._held_out_labels(labels)
         if np.unique(truth).size < 2:
             return float("nan")
         return binary_auc(truth, np.concatenate([self._member_score(k, H, offsets) for k, (H, offsets) in enumerate(held_out)]))
@@ -284,14 +284,17 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         (:meth:`out_of_fold_auc`; NaN without held-out bags) more than two chance standard
         deviations above ½ (class docstring), or a GP that makes no kernel choice (a fixed ``kernel``)."""
         check_is_fitted(self, "validation_bags_")
-        n_members = len(self.validation_bags_)
-        gps = [self.gp_clone(n_members + member, seed) for member in range(n_members)]
-        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        gp = self.gp if self.gp is not None else default_gp()
         if (self.representation != "auto" or not np.isfinite(embedding_auc)
-                or embedding_auc > 0.5 + _CHANCE_SE * chance_auc_std(truth)
-                or gps[0].get_params(deep=False).get("kernel", "fixed") is not None):
+                or embedding_auc > 0.5 + _CHANCE_SE * chance_auc_std(self._held_out_labels(labels))
+                or gp.get_params(deep=False).get("kernel", "fixed") is not None):
             return None
-        return gps
+        n_members = len(self.validation_bags_)
+        return [self.gp_clone(n_members + member, seed) for member in range(n_members)]
+
+    def _held_out_labels(self, labels: np.ndarray) -> np.ndarray:
+        """The labels of the members' held-out bags, in the order of their out-of-fold scores."""
+        return np.asarray(labels)[np.concatenate(self.validation_bags_)]
 
     def choose_representation(self, features_gps: list[BaseEstimator] | None,
                               held_out_inputs: list[tuple[np.ndarray, np.ndarray]] | None,
@@ -304,7 +307,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``"features"`` replaces ``gps_`` and the calibration (fitted on the features' out-of-fold
         scores). Returns ``representation_``. :meth:`fit`'s last step; also the cluster fit's."""
         check_is_fitted(self, "gps_")
-        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        truth = self._held_out_labels(labels)
         features, scores = float("nan"), None
         if features_gps is not None:
             scores = np.concatenate([_features_score(gp, rows, offsets)
@@ -335,7 +338,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``s^k`` on its held-out bags (``held_out`` from :meth:`held_out_embeddings`; ``labels`` of
         all bags given to :meth:`fit_embedding`). :meth:`fit`'s last step, after ``gps_`` is fitted."""
         check_is_fitted(self, "gps_")
-        truth = np.asarray(labels)[np.concatenate(self.validation_bags_)]
+        truth = self._held_out_labels(labels)
         self._fit_calibration(lambda: np.concatenate([self._member_score(member, H, offsets)
                                                       for member, (H, offsets) in enumerate(held_out)]), truth)
         return self
