@@ -1,7 +1,7 @@
 """EmbeddedGPMIL and the ABMIL baseline on the folds of ``bench_accuracy.py`` (issue 15). Needs the extra ``torch``.
 
 Three tables from one set of fits (each method is fitted once per fold), all on bench_accuracy's
-identical folds (stratified 5-fold CV over bags, seed 0, features standardised on the training
+identical folds (stratified 5-fold CV over bags, CV seed 0 or ``--cv-seed``, features standardised on the training
 fold, a column with std < 1e-12 left unscaled):
 
 * bench_accuracy's rows for these methods (bag AUC per bag score, size correlation, instance AUC
@@ -18,7 +18,7 @@ fold, a column with std < 1e-12 left unscaled):
 
 ``--seed S`` refits every model with ``random_state=S`` on the same folds (network weights, bag
 order, inner splits and the GPs' seeds change): how much of a difference between two designs is
-the seed.
+the seed. ``--cv-seed C`` draws other folds (bench_accuracy's ``--cv-seeds``): how much is the split.
 
 ``EMBEDDED_METHODS`` (``abmil``, ``abmil_platt``, ``embedded_gpmil``; ``embedded_gpmil_n1`` (one
 network), ``_n5``/``_n10`` (members), ``_e50`` (50 epochs, no early stopping), ``_d8`` and
@@ -138,7 +138,7 @@ def _once(fit_predict):
 CALIBRATION_ROWS = ("default", "own", "uncalibrated")  # bag scores whose calibration is reported
 
 
-def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, figure: str | None) -> None:
+def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, figure: str | None, cv_seed: int = 0) -> None:
     from bench_accuracy import folds
 
     curves = {}
@@ -148,7 +148,7 @@ def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, f
     for dataset in datasets:
         for name, fit_predict in methods.items():
             probs, truth, fold_auc, instance_auc = {}, [], {}, []
-            for _, train, test in folds(dataset, n_splits, draws):
+            for _, train, test in folds(dataset, n_splits, draws, cv_seed):
                 prediction = fit_predict(train, test)
                 index = BagIndex.from_ids(test.bags)
                 truth.append(test.y[index.order][index.offsets[:-1]])
@@ -171,7 +171,7 @@ def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, f
         plot_reliability(curves, datasets, figure)
 
 
-def instance_rules(methods: dict, datasets: list[str], n_splits: int, draws: int) -> None:
+def instance_rules(methods: dict, datasets: list[str], n_splits: int, draws: int, cv_seed: int = 0) -> None:
     """Instance AUC (fold mean, and per fold) of each method's instance scores: its default and the
     other instance scores of the same fits (``Prediction.instance_rules``), where instance labels are known."""
     from bench_accuracy import folds
@@ -181,7 +181,7 @@ def instance_rules(methods: dict, datasets: list[str], n_splits: int, draws: int
     for dataset in datasets:
         for name, fit_predict in methods.items():
             aucs: dict[str, list[float]] = {}
-            for _, train, test in folds(dataset, n_splits, draws):
+            for _, train, test in folds(dataset, n_splits, draws, cv_seed):
                 prediction = fit_predict(train, test)
                 if prediction.instance is None or test.instance_labels is None:
                     break
@@ -222,22 +222,23 @@ def main() -> None:
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--figure", help="also save the reliability diagrams to this PNG")
     parser.add_argument("--draws", type=int, default=1, help="large-bag draws, each its own 20/20 split of 40 bags")
-    parser.add_argument("--seed", type=int, default=0, help="random_state of every model (the folds stay those of seed 0)")
+    parser.add_argument("--seed", type=int, default=0, help="random_state of every model (the folds stay those of --cv-seed)")
+    parser.add_argument("--cv-seed", type=int, default=0, help="shuffles bench_accuracy's stratified split (its --cv-seeds)")
     args = parser.parse_args()
     global SEED
     SEED = args.seed
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, OMP_NUM_THREADS={threads}, "
-          f"python {platform.python_version()}, model seed {SEED}")
+          f"python {platform.python_version()}, model seed {SEED}, CV seed {args.cv_seed}")
     import bench_accuracy
 
     methods = {m: _once(EMBEDDED_METHODS[m]) for m in args.methods}
     bench_accuracy.METHODS.update(methods)
-    bench_accuracy.print_table(list(methods), args.datasets, args.folds, args.draws)
+    bench_accuracy.print_table(list(methods), args.datasets, args.folds, args.draws, (args.cv_seed,))
     print()
-    calibration(methods, args.datasets, args.folds, args.draws, args.figure)
+    calibration(methods, args.datasets, args.folds, args.draws, args.figure, args.cv_seed)
     print()
-    instance_rules(methods, args.datasets, args.folds, args.draws)
+    instance_rules(methods, args.datasets, args.folds, args.draws, args.cv_seed)
 
 
 if __name__ == "__main__":
