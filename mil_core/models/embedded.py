@@ -258,10 +258,14 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         check_is_fitted(self, "validation_bags_")
         return np.setdiff1d(np.arange(n_bags), self.validation_bags_[member])
 
+    def _gp_template(self) -> BaseEstimator:
+        """``gp``, or :func:`default_gp` when it is ``None`` (unfitted; clone it before fitting)."""
+        return self.gp if self.gp is not None else default_gp()
+
     def gp_clone(self, member: int, seed: int) -> BaseEstimator:
         """Member ``member``'s unfitted GP: a clone of ``gp`` (or :func:`default_gp`), an unset
         ``random_state`` set to ``seed + member``."""
-        gp = clone(self.gp) if self.gp is not None else default_gp()
+        gp = clone(self._gp_template())
         if "random_state" in gp.get_params(deep=False) and gp.get_params(deep=False)["random_state"] is None:
             gp.set_params(random_state=(seed + member) % (2**31 - 1))
         return gp
@@ -284,7 +288,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         (:meth:`out_of_fold_auc`; NaN without held-out bags) more than two chance standard
         deviations above ½ (class docstring), or a GP that makes no kernel choice (a fixed ``kernel``)."""
         check_is_fitted(self, "validation_bags_")
-        gp = self.gp if self.gp is not None else default_gp()
+        gp = self._gp_template()
         if (self.representation != "auto" or not np.isfinite(embedding_auc)
                 or embedding_auc > 0.5 + _CHANCE_SE * chance_auc_std(self._held_out_labels(labels))
                 or gp.get_params(deep=False).get("kernel", "fixed") is not None):
