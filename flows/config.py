@@ -383,20 +383,21 @@ def _rule_refused_by(section: ModelConfig) -> str | None:
 
 def kernel_from_config(value: Any) -> RBF | None:
     """``model.params.kernel`` of a configuration: ``null`` (the model's automatic choice) or the
-    fields of :class:`mil_core.RBF`, ``{variance: 4, length_scale: ard}`` — ``length_scale`` a
+    fields of :class:`mil_core.RBF`, ``{variance: 4, length_scale: ard, bias: 0}`` — ``length_scale`` a
     number, a list with one per feature, ``ard`` (one ``√D`` per feature, for ``learn_kernel``) or
-    ``null`` (``√D``)."""
+    ``null`` (``√D``); ``bias`` the constant kernel added to it (default 0)."""
     from mil_core import RBF  # noqa: F811  (the configuration's other checks need no mil_core)
 
     if value is None or isinstance(value, RBF):
         return value
     if not isinstance(value, dict):
         raise ValueError(f"params.kernel must be a mapping {{variance: ..., length_scale: ...}} or null, got {value!r}")
-    unknown = sorted(set(value) - {"variance", "length_scale"})
+    unknown = sorted(set(value) - {"variance", "length_scale", "bias"})
     if unknown:
-        raise ValueError(f"params.kernel has no field(s) {', '.join(map(str, unknown))}; valid: variance, length_scale")
+        raise ValueError(f"params.kernel has no field(s) {', '.join(map(str, unknown))}; valid: variance, length_scale, bias")
     scale = value.get("length_scale")
-    kernel = RBF(variance=value.get("variance", 1.0), length_scale=tuple(scale) if isinstance(scale, list) else scale)
+    kernel = RBF(variance=value.get("variance", 1.0), length_scale=tuple(scale) if isinstance(scale, list) else scale,
+                 bias=value.get("bias", 0.0))
     try:  # the feature count is not known yet: check what can be checked without it
         kernel.resolve(len(kernel.length_scale) if isinstance(kernel.length_scale, tuple) else 1)
     except ValueError as error:

@@ -3,7 +3,8 @@
 Length-scale convention
 -----------------------
 ``RBF(variance=v, length_scale=ℓ)`` is ``k(x, z) = v · exp(−‖x − z‖² / (2ℓ²))``, with ``ℓ`` a
-scalar or a vector of per-feature length-scales (ARD: ``‖(x − z)/ℓ‖²``).
+scalar or a vector of per-feature length-scales (ARD: ``‖(x − z)/ℓ‖²``); ``bias=b`` adds a constant
+kernel, ``k + b``.
 
 The seeds write the kernel as ``v·exp(−‖x − x'‖/(2l))`` (000, Sec. 2.2) and initialise
 ``(v, l) = (0.5, D)`` for D-dimensional standardised features. Read with a squared norm, their
@@ -29,7 +30,7 @@ __all__ = ["RBF"]
 
 @dataclass(frozen=True)
 class RBF:
-    """Squared-exponential kernel ``v · exp(−‖(x − z)/ℓ‖² / 2)``.
+    """Squared-exponential kernel ``v · exp(−‖(x − z)/ℓ‖² / 2)``, plus a constant ``b``.
 
     Parameters
     ----------
@@ -39,16 +40,26 @@ class RBF:
         ``ℓ`` (> 0): a scalar, a length-D vector for ARD, ``None`` for ``√D``, or ``"ard"`` for a
         length-D vector of ``√D`` (when D is not known in advance), resolved by :meth:`resolve`
         once the number of features is known.
+    bias:
+        ``b`` (≥ 0) of the constant kernel added to the RBF: a N(0, b) prior over one shift
+        shared by every latent, so that far from the training data f reverts to the shift the
+        data set, not to 0 (π = ½). 0 (default): the RBF alone, the seeds' kernel. The logistic
+        family's ``kernel=None`` chooses between b = 0 and b = v (``docs/MODELS.md``, "A constant
+        kernel").
     """
 
     variance: float = 1.0
     length_scale: float | tuple[float, ...] | str | None = None
+    bias: float = 0.0
 
     def resolve(self, n_features: int) -> RBF:
         """Return a copy whose ``length_scale`` is concrete and validated for ``n_features``."""
         v = self.variance
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0 or not np.isfinite(v):
             raise ValueError(f"kernel variance must be a positive finite number, got {v!r}")
+        b = self.bias
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or b < 0 or not np.isfinite(b):
+            raise ValueError(f"kernel bias must be a finite number >= 0, got {b!r}")
         if self.length_scale is None:
             return replace(self, length_scale=float(np.sqrt(n_features)))
         if isinstance(self.length_scale, str) and self.length_scale == "ard":
@@ -86,9 +97,9 @@ class RBF:
             + xp.sum(Zs * Zs, axis=1)[None, :]
             - 2.0 * (Xs @ Zs.T)
         )
-        return self.variance * xp.exp(-0.5 * xp.clip(sq, 0.0, None))
+        return self.variance * xp.exp(-0.5 * xp.clip(sq, 0.0, None)) + self.bias
 
     def diag(self, X: Any) -> Any:
-        """``diag K(X, X)`` without forming the matrix: ``v`` for every row."""
+        """``diag K(X, X)`` without forming the matrix: ``v + b`` for every row."""
         xp = array_namespace(X)
-        return xp.full((X.shape[0],), float(self.variance), dtype=xp.float64, device=device(X))
+        return xp.full((X.shape[0],), float(self.variance) + float(self.bias), dtype=xp.float64, device=device(X))

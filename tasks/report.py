@@ -168,6 +168,8 @@ def model_choices(model: Any) -> dict[str, Any]:
     kernel = getattr(model, "kernel_", None)
     if kernel is not None and hasattr(kernel, "variance"):
         choices["kernel_variance"] = float(kernel.variance)
+        if getattr(kernel, "bias", 0.0):
+            choices["kernel_bias"] = float(kernel.bias)
         scales = np.asarray(kernel.length_scale, dtype=np.float64)  # resolved: a number, or one per feature (ARD)
         if scales.ndim == 0:
             choices["length_scale"] = float(scales)
@@ -180,12 +182,24 @@ def model_choices(model: Any) -> dict[str, Any]:
     if getattr(model, "bag_rule_", None) is not None:
         choices["bag_rule"] = str(model.bag_rule_)
         choices["bag_rule_chosen"] = getattr(model, "bag_rule", None) == "auto"
+    tried = getattr(model, "setting_selection_", [])
     if getattr(model, "H_", None) is not None:
         choices["H"] = float(model.H_)
-        tried = getattr(model, "setting_selection_", [])
-        if tried:  # H="auto": the choice's best mean held-out bag AUC with each H
-            choices["held_out_auc_by_H"] = _aucs_by_value((s["H"], auc) for s, auc in tried)
+        if any("H" in setting for setting, _ in tried):  # H="auto": the choice's best mean held-out bag AUC with each H
+            choices["held_out_auc_by_H"] = _aucs_by_value(_best_per_value(tried, "H", None))
+    if any("kernel_bias" in setting for setting, _ in tried):  # the constant kernel, b/v: 0 (none) or 1
+        choices["held_out_auc_by_kernel_bias"] = _aucs_by_value(_best_per_value(tried, "kernel_bias", 0.0))
     return choices
+
+
+def _best_per_value(tried: list[tuple[dict[str, Any], float]], name: str, absent: Any) -> list[tuple[float, float]]:
+    """The best of ``setting_selection_``'s AUCs per value of one setting (``absent``: a setting
+    that does not name it); nan only where every setting with that value was degenerate."""
+    best: dict[float, float] = {}
+    for setting, auc in tried:
+        value = setting.get(name, absent)
+        best[value] = auc if np.isnan(best.get(value, np.nan)) else float(np.nanmax([best[value], auc]))
+    return list(best.items())
 
 
 def _aucs_by_value(pairs: Iterable[tuple[float, float]]) -> dict[str, float | None]:
@@ -220,7 +234,8 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     parts = []
     if "kernel_variance" in choices:
         scale = f", length scale {choices['length_scale']:.3g}" if "length_scale" in choices else ""
-        parts.append(f"kernel variance {choices['kernel_variance']:g}{scale}")
+        bias = f", plus a constant kernel b = {choices['kernel_bias']:g}" if "kernel_bias" in choices else ""
+        parts.append(f"kernel variance {choices['kernel_variance']:g}{scale}{bias}")
     if "shortest_length_scales" in choices:
         shortest = ", ".join(f"{d} ({ell:.3g})" for d, ell in choices["shortest_length_scales"].items())
         parts.append(f"one length scale per feature, the shortest (the features it weighs most) at columns {shortest}")
@@ -235,6 +250,9 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     if "H" in choices:
         tried = _aucs_text(choices.get("held_out_auc_by_H", {}))
         parts.append(f"bag-likelihood odds H = {choices['H']:g}" + (f" (`H=\"auto\"`, chosen with the kernel: {tried})" if tried else ""))
+    if "held_out_auc_by_kernel_bias" in choices:
+        kept = "the constant kernel" if "kernel_bias" in choices else "no constant kernel"
+        parts.append(f"{kept} chosen with the variance (per b/v {_aucs_text(choices['held_out_auc_by_kernel_bias'])})")
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 

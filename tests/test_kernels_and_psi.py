@@ -19,6 +19,19 @@ def test_rbf_block_matches_the_definition_with_ard():
     np.testing.assert_allclose(k.diag(X), np.full(7, 1.7))
 
 
+def test_a_constant_kernel_adds_its_bias_to_every_entry_and_is_kept_by_resolve():
+    rng = np.random.default_rng(0)
+    X, Z = rng.normal(size=(7, 3)), rng.normal(size=(4, 3))
+    plain, biased = RBF(1.7).resolve(3), RBF(1.7, bias=0.6).resolve(3)
+    assert biased.bias == 0.6 and biased.length_scale == plain.length_scale
+    np.testing.assert_allclose(biased(X, Z), plain(X, Z) + 0.6, rtol=1e-12)
+    np.testing.assert_allclose(biased.diag(X), np.full(7, 2.3))
+    assert np.linalg.eigvalsh(biased(X, X)).min() > -1e-12  # a sum of covariances is one
+    for bad in (-0.1, np.inf, "1", True):
+        with pytest.raises(ValueError, match=f"kernel bias must be a finite number >= 0, got {bad!r}"):
+            RBF(1.0, bias=bad).resolve(3)
+
+
 def test_default_length_scale_is_sqrt_of_the_dimension():
     assert RBF().resolve(166).length_scale == pytest.approx(np.sqrt(166))
 

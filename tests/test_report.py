@@ -80,6 +80,10 @@ def test_the_report_says_what_the_fit_chose_and_leaves_out_what_it_did_not():
     assert report.choices_text({"kernel_variance": 1.0, "H": 1e12, "held_out_auc_by_H": {"100": 0.9, "1e+12": 0.925}}) == \
         "Fitted with kernel variance 1; bag-likelihood odds H = 1e+12 (`H=\"auto\"`, chosen with the kernel: 100: 0.900, 1e+12: 0.925)."
     assert report.choices_text({"H": 100.0}) == "Fitted with bag-likelihood odds H = 100."
+    assert report.choices_text({"kernel_variance": 2.0, "kernel_bias": 2.0, "held_out_auc_by_kernel_bias": {"0": 0.8, "1": 0.85}}) == \
+        "Fitted with kernel variance 2, plus a constant kernel b = 2; the constant kernel chosen with the variance (per b/v 0: 0.800, 1: 0.850)."
+    assert report.choices_text({"kernel_variance": 2.0, "held_out_auc_by_kernel_bias": {"0": 0.9, "1": 0.85}}) == \
+        "Fitted with kernel variance 2; no constant kernel chosen with the variance (per b/v 0: 0.900, 1: 0.850)."
     members = {"members": [{"kernel_variance": 4.0, "bag_rule": "max", "H": 100.0}, {"kernel_variance": 16.0, "bag_rule": "max", "H": 1e12}]}
     assert report.choices_text(members) == ("Its 2 member GPs chose from their training bags: kernel variances 4, 16; "
                                             "bag rules max, max; bag-likelihood odds H 100, 1e+12.")
@@ -98,6 +102,10 @@ def test_model_choices_reads_what_each_fit_has():
     vgpmil = report.model_choices(VGPMIL(n_inducing=8, max_iter=10, random_state=0).fit(X, bags, y))
     assert vgpmil["H"] in (100.0, 1e12) and set(vgpmil["held_out_auc_by_H"]) == {"100", "1e+12"}
     assert vgpmil["held_out_auc_by_H"][f"{vgpmil['H']:g}"] == max(vgpmil["held_out_auc_by_variance"].values())
-    assert "held_out_auc_by_H" not in report.model_choices(VGPMIL(n_inducing=8, H=1e12, max_iter=10, random_state=0).fit(X, bags, y))
+    assert set(vgpmil["held_out_auc_by_kernel_bias"]) == {"0", "1"}
+    assert vgpmil.get("kernel_bias", 0.0) == (vgpmil["kernel_variance"] if vgpmil["held_out_auc_by_kernel_bias"]["1"]
+                                              > vgpmil["held_out_auc_by_kernel_bias"]["0"] else 0.0)
+    fixed_h = report.model_choices(VGPMIL(n_inducing=8, H=1e12, max_iter=10, random_state=0).fit(X, bags, y))
+    assert "held_out_auc_by_H" not in fixed_h and set(fixed_h["held_out_auc_by_kernel_bias"]) == {"0", "1"}
     ard = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0, (3.0, 0.5)), max_iter=5, random_state=0).fit(X, bags, y))
     assert ard["shortest_length_scales"] == {"1": 0.5, "0": 3.0} and "length_scale" not in ard

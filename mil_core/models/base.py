@@ -151,6 +151,14 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
             setattr(estimator, name, value)
 
 
+def _setting_kernel(variance: float, setting: dict[str, Any]) -> tuple[RBF, dict[str, Any]]:
+    """The kernel of a kernel-choice candidate, ``RBF(v, bias=kernel_bias·v)`` (``kernel_bias``:
+    0 when the setting does not name it), and the setting's constructor parameters (the rest)."""
+    params = dict(setting)
+    ratio = float(params.pop("kernel_bias", 0.0))
+    return RBF(variance=variance, bias=ratio * variance), params
+
+
 def take_bags(X_sorted: Any, offsets: np.ndarray, bags: np.ndarray) -> tuple[Any, np.ndarray]:
     """Rows and CSR offsets of the selected bags (indices into ``offsets``), in the given order."""
     sizes = np.diff(offsets)[bags]
@@ -314,7 +322,9 @@ class SparseGPMILBase(BaseEstimator):
         """Constructor parameters that ``kernel=None`` chooses together with the variance: each
         setting is a candidate beside every variance (ties: fewer sweeps, the smaller variance,
         then the earlier setting), and the chosen one's values become the fitted ``<name>_``
-        attributes (VGPMIL's ``H="auto"``: ``H_``). ``({},)``: the variance and sweeps only."""
+        attributes (VGPMIL's ``H="auto"``: ``H_``). A setting may also name ``"kernel_bias"``:
+        the kernel's constant term as a multiple of the variance (:func:`_setting_kernel`).
+        ``({},)``: the variance and sweeps only."""
         return ({},)
 
     def _bag_probas_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray,
@@ -387,7 +397,8 @@ class SparseGPMILBase(BaseEstimator):
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             inducing = None
             for v, k in candidates:
-                model = clone(self).set_params(kernel=RBF(variance=v), **settings[k], **overrides)
+                kernel, params = _setting_kernel(v, settings[k])
+                model = clone(self).set_params(kernel=kernel, **params, **overrides)
                 updates = model._start_fit(X_tr, y_tr, inducing=inducing)
                 inducing = model.gp_.Z  # the same k-means for the split's other candidates: computed once
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
@@ -420,10 +431,11 @@ class SparseGPMILBase(BaseEstimator):
         if chosen is None:
             return None
         (v, k), sweeps = chosen
-        for name, value in settings[k].items():
+        kernel, params = _setting_kernel(v, settings[k])
+        for name, value in params.items():
             setattr(self, f"{name}_", value)
         self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
-        return RBF(variance=v)
+        return kernel
 
     def _finish_fit(self, trace: FitTrace, monitor: _EarlyStopping | None = None) -> None:
         """Store the fitted state of an :func:`~mil_core.engine.optimise` run."""

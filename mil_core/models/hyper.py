@@ -453,6 +453,9 @@ def hyper_updates(estimator: Any, updates: Any) -> Any:
     if learn["learn_psi"] and not isinstance(updates.psi, GammaMixture):
         raise ValueError("learn_psi needs the Gamma ψ of G-VGPMIL")
     gp = updates.gp
+    if gp.kernel.bias:
+        raise ValueError(f"{', '.join(k for k, on in learn.items() if on)}: hyper-parameter learning takes an RBF "
+                         f"without a constant term (bias=0), got bias={gp.kernel.bias:g}")
     ard = np.ndim(gp.kernel.length_scale) == 1
     space = HyperSpace(gp.Z.shape[1], gp.Z.shape[0], ard=ard, **learn)
     name = getattr(estimator, "log_normaliser", "quadrature")

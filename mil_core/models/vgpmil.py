@@ -145,8 +145,13 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return VGPMIL_VARIANCES
 
     def _auto_settings(self) -> tuple[dict[str, Any], ...]:
-        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance."""
-        return tuple({"H": h} for h in AUTO_H) if isinstance(self.H, str) else ({},)
+        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance; each without and with
+        the constant kernel b = v (``RBF.bias``; ``docs/MODELS.md``, "A constant kernel") — not when
+        hyper-parameters are learnt, whose gradients take the RBF alone."""
+        settings = tuple({"H": h} for h in AUTO_H) if isinstance(self.H, str) else ({},)
+        if self.learn_kernel or self.learn_inducing or getattr(self, "learn_psi", False):
+            return settings
+        return settings + tuple({**setting, "kernel_bias": 1.0} for setting in settings)
 
     def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.emax not in ("exact", "max"):
@@ -279,7 +284,9 @@ _COMMON_PARAMS = """
         ``n_inducing`` is not the default.
     kernel : RBF or None
         Kernel; ``None`` (default) chooses the variance v ∈ {¼, 1, 4, 16, 64} (G-VGPMIL: 1/32 … 2,
-        see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, the number of sweeps and
+        see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, whether a constant kernel
+        b = v is added to it (``RBF.bias``: far from the training data f reverts to a shift the data
+        set rather than to 0; not with hyper-parameter learning), the number of sweeps and
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
