@@ -43,6 +43,7 @@ ESTIMATORS = {
                                              kernel=mil_core.RBF(length_scale=(1.0, 2.0))),
     "VGPMIL-ard": lambda: mil_core.VGPMIL(n_inducing=6, max_iter=3, learn_kernel=True, random_state=0,
                                           kernel=mil_core.RBF(4.0, "ard")),
+    "VGPMIL-bias": lambda: mil_core.VGPMIL(n_inducing=6, max_iter=3, kernel=mil_core.RBF(2.0, bias=2.0), random_state=0),
     "GVGPMIL": lambda: mil_core.GVGPMIL(n_inducing=6, max_iter=3, learn_psi=True, random_state=0),
     "PsiVGPMIL": lambda: mil_core.PsiVGPMIL(mil_core.GammaMixture(), n_inducing=6, max_iter=3, random_state=0),
     "VGPMILPR": lambda: mil_core.VGPMILPR(n_inducing=6, max_iter=3, random_state=0),
