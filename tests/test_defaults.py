@@ -53,24 +53,20 @@ def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_p
     assert fixed.kernel_.variance == 2.0 and fixed.kernel_selection_.shape == (0, 2) and fixed.auto_max_iter_ is None
 
 
-def test_h_auto_tries_each_h_and_constant_kernel_beside_every_variance_and_fits_the_chosen_one(monkeypatch):
-    """``H="auto"``: every split fits each (variance, H, constant kernel b ∈ {0, v}) candidate;
-    ``H_`` and ``kernel_.bias`` are those of the best point, ``kernel_selection_`` is under them,
-    and the final fit is the fixed-parameter fit at the chosen kernel, H and sweeps."""
+def test_h_auto_tries_each_h_beside_every_variance_and_fits_the_chosen_one(monkeypatch):
+    """``H="auto"``: every split fits each (variance, H) candidate; ``H_`` is the H of the best
+    point, ``kernel_selection_`` is under that H, and the final fit is the fixed-parameter fit at
+    the chosen kernel, H and sweeps. On these bags 1e12 scores higher than the fallback 100."""
     X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
     seen = []
     real = VGPMIL._make_updates
-    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append((self.H_, gp.kernel.bias / gp.kernel.variance)) or real(self, gp))
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append(self.H_) or real(self, gp))
     model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
-    assert model.H == "auto" and model.H_ in AUTO_H
-    for point in [(h, ratio) for ratio in (0.0, 1.0) for h in AUTO_H]:
-        assert seen[:-1].count(point) == 6 * len(VGPMIL_VARIANCES), point
-    assert seen[-1] == (model.H_, model.kernel_.bias / model.kernel_.variance)
-    settings, aucs = zip(*model.setting_selection_)
-    assert list(settings) == [{"H": 100.0}, {"H": 1e12}, {"H": 100.0, "kernel_bias": 1.0}, {"H": 1e12, "kernel_bias": 1.0}]
-    chosen = settings[int(np.argmax(aucs))]
-    assert model.H_ == chosen["H"] and model.kernel_.bias == chosen.get("kernel_bias", 0.0) * model.kernel_.variance
-    assert max(aucs) == np.nanmax(model.kernel_selection_[:, 1])
+    assert model.H == "auto" and model.H_ in AUTO_H and model.kernel_.bias == 0.0
+    assert seen[:-1].count(AUTO_H[0]) == seen[:-1].count(AUTO_H[1]) == 6 * len(VGPMIL_VARIANCES) and seen[-1] == model.H_
+    tried = {s["H"]: auc for s, auc in model.setting_selection_}
+    assert set(tried) == set(AUTO_H) and tried[1e12] > tried[100.0]
+    assert model.H_ == 1e12 and tried[1e12] == np.nanmax(model.kernel_selection_[:, 1])
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -84,7 +80,27 @@ def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_ba
     assert fixed.H_ == 100.0 and fixed.setting_selection_ == []
     gv = GVGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
     assert gv.H == 1e12 and gv.H_ == 1e12  # one H: nothing to choose but the constant kernel
-    assert [setting for setting, _ in gv.setting_selection_] == [{}, {"kernel_bias": 1.0}]
+
+
+def test_gvgpmil_tries_every_variance_without_and_with_the_constant_kernel_and_fits_the_chosen_one(monkeypatch):
+    """G-VGPMIL's ``kernel=None``: every split fits each variance with b = 0 and b = v;
+    ``kernel_.bias`` is the chosen point's, ``setting_selection_`` holds each setting's best mean
+    held-out AUC, and the final fit is the fixed-parameter fit at the chosen kernel and sweeps."""
+    X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
+    seen = []
+    real = GVGPMIL._make_updates
+    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append(gp.kernel.bias / gp.kernel.variance) or real(self, gp))
+    model = GVGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
+    n_variances = len(model._auto_variances())
+    assert seen[:-1].count(0.0) == seen[:-1].count(1.0) == 6 * n_variances and seen[-1] == model.kernel_.bias / model.kernel_.variance
+    settings, aucs = zip(*model.setting_selection_)
+    assert list(settings) == [{}, {"kernel_bias": 1.0}]
+    assert np.nanmax(model.kernel_selection_[:, 1]) == aucs[int(model.kernel_.bias > 0)]
+    sweeps = model.auto_max_iter_ or model.max_iter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        fixed = GVGPMIL(n_inducing=10, kernel=model.kernel_, max_iter=sweeps, random_state=0).fit(X, bags, y)
+    np.testing.assert_allclose(fixed.q_.mean, model.q_.mean, rtol=1e-10, atol=1e-12)
 
 
 def test_with_the_constant_kernel_far_from_the_data_the_latent_reverts_to_a_learnt_shift_not_to_zero(toy_bags):
@@ -110,7 +126,7 @@ def test_the_constant_kernel_is_not_a_candidate_when_hyper_parameters_are_learnt
     X, bags, y, _ = toy_bags
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        learnt = VGPMIL(n_inducing=10, H=100, learn_kernel=True, max_iter=5, random_state=0).fit(X, bags, y)
+        learnt = GVGPMIL(n_inducing=10, learn_kernel=True, max_iter=5, random_state=0).fit(X, bags, y)
         psi = GVGPMIL(n_inducing=10, learn_psi=True, max_iter=5, random_state=0).fit(X, bags, y)
     assert learnt.setting_selection_ == [] and psi.setting_selection_ == []
     assert learnt.kernel_.bias == 0.0 and psi.kernel_.bias == 0.0
