@@ -24,6 +24,7 @@ from ..kernels import RBF
 from ..metrics import binary_auc
 from ..threadpools import single_thread_when_small
 from ..validation import check_features, check_mil_data
+from .hyper import HYPER_PARAMETER_FLAGS
 
 __all__ = ["AUTO_BAG_RULES", "BagRuleChoice", "SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
 
@@ -383,7 +384,7 @@ class SparseGPMILBase(BaseEstimator):
         rng = check_random_state(self.random_state)
         budget = min(int(self.max_iter), _SELECTION_MAX_ITER)
         checkpoints = np.unique(np.r_[np.arange(_SELECTION_EVERY, budget + 1, _SELECTION_EVERY), budget])
-        overrides = {"early_stopping": False, **{k: False for k in ("learn_kernel", "learn_inducing", "learn_psi") if k in self.get_params()}}
+        overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
         folds = RepeatedStratifiedKFold(n_splits=2, n_repeats=_SELECTION_REPEATS, random_state=rng.randint(2**31 - 1)).split(labels, labels)
         settings, rules = self._auto_settings(), self._auto_bag_rules()
         candidates = [(v, k) for v in self._auto_variances() for k in range(len(settings))]  # (variance, setting)

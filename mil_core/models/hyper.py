@@ -443,10 +443,19 @@ def check_hyper_schedule(estimator: Any) -> tuple[int, int]:
     return int(every), int(steps)
 
 
+HYPER_PARAMETER_FLAGS = ("learn_kernel", "learn_inducing", "learn_psi")
+"""Constructor flags of what an estimator may learn by the ELBO (a model has those it supports)."""
+
+
+def learnt_hyper_parameters(estimator: Any) -> dict[str, bool]:
+    """Each of :data:`HYPER_PARAMETER_FLAGS`: whether ``estimator`` learns it (False where it has no such flag)."""
+    return {name: bool(getattr(estimator, name, False)) for name in HYPER_PARAMETER_FLAGS}
+
+
 def hyper_updates(estimator: Any, updates: Any) -> Any:
     """Wrap a ψ-VGPMIL estimator's updates in :class:`HyperMILUpdates` when it learns anything
     (``learn_kernel``, ``learn_inducing``, ``learn_psi``); otherwise return them unchanged."""
-    learn = {name: bool(getattr(estimator, name, False)) for name in ("learn_kernel", "learn_inducing", "learn_psi")}
+    learn = learnt_hyper_parameters(estimator)
     if not any(learn.values()):
         return updates
     every, steps = check_hyper_schedule(estimator)

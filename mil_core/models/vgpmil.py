@@ -31,7 +31,7 @@ from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
 from ..predictive import probit_scale, sample_latent
 from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
-from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, unwrap_hyper_state
+from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, learnt_hyper_parameters, unwrap_hyper_state
 
 __all__ = ["AUTO_H", "VGPMIL_VARIANCES", "PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
 
@@ -154,7 +154,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         :attr:`_tries_constant_kernel` each without and with b = v — not when hyper-parameters are
         learnt, whose gradients take the RBF alone."""
         settings = tuple({"H": h} for h in AUTO_H) if isinstance(self.H, str) else ({},)
-        if not self._tries_constant_kernel or self.learn_kernel or self.learn_inducing or getattr(self, "learn_psi", False):
+        if not self._tries_constant_kernel or any(learnt_hyper_parameters(self).values()):
             return settings
         return settings + tuple({**setting, "kernel_bias": 1.0} for setting in settings)
 
