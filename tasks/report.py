@@ -252,7 +252,7 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
         parts.append(f"bag-likelihood odds H = {choices['H']:g}" + (f" (`H=\"auto\"`, chosen with the kernel: {tried})" if tried else ""))
     if "held_out_auc_by_kernel_bias" in choices:
         kept = "the constant kernel" if "kernel_bias" in choices else "no constant kernel"
-        parts.append(f"{kept} chosen with the variance (per b/v {_aucs_text(choices['held_out_auc_by_kernel_bias'])})")
+        parts.append(f"{kept} after trying b = v near the chosen variance (best per b/v {_aucs_text(choices['held_out_auc_by_kernel_bias'])})")
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 

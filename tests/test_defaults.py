@@ -53,25 +53,61 @@ def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_p
     assert fixed.kernel_.variance == 2.0 and fixed.kernel_selection_.shape == (0, 2) and fixed.auto_max_iter_ is None
 
 
-def test_h_auto_tries_each_h_beside_every_variance_and_fits_the_chosen_one(monkeypatch):
-    """``H="auto"``: every split fits each (variance, H) candidate; ``H_`` is the H of the best
-    point, ``kernel_selection_`` is under that H, and the final fit is the fixed-parameter fit at
-    the chosen kernel, H and sweeps. On these bags 1e12 scores higher than the fallback 100."""
+def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_the_chosen_one(monkeypatch):
+    """``H="auto"``: every split fits each (variance, H) candidate, then (the second stage) b = v
+    with each H at the variance that first stage chose; ``H_`` and ``kernel_`` are the best point's,
+    ``kernel_selection_`` is under the first stage's H, and the final fit is the fixed-parameter
+    fit at the chosen kernel, H and sweeps. On these bags 1e12 scores higher than the fallback 100."""
     X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
     seen = []
     real = VGPMIL._make_updates
-    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append(self.H_) or real(self, gp))
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append((self.H_, gp.kernel.variance, gp.kernel.bias)) or real(self, gp))
     model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
-    assert model.H == "auto" and model.H_ in AUTO_H and model.kernel_.bias == 0.0
-    assert seen[:-1].count(AUTO_H[0]) == seen[:-1].count(AUTO_H[1]) == 6 * len(VGPMIL_VARIANCES) and seen[-1] == model.H_
-    tried = {s["H"]: auc for s, auc in model.setting_selection_}
-    assert set(tried) == set(AUTO_H) and tried[1e12] > tried[100.0]
-    assert model.H_ == 1e12 and tried[1e12] == np.nanmax(model.kernel_selection_[:, 1])
+    assert model.H == "auto" and model.H_ in AUTO_H
+    first = [h for h, _, b in seen[:-1] if b == 0.0]
+    second = [(h, v, b) for h, v, b in seen[:-1] if b > 0.0]
+    assert first.count(AUTO_H[0]) == first.count(AUTO_H[1]) == 6 * len(VGPMIL_VARIANCES)
+    assert seen[-1] == (model.H_, model.kernel_.variance, model.kernel_.bias)
+    assert len(second) == 6 * len(AUTO_H) and len({v for _, v, _ in second}) == 1 and all(b == v for _, v, b in second)
+    settings, aucs = zip(*model.setting_selection_)
+    assert list(settings) == [{"H": 100.0}, {"H": 1e12}, {"H": 100.0, "kernel_bias": 1.0}, {"H": 1e12, "kernel_bias": 1.0}]
+    assert aucs[1] > aucs[0] and aucs[1] == np.nanmax(model.kernel_selection_[:, 1])  # the first stage chose 1e12
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         fixed = VGPMIL(n_inducing=10, kernel=model.kernel_, H=model.H_, max_iter=sweeps, random_state=0).fit(X, bags, y)
     np.testing.assert_allclose(fixed.q_.mean, model.q_.mean, rtol=1e-10, atol=1e-12)
+
+
+class _Renamed(VGPMIL):
+    """The second stage offers the first stage's point twice: as it is, and with b = 0 spelled out."""
+
+    fits = 0
+
+    def _refined_candidates(self, variance, setting):
+        return ((variance, setting), (variance, {**setting, "kernel_bias": 0.0}))
+
+    def _make_updates(self, gp):
+        type(self).fits += 1
+        return super()._make_updates(gp)
+
+
+class _FirstStageOnly(VGPMIL):
+    _constant_kernel_reach = None
+
+
+def test_the_second_stage_keeps_the_first_stages_point_on_a_tie_and_refits_nothing_already_fitted(toy_bags):
+    """A second-stage candidate that is the first stage's point under another name scores the same
+    on every split and is not chosen; one the first stage already fitted is not fitted again."""
+    X, bags, y, _ = toy_bags
+    renamed = _Renamed(n_inducing=10, random_state=0).fit(X, bags, y)
+    plain = _FirstStageOnly(n_inducing=10, random_state=0).fit(X, bags, y)
+    assert _Renamed.fits == 6 * len(VGPMIL_VARIANCES) * len(AUTO_H) + 6 + 1  # one new candidate per split, then the final fit
+    assert renamed.kernel_ == plain.kernel_ and renamed.H_ == plain.H_ and renamed.auto_max_iter_ == plain.auto_max_iter_
+    np.testing.assert_array_equal(renamed.kernel_selection_, plain.kernel_selection_)
+    np.testing.assert_array_equal(renamed.q_.mean, plain.q_.mean)
+    (spelled_out, auc), = renamed.setting_selection_[len(plain.setting_selection_):]
+    assert spelled_out == {"H": plain.H_, "kernel_bias": 0.0} and auc == np.nanmax(plain.kernel_selection_[:, 1])
 
 
 def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_bags):
@@ -82,20 +118,25 @@ def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_ba
     assert gv.H == 1e12 and gv.H_ == 1e12  # one H: nothing to choose but the constant kernel
 
 
-def test_gvgpmil_tries_every_variance_without_and_with_the_constant_kernel_and_fits_the_chosen_one(monkeypatch):
-    """G-VGPMIL's ``kernel=None``: every split fits each variance with b = 0 and b = v;
-    ``kernel_.bias`` is the chosen point's, ``setting_selection_`` holds each setting's best mean
-    held-out AUC, and the final fit is the fixed-parameter fit at the chosen kernel and sweeps."""
+def test_gvgpmil_tries_the_constant_kernel_at_the_chosen_variance_and_its_neighbours_and_fits_the_chosen_one(monkeypatch):
+    """G-VGPMIL's ``kernel=None``: every split fits each variance with b = 0, then b = v at the
+    chosen variance and its neighbours on the grid; ``kernel_.bias`` is the best point's,
+    ``setting_selection_`` holds each setting's best mean held-out AUC, and the final fit is the
+    fixed-parameter fit at the chosen kernel and sweeps."""
     X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
     seen = []
     real = GVGPMIL._make_updates
-    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append(gp.kernel.bias / gp.kernel.variance) or real(self, gp))
+    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append((gp.kernel.variance, gp.kernel.bias / gp.kernel.variance)) or real(self, gp))
     model = GVGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
-    n_variances = len(model._auto_variances())
-    assert seen[:-1].count(0.0) == seen[:-1].count(1.0) == 6 * n_variances and seen[-1] == model.kernel_.bias / model.kernel_.variance
+    grid = model._auto_variances()
+    assert [v for v, ratio in seen[:-1] if ratio == 0.0] == [v for _ in range(6) for v in grid]
+    second = sorted({v for v, ratio in seen[:-1] if ratio == 1.0})
+    i = grid.index(second[0])
+    assert second == list(grid[i : i + len(second)]) and len(second) in (2, 3) and len(seen) - 1 == 6 * (len(grid) + len(second))
+    assert seen[-1] == (model.kernel_.variance, model.kernel_.bias / model.kernel_.variance)
     settings, aucs = zip(*model.setting_selection_)
     assert list(settings) == [{}, {"kernel_bias": 1.0}]
-    assert np.nanmax(model.kernel_selection_[:, 1]) == aucs[int(model.kernel_.bias > 0)]
+    assert np.nanmax(model.kernel_selection_[:, 1]) == aucs[0]  # under the first stage's setting
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -446,12 +487,13 @@ def test_gvgpmil_choice_leans_to_the_smaller_variance_and_vgpmil_takes_the_best_
     monkeypatch.setattr(base, "best_candidate", lambda scores, checkpoints, f: seen.append(f) or best_candidate(scores, checkpoints, f))
     X, bags, y, _ = toy_bags
     clone(model).fit(X, bags, y)
-    assert seen == [within]
+    assert seen == [within, within]  # the first stage's choice, then the choice over both stages
 
 
 def test_the_kernel_choice_places_the_inducing_points_once_per_split(monkeypatch):
-    """The candidates of one split (5 variances × 2 H) fit on the same training half with the same
-    seed, so they share one k-means: 6 splits + the final fit = 7 k-means runs, not 61."""
+    """The candidates of one split (5 variances × 2 H, then the constant kernel's second stage) fit
+    on the same training half with the same seed, so they share one k-means: 6 splits + the final
+    fit = 7 k-means runs, not 73."""
     import mil_core.models.base as base
 
     X, bags, y, _ = make_toy_bags(16)

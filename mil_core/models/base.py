@@ -323,10 +323,20 @@ class SparseGPMILBase(BaseEstimator):
         """Constructor parameters that ``kernel=None`` chooses together with the variance: each
         setting is a candidate beside every variance (ties: fewer sweeps, the smaller variance,
         then the earlier setting), and the chosen one's values become the fitted ``<name>_``
-        attributes (VGPMIL's ``H="auto"``: ``H_``). A setting may also name ``"kernel_bias"``:
-        the kernel's constant term as a multiple of the variance (:func:`_setting_kernel`).
+        attributes (VGPMIL's ``H="auto"``: ``H_``). A setting (here or in
+        :meth:`_refined_candidates`) may also name ``"kernel_bias"``: the kernel's constant term
+        as a multiple of the variance (:func:`_setting_kernel`).
         ``({},)``: the variance and sweeps only."""
         return ({},)
+
+    def _refined_candidates(self, variance: float, setting: dict[str, Any]) -> tuple[tuple[float, dict[str, Any]], ...]:
+        """``(variance, setting)`` candidates that ``kernel=None`` tries in a second stage, given the
+        point the first stage chose (its ``variance`` and ``setting``): on the same splits and
+        k-means, under the bag rule already chosen; the best point of both stages wins (ties: the
+        first stage's). For a setting worth trying near the chosen point only: a few fits per split
+        where adding it to :meth:`_auto_settings` costs one per variance (the logistic family's
+        constant kernel). ``()``: no second stage."""
+        return ()
 
     def _bag_probas_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray,
                                rules: tuple[str | None, ...], **coords: Any) -> dict[str | None, np.ndarray]:
@@ -361,9 +371,12 @@ class SparseGPMILBase(BaseEstimator):
         :meth:`_auto_bag_rules` score each checkpoint with each; the rule is chosen first
         (``bag_rule_``: the first rule unless another is clearly better, :func:`clearly_better_rule`),
         then the variance and sweeps under it. A model with several :meth:`_auto_settings` (VGPMIL's
-        ``H="auto"``) tries each beside every variance and keeps the best point's. Sets
-        ``kernel_selection_`` (rows: variance, its best mean AUC, under the chosen setting),
-        ``setting_selection_`` (``[setting, its best mean AUC]`` when there are several) and
+        ``H="auto"``) tries each beside every variance and keeps the best point's. A second stage
+        then fits the :meth:`_refined_candidates` of that point (the logistic family's constant
+        kernel) on the same splits, under the rule chosen, and the best point of both stages wins
+        (ties: the first stage's). Sets ``kernel_selection_`` (rows: variance, its best mean AUC,
+        under the setting the first stage chose), ``setting_selection_`` (``[setting, its best mean
+        AUC over the variances it was tried at]`` when there are several) and
         ``auto_max_iter_`` (the sweeps the final fit may run). Returns ``None`` (the fallback
         kernel) when a class has fewer than 2 bags, or when every candidate is degenerate: a
         checkpoint whose held-out bag scores are non-finite or all equal (a fit that ran away, its
@@ -384,24 +397,63 @@ class SparseGPMILBase(BaseEstimator):
         rng = check_random_state(self.random_state)
         budget = min(int(self.max_iter), _SELECTION_MAX_ITER)
         checkpoints = np.unique(np.r_[np.arange(_SELECTION_EVERY, budget + 1, _SELECTION_EVERY), budget])
-        overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
-        folds = RepeatedStratifiedKFold(n_splits=2, n_repeats=_SELECTION_REPEATS, random_state=rng.randint(2**31 - 1)).split(labels, labels)
+        splits = list(RepeatedStratifiedKFold(n_splits=2, n_repeats=_SELECTION_REPEATS, random_state=rng.randint(2**31 - 1)).split(labels, labels))
+        inducing: list[np.ndarray | None] = [None] * len(splits)  # one k-means per split, shared by its candidates
         settings, rules = self._auto_settings(), self._auto_bag_rules()
         candidates = [(v, k) for v in self._auto_variances() for k in range(len(settings))]  # (variance, setting)
+        scores = self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, candidates, settings, rules, checkpoints)
+        rule = rules[0]
+        if len(rules) > 1:
+            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
+        chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
+        first = 0 if chosen is None else chosen[0][1]  # the setting whose variances were compared
+        refined = () if chosen is None else self._refined_candidates(chosen[0][0], settings[first])
+        for _, setting in refined:
+            if setting not in settings:
+                settings += (setting,)
+        extra = [c for c in ((v, settings.index(setting)) for v, setting in refined) if c not in candidates]
+        if extra:  # the second stage: on the same splits and k-means, under the rule already chosen
+            scores.update(self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, extra, settings, (rule,), checkpoints))
+            candidates += extra
+            chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
+        best_mean = {c: _nan_max(scores[c, rule].mean(axis=0)) for c in candidates}
+        self.kernel_selection_ = np.array([[v, best_mean[v, j]] for v, j in candidates if j == first])
+        if len(settings) > 1:  # each setting's best mean over the variances it was tried at
+            self.setting_selection_ = [[dict(setting), _nan_max(np.array([best_mean[v, i] for v, i in candidates if i == j]))]
+                                       for j, setting in enumerate(settings)]
+        if chosen is None:
+            return None
+        (v, k), sweeps = chosen
+        kernel, params = _setting_kernel(v, settings[k])
+        for name, value in params.items():
+            setattr(self, f"{name}_", value)
+        self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
+        return kernel
+
+    def _choice_scores(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None,
+                       splits: list[tuple[np.ndarray, np.ndarray]], inducing: list[np.ndarray | None],
+                       candidates: list[tuple[float, int]], settings: tuple[dict[str, Any], ...],
+                       rules: tuple[str | None, ...], checkpoints: np.ndarray) -> dict[tuple[tuple[float, int], str | None], np.ndarray]:
+        """Held-out bag AUC (splits × checkpoints, nan where degenerate) of each ``(variance,
+        setting)`` candidate under each rule, for :meth:`_select_kernel`: every split fits each
+        candidate on its training half for ``checkpoints[-1]`` sweeps and scores its held-out half at
+        every checkpoint. ``inducing[i]``: split i's k-means, computed by its first fit and then
+        shared (filled in here)."""
+        overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
+        budget = int(checkpoints[-1])
         curves: dict[tuple[tuple[float, int], str | None], list[np.ndarray]] = {(c, r): [] for c in candidates for r in rules}
-        for train, val in folds:
+        for i, (train, val) in enumerate(splits):
             X_tr, tr_offsets = take_bags(X_sorted, offsets, train)
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
             held_out = HeldOutRows(X_val)  # whitened once per candidate's GP, not at every checkpoint
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
-            inducing = None
             for v, k in candidates:
                 kernel, params = _setting_kernel(v, settings[k])
                 model = clone(self).set_params(kernel=kernel, **params, **overrides)
-                updates = model._start_fit(X_tr, y_tr, inducing=inducing)
-                inducing = model.gp_.Z  # the same k-means for the split's other candidates: computed once
+                updates = model._start_fit(X_tr, y_tr, inducing=inducing[i])
+                inducing[i] = model.gp_.Z
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
@@ -418,25 +470,7 @@ class SparseGPMILBase(BaseEstimator):
                 for rule, points in curve.items():  # converged early: it stays
                     points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
                     curves[(v, k), rule].append(np.asarray(points))
-        scores = {key: np.stack(c) for key, c in curves.items()}  # splits × checkpoints, nan where degenerate
-        rule = rules[0]
-        if len(rules) > 1:
-            rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
-        best_mean = {c: _nan_max(scores[c, rule].mean(axis=0)) for c in candidates}
-        chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
-        k = 0 if chosen is None else chosen[0][1]
-        self.kernel_selection_ = np.array([[v, best_mean[v, j]] for v, j in candidates if j == k])
-        if len(settings) > 1:  # each setting's best mean over the variances
-            self.setting_selection_ = [[dict(setting), _nan_max(np.array([best_mean[v, i] for v, i in candidates if i == j]))]
-                                       for j, setting in enumerate(settings)]
-        if chosen is None:
-            return None
-        (v, k), sweeps = chosen
-        kernel, params = _setting_kernel(v, settings[k])
-        for name, value in params.items():
-            setattr(self, f"{name}_", value)
-        self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
-        return kernel
+        return {key: np.stack(c) for key, c in curves.items()}
 
     def _finish_fit(self, trace: FitTrace, monitor: _EarlyStopping | None = None) -> None:
         """Store the fitted state of an :func:`~mil_core.engine.optimise` run."""
