@@ -295,9 +295,10 @@ _COMMON_PARAMS = """
         ``n_inducing`` is not the default.
     kernel : RBF or None
         Kernel; ``None`` (default) chooses the variance v ∈ {¼, 1, 4, 16, 64} (G-VGPMIL: 1/32 … 2,
-        see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, G-VGPMIL also whether a
-        constant kernel b = v is added to it (``RBF.bias``: far from the training data f reverts to a
-        shift the data set rather than to 0; not with hyper-parameter learning), the number of sweeps and
+        see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, VGPMIL and G-VGPMIL also
+        whether a constant kernel b = v is added to it (``RBF.bias``: far from the training data f
+        reverts to a shift the data set rather than to 0; tried in a second stage near the chosen
+        variance; not with hyper-parameter learning), the number of sweeps and
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
