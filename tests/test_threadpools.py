@@ -59,6 +59,7 @@ def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model):
     with threadpool_limits(limits=2):
         model.fit(X, bag_ids, y)
         assert most_threads() == 2  # restored afterwards
-    expected_fits = 1 + (5 * 2 * 6 if model.kernel is None else 0)  # 5 variances x 2 H (H="auto") x 3 repeats x 2 halves
+    # 5 variances x 2 H (H="auto"), then b = v with each H at the chosen variance, x 3 repeats x 2 halves
+    expected_fits = 1 + ((5 * 2 + 2) * 6 if model.kernel is None else 0)
     assert len(_Recording.seen) == expected_fits
     assert set(_Recording.seen) == {1}
