@@ -43,9 +43,9 @@ class RBF:
     bias:
         ``b`` (≥ 0) of the constant kernel added to the RBF: a N(0, b) prior over one shift
         shared by every latent, so that far from the training data f reverts to the shift the
-        data set, not to 0 (π = ½). 0 (default): the RBF alone, the seeds' kernel. G-VGPMIL's
-        ``kernel=None`` chooses between b = 0 and b = v (``docs/MODELS.md``, "A constant
-        kernel").
+        data set, not to 0 (π = ½). 0 (default): the RBF alone, the seeds' kernel. VGPMIL's and
+        G-VGPMIL's ``kernel=None`` choose between b = 0 and b = v near the chosen variance
+        (``docs/MODELS.md``, "A constant kernel").
     """
 
     variance: float = 1.0
