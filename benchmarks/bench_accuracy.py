@@ -17,6 +17,7 @@ it to ``METHODS``; it gets standardised features and returns bag scores in ``np.
     python benchmarks/bench_accuracy.py --reference /tmp/vgpmil   # adds the public 2017 code as a method
     python benchmarks/bench_accuracy.py --datasets cancer fox --methods vgpmil_2017 vgpmil --reference /tmp/vgpmil \
         --cv-seeds 0 1 2 --paired-to vgpmil_2017   # 3 CV seeds; paired Δ to the 2017 code ± s.e.
+    python benchmarks/bench_accuracy.py --datasets digits text --label-noise 0.2   # a fifth of the training labels wrong
 
 ``--reference`` points at a checkout of github.com/manuelhaussmann/vgpmil (never copied into this
 repository) and adds the method ``vgpmil_2017``: that code with its own defaults (50 inducing points by
@@ -33,7 +34,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -428,18 +429,35 @@ def within_class_size_correlation(scores: np.ndarray, labels: np.ndarray, sizes:
     return float(np.mean(values)) if values else float("nan")
 
 
-def _splits(dataset: str, n_splits: int, draws: int, cv_seeds: tuple[int, ...]) -> Iterator[tuple[str, Fold, Fold]]:
-    """The folds of every CV seed in turn (the large-bag set: its draws once), in one fixed order."""
+def with_label_noise(train: Fold, rate: float, seed: int) -> Fold:
+    """``train`` with the label of each bag flipped with probability ``rate`` (independently, drawn
+    in ``np.unique`` order of the bag ids from ``seed``): slide or scan labels read from reports are
+    sometimes wrong. Every instance of a flipped bag gets the flipped label; the test fold is never
+    touched, so the AUCs measure the true labels."""
+    if not 0.0 <= rate < 0.5:
+        raise ValueError(f"label noise must be in [0, 0.5), got {rate}")
+    keys = np.unique(train.bags)
+    flipped = keys[np.random.default_rng(seed).random(keys.size) < rate]
+    rows = np.isin(train.bags, flipped)
+    return replace(train, y=np.where(rows, 1 - train.y, train.y))
+
+
+def _splits(dataset: str, n_splits: int, draws: int, cv_seeds: tuple[int, ...],
+            label_noise: float = 0.0) -> Iterator[tuple[str, Fold, Fold]]:
+    """The folds of every CV seed in turn (the large-bag set: its draws once), in one fixed order;
+    ``label_noise``: the training bags' labels through :func:`with_label_noise`, seeded by the CV
+    seed and the fold, so every method sees the same wrong labels."""
     for seed in cv_seeds[:1] if dataset == "large" else cv_seeds:
-        yield from folds(dataset, n_splits, draws, seed)
+        for i, (name, train, test) in enumerate(folds(dataset, n_splits, draws, seed)):
+            yield name, with_label_noise(train, label_noise, 1000 * seed + i) if label_noise else train, test
 
 
 def evaluate(method: str, dataset: str, n_splits: int, draws: int,
-             cv_seeds: tuple[int, ...] = (0,)) -> dict[str, dict[str, list[float]]]:
+             cv_seeds: tuple[int, ...] = (0,), label_noise: float = 0.0) -> dict[str, dict[str, list[float]]]:
     """Per bag rule: lists (one entry per fold, seed by seed in ``cv_seeds`` order, so entries of two
     methods pair up) of bag AUC, size correlation, instance AUC, fit time."""
     rows: dict[str, dict[str, list[float]]] = {}
-    for _, train, test in _splits(dataset, n_splits, draws, tuple(cv_seeds)):
+    for _, train, test in _splits(dataset, n_splits, draws, tuple(cv_seeds), label_noise):
         start = time.perf_counter()
         prediction = METHODS[method](train, test)
         seconds = time.perf_counter() - start
@@ -521,18 +539,19 @@ def paired_difference(auc: list[float], reference: list[float]) -> tuple[float, 
 
 
 def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int,
-                cv_seeds: tuple[int, ...] = (0,), paired_to: str | None = None) -> None:
+                cv_seeds: tuple[int, ...] = (0,), paired_to: str | None = None, label_noise: float = 0.0) -> None:
     """One Markdown row per data set × method × bag rule, on identical folds; bag AUC is the mean over
     CV seeds × folds. ``paired_to``: also the paired difference of each method's own rule to that
     method's own rule, fold by fold (± its standard error), and a summary table per method."""
     paired = paired_to is not None
-    print(f"CV seeds: {' '.join(map(str, cv_seeds))}" + (f"; Δ: paired bag-AUC difference to {paired_to}" if paired else ""))
+    print(f"CV seeds: {' '.join(map(str, cv_seeds))}" + (f"; Δ: paired bag-AUC difference to {paired_to}" if paired else "")
+          + (f"; training bag labels flipped with probability {label_noise:g} (test labels true)" if label_noise else ""))
     head = "| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |"
     print(head + (f" Δ vs {paired_to} ± s.e. |" if paired else ""))
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
     summary: dict[str, dict[str, tuple[float, float, float]]] = {}
     for dataset in datasets:
-        results = {method: evaluate(method, dataset, n_splits, draws, cv_seeds)
+        results = {method: evaluate(method, dataset, n_splits, draws, cv_seeds, label_noise)
                    for method in ([paired_to] if paired else []) + [m for m in methods if m != paired_to]}
         reference = results[paired_to][primary_rule(results[paired_to])]["bag_auc"] if paired else None
         for method in methods:
@@ -571,6 +590,8 @@ def main() -> None:
                         help="repeat the stratified CV with these shuffle seeds (same folds for every method within a seed)")
     parser.add_argument("--paired-to", metavar="METHOD",
                         help="also report each method's paired bag-AUC difference to METHOD, fold by fold, ± its standard error")
+    parser.add_argument("--label-noise", type=float, default=0.0, metavar="RATE",
+                        help="flip each training bag's label with this probability (the test labels stay true)")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
     parser.add_argument("--figure", type=Path, help="with --elbo-trace: also plot the traces, sweep by sweep, to this PNG")
     args = parser.parse_args()
@@ -587,7 +608,9 @@ def main() -> None:
         return
     if args.paired_to is not None and args.paired_to not in methods:
         parser.error(f"--paired-to {args.paired_to} must be one of --methods")
-    print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to)
+    if not 0.0 <= args.label_noise < 0.5:
+        parser.error(f"--label-noise must be in [0, 0.5), got {args.label_noise}")
+    print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to, args.label_noise)
 
 
 if __name__ == "__main__":

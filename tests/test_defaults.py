@@ -4,7 +4,9 @@ bag size. Accuracy numbers belong in ``benchmarks/bench_accuracy.py``; these are
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -384,16 +386,19 @@ def test_kernel_choice_never_picks_a_degenerate_candidate():
     assert np.isfinite(model.kernel_selection_[0, 1]) and np.isnan(model.kernel_selection_[1, 1])
 
 
-def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_bags():
-    """The offline sets that check the defaults are not tuned to MUSK (``benchmarks/bench_accuracy.py``)."""
-    import sys
-    from pathlib import Path
-
+@pytest.fixture(scope="module")
+def bench_accuracy():
+    """``benchmarks/bench_accuracy.py`` as a module (the benchmarks are scripts, not a package)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import bench_accuracy
     finally:
         sys.path.pop(0)
+    return bench_accuracy
+
+
+def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_bags(bench_accuracy):
+    """The offline sets that check the defaults are not tuned to MUSK (``benchmarks/bench_accuracy.py``)."""
     assert set(bench_accuracy.HELD_OUT_SETS) <= set(bench_accuracy.ROBUSTNESS_SETS)
     positive_fraction = {"imbalanced": 0.25, "highdim": 0.5, "dense": 0.5}  # the others alternate labels
     for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13)), ("hastie", (5, 25)), ("wine", (2, 6)),
@@ -418,17 +423,32 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
 
 
-def test_benchmark_repeats_the_cv_over_seeds_on_identical_folds_and_pairs_methods_fold_by_fold(capsys):
+def test_benchmark_label_noise_flips_whole_training_bags_and_leaves_the_test_fold_alone(bench_accuracy):
+    """``bench_accuracy.py --label-noise``: wrong slide labels in training, true labels in test."""
+    clean = list(bench_accuracy._splits("cancer", 5, 1, (0, 1)))
+    noisy = list(bench_accuracy._splits("cancer", 5, 1, (0, 1), label_noise=0.3))
+    again = list(bench_accuracy._splits("cancer", 5, 1, (0, 1), label_noise=0.3))
+    flipped_bags = 0
+    for (name, train, test), (noisy_name, noisy_train, noisy_test), (_, train_again, _) in zip(clean, noisy, again):
+        assert name == noisy_name
+        np.testing.assert_array_equal(noisy_test.y, test.y)  # the AUC is measured on the true labels
+        np.testing.assert_array_equal(noisy_train.X, train.X)
+        np.testing.assert_array_equal(noisy_train.instance_labels, train.instance_labels)
+        np.testing.assert_array_equal(train_again.y, noisy_train.y)  # every method sees the same wrong labels
+        changed = noisy_train.y != train.y
+        np.testing.assert_array_equal(noisy_train.y[changed], 1 - train.y[changed])
+        for bag in np.unique(train.bags):  # a bag is flipped whole or not at all
+            assert np.unique(changed[train.bags == bag]).size == 1
+        flipped_bags += np.unique(train.bags[changed]).size
+    n_bags = sum(np.unique(train.bags).size for _, train, _ in clean)  # 10 folds × 48 training bags
+    assert 0.2 * n_bags < flipped_bags < 0.4 * n_bags
+    with pytest.raises(ValueError, match="label noise"):
+        bench_accuracy.with_label_noise(clean[0][1], 0.5, 0)
+
+
+def test_benchmark_repeats_the_cv_over_seeds_on_identical_folds_and_pairs_methods_fold_by_fold(bench_accuracy, capsys):
     """``bench_accuracy --cv-seeds 0 1 --paired-to M``: seed 0 stays the old split, other seeds shuffle
     differently, every method's entries come in the same (seed, fold) order, and Δ is paired."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import bench_accuracy
-    finally:
-        sys.path.pop(0)
     test_bags = [[frozenset(test.bags) for _, _, test in bench_accuracy.folds("cancer", 5, 1, seed)] for seed in (0, 1)]
     assert [frozenset(test.bags) for _, _, test in bench_accuracy.folds("cancer", 5, 1)] == test_bags[0]
     assert test_bags[0] != test_bags[1]
