@@ -429,13 +429,21 @@ def within_class_size_correlation(scores: np.ndarray, labels: np.ndarray, sizes:
     return float(np.mean(values)) if values else float("nan")
 
 
+def label_noise_rate(value: float | str) -> float:
+    """A probability of flipping a bag's label, in [0, ½) (at ½ the labels say nothing); also
+    ``--label-noise``'s argparse type."""
+    rate = float(value)
+    if not 0.0 <= rate < 0.5:
+        raise ValueError(f"label noise must be in [0, 0.5), got {rate}")
+    return rate
+
+
 def with_label_noise(train: Fold, rate: float, seed: int) -> Fold:
     """``train`` with the label of each bag flipped with probability ``rate`` (independently, drawn
     in ``np.unique`` order of the bag ids from ``seed``): slide or scan labels read from reports are
     sometimes wrong. Every instance of a flipped bag gets the flipped label; the test fold is never
     touched, so the AUCs measure the true labels."""
-    if not 0.0 <= rate < 0.5:
-        raise ValueError(f"label noise must be in [0, 0.5), got {rate}")
+    rate = label_noise_rate(rate)
     keys = np.unique(train.bags)
     flipped = keys[np.random.default_rng(seed).random(keys.size) < rate]
     rows = np.isin(train.bags, flipped)
@@ -590,7 +598,7 @@ def main() -> None:
                         help="repeat the stratified CV with these shuffle seeds (same folds for every method within a seed)")
     parser.add_argument("--paired-to", metavar="METHOD",
                         help="also report each method's paired bag-AUC difference to METHOD, fold by fold, ± its standard error")
-    parser.add_argument("--label-noise", type=float, default=0.0, metavar="RATE",
+    parser.add_argument("--label-noise", type=label_noise_rate, default=0.0, metavar="RATE",
                         help="flip each training bag's label with this probability (the test labels stay true)")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
     parser.add_argument("--figure", type=Path, help="with --elbo-trace: also plot the traces, sweep by sweep, to this PNG")
@@ -608,8 +616,6 @@ def main() -> None:
         return
     if args.paired_to is not None and args.paired_to not in methods:
         parser.error(f"--paired-to {args.paired_to} must be one of --methods")
-    if not 0.0 <= args.label_noise < 0.5:
-        parser.error(f"--label-noise must be in [0, 0.5), got {args.label_noise}")
     print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to, args.label_noise)
 
 
