@@ -1,14 +1,21 @@
 """A default fit on MUSK2 with the process's native threads, with and without the small-fit policy of
-``mil_core.threadpools`` (one BLAS/OpenMP thread when ``N·M²`` is small).
+``mil_core.threadpools`` (one BLAS/OpenMP thread when ``N·M²`` is small, the kernel choice's
+splits side by side on the threads that frees).
 
 Each fit runs in a fresh process with the environment's thread settings (no ``OMP_NUM_THREADS``:
-OpenBLAS and OpenMP start one thread per core, as a user's session does); "policy off" sets
-``SMALL_SWEEP_FLOPS = 0`` in that process, which is the code before the policy. The two run
-alternately, so both see the same load; the load average is printed with each row. On an idle
-machine the two should be close; on a machine whose cores are busy they are not.
+OpenBLAS and OpenMP start one thread per core, as a user's session does). Policies:
 
-    python benchmarks/bench_threads.py                       # VGPMIL and VGPMILPR, one fit each way
-    python benchmarks/bench_threads.py --models VGPMIL --repeats 2
+- ``on``: the code as it is;
+- ``serial``: the fit under ``threadpool_limits(1)``, a one-thread process (a Dask worker, or
+  ``OMP_NUM_THREADS=1``): the choice's splits one after another, the code before they ran side by side;
+- ``off``: ``SMALL_SWEEP_FLOPS = 0`` in that process: BLAS and OpenMP threaded in every call, the
+  code before the policy.
+
+The policies run alternately, so all see the same load; the load average is printed with each
+row. Compare rows within one run only.
+
+    python benchmarks/bench_threads.py                       # VGPMIL and VGPMILPR, on and serial
+    python benchmarks/bench_threads.py --models VGPMIL --repeats 3 --policies on serial off
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from pathlib import Path
 
 CHILD = """
 import json, sys, time
+from contextlib import nullcontext
 import numpy as np
+from threadpoolctl import threadpool_limits
 import mil_core
 import mil_core.threadpools
 from mil_core.validation import standardisation
@@ -33,7 +42,8 @@ y, bags, X = table[:, 0].astype(int), table[:, 1], table[:, 2:]
 mean, scale = standardisation(X)
 X = (X - mean) / scale
 wall, cpu = time.perf_counter(), time.process_time()
-getattr(mil_core, sys.argv[1])(random_state=0).fit(X, bags, y)
+with threadpool_limits(limits=1) if sys.argv[2] == "serial" else nullcontext():
+    getattr(mil_core, sys.argv[1])(random_state=0).fit(X, bags, y)
 print(json.dumps({"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}))
 """
 
@@ -42,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["VGPMIL", "VGPMILPR"])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--policies", nargs="+", choices=["on", "serial", "off"], default=["on", "serial"])
     parser.add_argument("--table", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "musk2.csv")
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -51,7 +62,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for _ in range(args.repeats):
         for model in args.models:
-            for policy in ("on", "off"):
+            for policy in args.policies:
                 load = os.getloadavg()[0]
                 out = subprocess.run([sys.executable, "-c", CHILD, model, policy, str(args.table)], env=env, check=True,
                                      capture_output=True, text=True).stdout

@@ -28,8 +28,6 @@ from functools import cached_property, reduce
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
-import scipy.linalg
-import scipy.linalg.blas
 from array_api_compat import device
 from sklearn.exceptions import ConvergenceWarning
 
@@ -41,6 +39,7 @@ from ._backend import (
     solve_lower,
     to_numpy,
 )
+from ._native_blas import cholesky_solve, upper_triangular_product
 from .kernels import RBF
 
 __all__ = [
@@ -195,13 +194,12 @@ class WhitenedBlock:
         mean = self.A @ like(q.mean, self.A, dtype=self.A.dtype)
         if is_host_array(self.A):
             upper = np.asarray(factor.T, dtype=self.A.dtype, order="F")
-            trmm = scipy.linalg.blas.strmm if self.A.dtype == np.float32 else scipy.linalg.blas.dtrmm
             var = np.empty(self.A.shape[0], dtype=self.A.dtype)
             buffer = np.empty((self.A.shape[1], min(ROWS, self.A.shape[0])), dtype=self.A.dtype, order="F")  # one allocation per call
             for start, stop in row_chunks(self.A.shape[0]):
                 product = buffer[:, : stop - start]
                 product[...] = self.A[start:stop].T
-                product = trmm(1.0, upper, product, side=0, lower=0, overwrite_b=True)  # Rᵀ A'ᵀ in place, (M, rows)
+                upper_triangular_product(upper, product)  # Rᵀ A'ᵀ in place, (M, rows), without the GIL
                 var[start:stop] = np.einsum("ij,ij->j", product, product)
         else:
             R = like(factor, self.A, dtype=self.A.dtype)
@@ -316,9 +314,8 @@ def gaussian_update(precision: np.ndarray, shift: np.ndarray) -> GaussianQ:
     M = shift.shape[0]
     P = np.eye(M) + 0.5 * (precision + precision.T)
     chol, _ = cholesky_with_jitter(P, initial_relative_jitter=0.0)
-    factor = (chol, True)
-    cov = scipy.linalg.cho_solve(factor, np.eye(M), check_finite=False)
-    mean = scipy.linalg.cho_solve(factor, shift, check_finite=False)
+    cov = cholesky_solve(chol, np.eye(M))  # LAPACK POTRS without the GIL
+    mean = cholesky_solve(chol, shift)
     return GaussianQ(mean=mean, cov=0.5 * (cov + cov.T))
 
 

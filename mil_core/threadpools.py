@@ -9,33 +9,75 @@ other cores are busy — a shared node, Dask workers beside the client, other jo
 waits for a scheduler time slice, about 10 ms a call: a default ``VGPMIL()`` fit on MUSK2 took
 206 s instead of 10 s (``docs/BENCHMARKS.md``, "Native threads in small fits"). Large fits keep
 their threads: there a call's work dwarfs the handoff.
+
+The threads a small fit gives up are not lost: independent parts of it (the kernel choice's
+splits) run side by side, each on one native thread (:func:`concurrent_parts`). Each part is
+seconds of work with no handoff inside it, so a busy core slows it down no more than it would a
+serial run; a process limited to one native thread (a Dask worker) runs them one after another.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
-__all__ = ["SMALL_SWEEP_FLOPS", "single_thread_when_small", "threads_for"]
+__all__ = ["SMALL_SWEEP_FLOPS", "concurrent_parts", "native_threads", "single_thread_when_small", "threads_for"]
 
 SMALL_SWEEP_FLOPS = 2**30
 """``N·M²`` below which a fit runs on one thread (≈ 10⁹: a sweep of ~20 ms on one core)."""
 
 Method = TypeVar("Method", bound=Callable[..., Any])
+Part = TypeVar("Part")
+Result = TypeVar("Result")
+
+_GIVEN_UP: ContextVar[int] = ContextVar("native threads before the small-fit limit", default=1)
 
 
-def threads_for(n_rows: int, n_inducing: int) -> AbstractContextManager:
+def native_threads() -> int:
+    """The most threads any native pool (BLAS, OpenMP) of this process would run a call on now."""
+    return max((pool["num_threads"] for pool in threadpool_info()), default=1)
+
+
+@contextmanager
+def threads_for(n_rows: int, n_inducing: int) -> Iterator[None]:
     """The context a fit of ``n_rows`` instances with ``n_inducing`` inducing points runs in:
     BLAS and OpenMP limited to one thread when ``n_rows · M² < SMALL_SWEEP_FLOPS``, else
     unchanged; ``M = min(n_inducing, n_rows)``, as a fit on fewer rows than ``n_inducing`` makes
-    every row an inducing point."""
-    if n_rows * min(n_inducing, n_rows) ** 2 < SMALL_SWEEP_FLOPS:
-        return threadpool_limits(limits=1)
-    return nullcontext()
+    every row an inducing point. Under the limit, :func:`concurrent_parts` may use the threads it
+    took (the outermost limit's count)."""
+    if n_rows * min(n_inducing, n_rows) ** 2 >= SMALL_SWEEP_FLOPS:
+        yield
+        return
+    token = _GIVEN_UP.set(max(_GIVEN_UP.get(), native_threads()))
+    try:
+        with threadpool_limits(limits=1):
+            yield
+    finally:
+        _GIVEN_UP.reset(token)
+
+
+def concurrent_parts(work: Callable[[Part], Result], parts: Iterable[Part]) -> list[Result]:
+    """``[work(p) for p in parts]``, in order, with as many parts at once as :func:`threads_for`'s
+    limit took native threads from this fit (1 outside it: one after another). Each part runs on
+    one native thread, so the results are those of the serial loop; ``work`` must not share
+    mutable state between parts."""
+    parts = list(parts)
+    workers = min(_GIVEN_UP.get(), len(parts))
+    if workers <= 1:
+        return [work(part) for part in parts]
+
+    def on_one_thread(part: Part) -> Result:  # OpenMP's limit is per thread: set it in each
+        with threadpool_limits(limits=1):
+            return work(part)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mil-core-part") as pool:
+        return list(pool.map(on_one_thread, parts))
 
 
 def single_thread_when_small(method: Method) -> Method:
@@ -45,10 +87,10 @@ def single_thread_when_small(method: Method) -> Method:
     @functools.wraps(method)
     def run(self: Any, X: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            context = threads_for(len(X), int(self.n_inducing))
+            n_rows, n_inducing = len(X), int(self.n_inducing)
         except (TypeError, ValueError):  # invalid input: the method's own validation names it
-            context = nullcontext()
-        with context:
+            return method(self, X, *args, **kwargs)
+        with threads_for(n_rows, n_inducing):
             return method(self, X, *args, **kwargs)
 
     return run  # type: ignore[return-value]

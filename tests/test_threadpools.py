@@ -1,15 +1,19 @@
 """Small fits run on one native thread (BLAS, OpenMP), whatever the process's setting: on a busy
 machine a threaded BLAS made a default MUSK2 fit 20× slower (mil_core.threadpools). Large fits
-keep the process's threads."""
+keep the process's threads. The threads a small fit gives up run its kernel choice's splits side
+by side, with the serial results."""
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from mil_core import RBF, VGPMIL, VGPMILPRGibbs
-from mil_core.threadpools import SMALL_SWEEP_FLOPS, threads_for
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs
+from mil_core.threadpools import SMALL_SWEEP_FLOPS, concurrent_parts, threads_for
 
 
 def most_threads() -> int:
@@ -28,13 +32,43 @@ def test_threads_for_limits_small_work_and_leaves_large_work_alone():
             assert most_threads() == 1
 
 
+def test_concurrent_parts_run_side_by_side_only_on_the_threads_a_small_fit_gave_up():
+    barrier = threading.Barrier(2, timeout=30)
+
+    def part(i):
+        if i < 2:
+            barrier.wait()  # only returns when two parts run at once
+        return i * i, threading.get_ident(), most_threads()
+
+    with threadpool_limits(limits=2):
+        with threads_for(1_000, 100):  # gave up 2 threads
+            results = concurrent_parts(part, range(5))
+        assert [r[0] for r in results] == [0, 1, 4, 9, 16]  # in order
+        assert len({r[1] for r in results}) == 2 and threading.get_ident() not in {r[1] for r in results}
+        assert {r[2] for r in results} == {1}  # each part on one native thread (OpenMP's limit is per thread)
+
+        def alone(i):
+            return threading.get_ident(), concurrent_parts(lambda j: threading.get_ident(), range(3))
+
+        with threads_for(SMALL_SWEEP_FLOPS, 1):  # a large fit keeps its threads and gives none up
+            assert {ident for ident, _ in concurrent_parts(alone, range(3))} == {threading.get_ident()}
+        with threads_for(1_000, 100):  # a part's own parts run one after another, in its thread
+            for ident, inner in concurrent_parts(alone, range(3)):
+                assert set(inner) == {ident}
+    with threadpool_limits(limits=1), threads_for(1_000, 100):  # a one-thread process (a Dask worker): serial
+        assert {ident for ident, _ in concurrent_parts(alone, range(3))} == {threading.get_ident()}
+
+
 class _Recording:
-    """Records the thread count in force whenever a fit (the kernel choice's included) builds its updates."""
+    """Records the thread count in force and the Python thread whenever a fit (the kernel choice's
+    included) builds its updates."""
 
     seen: list[int] = []
+    threads: set[int] = set()
 
     def _make_updates(self, gp):
         _Recording.seen.append(most_threads())
+        _Recording.threads.add(threading.get_ident())
         return super()._make_updates(gp)
 
 
@@ -55,7 +89,7 @@ def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model):
     bag_ids = np.repeat(np.arange(12), 6)
     y = np.repeat(np.arange(12) % 2, 6)
     X = rng.normal(size=(72, 3)) + y[:, None] * (rng.random((72, 1)) < 0.3)
-    _Recording.seen = []
+    _Recording.seen, _Recording.threads = [], set()
     with threadpool_limits(limits=2):
         model.fit(X, bag_ids, y)
         assert most_threads() == 2  # restored afterwards
@@ -63,3 +97,37 @@ def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model):
     expected_fits = 1 + ((5 * 2 + 2) * 6 if model.kernel is None else 0)
     assert len(_Recording.seen) == expected_fits
     assert set(_Recording.seen) == {1}
+    assert len(_Recording.threads) == (3 if model.kernel is None else 1)  # the final fit's, and the choice's two
+
+
+def _bags(n_bags=16, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(4, 9, size=n_bags)
+    bag_ids = np.repeat(np.arange(n_bags), sizes)
+    y = np.repeat(np.arange(n_bags) % 2, sizes)
+    X = rng.normal(size=(bag_ids.size, 3)) + 1.5 * y[:, None] * (rng.random((bag_ids.size, 1)) < 0.3)
+    coords = np.concatenate([np.stack([np.arange(s) // 3, np.arange(s) % 3], axis=1) for s in sizes])
+    return X, bag_ids, y, coords
+
+
+@pytest.mark.parametrize("make", [
+    lambda: VGPMIL(n_inducing=10, max_iter=30, random_state=np.random.RandomState(3)),
+    lambda: GVGPMIL(n_inducing=10, max_iter=30, random_state=1),
+    lambda: VGPMILPR(n_inducing=10, max_iter=30, random_state=2),
+    lambda: VGPMILPRI(n_inducing=10, max_iter=30, random_state=4),  # reads coords: a coupling per held-out half
+], ids=["VGPMIL", "GVGPMIL", "VGPMILPR", "VGPMILPRI"])
+def test_the_kernel_choice_side_by_side_gives_the_serial_fit_and_keeps_its_warnings_in(make):
+    X, bag_ids, y, coords = _bags()
+    extra = {"coords": coords} if isinstance(make(), VGPMILPRI) else {}
+    fits = {}
+    for threads in (1, 2):  # 1: the serial loop (as in a Dask worker); 2: the splits side by side
+        with threadpool_limits(limits=threads), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fits[threads] = make().fit(X, bag_ids, y, **extra)
+        assert not [w for w in caught if "max_iter=50" in str(w.message)]  # the choice's budget is no failure
+    serial, side_by_side = fits[1], fits[2]
+    assert serial.kernel_ == side_by_side.kernel_ and serial.auto_max_iter_ == side_by_side.auto_max_iter_
+    np.testing.assert_array_equal(serial.kernel_selection_, side_by_side.kernel_selection_)
+    np.testing.assert_array_equal(serial.q_.mean, side_by_side.q_.mean)
+    np.testing.assert_array_equal(serial.q_.cov, side_by_side.q_.cov)
+    np.testing.assert_array_equal(serial.predict_bag_proba(X, bag_ids, **extra)[1], side_by_side.predict_bag_proba(X, bag_ids, **extra)[1])

@@ -22,7 +22,7 @@ from ..engine import BagBlock, FitTrace, HeldOutRows, PartitionUpdates, SerialEx
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..metrics import binary_auc
-from ..threadpools import single_thread_when_small
+from ..threadpools import concurrent_parts, single_thread_when_small
 from ..validation import check_features, check_mil_data
 from .hyper import HYPER_PARAMETER_FLAGS
 
@@ -438,22 +438,26 @@ class SparseGPMILBase(BaseEstimator):
         setting)`` candidate under each rule, for :meth:`_select_kernel`: every split fits each
         candidate on its training half for ``checkpoints[-1]`` sweeps and scores its held-out half at
         every checkpoint. ``inducing[i]``: split i's k-means, computed by its first fit and then
-        shared (filled in here)."""
+        shared (filled in here). The splits run side by side on the native threads a small fit gave
+        up (:func:`~mil_core.threadpools.concurrent_parts`), with the serial loop's results."""
         overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
         budget = int(checkpoints[-1])
-        curves: dict[tuple[tuple[float, int], str | None], list[np.ndarray]] = {(c, r): [] for c in candidates for r in rules}
-        for i, (train, val) in enumerate(splits):
+
+        def split_curves(i: int) -> tuple[dict[tuple[tuple[float, int], str | None], np.ndarray], np.ndarray]:
+            """Split i's held-out curve of every (candidate, rule), and its k-means."""
+            train, val = splits[i]
             X_tr, tr_offsets = take_bags(X_sorted, offsets, train)
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
             held_out = HeldOutRows(X_val)  # whitened once per candidate's GP, not at every checkpoint
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
+            Z, curves = inducing[i], {}
             for v, k in candidates:
                 kernel, params = _setting_kernel(v, settings[k])
                 model = clone(self).set_params(kernel=kernel, **params, **overrides)
-                updates = model._start_fit(X_tr, y_tr, inducing=inducing[i])
-                inducing[i] = model.gp_.Z
+                updates = model._start_fit(X_tr, y_tr, inducing=Z)
+                Z = model.gp_.Z
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
@@ -464,12 +468,18 @@ class SparseGPMILBase(BaseEstimator):
                             curve[rule].append(np.nan if degenerate else binary_auc(labels[val], p))
                     return False
 
-                with warnings.catch_warnings():  # stopping at the budget is the point here
-                    warnings.simplefilter("ignore", ConvergenceWarning)
-                    optimise(executor.sweep, updates, updates.init_global(), max_iter=budget, tol=self.tol, monitor=score)
+                optimise(executor.sweep, updates, updates.init_global(), max_iter=budget, tol=self.tol, monitor=score)
                 for rule, points in curve.items():  # converged early: it stays
                     points += [points[-1] if points else 0.5] * (checkpoints.shape[0] - len(points))
-                    curves[(v, k), rule].append(np.asarray(points))
+                    curves[(v, k), rule] = np.asarray(points)
+            return curves, Z
+
+        with warnings.catch_warnings():  # stopping at the budget is the point here (the filters are the process's: set them once, here)
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            per_split = concurrent_parts(split_curves, range(len(splits)))  # the splits side by side where threads allow
+        for i, (_, Z) in enumerate(per_split):
+            inducing[i] = Z
+        curves = {key: [split[key] for split, _ in per_split] for key in per_split[0][0]}
         return {key: np.stack(c) for key, c in curves.items()}
 
     def _finish_fit(self, trace: FitTrace, monitor: _EarlyStopping | None = None) -> None:
