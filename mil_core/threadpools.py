@@ -11,9 +11,11 @@ waits for a scheduler time slice, about 10 ms a call: a default ``VGPMIL()`` fit
 their threads: there a call's work dwarfs the handoff.
 
 The threads a small fit gives up are not lost: independent parts of it (the kernel choice's
-splits) run side by side, each on one native thread (:func:`concurrent_parts`). Each part is
-seconds of work with no handoff inside it, so a busy core slows it down no more than it would a
-serial run; a process limited to one native thread (a Dask worker) runs them one after another.
+splits) run side by side, each on one native thread (:func:`concurrent_parts`), when each part's
+sweeps are BLAS work enough (:data:`CONCURRENT_SWEEP_FLOPS`); below that a sweep is mostly Python,
+and two threads contending for the GIL were slower than one. Each part is seconds of work with no
+handoff inside it, so a busy core slows it down no more than it would a serial run; a process
+limited to one native thread (a Dask worker) runs them one after another.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from typing import Any, TypeVar
 
 from threadpoolctl import threadpool_info, threadpool_limits
 
-__all__ = ["SMALL_SWEEP_FLOPS", "concurrent_parts", "native_threads", "single_thread_when_small", "threads_for"]
+__all__ = ["CONCURRENT_SWEEP_FLOPS", "SMALL_SWEEP_FLOPS", "concurrent_parts", "native_threads", "single_thread_when_small", "threads_for"]
 
 SMALL_SWEEP_FLOPS = 2**30
 """``N·M²`` below which a fit runs on one thread (≈ 10⁹: a sweep of ~20 ms on one core)."""
+CONCURRENT_SWEEP_FLOPS = 2**24
+"""``N·M²`` of each part's sweeps from which :func:`concurrent_parts` runs parts side by side (≈ 1.7·10⁷:
+a kernel-choice half of 1,700 instances with 100 inducing points). Below it the parts' Python
+work dominates and two threads were 1.0–1.6× slower than one (``docs/BENCHMARKS.md``, "The kernel
+choice's splits side by side")."""
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 Part = TypeVar("Part")
@@ -62,13 +69,14 @@ def threads_for(n_rows: int, n_inducing: int) -> Iterator[None]:
         _GIVEN_UP.reset(token)
 
 
-def concurrent_parts(work: Callable[[Part], Result], parts: Iterable[Part]) -> list[Result]:
+def concurrent_parts(work: Callable[[Part], Result], parts: Iterable[Part], sweep_flops: float) -> list[Result]:
     """``[work(p) for p in parts]``, in order, with as many parts at once as :func:`threads_for`'s
-    limit took native threads from this fit (1 outside it: one after another). Each part runs on
-    one native thread, so the results are those of the serial loop; ``work`` must not share
-    mutable state between parts."""
+    limit took native threads from this fit (1 outside it: one after another), when the parts'
+    sweeps do ``sweep_flops ≥ CONCURRENT_SWEEP_FLOPS`` (their ``N·M²``; else one after another).
+    Each part runs on one native thread, so the results are those of the serial loop; ``work``
+    must not share mutable state between parts."""
     parts = list(parts)
-    workers = min(_GIVEN_UP.get(), len(parts))
+    workers = min(_GIVEN_UP.get(), len(parts)) if sweep_flops >= CONCURRENT_SWEEP_FLOPS else 1
     if workers <= 1:
         return [work(part) for part in parts]
 

@@ -13,7 +13,8 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs
-from mil_core.threadpools import SMALL_SWEEP_FLOPS, concurrent_parts, threads_for
+from mil_core import threadpools
+from mil_core.threadpools import CONCURRENT_SWEEP_FLOPS, SMALL_SWEEP_FLOPS, concurrent_parts, threads_for
 
 
 def most_threads() -> int:
@@ -32,31 +33,32 @@ def test_threads_for_limits_small_work_and_leaves_large_work_alone():
             assert most_threads() == 1
 
 
-def test_concurrent_parts_run_side_by_side_only_on_the_threads_a_small_fit_gave_up():
+def test_concurrent_parts_run_side_by_side_only_on_the_threads_a_small_fit_gave_up_and_only_for_blas_work():
     barrier = threading.Barrier(2, timeout=30)
+    enough, too_little = CONCURRENT_SWEEP_FLOPS, CONCURRENT_SWEEP_FLOPS - 1
 
     def part(i):
         if i < 2:
             barrier.wait()  # only returns when two parts run at once
         return i * i, threading.get_ident(), most_threads()
 
+    def alone(i):
+        return threading.get_ident(), concurrent_parts(lambda j: threading.get_ident(), range(3), enough)
+
     with threadpool_limits(limits=2):
         with threads_for(1_000, 100):  # gave up 2 threads
-            results = concurrent_parts(part, range(5))
+            results = concurrent_parts(part, range(5), enough)
+            assert {ident for ident, _ in concurrent_parts(alone, range(3), too_little)} == {threading.get_ident()}
         assert [r[0] for r in results] == [0, 1, 4, 9, 16]  # in order
         assert len({r[1] for r in results}) == 2 and threading.get_ident() not in {r[1] for r in results}
         assert {r[2] for r in results} == {1}  # each part on one native thread (OpenMP's limit is per thread)
-
-        def alone(i):
-            return threading.get_ident(), concurrent_parts(lambda j: threading.get_ident(), range(3))
-
         with threads_for(SMALL_SWEEP_FLOPS, 1):  # a large fit keeps its threads and gives none up
-            assert {ident for ident, _ in concurrent_parts(alone, range(3))} == {threading.get_ident()}
+            assert {ident for ident, _ in concurrent_parts(alone, range(3), enough)} == {threading.get_ident()}
         with threads_for(1_000, 100):  # a part's own parts run one after another, in its thread
-            for ident, inner in concurrent_parts(alone, range(3)):
+            for ident, inner in concurrent_parts(alone, range(3), enough):
                 assert set(inner) == {ident}
     with threadpool_limits(limits=1), threads_for(1_000, 100):  # a one-thread process (a Dask worker): serial
-        assert {ident for ident, _ in concurrent_parts(alone, range(3))} == {threading.get_ident()}
+        assert {ident for ident, _ in concurrent_parts(alone, range(3), enough)} == {threading.get_ident()}
 
 
 class _Recording:
@@ -84,7 +86,10 @@ class RecordingGibbs(_Recording, VGPMILPRGibbs):
     RecordingVGPMIL(n_inducing=8, max_iter=5, random_state=0),  # kernel=None: the choice's fits too
     RecordingGibbs(n_inducing=8, kernel=RBF(1.0), n_samples=5, burn_in=2, random_state=0),
 ], ids=["VGPMIL", "Gibbs"])
-def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model):
+@pytest.mark.parametrize("side_by_side", [False, True], ids=["python-bound", "as-if-blas-bound"])
+def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model, side_by_side, monkeypatch):
+    if side_by_side:  # these 72 instances are far below the work that runs the splits side by side
+        monkeypatch.setattr(threadpools, "CONCURRENT_SWEEP_FLOPS", 0)
     rng = np.random.default_rng(0)
     bag_ids = np.repeat(np.arange(12), 6)
     y = np.repeat(np.arange(12) % 2, 6)
@@ -98,7 +103,7 @@ def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model):
     assert len(_Recording.seen) == expected_fits
     assert set(_Recording.seen) == {1}
     final_fit, choice = {threading.current_thread().name}, {"mil-core-part_0", "mil-core-part_1"}
-    if model.kernel is None:  # the choice's fits on the two threads the limit took, the final fit here
+    if model.kernel is None and side_by_side:  # the choice's fits on the two threads the limit took, the final fit here
         assert final_fit < _Recording.threads <= final_fit | choice
     else:
         assert _Recording.threads == final_fit
@@ -120,7 +125,8 @@ def _bags(n_bags=16, seed=0):
     lambda: VGPMILPR(n_inducing=10, max_iter=30, random_state=2),
     lambda: VGPMILPRI(n_inducing=10, max_iter=30, random_state=4),  # reads coords: a coupling per held-out half
 ], ids=["VGPMIL", "GVGPMIL", "VGPMILPR", "VGPMILPRI"])
-def test_the_kernel_choice_side_by_side_gives_the_serial_fit_and_keeps_its_warnings_in(make):
+def test_the_kernel_choice_side_by_side_gives_the_serial_fit_and_keeps_its_warnings_in(make, monkeypatch):
+    monkeypatch.setattr(threadpools, "CONCURRENT_SWEEP_FLOPS", 0)  # side by side on these small bags too
     X, bag_ids, y, coords = _bags()
     extra = {"coords": coords} if isinstance(make(), VGPMILPRI) else {}
     fits = {}

@@ -439,7 +439,8 @@ class SparseGPMILBase(BaseEstimator):
         candidate on its training half for ``checkpoints[-1]`` sweeps and scores its held-out half at
         every checkpoint. ``inducing[i]``: split i's k-means, computed by its first fit and then
         shared (filled in here). The splits run side by side on the native threads a small fit gave
-        up (:func:`~mil_core.threadpools.concurrent_parts`), with the serial loop's results."""
+        up when their sweeps are BLAS work enough (:func:`~mil_core.threadpools.concurrent_parts`),
+        with the serial loop's results."""
         overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
         budget = int(checkpoints[-1])
 
@@ -476,7 +477,8 @@ class SparseGPMILBase(BaseEstimator):
 
         with warnings.catch_warnings():  # stopping at the budget is the point here (the filters are the process's: set them once, here)
             warnings.simplefilter("ignore", ConvergenceWarning)
-            per_split = concurrent_parts(split_curves, range(len(splits)))  # the splits side by side where threads allow
+            half = X_sorted.shape[0] / 2  # about the rows each split's fits train on
+            per_split = concurrent_parts(split_curves, range(len(splits)), half * min(self.n_inducing, half) ** 2)
         for i, (_, Z) in enumerate(per_split):
             inducing[i] = Z
         curves = {key: [split[key] for split, _ in per_split] for key in per_split[0][0]}
