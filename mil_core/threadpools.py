@@ -36,8 +36,8 @@ SMALL_SWEEP_FLOPS = 2**30
 CONCURRENT_SWEEP_FLOPS = 2**24
 """``N·M²`` of each part's sweeps from which :func:`concurrent_parts` runs parts side by side (≈ 1.7·10⁷:
 a kernel-choice half of 1,700 instances with 100 inducing points). Below it the parts' Python
-work dominates and two threads were 1.0–1.6× slower than one (``docs/BENCHMARKS.md``, "The kernel
-choice's splits side by side")."""
+work dominates and two threads were up to 2× slower than one; from 4,000 instances every default
+gained (``docs/BENCHMARKS.md``, "The kernel choice's splits side by side", the gate)."""
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 Part = TypeVar("Part")
