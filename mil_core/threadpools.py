@@ -46,6 +46,12 @@ Result = TypeVar("Result")
 _GIVEN_UP: ContextVar[int] = ContextVar("native threads before the small-fit limit", default=1)
 
 
+def _sweep_flops(n_rows: int, n_inducing: int) -> int:
+    """``N·M²`` of a sweep over ``n_rows`` instances, ``M = min(n_inducing, n_rows)`` (a fit on fewer
+    rows than ``n_inducing`` makes every row an inducing point)."""
+    return n_rows * min(n_inducing, n_rows) ** 2
+
+
 def native_threads() -> int:
     """The most threads any native pool (BLAS, OpenMP) of this process would run a call on now."""
     return max((pool["num_threads"] for pool in threadpool_info()), default=1)
@@ -54,11 +60,10 @@ def native_threads() -> int:
 @contextmanager
 def threads_for(n_rows: int, n_inducing: int) -> Iterator[None]:
     """The context a fit of ``n_rows`` instances with ``n_inducing`` inducing points runs in:
-    BLAS and OpenMP limited to one thread when ``n_rows · M² < SMALL_SWEEP_FLOPS``, else
-    unchanged; ``M = min(n_inducing, n_rows)``, as a fit on fewer rows than ``n_inducing`` makes
-    every row an inducing point. Under the limit, :func:`concurrent_parts` may use the threads it
-    took (the outermost limit's count)."""
-    if n_rows * min(n_inducing, n_rows) ** 2 >= SMALL_SWEEP_FLOPS:
+    BLAS and OpenMP limited to one thread when ``N·M² < SMALL_SWEEP_FLOPS`` (:func:`_sweep_flops`),
+    else unchanged. Under the limit, :func:`concurrent_parts` may use the threads it took (the
+    outermost limit's count)."""
+    if _sweep_flops(n_rows, n_inducing) >= SMALL_SWEEP_FLOPS:
         yield
         return
     token = _GIVEN_UP.set(max(_GIVEN_UP.get(), native_threads()))
@@ -69,14 +74,16 @@ def threads_for(n_rows: int, n_inducing: int) -> Iterator[None]:
         _GIVEN_UP.reset(token)
 
 
-def concurrent_parts(work: Callable[[Part], Result], parts: Iterable[Part], sweep_flops: float) -> list[Result]:
+def concurrent_parts(work: Callable[[Part], Result], parts: Iterable[Part], n_rows: int, n_inducing: int) -> list[Result]:
     """``[work(p) for p in parts]``, in order, with as many parts at once as :func:`threads_for`'s
-    limit took native threads from this fit (1 outside it: one after another), when the parts'
-    sweeps do ``sweep_flops ≥ CONCURRENT_SWEEP_FLOPS`` (their ``N·M²``; else one after another).
-    Each part runs on one native thread, so the results are those of the serial loop; ``work``
-    must not share mutable state between parts."""
+    limit took native threads from this fit (1 outside it: one after another), when each part's
+    sweeps over about ``n_rows`` instances with ``n_inducing`` inducing points do
+    ``N·M² ≥ CONCURRENT_SWEEP_FLOPS`` (else one after another). Each part runs on one native
+    thread, so the results are those of the serial loop; ``work`` must not share mutable state
+    between parts."""
     parts = list(parts)
-    workers = min(_GIVEN_UP.get(), len(parts)) if sweep_flops >= CONCURRENT_SWEEP_FLOPS else 1
+    enough = _sweep_flops(n_rows, n_inducing) >= CONCURRENT_SWEEP_FLOPS
+    workers = min(_GIVEN_UP.get(), len(parts)) if enough else 1
     if workers <= 1:
         return [work(part) for part in parts]
 

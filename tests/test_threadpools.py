@@ -15,6 +15,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VGPMILPRGibbs
 from mil_core import threadpools
 from mil_core.threadpools import CONCURRENT_SWEEP_FLOPS, SMALL_SWEEP_FLOPS, concurrent_parts, threads_for
+from tests.conftest import make_toy_bags
+from tests.test_probit import chain_coords
 
 
 def most_threads() -> int:
@@ -35,7 +37,7 @@ def test_threads_for_limits_small_work_and_leaves_large_work_alone():
 
 def test_concurrent_parts_run_side_by_side_only_on_the_threads_a_small_fit_gave_up_and_only_for_blas_work():
     barrier = threading.Barrier(2, timeout=30)
-    enough, too_little = CONCURRENT_SWEEP_FLOPS, CONCURRENT_SWEEP_FLOPS - 1
+    enough, too_little = (CONCURRENT_SWEEP_FLOPS, 1), (CONCURRENT_SWEEP_FLOPS - 1, 1)  # (rows, inducing points): N·M²
 
     def part(i):
         if i < 2:
@@ -43,22 +45,22 @@ def test_concurrent_parts_run_side_by_side_only_on_the_threads_a_small_fit_gave_
         return i * i, threading.get_ident(), most_threads()
 
     def alone(i):
-        return threading.get_ident(), concurrent_parts(lambda j: threading.get_ident(), range(3), enough)
+        return threading.get_ident(), concurrent_parts(lambda j: threading.get_ident(), range(3), *enough)
 
     with threadpool_limits(limits=2):
         with threads_for(1_000, 100):  # gave up 2 threads
-            results = concurrent_parts(part, range(5), enough)
-            assert {ident for ident, _ in concurrent_parts(alone, range(3), too_little)} == {threading.get_ident()}
+            results = concurrent_parts(part, range(5), *enough)
+            assert {ident for ident, _ in concurrent_parts(alone, range(3), *too_little)} == {threading.get_ident()}
         assert [r[0] for r in results] == [0, 1, 4, 9, 16]  # in order
         assert len({r[1] for r in results}) == 2 and threading.get_ident() not in {r[1] for r in results}
         assert {r[2] for r in results} == {1}  # each part on one native thread (OpenMP's limit is per thread)
         with threads_for(SMALL_SWEEP_FLOPS, 1):  # a large fit keeps its threads and gives none up
-            assert {ident for ident, _ in concurrent_parts(alone, range(3), enough)} == {threading.get_ident()}
+            assert {ident for ident, _ in concurrent_parts(alone, range(3), *enough)} == {threading.get_ident()}
         with threads_for(1_000, 100):  # a part's own parts run one after another, in its thread
-            for ident, inner in concurrent_parts(alone, range(3), enough):
+            for ident, inner in concurrent_parts(alone, range(3), *enough):
                 assert set(inner) == {ident}
     with threadpool_limits(limits=1), threads_for(1_000, 100):  # a one-thread process (a Dask worker): serial
-        assert {ident for ident, _ in concurrent_parts(alone, range(3), enough)} == {threading.get_ident()}
+        assert {ident for ident, _ in concurrent_parts(alone, range(3), *enough)} == {threading.get_ident()}
 
 
 class _Recording:
@@ -109,16 +111,6 @@ def test_a_small_fit_and_its_kernel_choice_run_on_one_thread(model, side_by_side
         assert _Recording.threads == final_fit
 
 
-def _bags(n_bags=16, seed=0):
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(4, 9, size=n_bags)
-    bag_ids = np.repeat(np.arange(n_bags), sizes)
-    y = np.repeat(np.arange(n_bags) % 2, sizes)
-    X = rng.normal(size=(bag_ids.size, 3)) + 1.5 * y[:, None] * (rng.random((bag_ids.size, 1)) < 0.3)
-    coords = np.concatenate([np.stack([np.arange(s) // 3, np.arange(s) % 3], axis=1) for s in sizes])
-    return X, bag_ids, y, coords
-
-
 @pytest.mark.parametrize("make", [
     lambda: VGPMIL(n_inducing=10, max_iter=30, random_state=np.random.RandomState(3)),
     lambda: GVGPMIL(n_inducing=10, max_iter=30, random_state=1),
@@ -127,7 +119,8 @@ def _bags(n_bags=16, seed=0):
 ], ids=["VGPMIL", "GVGPMIL", "VGPMILPR", "VGPMILPRI"])
 def test_the_kernel_choice_side_by_side_gives_the_serial_fit_and_keeps_its_warnings_in(make, monkeypatch):
     monkeypatch.setattr(threadpools, "CONCURRENT_SWEEP_FLOPS", 0)  # side by side on these small bags too
-    X, bag_ids, y, coords = _bags()
+    X, bag_ids, y, _ = make_toy_bags(n_bags=16, n_features=3, seed=0)
+    coords = chain_coords(bag_ids)
     extra = {"coords": coords} if isinstance(make(), VGPMILPRI) else {}
     fits = {}
     for threads in (1, 2):  # 1: the serial loop (as in a Dask worker); 2: the splits side by side

@@ -477,12 +477,10 @@ class SparseGPMILBase(BaseEstimator):
 
         with warnings.catch_warnings():  # stopping at the budget is the point here (the filters are the process's: set them once, here)
             warnings.simplefilter("ignore", ConvergenceWarning)
-            half = X_sorted.shape[0] / 2  # about the rows each split's fits train on
-            per_split = concurrent_parts(split_curves, range(len(splits)), half * min(self.n_inducing, half) ** 2)
+            per_split = concurrent_parts(split_curves, range(len(splits)), X_sorted.shape[0] // 2, int(self.n_inducing))  # fits on half the rows
         for i, (_, Z) in enumerate(per_split):
             inducing[i] = Z
-        curves = {key: [split[key] for split, _ in per_split] for key in per_split[0][0]}
-        return {key: np.stack(c) for key, c in curves.items()}
+        return {key: np.stack([split[key] for split, _ in per_split]) for key in per_split[0][0]}
 
     def _finish_fit(self, trace: FitTrace, monitor: _EarlyStopping | None = None) -> None:
         """Store the fitted state of an :func:`~mil_core.engine.optimise` run."""
