@@ -5,8 +5,8 @@ Targets for one H100: under 10 s of compute for the 10 iterations once resident,
 the store. D = 128 float32 features, M = 200 inducing points, bags of 100–1,000 instances.
 
     python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr                 # one H100 (CuPy)
-    python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr --model VGPMILPR   # the pipeline's default model
-    python benchmarks/bench_gpu.py --n 1000000 --store /scratch/gpu-1e6.zarr --skip resident --defaults --model VGPMILPR
+    python benchmarks/bench_gpu.py --store /scratch/gpu-1e7.zarr --model VGPMILPR   # the probit model of seed 002
+    python benchmarks/bench_gpu.py --n 1000000 --store /scratch/gpu-1e6.zarr --skip resident --defaults   # the pipeline's default model
     python benchmarks/bench_gpu.py --n 20000 --namespace numpy --store /tmp/s.zarr   # CPU smoke test
     python benchmarks/bench_gpu.py --n 5000 --namespace array_api_strict:device1 --store /tmp/s.zarr
 

@@ -18,6 +18,9 @@ from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+CV_MODELS: tuple[str, ...] = ("VGPMIL", "GVGPMIL", "VGPMILPR")
+"""The automatic defaults ``gpmil cv`` scores, after the pipeline's default model."""
+
 
 def _quiet_libraries(verbose: bool) -> None:
     """Library chatter (Prefect's task states, Dask's scheduler and workers) goes to the console
@@ -147,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _cv(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from mil_core import GVGPMIL, VGPMIL, VGPMILPR
+    from flows.config import MODEL_CLASSES, ModelConfig
     from mil_core.model_selection import cross_validate_bags
 
     if not args.csv.is_file():
@@ -156,7 +159,9 @@ def _cv(args: argparse.Namespace) -> int:
     table = np.loadtxt(args.csv, delimiter=",")
     X, bags, y = table[:, 2:], table[:, 1].astype(int), table[:, 0].astype(int)
     print(f"{args.csv}: {X.shape[0]} instances, {np.unique(bags).size} bags, {X.shape[1]} features")
-    for model in (VGPMILPR, VGPMIL, GVGPMIL):  # the pipeline's default model first; each with its automatic defaults
+    default = ModelConfig().name
+    names = [default] + [name for name in CV_MODELS if name != default]  # the pipeline's default model first
+    for model in (MODEL_CLASSES[name] for name in names):  # each with its automatic defaults
         folds = cross_validate_bags(model(n_inducing=args.inducing, random_state=0), X, bags, y)  # its own bag rule
         auc = np.array([f["bag_auc"] for f in folds])
         print(f"{model.__name__:8s} M={args.inducing}: bag AUC {auc.mean():.3f} ± {auc.std():.3f} (5-fold)")
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "model and write a report with held-out metrics. Rerun: every stage is reused.")
     p.add_argument("workdir", type=Path, nargs="?", default=Path("gpmil-demo"), help="where raw data, stores, models and reports go (default: ./gpmil-demo)")
     p.set_defaults(handler=_demo)
-    p = commands.add_parser("cv", help="5-fold bag cross-validation of VGPMIL-PR (the pipeline's default), VGPMIL and G-VGPMIL on a MIL CSV table")
+    p = commands.add_parser("cv", help="5-fold bag cross-validation of the automatic defaults (VGPMIL, the pipeline's default; G-VGPMIL; VGPMIL-PR) on a MIL CSV table")
     p.add_argument("csv", type=Path, help="MIL table: label, bag id, features… (e.g. ../shared/data/musk1.csv)")
     p.add_argument("--inducing", type=int, default=50)
     p.set_defaults(handler=_cv)

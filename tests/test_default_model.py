@@ -1,6 +1,6 @@
 """The pipeline's default model is chosen by measurement (issue 15): ``ModelConfig``'s docstring
-cites a "mean of N" column of the summary table in ``docs/BENCHMARKS.md``, "Accuracy of the
-defaults", with the table's numbers, and its default ``name`` is the GP-MIL default with the best
+cites a "mean of N" column of a table in ``docs/BENCHMARKS.md``, "Accuracy of the defaults" (the
+first table there with that column), with the table's numbers, and its default ``name`` is the GP-MIL default with the best
 mean there. A re-measured table that changes the ranking, or a docstring left behind, fails here."""
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def test_a_rule_the_guard_chose_is_the_cluster_fits_and_the_pipelines(make, clie
 def test_the_prediction_settings_reach_every_model_that_takes_them():
     """``prediction.method`` is not only for the logistic family: VWSGP's bag probability takes it
     too (left out, each partition drew its own Monte Carlo sample); ``prediction.rule`` reaches
-    the logistic and the probit family (VGPMILPR is the pipeline's default model; it used to be
-    ignored there), no model gets a keyword its predict methods do not name, and VWSGP, which
+    the logistic and the probit family (VGPMILPR was the pipeline's default model until session 28;
+    it used to be ignored there), no model gets a keyword its predict methods do not name, and VWSGP, which
     scores bags by its summed evidence, refuses a rule rather than ignore it."""
     X, bags, y, _ = make_toy_bags(12)
     vwsgp = VWSGP(**SMALL).fit(X, bags, y)

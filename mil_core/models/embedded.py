@@ -53,7 +53,7 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 def default_gp() -> BaseEstimator:
     """The GP-MIL estimator :class:`EmbeddedGPMIL` fits when given ``gp=None``, unfitted:
-    ``VGPMIL()`` with its automatic kernel choice. (The pipeline's default model, ``VGPMILPR()``,
+    ``VGPMIL()`` with its automatic kernel choice, the pipeline's default model. (``VGPMILPR()``
     measured level on these embeddings and no faster: ``docs/BENCHMARKS.md``, "Session 12".)"""
     return VGPMIL()
 
