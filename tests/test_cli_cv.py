@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flows.cli import CV_MODELS, main
+from flows.cli import main
 from flows.config import ModelConfig
 
 
@@ -20,9 +20,8 @@ def test_cv_scores_the_pipeline_default_first_on_a_real_table(tmp_path, capsys):
 
     assert main(["cv", str(table), "--inducing", "6"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "bag AUC" in line]
-    default = ModelConfig().name
-    assert [line.split()[0] for line in lines] == [default, *(name for name in CV_MODELS if name != default)]
-    assert set(CV_MODELS) == {"VGPMIL", "GVGPMIL", "VGPMILPR"} and default in CV_MODELS
+    scored = [line.split()[0] for line in lines]
+    assert scored[0] == ModelConfig().name and sorted(scored) == ["GVGPMIL", "VGPMIL", "VGPMILPR"], scored
     assert all(float(line.split("bag AUC ")[1].split()[0]) > 0.5 for line in lines), lines
 
 
