@@ -19,7 +19,7 @@ from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VWSGP, VGPMILPRGibbs
 from mil_core.bags import BAG_RULES, bag_score
 from mil_core.metrics import binary_auc, chance_auc_std
 from mil_core.models.base import AUTO_VARIANCES, best_candidate, choice_bags, clearly_better_rule
-from mil_core.models.vgpmil import AUTO_H, VGPMIL_VARIANCES
+from mil_core.models.vgpmil import AUTO_H, LARGE_BAGS, VGPMIL_VARIANCES, PsiVGPMIL
 
 from tests.conftest import make_toy_bags
 
@@ -81,12 +81,61 @@ def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_t
     np.testing.assert_allclose(fixed.q_.mean, model.q_.mean, rtol=1e-10, atol=1e-12)
 
 
+def _large_bags(n_bags: int, size: tuple[int, int], seed: int = 0):
+    """Bags of ``size`` instances (negatives ~ N(0, I); every other bag positive, with 1–3 at 3·e₁)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(*size, size=n_bags)
+    X = rng.normal(size=(sizes.sum(), 2))
+    bags, y = np.repeat(np.arange(n_bags), sizes), np.repeat(np.arange(n_bags) % 2, sizes)
+    starts = np.r_[0, np.cumsum(sizes)[:-1]]
+    for b in range(1, n_bags, 2):
+        X[starts[b]: starts[b] + int(rng.integers(1, 4)), 0] += 3.0
+    return X, bags, y
+
+
+def test_in_large_bags_h_auto_tries_the_hard_likelihood_only_with_the_constant_kernel(monkeypatch):
+    """Where the choice's median bag holds ``LARGE_BAGS`` instances or more, no candidate of
+    ``H="auto"`` fits H = 1e12 without b = v (docs/BENCHMARKS.md, session 29); the same instances
+    in bags of half the size are chosen from as before, every (variance, H) with b = 0 first."""
+    X, bags, y = _large_bags(16, (LARGE_BAGS, LARGE_BAGS + 30))
+    seen = []
+    real = VGPMIL._make_updates
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append((self.H_, gp.kernel.bias)) or real(self, gp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        large = VGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
+        tried_large, seen[:] = list(seen), []
+        halves = 2 * bags + (np.arange(bags.size) % 2)  # every bag split in two: median 50–65
+        small = VGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, halves, y)
+        tried_small = list(seen)
+    assert (1e12, 0.0) not in tried_large
+    assert tried_large[:-1].count((100.0, 0.0)) == 6 * len(VGPMIL_VARIANCES)  # the first stage's other setting
+    assert [s for s, _ in large.setting_selection_] == [{"H": 100.0}, {"H": 1e12, "kernel_bias": 1.0}, {"H": 100.0, "kernel_bias": 1.0}]
+    if large.H_ == 1e12:
+        assert large.kernel_.bias == large.kernel_.variance
+    assert tried_small[:-1].count((1e12, 0.0)) == 6 * len(VGPMIL_VARIANCES)
+    assert [s for s, _ in small.setting_selection_][:2] == [{"H": 100.0}, {"H": 1e12}]
+
+
+@pytest.mark.parametrize("model, large", [(VGPMIL(), True), (GVGPMIL(), False), (PsiVGPMIL(), False),
+                                          (VGPMIL(learn_kernel=True), False), (VGPMIL(H=1e12), False)],
+                         ids=["VGPMIL", "GVGPMIL-one-H", "psi-no-constant-kernel", "learnt-kernel", "fixed-H"])
+def test_the_large_bag_settings_need_h_auto_and_the_constant_kernel(model, large):
+    """Which models switch: only ``H="auto"`` with the constant kernel on offer; the median decides."""
+    plain = model._auto_settings(np.array([3, 8, 5000]))  # median 8
+    assert model._auto_settings(np.array([LARGE_BAGS - 1] * 3 + [10**4])) == plain
+    switched = model._auto_settings(np.array([2, LARGE_BAGS, LARGE_BAGS]))
+    assert (switched != plain) == large
+    if large:
+        assert plain == ({"H": 100.0}, {"H": 1e12}) and switched == ({"H": 100.0}, {"H": 1e12, "kernel_bias": 1.0})
+
+
 class _Renamed(VGPMIL):
     """The second stage offers the first stage's point twice: as it is, and with b = 0 spelled out."""
 
     fits = 0
 
-    def _refined_candidates(self, variance, setting):
+    def _refined_candidates(self, variance, setting, bag_sizes):
         return ((variance, setting), (variance, {**setting, "kernel_bias": 0.0}))
 
     def _make_updates(self, gp):

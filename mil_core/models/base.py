@@ -319,8 +319,9 @@ class SparseGPMILBase(BaseEstimator):
         every one, :meth:`_bag_probas_from_state`); ``(None,)``: the model's own bag score only."""
         return (None,)
 
-    def _auto_settings(self) -> tuple[dict[str, Any], ...]:
-        """Constructor parameters that ``kernel=None`` chooses together with the variance: each
+    def _auto_settings(self, bag_sizes: np.ndarray) -> tuple[dict[str, Any], ...]:
+        """Constructor parameters that ``kernel=None`` chooses together with the variance, for the
+        choice's bags of ``bag_sizes`` instances: each
         setting is a candidate beside every variance (ties: fewer sweeps, the smaller variance,
         then the earlier setting), and the chosen one's values become the fitted ``<name>_``
         attributes (VGPMIL's ``H="auto"``: ``H_``). A setting (here or in
@@ -329,9 +330,11 @@ class SparseGPMILBase(BaseEstimator):
         ``({},)``: the variance and sweeps only."""
         return ({},)
 
-    def _refined_candidates(self, variance: float, setting: dict[str, Any]) -> tuple[tuple[float, dict[str, Any]], ...]:
+    def _refined_candidates(self, variance: float, setting: dict[str, Any],
+                            bag_sizes: np.ndarray) -> tuple[tuple[float, dict[str, Any]], ...]:
         """``(variance, setting)`` candidates that ``kernel=None`` tries in a second stage, given the
-        point the first stage chose (its ``variance`` and ``setting``): on the same splits and
+        point the first stage chose (its ``variance`` and ``setting``; ``bag_sizes`` as for
+        :meth:`_auto_settings`): on the same splits and
         k-means, under the bag rule already chosen; the best point of both stages wins (ties: the
         first stage's). For a setting worth trying near the chosen point only: a few fits per split
         where adding it to :meth:`_auto_settings` costs one per variance (the logistic family's
@@ -399,7 +402,7 @@ class SparseGPMILBase(BaseEstimator):
         checkpoints = np.unique(np.r_[np.arange(_SELECTION_EVERY, budget + 1, _SELECTION_EVERY), budget])
         splits = list(RepeatedStratifiedKFold(n_splits=2, n_repeats=_SELECTION_REPEATS, random_state=rng.randint(2**31 - 1)).split(labels, labels))
         inducing: list[np.ndarray | None] = [None] * len(splits)  # one k-means per split, shared by its candidates
-        settings, rules = self._auto_settings(), self._auto_bag_rules()
+        settings, rules = self._auto_settings(np.diff(offsets)), self._auto_bag_rules()
         candidates = [(v, k) for v in self._auto_variances() for k in range(len(settings))]  # (variance, setting)
         scores = self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, candidates, settings, rules, checkpoints)
         rule = rules[0]
@@ -407,7 +410,7 @@ class SparseGPMILBase(BaseEstimator):
             rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
         chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
         first = 0 if chosen is None else chosen[0][1]  # the setting whose variances were compared
-        refined = () if chosen is None else self._refined_candidates(chosen[0][0], settings[first])
+        refined = () if chosen is None else self._refined_candidates(chosen[0][0], settings[first], np.diff(offsets))
         for _, setting in refined:
             if setting not in settings:
                 settings += (setting,)

@@ -33,11 +33,19 @@ from ..predictive import probit_scale, sample_latent
 from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, learnt_hyper_parameters, unwrap_hyper_state
 
-__all__ = ["AUTO_H", "VGPMIL_VARIANCES", "PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
+__all__ = ["AUTO_H", "LARGE_BAGS", "VGPMIL_VARIANCES", "PsiMILUpdates", "PsiStats", "PsiVGPMIL", "VGPMIL", "GVGPMIL"]
 
 AUTO_H: tuple[float, ...] = (100.0, 1e12)
 """Bag-likelihood odds that ``H="auto"`` chooses from with the kernel; the first is used with a
 fixed kernel (``docs/MODELS.md``, "The bag likelihood's H")."""
+
+LARGE_BAGS: int = 100
+"""Median instances per bag (of the kernel choice's bags) from which ``H="auto"`` tries the hard
+likelihood H = 1e12 only with the constant kernel b = v: in bags of thousands its q(y) update
+(Eq. 25, ``emax="max"``) leaves all but one instance of a positive bag to follow σ(E f), and
+without a constant term they drag the RBF latent down with the negatives, witnesses included
+(``docs/BENCHMARKS.md``, "The hard bag likelihood in large bags", session 29). The public MIL
+tables' bags hold a median of 4–27 instances; a slide's, 10³–10⁵ tiles."""
 
 VGPMIL_VARIANCES: tuple[float, ...] = (0.25, *AUTO_VARIANCES)
 """Kernel variances that VGPMIL's and ψ-VGPMIL's ``kernel=None`` tries: the common grid and ¼
@@ -149,20 +157,31 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     #: kernel"); ``None``: not at all. VGPMIL 0, G-VGPMIL 1 (measured: ``docs/BENCHMARKS.md``).
     _constant_kernel_reach: int | None = None
 
-    def _auto_settings(self) -> tuple[dict[str, Any], ...]:
-        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance."""
-        return tuple({"H": h} for h in AUTO_H) if isinstance(self.H, str) else ({},)
+    def _tries_constant_kernel(self) -> bool:
+        """Whether ``kernel=None`` may choose the constant kernel: :attr:`_constant_kernel_reach` set,
+        and no hyper-parameter learnt (their gradients take the RBF alone)."""
+        return self._constant_kernel_reach is not None and not any(learnt_hyper_parameters(self).values())
 
-    def _refined_candidates(self, variance: float, setting: dict[str, Any]) -> tuple[tuple[float, dict[str, Any]], ...]:
+    def _auto_settings(self, bag_sizes: np.ndarray) -> tuple[dict[str, Any], ...]:
+        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance; where the median bag
+        holds :data:`LARGE_BAGS` instances or more and the model tries the constant kernel
+        (:meth:`_tries_constant_kernel`), the largest H with b = v only."""
+        if not isinstance(self.H, str):
+            return ({},)
+        large = self._tries_constant_kernel() and np.median(bag_sizes) >= LARGE_BAGS
+        return tuple({"H": h, "kernel_bias": 1.0} if large and h == max(AUTO_H) else {"H": h} for h in AUTO_H)
+
+    def _refined_candidates(self, variance: float, setting: dict[str, Any],
+                            bag_sizes: np.ndarray) -> tuple[tuple[float, dict[str, Any]], ...]:
         """The constant kernel b = v with each of :meth:`_auto_settings` (each H) at the variances
         within :attr:`_constant_kernel_reach` grid steps of the chosen one — not when
         hyper-parameters are learnt, whose gradients take the RBF alone."""
-        if self._constant_kernel_reach is None or any(learnt_hyper_parameters(self).values()):
+        if not self._tries_constant_kernel():
             return ()
         grid = self._auto_variances()
         i = grid.index(variance)
         near = grid[max(i - self._constant_kernel_reach, 0): i + self._constant_kernel_reach + 1]
-        return tuple((v, {**s, "kernel_bias": 1.0}) for v in near for s in self._auto_settings())
+        return tuple((v, {**s, "kernel_bias": 1.0}) for v in near for s in self._auto_settings(bag_sizes))
 
     def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.emax not in ("exact", "max"):
