@@ -323,8 +323,9 @@ _COMMON_PARAMS = """
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
         Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4). ``"auto"``: 100 or 1e12
         (:data:`AUTO_H`), chosen with the kernel variance and sweeps on the same split of the
-        training bags (the point with the best held-out AUC); with a fixed kernel 100. The
-        used value is ``H_``. Each default is measured (``docs/MODELS.md``, "The bag
+        training bags (the point with the best held-out AUC); where the choice's median bag holds
+        :data:`LARGE_BAGS` instances or more, 1e12 only with the constant kernel; with a fixed
+        kernel 100. The used value is ``H_``. Each default is measured (``docs/MODELS.md``, "The bag
         likelihood's H"): for VGPMIL neither value is best everywhere (1e12 raised MUSK1 and
         the high-dimensional set, lowered the large bags and ``sizes``), and the per-fit choice
         beat both over 13 sets; for G-VGPMIL 1e12 raised the held-out bag AUC on 7 of 13 sets.
