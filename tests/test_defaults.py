@@ -117,17 +117,33 @@ def test_in_large_bags_h_auto_tries_the_hard_likelihood_only_with_the_constant_k
     assert [s for s, _ in small.setting_selection_][:2] == [{"H": 100.0}, {"H": 1e12}]
 
 
-@pytest.mark.parametrize("model, large", [(VGPMIL(), True), (GVGPMIL(), False), (PsiVGPMIL(), False),
-                                          (VGPMIL(learn_kernel=True), False), (VGPMIL(H=1e12), False)],
-                         ids=["VGPMIL", "GVGPMIL-one-H", "psi-no-constant-kernel", "learnt-kernel", "fixed-H"])
-def test_the_large_bag_settings_need_h_auto_and_the_constant_kernel(model, large):
-    """Which models switch: only ``H="auto"`` with the constant kernel on offer; the median decides."""
-    plain = model._auto_settings(np.array([3, 8, 5000]))  # median 8
+H_AUTO, B = ({"H": 100.0}, {"H": 1e12}), {"kernel_bias": 1.0}
+
+
+@pytest.mark.parametrize("model, plain, large", [
+    (VGPMIL(), H_AUTO, ({"H": 100.0}, {"H": 1e12, **B})), (GVGPMIL(), ({},), (B,)), (VGPMIL(H=1e12), ({},), (B,)),
+    (VGPMIL(H=100.0), ({},), ({},)), (PsiVGPMIL(), H_AUTO, H_AUTO), (VGPMIL(learn_kernel=True), H_AUTO, H_AUTO),
+    (GVGPMIL(learn_psi=True), ({},), ({},)),
+], ids=["VGPMIL", "GVGPMIL", "fixed-hard-H", "fixed-soft-H", "psi-no-constant-kernel", "learnt-kernel", "learnt-psi"])
+def test_in_large_bags_the_hard_likelihood_is_tried_with_the_constant_kernel_where_one_is_on_offer(model, plain, large):
+    """The first stage's settings of each model; the choice's median bag size decides."""
+    assert model._auto_settings(np.array([3, 8, 5000])) == plain  # median 8
     assert model._auto_settings(np.array([LARGE_BAGS - 1] * 3 + [10**4])) == plain
-    switched = model._auto_settings(np.array([2, LARGE_BAGS, LARGE_BAGS]))
-    assert (switched != plain) == large
-    if large:
-        assert plain == ({"H": 100.0}, {"H": 1e12}) and switched == ({"H": 100.0}, {"H": 1e12, "kernel_bias": 1.0})
+    assert model._auto_settings(np.array([2, LARGE_BAGS, LARGE_BAGS])) == large
+
+
+def test_gvgpmil_in_large_bags_fits_every_candidate_with_the_constant_kernel(monkeypatch):
+    """G-VGPMIL's one H is the hard one: in large bags each variance is tried with b = v, and the
+    second stage has nothing left to add."""
+    X, bags, y = _large_bags(16, (LARGE_BAGS, LARGE_BAGS + 30))
+    seen = []
+    real = GVGPMIL._make_updates
+    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append((gp.kernel.variance, gp.kernel.bias)) or real(self, gp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        model = GVGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
+    assert len(seen) == 6 * len(model._auto_variances()) + 1 and all(b == v for v, b in seen)
+    assert model.kernel_.bias == model.kernel_.variance and model.setting_selection_ == []
 
 
 class _Renamed(VGPMIL):

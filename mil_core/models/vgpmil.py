@@ -40,8 +40,9 @@ AUTO_H: tuple[float, ...] = (100.0, 1e12)
 fixed kernel (``docs/MODELS.md``, "The bag likelihood's H")."""
 
 LARGE_BAGS: int = 100
-"""Median instances per bag (of the kernel choice's bags) from which ``H="auto"`` tries the hard
-likelihood H = 1e12 only with the constant kernel b = v: in bags of thousands its q(y) update
+"""Median instances per bag (of the kernel choice's bags) from which the kernel choice tries the hard
+likelihood H = 1e12 only with the constant kernel b = v (VGPMIL's ``H="auto"``, G-VGPMIL's fixed
+1e12): in bags of thousands its q(y) update
 (Eq. 25, ``emax="max"``) leaves all but one instance of a positive bag to follow σ(E f), and
 without a constant term they drag the RBF latent down with the negatives, witnesses included
 (``docs/BENCHMARKS.md``, "The hard bag likelihood in large bags", session 29). The public MIL
@@ -163,13 +164,15 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return self._constant_kernel_reach is not None and not any(learnt_hyper_parameters(self).values())
 
     def _auto_settings(self, bag_sizes: np.ndarray) -> tuple[dict[str, Any], ...]:
-        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance; where the median bag
-        holds :data:`LARGE_BAGS` instances or more and the model tries the constant kernel
-        (:meth:`_tries_constant_kernel`), the largest H with b = v only."""
-        if not isinstance(self.H, str):
-            return ({},)
-        large = self._tries_constant_kernel() and np.median(bag_sizes) >= LARGE_BAGS
-        return tuple({"H": h, "kernel_bias": 1.0} if large and h == max(AUTO_H) else {"H": h} for h in AUTO_H)
+        """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance (a fixed H: the variance
+        only). Where the median bag holds :data:`LARGE_BAGS` instances or more and the model tries
+        the constant kernel (:meth:`_tries_constant_kernel`), the hard likelihood — the largest of
+        :data:`AUTO_H`, or a fixed H as large (G-VGPMIL's 1e12) — is tried with b = v only."""
+        hard = max(AUTO_H)
+        constant = {"kernel_bias": 1.0} if self._tries_constant_kernel() and np.median(bag_sizes) >= LARGE_BAGS else {}
+        if isinstance(self.H, str):
+            return tuple({"H": h, **(constant if h == hard else {})} for h in AUTO_H)
+        return (constant if self.H >= hard else {},)
 
     def _refined_candidates(self, variance: float, setting: dict[str, Any],
                             bag_sizes: np.ndarray) -> tuple[tuple[float, dict[str, Any]], ...]:
@@ -323,9 +326,9 @@ _COMMON_PARAMS = """
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
         Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4). ``"auto"``: 100 or 1e12
         (:data:`AUTO_H`), chosen with the kernel variance and sweeps on the same split of the
-        training bags (the point with the best held-out AUC); where the choice's median bag holds
-        :data:`LARGE_BAGS` instances or more, 1e12 only with the constant kernel; with a fixed
-        kernel 100. The used value is ``H_``. Each default is measured (``docs/MODELS.md``, "The bag
+        training bags (the point with the best held-out AUC); with a fixed kernel 100. Where the
+        choice's median bag holds :data:`LARGE_BAGS` instances or more, the kernel choice tries
+        H = 1e12 (here or G-VGPMIL's) only with the constant kernel. The used value is ``H_``. Each default is measured (``docs/MODELS.md``, "The bag
         likelihood's H"): for VGPMIL neither value is best everywhere (1e12 raised MUSK1 and
         the high-dimensional set, lowered the large bags and ``sizes``), and the per-fit choice
         beat both over 13 sets; for G-VGPMIL 1e12 raised the held-out bag AUC on 7 of 13 sets.
