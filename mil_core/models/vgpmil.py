@@ -40,11 +40,11 @@ AUTO_H: tuple[float, ...] = (100.0, 1e12)
 fixed kernel (``docs/MODELS.md``, "The bag likelihood's H")."""
 
 LARGE_BAGS: int = 100
-"""Median instances per bag (of the kernel choice's bags) from which the kernel choice tries the hard
-likelihood H = 1e12 only with the constant kernel b = v (VGPMIL's ``H="auto"``, G-VGPMIL's fixed
-1e12): in bags of thousands its q(y) update
-(Eq. 25, ``emax="max"``) leaves all but one instance of a positive bag to follow σ(E f), and
-without a constant term they drag the RBF latent down with the negatives, witnesses included
+"""Median instances per bag (of the kernel choice's bags) from which the kernel choice tries the
+hard likelihood H = 1e12 only with the constant kernel b = v (VGPMIL's ``H="auto"``, G-VGPMIL's
+fixed 1e12): in bags of thousands its q(y) update (Eq. 25, ``emax="max"``) leaves all but one
+instance of a positive bag to follow σ(E f), and without a constant term they drag the RBF
+latent down with the negatives, witnesses included
 (``docs/BENCHMARKS.md``, "The hard bag likelihood in large bags", session 29). The public MIL
 tables' bags hold a median of 4–27 instances; a slide's, 10³–10⁵ tiles."""
 
@@ -328,8 +328,8 @@ _COMMON_PARAMS = """
         (:data:`AUTO_H`), chosen with the kernel variance and sweeps on the same split of the
         training bags (the point with the best held-out AUC); with a fixed kernel 100. Where the
         choice's median bag holds :data:`LARGE_BAGS` instances or more, the kernel choice tries
-        H = 1e12 (here or G-VGPMIL's) only with the constant kernel. The used value is ``H_``. Each default is measured (``docs/MODELS.md``, "The bag
-        likelihood's H"): for VGPMIL neither value is best everywhere (1e12 raised MUSK1 and
+        H = 1e12 (here or G-VGPMIL's) only with the constant kernel. The used value is ``H_``.
+        Each default is measured (``docs/MODELS.md``, "The bag likelihood's H"): for VGPMIL neither value is best everywhere (1e12 raised MUSK1 and
         the high-dimensional set, lowered the large bags and ``sizes``), and the per-fit choice
         beat both over 13 sets; for G-VGPMIL 1e12 raised the held-out bag AUC on 7 of 13 sets.
     emax : {"max", "exact"}, default="max"
