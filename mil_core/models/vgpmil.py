@@ -320,7 +320,8 @@ _COMMON_PARAMS = """
         see ``GVGPMIL._auto_variances``) of ``RBF(v, length_scale=√D)``, VGPMIL and G-VGPMIL also
         whether a constant kernel b = v is added to it (``RBF.bias``: far from the training data f
         reverts to a shift the data set rather than to 0; tried in a second stage near the chosen
-        variance; not with hyper-parameter learning), the number of sweeps and
+        variance, and in bags of a median :data:`LARGE_BAGS`+ instances with H = 1e12 from the
+        first; not with hyper-parameter learning), the number of sweeps and
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
