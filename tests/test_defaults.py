@@ -151,7 +151,7 @@ class _Renamed(VGPMIL):
 
     fits = 0
 
-    def _refined_candidates(self, variance, setting, bag_sizes):
+    def _refined_candidates(self, variance, setting, settings):
         return ((variance, setting), (variance, {**setting, "kernel_bias": 0.0}))
 
     def _make_updates(self, gp):

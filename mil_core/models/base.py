@@ -331,10 +331,10 @@ class SparseGPMILBase(BaseEstimator):
         return ({},)
 
     def _refined_candidates(self, variance: float, setting: dict[str, Any],
-                            bag_sizes: np.ndarray) -> tuple[tuple[float, dict[str, Any]], ...]:
+                            settings: tuple[dict[str, Any], ...]) -> tuple[tuple[float, dict[str, Any]], ...]:
         """``(variance, setting)`` candidates that ``kernel=None`` tries in a second stage, given the
-        point the first stage chose (its ``variance`` and ``setting``; ``bag_sizes`` as for
-        :meth:`_auto_settings`): on the same splits and
+        point the first stage chose (its ``variance`` and ``setting``, one of the first stage's
+        ``settings``): on the same splits and
         k-means, under the bag rule already chosen; the best point of both stages wins (ties: the
         first stage's). For a setting worth trying near the chosen point only: a few fits per split
         where adding it to :meth:`_auto_settings` costs one per variance (the logistic family's
@@ -410,7 +410,7 @@ class SparseGPMILBase(BaseEstimator):
             rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
         chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
         first = 0 if chosen is None else chosen[0][1]  # the setting whose variances were compared
-        refined = () if chosen is None else self._refined_candidates(chosen[0][0], settings[first], np.diff(offsets))
+        refined = () if chosen is None else self._refined_candidates(chosen[0][0], settings[first], settings)
         for _, setting in refined:
             if setting not in settings:
                 settings += (setting,)

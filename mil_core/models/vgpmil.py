@@ -44,9 +44,9 @@ LARGE_BAGS: int = 100
 hard likelihood H = 1e12 only with the constant kernel b = v (VGPMIL's ``H="auto"``, G-VGPMIL's
 fixed 1e12): in bags of thousands its q(y) update (Eq. 25, ``emax="max"``) leaves all but one
 instance of a positive bag to follow σ(E f), and without a constant term they drag the RBF
-latent down with the negatives, witnesses included
-(``docs/BENCHMARKS.md``, "The hard bag likelihood in large bags", session 29). The public MIL
-tables' bags hold a median of 4–27 instances; a slide's, 10³–10⁵ tiles."""
+latent down with the negatives, witnesses included (``docs/BENCHMARKS.md``, "The hard bag
+likelihood in large bags", session 29). The public MIL tables' bags hold a median of 4–27
+instances; a slide's, 10³–10⁵ tiles."""
 
 VGPMIL_VARIANCES: tuple[float, ...] = (0.25, *AUTO_VARIANCES)
 """Kernel variances that VGPMIL's and ψ-VGPMIL's ``kernel=None`` tries: the common grid and ¼
@@ -175,8 +175,8 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return (constant if self.H >= hard else {},)
 
     def _refined_candidates(self, variance: float, setting: dict[str, Any],
-                            bag_sizes: np.ndarray) -> tuple[tuple[float, dict[str, Any]], ...]:
-        """The constant kernel b = v with each of :meth:`_auto_settings` (each H) at the variances
+                            settings: tuple[dict[str, Any], ...]) -> tuple[tuple[float, dict[str, Any]], ...]:
+        """The constant kernel b = v with each of the first stage's ``settings`` (each H) at the variances
         within :attr:`_constant_kernel_reach` grid steps of the chosen one — not when
         hyper-parameters are learnt, whose gradients take the RBF alone."""
         if not self._tries_constant_kernel():
@@ -184,7 +184,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         grid = self._auto_variances()
         i = grid.index(variance)
         near = grid[max(i - self._constant_kernel_reach, 0): i + self._constant_kernel_reach + 1]
-        return tuple((v, {**s, "kernel_bias": 1.0}) for v in near for s in self._auto_settings(bag_sizes))
+        return tuple((v, {**s, "kernel_bias": 1.0}) for v in near for s in settings)
 
     def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.emax not in ("exact", "max"):
@@ -330,9 +330,10 @@ _COMMON_PARAMS = """
         training bags (the point with the best held-out AUC); with a fixed kernel 100. Where the
         choice's median bag holds :data:`LARGE_BAGS` instances or more, the kernel choice tries
         H = 1e12 (here or G-VGPMIL's) only with the constant kernel. The used value is ``H_``.
-        Each default is measured (``docs/MODELS.md``, "The bag likelihood's H"): for VGPMIL neither value is best everywhere (1e12 raised MUSK1 and
-        the high-dimensional set, lowered the large bags and ``sizes``), and the per-fit choice
-        beat both over 13 sets; for G-VGPMIL 1e12 raised the held-out bag AUC on 7 of 13 sets.
+        Each default is measured (``docs/MODELS.md``, "The bag likelihood's H"): for VGPMIL
+        neither value is best everywhere (1e12 raised MUSK1 and the high-dimensional set, lowered
+        the large bags and ``sizes``), and the per-fit choice beat both over 13 sets; for G-VGPMIL
+        1e12 raised the held-out bag AUC on 7 of 13 sets.
     emax : {"max", "exact"}, default="max"
         ``E[max y_{b∖n}]`` rule: the reference codes' max of the others' π, or the mean-field
         ``1 − Π_{j≠n}(1 − π_j)`` (whose ELBO is a true bound). ``"max"`` is the default because
