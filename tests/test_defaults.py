@@ -488,6 +488,25 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
         bench_accuracy.pool_bags(np.zeros((10, 2)), np.arange(10) < 5, 0, 10, (2, 3), 0.5)
 
 
+def test_benchmark_generated_sets_are_the_regimes_they_name(bench_accuracy):
+    """``generated_set`` (session 30): witnesses only in positive bags, in the stated bag sizes and
+    witness fractions; ``collective`` has no witnesses and shifts every instance of a positive bag."""
+    assert set(bench_accuracy.GENERATED_SETS) <= set(bench_accuracy.HELD_OUT_SETS)
+    for name, sizes, dims in (("lowrank", (20, 59), 256), ("heavytail", (5, 24), 20), ("rare", (50, 199), 64)):
+        X, bags, y, witness = bench_accuracy.robustness_set(name)
+        keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
+        per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+        assert np.all((per_bag > 0) == (y[first] == 1)), name
+        assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and X.shape[1] == dims and np.all(np.isfinite(X))
+        if name == "rare":  # rare witnesses in rare positive bags
+            assert 0.1 < np.mean(y[first]) < 0.3 and np.all(per_bag[y[first] == 1] <= np.ceil(0.03 * counts[y[first] == 1]))
+    assert bench_accuracy.robustness_set("heavytail")[0].min() > 0  # raw log-normal features
+    X, bags, y, witness = bench_accuracy.robustness_set("collective")
+    assert witness is None
+    shift = X[y == 1].mean(axis=0) - X[y == 0].mean(axis=0)
+    assert np.all(shift[:5] > 0.3) and np.all(np.abs(shift[5:]) < 0.15)
+
+
 def test_benchmark_label_noise_flips_whole_training_bags_and_leaves_the_test_fold_alone(bench_accuracy):
     """``bench_accuracy.py --label-noise``: wrong slide labels in training, true labels in test."""
     clean = list(bench_accuracy._splits("cancer", 5, 1, (0, 1)))
