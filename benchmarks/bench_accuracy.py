@@ -229,13 +229,14 @@ def generated_set(name: str):
     """Held-out sets from generators (session 30), for regimes the other sets leave out:
 
     * ``lowrank``: 256 correlated features from 8 factors plus noise (a foundation-model embedding's
-      regime); a witness has its first factor above 1.5; 100 bags of 20–59, 2–20 % witnesses;
+      regime); a witness has its first factor above 1.5, every other instance at most 1.5; 100 bags
+      of 20–59, 2–20 % witnesses;
     * ``heavytail``: 20 log-normal raw features whose logs carry the signal (+1.5 on 3 of them),
       standardised as they are, so outliers dominate a distance; 100 bags of 5–24, 5–30 % witnesses;
-    * ``collective``: no witnesses — every instance of a positive bag (100 bags of 10–29) is shifted by 0.4 in 5 of 30
-      dimensions (the standard MIL assumption does not hold; no instance labels);
-    * ``rare``: digits with N(0, 2²) pixel noise, a witness is a 3; 150 bags of 50–199, a fifth of them
-      positive with 1–3 % witnesses (rare witnesses, rare positive bags).
+    * ``collective``: no witnesses — every instance of a positive bag is shifted by 0.4 in 5 of 30
+      dimensions (the standard MIL assumption does not hold; no instance labels); 100 bags of 10–29;
+    * ``rare``: digits with N(0, 2²) pixel noise, a witness is a 3; 150 bags of 50–199, each positive
+      with probability ⅕ (28 are), 1–3 % witnesses (rare witnesses in rare positive bags).
     """
     rng = np.random.default_rng(0)
     if name == "lowrank":
