@@ -462,6 +462,12 @@ def bench_accuracy():
     return bench_accuracy
 
 
+def _witnesses_per_bag(bags: np.ndarray, witness: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each bag's first row, size and witness count (bags in ``np.unique`` order)."""
+    _, first, counts = np.unique(bags, return_index=True, return_counts=True)
+    return first, counts, np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+
+
 def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_bags(bench_accuracy):
     """The offline sets that check the defaults are not tuned to MUSK (``benchmarks/bench_accuracy.py``)."""
     assert set(bench_accuracy.HELD_OUT_SETS) <= set(bench_accuracy.ROBUSTNESS_SETS)
@@ -469,8 +475,7 @@ def test_benchmark_robustness_sets_are_mil_bags_with_witnesses_only_in_positive_
     for name, sizes in (("cancer", (2, 10)), ("text", (8, 30)), ("fox", (2, 13)), ("hastie", (5, 25)), ("wine", (2, 6)),
                         ("sizes", (4, 24)), ("imbalanced", (5, 30)), ("highdim", (10, 40)), ("dense", (10, 30))):
         X, bags, y, witness = bench_accuracy.robustness_set(name)
-        keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
-        per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+        first, counts, per_bag = _witnesses_per_bag(bags, witness)
         if name in positive_fraction:
             assert np.mean(y[first]) == positive_fraction[name], name
         else:
@@ -494,8 +499,7 @@ def test_benchmark_generated_sets_are_the_regimes_they_name(bench_accuracy):
     assert set(bench_accuracy.GENERATED_SETS) <= set(bench_accuracy.HELD_OUT_SETS)
     for name, sizes, dims in (("lowrank", (20, 59), 256), ("heavytail", (5, 24), 20), ("rare", (50, 199), 64)):
         X, bags, y, witness = bench_accuracy.robustness_set(name)
-        keys, first, counts = np.unique(bags, return_index=True, return_counts=True)
-        per_bag = np.add.reduceat(witness[np.argsort(bags, kind="stable")], np.r_[0, np.cumsum(counts)[:-1]])
+        first, counts, per_bag = _witnesses_per_bag(bags, witness)
         assert np.all((per_bag > 0) == (y[first] == 1)), name
         assert counts.min() >= sizes[0] and counts.max() <= sizes[1] and X.shape[1] == dims and np.all(np.isfinite(X))
         if name == "rare":  # rare witnesses in rare positive bags
