@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,3 +45,14 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(scope="module")
+def bench_accuracy():
+    """``benchmarks/bench_accuracy.py`` as a module (the benchmarks are scripts, not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_accuracy
+    finally:
+        sys.path.pop(0)
+    return bench_accuracy

@@ -1,6 +1,7 @@
 """Convergence with H up to 1e12 (issue 15, cause 3): with the reference ``max`` E[max] rule the
 undamped fixed point cycles with period 2; the logistic models' *default* damping makes it converge —
-consecutive sweeps' bag scores (``max`` rule) and ELBO stop moving."""
+consecutive sweeps' bag scores (``max`` rule) and ELBO stop moving. And the stop itself: a slow
+climb is not taken for convergence."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 from sklearn.base import clone
 
-from mil_core import GVGPMIL, RBF, VGPMIL, PsiVGPMIL
+from sklearn.metrics import roc_auc_score
+
+from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, PsiVGPMIL
+from mil_core.bags import BagIndex
 
 N_SWEEPS = 60
 MODELS = {  # default damping: not passed
@@ -47,3 +51,20 @@ def test_the_default_damping_converges_where_the_undamped_iteration_cycles(name)
     assert score_change < 1e-3 and elbo_change < 1e-4, (score_change, elbo_change)
     undamped_score_change, _ = consecutive_sweeps(clone(model).set_params(damping=0.0), X, bags, y)
     assert undamped_score_change > 0.05  # the data shows the period-2 cycle the damping removes
+
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_the_probit_stop_waits_out_a_slow_climb(bench_accuracy):
+    """Rare witnesses (``bench_accuracy``'s ``rare``: 1–3 % threes in a fifth of the bags): at
+    v = 64 the probit ELBO is almost all the FITC residual's term, which no update changes, and the
+    witnesses rise by hundredths of a nat a sweep. Measured against the whole ELBO, the relative
+    test stopped after 4 sweeps (held-out instance AUC 0.85, bag AUC 0.60); measured against the
+    rest (:func:`mil_core.engine.optimise`) the fit climbs on and localises."""
+    _, train, test = next(bench_accuracy.folds("rare", 5, 1))
+    model = VGPMILPR(kernel=RBF(64.0), random_state=0).fit(train.X, train.bags, train.y)
+    index = BagIndex.from_ids(test.bags)
+    bag_labels = test.y[index.order][index.offsets[:-1]]
+    assert model.n_iter_ > 50
+    assert roc_auc_score(test.instance_labels, model.predict_instance_proba(test.X)) > 0.95
+    assert roc_auc_score(bag_labels, model.predict_bag_proba(test.X, test.bags)[1]) > 0.9

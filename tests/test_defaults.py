@@ -4,9 +4,7 @@ bag size. Accuracy numbers belong in ``benchmarks/bench_accuracy.py``; these are
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -449,17 +447,6 @@ def test_kernel_choice_never_picks_a_degenerate_candidate():
     model = WideGrid(n_inducing=10, max_iter=20, random_state=0).fit(X, bags, y)
     assert model.kernel_.variance == 2.0
     assert np.isfinite(model.kernel_selection_[0, 1]) and np.isnan(model.kernel_selection_[1, 1])
-
-
-@pytest.fixture(scope="module")
-def bench_accuracy():
-    """``benchmarks/bench_accuracy.py`` as a module (the benchmarks are scripts, not a package)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import bench_accuracy
-    finally:
-        sys.path.pop(0)
-    return bench_accuracy
 
 
 def _witnesses_per_bag(bags: np.ndarray, witness: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -272,7 +272,8 @@ _COMMON_PARAMS = """
         Kernel; ``None`` chooses the variance (and the number of sweeps) on the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     max_iter, tol
-        Closed-form sweeps and relative ELBO tolerance.
+        Closed-form sweeps and relative ELBO tolerance (relative to the ELBO without the FITC
+        residual's term, which no sweep changes: :func:`~mil_core.engine.optimise`).
     early_stopping, validation_fraction, n_iter_no_change
         Validation bag-AUC early stopping with patience; the best iterate is kept.
     block_size

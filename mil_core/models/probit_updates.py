@@ -103,12 +103,16 @@ class ProbitBags:
 
 @dataclass(frozen=True)
 class ProbitStats(Summable):
-    """A partition's contribution: ``G'_p`` (constant), ``r'_p = Σ A'ᵀE[m]``, ELBO data terms."""
+    """A partition's contribution: ``G'_p`` (constant), ``r'_p = Σ A'ᵀE[m]``, ELBO data terms, and
+    of those the FITC residual's ``−½ Σ_i (Σ_b)_ii Var_FITC,i`` (``kernel_term``: no update of
+    ``q(m)``, ``q(v)`` or ``b`` changes it; :func:`~mil_core.engine.optimise`'s convergence test
+    leaves it out of its scale)."""
 
     precision: np.ndarray
     shift: np.ndarray
     elbo: float
     n_instances: int
+    kernel_term: float
 
 
 @dataclass(frozen=True)
@@ -277,7 +281,8 @@ class ProbitMILUpdates:
         start = pending and bool(getattr(q, "started", True))
         expected_m, log_z, new_warm = self.truncated_means(block, mu, np.zeros_like(warm) if pending else warm)
         warm = warm if pending and not start else new_warm  # the label start waits for a started state
-        elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) - 0.5 * block.fitc_trace
+        kernel_term = -0.5 * block.fitc_trace
+        elbo = np.sum(log_z) - 0.5 * float(np.sum(q.cov * block.gram)) + kernel_term
         if start:  # the first sweep: every instance of a positive bag truncated to m > 0 (module docstring)
             positive = np.repeat(block.labels == 1, np.diff(block.offsets))
             above = -upper_truncated_moments(-mu, local.inputs.sd)[0]
@@ -290,6 +295,7 @@ class ProbitMILUpdates:
             shift=block.features.project(targets),
             elbo=float(elbo),
             n_instances=int(mu.shape[0]),
+            kernel_term=float(kernel_term),
         )
         return stats, replace(local, warm=warm)
 
