@@ -383,8 +383,8 @@ def optimise(
     sampler) runs all ``max_iter`` iterations, with no convergence test and no warning.
 
     The change is relative to the objective less the statistics' optional ``kernel_term``: a term
-    that no update changes (the probit family's FITC residual, ``−½ Σ r_i``, which grows with the
-    kernel variance). Measured against the whole ELBO it ended fits on a slow climb: ``VGPMILPR``
+    that no update of the variational factors changes (the probit family's FITC residual,
+    ``−½ Σ r_i``, which grows with the kernel variance). Measured against the whole ELBO it ended fits on a slow climb: ``VGPMILPR``
     at v = 64 on 14,293 instances, ELBO −125,730 of which −125,310 is that term, gained 0.03 nats
     a sweep (2·10⁻⁷ of the whole, 7·10⁻⁵ of the rest), stopped after 4 sweeps at a held-out bag
     AUC of 0.60 and reached 0.98 after 200 (``docs/BENCHMARKS.md``, "The probit family's stop").

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sklearn.base import clone
-
 from sklearn.metrics import roc_auc_score
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, PsiVGPMIL
@@ -51,7 +50,6 @@ def test_the_default_damping_converges_where_the_undamped_iteration_cycles(name)
     assert score_change < 1e-3 and elbo_change < 1e-4, (score_change, elbo_change)
     undamped_score_change, _ = consecutive_sweeps(clone(model).set_params(damping=0.0), X, bags, y)
     assert undamped_score_change > 0.05  # the data shows the period-2 cycle the damping removes
-
 
 
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")

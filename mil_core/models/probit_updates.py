@@ -105,8 +105,8 @@ class ProbitBags:
 class ProbitStats(Summable):
     """A partition's contribution: ``G'_p`` (constant), ``r'_p = Σ A'ᵀE[m]``, ELBO data terms, and
     of those the FITC residual's ``−½ Σ_i (Σ_b)_ii Var_FITC,i`` (``kernel_term``: no update of
-    ``q(m)``, ``q(v)`` or ``b`` changes it; :func:`~mil_core.engine.optimise`'s convergence test
-    leaves it out of its scale)."""
+    ``q(m)``, ``q(v)`` or ``b`` changes it, only the kernel and λ;
+    :func:`~mil_core.engine.optimise`'s convergence test leaves it out of its scale)."""
 
     precision: np.ndarray
     shift: np.ndarray
