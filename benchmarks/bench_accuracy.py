@@ -3,7 +3,8 @@
 Every method sees identical folds: stratified 5-fold CV over bags (seed 0; ``--cv-seeds`` repeats it) on MUSK1, MUSK2,
 digits bags and the robustness sets ``cancer``, ``text``, ``fox`` (:func:`robustness_set`); on the large-bag set (WSI regime: 1,000–10,000 instances per bag, 0.1–5 % positive
 instances) one half of the bags trains and the other half tests, for several draws. Features are
-standardised on the training fold (a column with std < 1e-12 is left unscaled). Reported per
+standardised on the training fold (a column with std < 1e-12 is left unscaled; ``--raw-features``:
+in their own units, as the public files hold them). Reported per
 method (and, for instance-level models, per bag rule): bag AUC, instance AUC where instance labels
 are known, the Spearman correlation of bag score with bag size *within* each class (averaged over
 the two classes; 0 is what a rule that does not follow size gets), and fit time.
@@ -18,6 +19,7 @@ it to ``METHODS``; it gets standardised features and returns bag scores in ``np.
     python benchmarks/bench_accuracy.py --datasets cancer fox --methods vgpmil_2017 vgpmil --reference /tmp/vgpmil \
         --cv-seeds 0 1 2 --paired-to vgpmil_2017   # 3 CV seeds; paired Δ to the 2017 code ± s.e.
     python benchmarks/bench_accuracy.py --datasets digits text --label-noise 0.2   # a fifth of the training labels wrong
+    python benchmarks/bench_accuracy.py --datasets musk1 cancer --raw-features   # features in their own units
 
 ``--reference`` points at a checkout of github.com/manuelhaussmann/vgpmil (never copied into this
 repository) and adds the method ``vgpmil_2017``: that code with its own defaults (50 inducing points by
@@ -289,14 +291,15 @@ def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.nda
     return (train - mean) / scale, (test - mean) / scale
 
 
-def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0) -> Iterator[tuple[str, Fold, Fold]]:
+def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0, standardize: bool = True) -> Iterator[tuple[str, Fold, Fold]]:
     """``(fold name, train, test)``, identical for every method; ``cv_seed`` shuffles the stratified
-    split (the large-bag set's repetitions are its ``draws``, so it ignores the seed)."""
+    split (the large-bag set's repetitions are its ``draws``, so it ignores the seed); without
+    ``standardize`` the features stay in their own units (``--raw-features``)."""
     if dataset == "large":
         for seed in range(draws):
             X, bags, y, inst = large_bags(seed)
             train = bags < bags.max() // 2 + 1
-            yield from [(f"draw {seed}", *_pair(X, bags, y, inst, train, ~train))]
+            yield from [(f"draw {seed}", *_pair(X, bags, y, inst, train, ~train, standardize))]
         return
     if dataset in ROBUSTNESS_SETS:
         X, bags, y, inst = robustness_set(dataset)
@@ -305,11 +308,11 @@ def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0) -> Iterator
     keys, first = np.unique(bags, return_index=True)
     splitter = StratifiedKFold(n_splits, shuffle=True, random_state=cv_seed)
     for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
-        yield f"fold {i}", *_pair(X, bags, y, inst, np.isin(bags, keys[tr]), np.isin(bags, keys[te]))
+        yield f"fold {i}", *_pair(X, bags, y, inst, np.isin(bags, keys[tr]), np.isin(bags, keys[te]), standardize)
 
 
-def _pair(X, bags, y, inst, train, test) -> tuple[Fold, Fold]:
-    X_train, X_test = standardise(X[train], X[test])
+def _pair(X, bags, y, inst, train, test, standardize: bool = True) -> tuple[Fold, Fold]:
+    X_train, X_test = standardise(X[train], X[test]) if standardize else (X[train], X[test])
     labels = (lambda rows: None) if inst is None else (lambda rows: inst[rows])
     return Fold(X_train, bags[train], y[train], labels(train)), Fold(X_test, bags[test], y[test], labels(test))
 
@@ -523,21 +526,21 @@ def with_label_noise(train: Fold, rate: float, seed: int) -> Fold:
 
 
 def _splits(dataset: str, n_splits: int, draws: int, cv_seeds: tuple[int, ...],
-            label_noise: float = 0.0) -> Iterator[tuple[str, Fold, Fold]]:
+            label_noise: float = 0.0, standardize: bool = True) -> Iterator[tuple[str, Fold, Fold]]:
     """The folds of every CV seed in turn (the large-bag set: its draws once), in one fixed order;
     ``label_noise``: the training bags' labels through :func:`with_label_noise`, seeded by the CV
     seed and the fold, so every method sees the same wrong labels."""
     for seed in cv_seeds[:1] if dataset == "large" else cv_seeds:
-        for i, (name, train, test) in enumerate(folds(dataset, n_splits, draws, seed)):
+        for i, (name, train, test) in enumerate(folds(dataset, n_splits, draws, seed, standardize)):
             yield name, with_label_noise(train, label_noise, 1000 * seed + i) if label_noise else train, test
 
 
 def evaluate(method: str, dataset: str, n_splits: int, draws: int,
-             cv_seeds: tuple[int, ...] = (0,), label_noise: float = 0.0) -> dict[str, dict[str, list[float]]]:
+             cv_seeds: tuple[int, ...] = (0,), label_noise: float = 0.0, standardize: bool = True) -> dict[str, dict[str, list[float]]]:
     """Per bag rule: lists (one entry per fold, seed by seed in ``cv_seeds`` order, so entries of two
     methods pair up) of bag AUC, size correlation, instance AUC, fit time."""
     rows: dict[str, dict[str, list[float]]] = {}
-    for _, train, test in _splits(dataset, n_splits, draws, tuple(cv_seeds), label_noise):
+    for _, train, test in _splits(dataset, n_splits, draws, tuple(cv_seeds), label_noise, standardize):
         start = time.perf_counter()
         prediction = METHODS[method](train, test)
         seconds = time.perf_counter() - start
@@ -619,19 +622,21 @@ def paired_difference(auc: list[float], reference: list[float]) -> tuple[float, 
 
 
 def print_table(methods: list[str], datasets: list[str], n_splits: int, draws: int,
-                cv_seeds: tuple[int, ...] = (0,), paired_to: str | None = None, label_noise: float = 0.0) -> None:
+                cv_seeds: tuple[int, ...] = (0,), paired_to: str | None = None, label_noise: float = 0.0,
+                standardize: bool = True) -> None:
     """One Markdown row per data set × method × bag rule, on identical folds; bag AUC is the mean over
     CV seeds × folds. ``paired_to``: also the paired difference of each method's own rule to that
     method's own rule, fold by fold (± its standard error), and a summary table per method."""
     paired = paired_to is not None
     print(f"CV seeds: {' '.join(map(str, cv_seeds))}" + (f"; Δ: paired bag-AUC difference to {paired_to}" if paired else "")
-          + (f"; training bag labels flipped with probability {label_noise:g} (test labels true)" if label_noise else ""))
+          + (f"; training bag labels flipped with probability {label_noise:g} (test labels true)" if label_noise else "")
+          + ("" if standardize else "; features in their own units (not standardised)"))
     head = "| data | method | bag rule | bag AUC | size ρ (within class) | instance AUC | fit+predict s (mean / max) | chosen v | sweeps |"
     print(head + (f" Δ vs {paired_to} ± s.e. |" if paired else ""))
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
     summary: dict[str, dict[str, tuple[float, float, float]]] = {}
     for dataset in datasets:
-        results = {method: evaluate(method, dataset, n_splits, draws, cv_seeds, label_noise)
+        results = {method: evaluate(method, dataset, n_splits, draws, cv_seeds, label_noise, standardize)
                    for method in ([paired_to] if paired else []) + [m for m in methods if m != paired_to]}
         reference = results[paired_to][primary_rule(results[paired_to])]["bag_auc"] if paired else None
         for method in methods:
@@ -672,6 +677,8 @@ def main() -> None:
                         help="also report each method's paired bag-AUC difference to METHOD, fold by fold, ± its standard error")
     parser.add_argument("--label-noise", type=label_noise_rate, default=0.0, metavar="RATE",
                         help="flip each training bag's label with this probability (the test labels stay true)")
+    parser.add_argument("--raw-features", action="store_true",
+                        help="give every method the features in their own units, not standardised on the training fold")
     parser.add_argument("--elbo-trace", action="store_true", help="only the convergence table (MUSK1, H = 1e12)")
     parser.add_argument("--figure", type=Path, help="with --elbo-trace: also plot the traces, sweep by sweep, to this PNG")
     args = parser.parse_args()
@@ -688,7 +695,8 @@ def main() -> None:
         return
     if args.paired_to is not None and args.paired_to not in methods:
         parser.error(f"--paired-to {args.paired_to} must be one of --methods")
-    print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to, args.label_noise)
+    print_table(methods, args.datasets, args.folds, args.draws, tuple(args.cv_seeds), args.paired_to, args.label_noise,
+                not args.raw_features)
 
 
 if __name__ == "__main__":

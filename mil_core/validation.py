@@ -7,19 +7,26 @@ from typing import Any
 import numpy as np
 from sklearn.utils.validation import check_array
 
-from ._backend import array_namespace, is_host_array
+from ._backend import array_namespace, is_host_array, like, to_numpy
 from .bags import BagIndex
 
-__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "standardisation"]
+__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "standardise", "standardisation"]
 
 CONSTANT_STD = 1e-12
 """A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17)."""
 
 
-def standardisation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and scale of each column; a constant column keeps scale 1, so its z-scores stay finite."""
-    mean, std = X.mean(axis=0), X.std(axis=0)
+def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and scale of each column, on the host (``X`` may live on a device); a constant column
+    keeps scale 1, so its z-scores stay finite."""
+    xp = array_namespace(X)
+    mean, std = to_numpy(xp.mean(X, axis=0)), to_numpy(xp.std(X, axis=0))
     return mean, np.where(std < CONSTANT_STD, 1.0, std)
+
+
+def standardise(X: Any, mean: np.ndarray, scale: np.ndarray) -> Any:
+    """``(X − mean) / scale`` in ``X``'s namespace, device and dtype (a new array)."""
+    return (X - like(mean, X, dtype=X.dtype)) / like(scale, X, dtype=X.dtype)
 
 
 def check_features(X: Any, *, n_features: int | None = None) -> Any:

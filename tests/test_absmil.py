@@ -170,7 +170,7 @@ def test_batch_fit_does_not_depend_on_how_bags_are_grouped_into_blocks():
 
 def test_batch_solver_reaches_a_stationary_point():
     X, bags, y, _ = symmetric_bags()
-    model = AbSMIL(n_max=3, lambda_q=1e-2, max_iter=2000, tol=1e-10, random_state=0).fit(X, bags, y)
+    model = AbSMIL(n_max=3, lambda_q=1e-2, max_iter=2000, tol=1e-10, standardize=False, random_state=0).fit(X, bags, y)
     updates = model._updates()
     features = updates.features(X[np.argsort(bags, kind="stable")])
     offsets = np.concatenate([[0], np.cumsum(np.bincount(bags))])

@@ -16,7 +16,7 @@ from tasks.training import fit_cohort, predict_cohort, read_predictions
 
 pytestmark = pytest.mark.timeout(300)
 
-PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0)
+PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0, standardize=False)  # as fit_cohort trains: the pipeline standardises
 FIXED_KERNEL = dict(PARAMS, kernel=RBF(4.0))
 
 
@@ -243,7 +243,7 @@ def test_ising_coupled_probit_model_trains_on_store_coordinates(client, toy_stor
 
     path, (X, bags, y) = toy_store
     coords = np.concatenate([np.arange(np.sum(bags == b)) for b in np.unique(bags)])[:, None]
-    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=kernel)
+    params = dict(lam=0.5, n_inducing=8, max_iter=6, tol=0.0, random_state=0, kernel=kernel, standardize=False)
     serial = VGPMILPRI(**params).fit(X, bags, y, coords=coords)
     model = VGPMILPRI(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
@@ -294,7 +294,7 @@ def test_vwsgp_trains_and_predicts_on_the_cluster(client, toy_store):
     from mil_core import VWSGP
 
     path, (X, bags, y) = toy_store
-    params = dict(n_inducing=8, max_iter=6, tol=0.0, random_state=0)
+    params = dict(n_inducing=8, max_iter=6, tol=0.0, random_state=0, standardize=False)
     serial = VWSGP(**params).fit(X, bags, y)
     model = VWSGP(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
@@ -362,7 +362,7 @@ def test_absmil_trains_and_predicts_through_fit_cohort_as_its_fit(client, toy_st
     from mil_core import AbSMIL
 
     path, (X, bags, y) = toy_store
-    params = dict(max_iter=30, n_random_features=16, random_state=0)
+    params = dict(max_iter=30, n_random_features=16, random_state=0, standardize=False)
     serial = AbSMIL(**params).fit(X, bags, y)
     model = AbSMIL(**params)
     summary = fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
@@ -412,7 +412,7 @@ def test_kernel_choice_is_the_serial_one_when_the_kmeans_sample_leaves_bags_out(
 
     path, (X, bags, y) = toy_store
     monkeypatch.setattr(base, "_SELECTION_MAX_INSTANCES", X.shape[0] // 3)
-    params = dict(n_inducing=8, max_iter=12, tol=0.0, random_state=0)
+    params = dict(n_inducing=8, max_iter=12, tol=0.0, random_state=0, standardize=False)
     serial = VGPMIL(**params).fit(X, bags, y)
     model = VGPMIL(**params)
     fit_cohort(model, path, client, partition_bytes=2_000, resume=False, max_kmeans_sample=X.shape[0] // 2)

@@ -455,7 +455,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
 
     import logging
 
-    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "thin": 1, "random_state": 0}
+    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "thin": 1, "random_state": 0, "standardize": False}
     progress: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: progress.append(record.getMessage())
@@ -485,7 +485,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
 def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
     from mil_core import AbSMIL
 
-    params = {"max_iter": 40, "random_state": 0}
+    params = {"max_iter": 40, "random_state": 0, "standardize": False}
     result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
     table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
     X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)

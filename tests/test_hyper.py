@@ -122,7 +122,8 @@ def test_learnt_length_scale_follows_the_scale_of_the_features():
     X, bags, y, _ = make_toy_bags()
     fitted = {}
     for scale in (1.0, 10.0):
-        fitted[scale] = VGPMIL(n_inducing=10, max_iter=30, random_state=0, learn_kernel=True, hyper_steps=4).fit(scale * X, bags, y)
+        fitted[scale] = VGPMIL(n_inducing=10, max_iter=30, random_state=0, learn_kernel=True, hyper_steps=4,
+                               standardize=False).fit(scale * X, bags, y)
     start = np.sqrt(X.shape[1])
     assert fitted[10.0].kernel_.length_scale > 3 * start
     assert fitted[10.0].kernel_.length_scale > 4 * fitted[1.0].kernel_.length_scale

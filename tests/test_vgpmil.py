@@ -70,7 +70,7 @@ def test_monte_carlo_converges_to_the_closed_form_when_variances_vanish(toy_bags
     X, bags, y, _ = toy_bags
     model = VGPMIL(**FAST).fit(X, bags, y)
     model.q_ = GaussianQ(mean=model.q_.mean, cov=1e-14 * np.eye(model.q_.mean.shape[0]))
-    Z = model.gp_.Z
+    Z = model.gp_.Z * model.feature_scale_ + model.feature_mean_  # gp_.Z is in standardised units
     z_bags = np.repeat(np.arange(5), 2)
     mc, sd = model.predict_instance_proba(Z, return_std=True)
     closed = model.predict_instance_proba(Z, method="probit")
@@ -136,7 +136,8 @@ def test_more_inducing_points_than_instances_makes_every_instance_one(toy_bags):
     X, bags, y, _ = toy_bags
     with pytest.warns(UserWarning, match=f"n_inducing=500 exceeds the number of training instances \\({len(X)}\\)"):
         model = VGPMIL(n_inducing=500, random_state=0).fit(X, bags, y)
-    np.testing.assert_allclose(np.sort(model.gp_.Z, axis=0), np.sort(X, axis=0), atol=1e-9)
+    Z = model.gp_.Z * model.feature_scale_ + model.feature_mean_  # gp_.Z is in standardised units
+    np.testing.assert_allclose(np.sort(Z, axis=0), np.sort(X, axis=0), atol=1e-9)
     keys, p = model.predict_bag_proba(X, bags)
     assert roc_auc_score([y[bags == k][0] for k in keys], p) > 0.9
     small = np.isin(bags, np.unique(bags)[:12])  # fewer instances than the default n_inducing=100

@@ -43,7 +43,7 @@ from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
 from ..validation import check_features, check_mil_data
-from .base import store_params, take_bags
+from .base import FeatureStandardisation, store_params, take_bags
 
 __all__ = [
     "AbSMIL",
@@ -388,7 +388,7 @@ class AbSMILUpdates:
 
 
 # --------------------------------------------------------------------------------- estimator
-class AbSMIL(BaseEstimator):
+class AbSMIL(FeatureStandardisation, BaseEstimator):
     """Attribute-based symmetric MIL with a cardinality constraint (seed 004).
 
     Parameters
@@ -413,6 +413,9 @@ class AbSMIL(BaseEstimator):
         k > 0: the RBF extension with random Fourier features (Eq. 16), 2k model features.
     rff_scale : float or None
         σ_g of the random frequencies; ``None`` is 1/√D (kernel length scale √D).
+    standardize : bool, default=True
+        Fit and predict on features standardised with the training instances' mean and scale,
+        ``feature_mean_`` / ``feature_scale_`` (:class:`~mil_core.models.base.FeatureStandardisation`).
     fit_intercept : bool, default=True
         Append a constant feature (not in the paper's Eq. 1, which has no bias term).
     init_scale : float, default=0.01
@@ -431,7 +434,7 @@ class AbSMIL(BaseEstimator):
     objective_ : ndarray
         Eq. 3 at every evaluated point (batch: including rejected trial steps) or the mean
         batch objective per epoch (Pegasos).
-    n_iter_, converged_, n_features_in_, classes_
+    n_iter_, converged_, n_features_in_, classes_, feature_mean_, feature_scale_
     """
 
     objective_name: str = "loss"  # objective_: Eq. 3, minimised (the pipeline's log, model.json, the report)
@@ -449,6 +452,7 @@ class AbSMIL(BaseEstimator):
         tol: float = 1e-6,
         n_random_features: int | None = None,
         rff_scale: float | None = None,
+        standardize: bool = True,
         fit_intercept: bool = True,
         init_scale: float = 0.01,
         n_init: int = 1,
@@ -490,7 +494,7 @@ class AbSMIL(BaseEstimator):
         each instance's bag."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_params()
-        X_sorted, offsets = take_rows(X, bags.order), bags.offsets
+        (X_sorted, scaling), offsets = self._standardise_training_rows(take_rows(X, bags.order)), bags.offsets
         rng = check_random_state(self.random_state)
         updates = self._initial_updates(X_sorted, rng)
         blocks = [
@@ -510,6 +514,7 @@ class AbSMIL(BaseEstimator):
             if best is None or final < best[0]:
                 best = (final, trace)
         self._finish_fit(best[1])
+        self.feature_mean_, self.feature_scale_ = scaling
         return self
 
     # ---- executors that train outside fit (tasks.training.fit_cohort) ---------------------------
@@ -543,6 +548,7 @@ class AbSMIL(BaseEstimator):
         weights zero; :meth:`fit` draws them per restart)."""
         self.n_features_in_ = int(X_train.shape[1])
         self.classes_ = np.array([0, 1])
+        self.feature_mean_ = self.feature_scale_ = None  # an executor's rows come as they are used (fit sets its own)
         self.feature_map_ = None
         if self.n_random_features is not None:
             scale = 1.0 / np.sqrt(self.n_features_in_) if self.rff_scale is None else self.rff_scale
@@ -597,7 +603,7 @@ class AbSMIL(BaseEstimator):
         X = check_features(X, n_features=self.n_features_in_)
         X, bags, _ = check_mil_data(X, bag_ids)
         updates = self._updates()
-        X_sorted = take_rows(X, bags.order)
+        X_sorted = take_rows(self._standardised_input(X), bags.order)
         log_p = updates.log_attribute_proba(updates.features(X_sorted), self.weights_)
         caps = relevance_caps(bags.sizes, self.n_max)
         chains = {
@@ -627,7 +633,7 @@ class AbSMIL(BaseEstimator):
         """
         if bag_ids is None:
             check_is_fitted(self, "weights_")
-            X = check_features(X, n_features=self.n_features_in_)
+            X = self._standardised_input(check_features(X, n_features=self.n_features_in_))
             updates = self._updates()
             return np.exp(updates.log_attribute_proba(updates.features(X), self.weights_))
         bags, log_p, chains = self._side_chains(X, bag_ids, posteriors=True)

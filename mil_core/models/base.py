@@ -23,7 +23,7 @@ from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..metrics import binary_auc
 from ..threadpools import concurrent_parts, single_thread_when_small
-from ..validation import check_features, check_mil_data
+from ..validation import check_features, check_mil_data, standardisation, standardise
 from .hyper import HYPER_PARAMETER_FLAGS
 
 __all__ = ["AUTO_BAG_RULES", "BagRuleChoice", "SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
@@ -169,7 +169,31 @@ def take_bags(X_sorted: Any, offsets: np.ndarray, bags: np.ndarray) -> tuple[Any
     return take_rows(X_sorted, rows), new_offsets
 
 
-class SparseGPMILBase(BaseEstimator):
+class FeatureStandardisation:
+    """The ``standardize`` parameter (put before ``BaseEstimator`` in the bases). With ``True``
+    ``fit`` standardises its rows with their columns' mean and scale (a column with std < 1e-12
+    keeps scale 1), kept as ``feature_mean_`` / ``feature_scale_``, and every ``predict_*`` applies
+    them, so the kernel's ℓ = √D (seed 000's ``l = D``, a length for unit-variance features; AbSMIL's
+    random features: 1/√D), a given ``length_scale`` and ``gp_.Z`` are in units of each feature's
+    std. Fitted as given, the raw MUSK files scored bag AUC 0.5 with every default
+    (``docs/BENCHMARKS.md``, "Features in their own units"). ``False``: the features as given,
+    ``feature_mean_`` None. An executor that trains outside ``fit`` (``tasks.training``) leaves
+    both ``None``: the pipeline standardises the cohort itself (``training.standardize``)."""
+
+    def _standardise_training_rows(self, X: Any) -> tuple[Any, tuple[np.ndarray | None, np.ndarray | None]]:
+        """``X`` standardised and its ``(mean, scale)`` when ``standardize``; else ``X`` and ``(None, None)``."""
+        if not self.standardize:
+            return X, (None, None)
+        mean, scale = standardisation(X)
+        return standardise(X, mean, scale), (mean, scale)
+
+    def _standardised_input(self, X: Any) -> Any:
+        """Prediction rows in the units the model was fitted in."""
+        mean = getattr(self, "feature_mean_", None)  # None also for a model saved before it existed
+        return X if mean is None else standardise(X, mean, self.feature_scale_)
+
+
+class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
     """Fit loop shared by the sparse-GP MIL estimators.
 
     Subclasses declare their parameters in ``__init__`` (scikit-learn style: stored only) and
@@ -178,7 +202,9 @@ class SparseGPMILBase(BaseEstimator):
     validation-based early stopping and prediction).
 
     Common parameters: ``n_inducing``, ``kernel`` (:class:`~mil_core.kernels.RBF`; ``None``, the
-    default, chooses ``RBF(v, length_scale=√D)`` and the stop by :meth:`_select_kernel`), ``max_iter``, ``tol`` (relative ELBO change),
+    default, chooses ``RBF(v, length_scale=√D)`` and the stop by :meth:`_select_kernel`), ``standardize``
+    (fit and predict on features standardised with the training instances' mean and scale,
+    ``feature_mean_`` / ``feature_scale_``), ``max_iter``, ``tol`` (relative ELBO change),
     ``early_stopping`` / ``validation_fraction`` / ``n_iter_no_change`` (bag-AUC patience on a
     stratified hold-out of bags; the best iterate is kept, as in seed 000 Sec. 6),
     ``block_size`` (instances per partition of whole bags for the serial executor),
@@ -229,7 +255,7 @@ class SparseGPMILBase(BaseEstimator):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        X_sorted = take_rows(X, bags.order)
+        X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         train, val = self._split_validation(labels)
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)
         coords_train = None if coords_sorted is None else take_bags(coords_sorted, bags.offsets, train)[0]
@@ -260,6 +286,7 @@ class SparseGPMILBase(BaseEstimator):
         max_iter, stop = sweep_budget(self, monitor)
         trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=max_iter, tol=self.tol, monitor=stop)
         self._finish_fit(trace, monitor)
+        self.feature_mean_, self.feature_scale_ = scaling
         return self
 
     def _check_coords(self, coords: Any | None, bags: BagIndex) -> np.ndarray | None:
@@ -286,6 +313,7 @@ class SparseGPMILBase(BaseEstimator):
         """
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
+        self.feature_mean_ = self.feature_scale_ = None  # an executor's rows come as they are used (fit sets its own)
         kernel, self.auto_max_iter_, self.kernel_selection_, self.setting_selection_ = self.kernel, None, np.empty((0, 2)), []
         X_host = to_numpy(X_train)  # device input: the one copy to the host, for the choice of kernel and k-means
         if kernel is None and offsets is not None and (coords is not None or not self._choice_needs_coords()):
@@ -498,11 +526,11 @@ class SparseGPMILBase(BaseEstimator):
     # ---- shared prediction helpers -----------------------------------------------------------
     def _check_predict_input(self, X: Any, bag_ids: Any | None = None) -> tuple[Any, BagIndex | None]:
         check_is_fitted(self, "q_")
-        if bag_ids is None:
-            return check_features(X, n_features=self.n_features_in_), None
         X = check_features(X, n_features=self.n_features_in_)
+        if bag_ids is None:
+            return self._standardised_input(X), None
         X, bags, _ = check_mil_data(X, bag_ids)
-        return X, bags
+        return self._standardised_input(X), bags
 
     def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the latent f* at each row (Eq. 30, FITC diagonal)."""

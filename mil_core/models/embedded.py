@@ -264,10 +264,15 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
 
     def gp_clone(self, member: int, seed: int) -> BaseEstimator:
         """Member ``member``'s unfitted GP: a clone of ``gp`` (or :func:`default_gp`), an unset
-        ``random_state`` set to ``seed + member``."""
+        ``random_state`` set to ``seed + member``, its own ``standardize`` off (it sees the
+        embedding standardised on all training instances, or the input features as the pipeline
+        and :meth:`fit` give them, so that both train the same GPs)."""
         gp = clone(self._gp_template())
-        if "random_state" in gp.get_params(deep=False) and gp.get_params(deep=False)["random_state"] is None:
+        params = gp.get_params(deep=False)
+        if "random_state" in params and params["random_state"] is None:
             gp.set_params(random_state=(seed + member) % (2**31 - 1))
+        if params.get("standardize"):
+            gp.set_params(standardize=False)
         return gp
 
     def out_of_fold_auc(self, held_out: list[tuple[np.ndarray, np.ndarray]], labels: np.ndarray) -> float:

@@ -313,6 +313,9 @@ class VGPMILPRGibbs(VGPMILPRI):
     kernel : RBF or None
         ``None`` chooses the RBF variance on the training bags with the variational model of the same
         posterior (:meth:`_select_kernel`).
+    standardize : bool, default=True
+        Fit and predict on features standardised with the training instances' mean and scale,
+        ``feature_mean_`` / ``feature_scale_`` (:class:`~mil_core.models.base.FeatureStandardisation`).
     n_samples : int, default=2000
         Kept samples.
     burn_in : int, default=500
@@ -341,7 +344,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         The largest split-R̂ of the v samples; ``converged_`` is ``rhat_ < 1.05``.
     kernel_selection_ : ndarray (k, 2)
         With ``kernel=None``: each variance tried and its mean held-out bag AUC.
-    gp_, kernel_, n_iter_, n_features_in_, classes_
+    gp_, kernel_, n_iter_, n_features_in_, classes_, feature_mean_, feature_scale_
     """
 
     def __init__(
@@ -351,6 +354,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         neighbourhood: Neighbourhood = 4,
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         n_samples: int = 2000,
         burn_in: int = 500,
         thin: int = 10,
@@ -419,13 +423,14 @@ class VGPMILPRGibbs(VGPMILPRI):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        X_sorted = take_rows(X, bags.order)
+        X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         offsets = bags.offsets
         updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)), offsets=offsets, coords=coords_sorted)
         block = BagBlock(X=X_sorted, offsets=offsets, labels=labels, coords=coords_sorted, bag_index=np.arange(bags.n_bags))
         executor = SerialExecutor(updates, [block])
         trace = optimise(executor.sweep, updates, updates.init_global(), max_iter=self.max_iter, tol=self.tol)
         self._finish_fit(trace)
+        self.feature_mean_, self.feature_scale_ = scaling
         chain, state = executor.locals[0], trace.glob
         m_sum = chain.m_sum + state.scale * chain.m if updates.kept(state.sweep) else chain.m_sum  # the last scale move
         self.m_mean_ = np.empty(X.shape[0])

@@ -271,6 +271,9 @@ _COMMON_PARAMS = """
     kernel : RBF or None
         Kernel; ``None`` chooses the variance (and the number of sweeps) on the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
+    standardize : bool, default=True
+        Fit and predict on features standardised with the training instances' mean and scale,
+        ``feature_mean_`` / ``feature_scale_`` (:class:`~mil_core.models.base.FeatureStandardisation`).
     max_iter, tol
         Closed-form sweeps and relative ELBO tolerance (relative to the ELBO without the FITC
         residual's term, which no sweep changes: :func:`~mil_core.engine.optimise`).
@@ -300,12 +303,12 @@ _COMMON_PARAMS = """
     Attributes
     ----------
     gp_ : SparseGP
-        Kernel, inducing points ``gp_.Z`` and ``chol(Kzz)``.
+        Kernel, inducing points ``gp_.Z`` (in standardised units with ``standardize``) and ``chol(Kzz)``.
     q_ : GaussianQ
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
         Objective per iteration (module docstring of :mod:`mil_core.models.probit_updates`).
-    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_
+    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_, feature_mean_, feature_scale_
     validation_auc_, best_iteration_
         When ``early_stopping``.
 """
@@ -328,6 +331,7 @@ class VGPMILPR(_ProbitGPMIL):
         *,
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,
@@ -392,6 +396,7 @@ class VGPMILPRI(_ProbitGPMIL):
         moments: Moments = "diagonal",
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         max_iter: int = 200,
         tol: float = 1e-6,
         early_stopping: bool = False,

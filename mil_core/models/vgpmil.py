@@ -237,6 +237,10 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         by Eq. 33).
         """
         X, _ = self._check_predict_input(X)
+        return self._instance_proba(X, return_std=return_std, method=method)
+
+    def _instance_proba(self, X: Any, *, return_std: bool, method: str) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """:meth:`predict_instance_proba` on rows already checked (and standardised)."""
         mean, var = self._instance_moments(X)
         need_mc = method == "mc" or return_std
         if method not in ("mc", "probit"):
@@ -274,7 +278,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         rule = self.bag_rule_ if rule is None else rule
         if rule not in BAG_RULES:
             raise ValueError(f"rule must be one of {', '.join(BAG_RULES)}, got {rule!r}")
-        p_inst = self.predict_instance_proba(X, method=method)[bags.order]
+        p_inst = self._instance_proba(X, return_std=False, method=method)[bags.order]
         offsets = bags.offsets
         p = bag_score(p_inst, offsets, rule)
         if not return_std:
@@ -324,6 +328,9 @@ _COMMON_PARAMS = """
         first; not with hyper-parameter learning), the number of sweeps and
         (``bag_rule="auto"``) the bag rule by 3 repeats of a 2-fold split of the training bags
         (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
+    standardize : bool, default=True
+        Fit and predict on features standardised with the training instances' mean and scale,
+        ``feature_mean_`` / ``feature_scale_`` (:class:`~mil_core.models.base.FeatureStandardisation`).
     H : float or "auto", default="auto" (G-VGPMIL: 1e12, the paper's)
         Bag-likelihood odds ``H^{G_b}/(H+1)`` (Eq. 4). ``"auto"``: 100 or 1e12
         (:data:`AUTO_H`), chosen with the kernel variance and sweeps on the same split of the
@@ -369,12 +376,12 @@ _COMMON_PARAMS = """
     Attributes
     ----------
     gp_ : SparseGP
-        Kernel, inducing points ``gp_.Z`` and ``chol(Kzz)``.
+        Kernel, inducing points ``gp_.Z`` (in standardised units with ``standardize``) and ``chol(Kzz)``.
     q_ : GaussianQ
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
         ELBO per iteration (with ``emax="max"`` a monitor, not a bound).
-    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_, H_
+    n_iter_, converged_, kernel_, n_features_in_, classes_, bag_rule_, H_, feature_mean_, feature_scale_
     kernel_selection_, setting_selection_, auto_max_iter_
         What ``kernel=None`` chose from (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
     validation_auc_, best_iteration_
@@ -405,6 +412,7 @@ class PsiVGPMIL(_LogisticGPMIL):
         *,
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         H: float | Literal["auto"] = "auto",
         emax: EmaxRule = "max",
         damping: float = 0.5,
@@ -444,6 +452,7 @@ class VGPMIL(_LogisticGPMIL):
         *,
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         H: float | Literal["auto"] = "auto",
         emax: EmaxRule = "max",
         damping: float = 0.5,
@@ -505,6 +514,7 @@ class GVGPMIL(_LogisticGPMIL):
         alpha: float = 1.0,
         beta: float = 1.0,
         kernel: RBF | None = None,
+        standardize: bool = True,
         H: float | Literal["auto"] = 1e12,
         emax: EmaxRule = "max",
         damping: float = 0.5,

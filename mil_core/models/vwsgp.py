@@ -141,6 +141,9 @@ class VWSGP(SparseGPMILBase):
     kernel : RBF or None
         Kernel; ``None`` chooses the variance of ``RBF(v, length_scale=√D)`` (the paper's ℓ = √D) and
         the number of sweeps on the training bags (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`).
+    standardize : bool, default=True
+        Fit and predict on features standardised with the training instances' mean and scale,
+        ``feature_mean_`` / ``feature_scale_`` (:class:`~mil_core.models.base.FeatureStandardisation`).
     max_iter, tol
         Closed-form sweeps (the paper uses 10–50) and relative ELBO tolerance.
     early_stopping, validation_fraction, n_iter_no_change
@@ -159,7 +162,7 @@ class VWSGP(SparseGPMILBase):
         Whitened q(v) = N(m', S'); u = L v.
     elbo_ : ndarray
         The Jaakkola ELBO per iteration (a lower bound on log p(T | X); never decreases).
-    n_iter_, converged_, kernel_, n_features_in_, classes_
+    n_iter_, converged_, kernel_, n_features_in_, classes_, feature_mean_, feature_scale_
     validation_auc_, best_iteration_
         When ``early_stopping``.
 
@@ -174,6 +177,7 @@ class VWSGP(SparseGPMILBase):
         *,
         n_inducing: int = 100,
         kernel: RBF | None = None,
+        standardize: bool = True,
         max_iter: int = 50,
         tol: float = 1e-6,
         early_stopping: bool = False,

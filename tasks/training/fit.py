@@ -69,7 +69,9 @@ def fit_cohort(
     """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
 
-    The fitted attributes are those of ``model.fit`` on the same data (equal to 1e-8). Inducing
+    The fitted attributes are those of ``model.fit`` with ``standardize=False`` on the same data
+    (equal to 1e-8): here ``standardize`` (the pipeline's ``training.standardize``) standardises
+    the cohort, and the model's own ``standardize`` (of its in-memory ``fit``) is not used. Inducing
     points come from k-means on all training instances when there are at most
     ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
     prepared partitions in worker memory when they take less than ``memory_fraction`` of the
