@@ -81,6 +81,8 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, training={"checkpoint_every": 0}))
     with pytest.raises(ConfigError, match="unknown model 'SVM'"):
         load_config(write_config(tmp_path, cohort, model={"name": "SVM"}))
+    with pytest.raises(ConfigError, match=r"model: .*use training.standardize, not model.params.standardize"):
+        load_config(write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": {"standardize": False}}))
     for model in ({"name": "VWSGP"}, {"name": "EmbeddedGPMIL", "params": {"gp": {"name": "VWSGP"}}}):
         with pytest.raises(ConfigError, match=r"prediction.rule='max': VWSGP scores bags by its own rule"):
             load_config(write_config(tmp_path, cohort, model=model, prediction={"rule": "max"}))
@@ -455,7 +457,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
 
     import logging
 
-    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "thin": 1, "random_state": 0, "standardize": False}
+    params = {"n_inducing": 6, "n_samples": 20, "burn_in": 5, "thin": 1, "random_state": 0}
     progress: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: progress.append(record.getMessage())
@@ -467,7 +469,7 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
     table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
     X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
     X = X.astype(np.float32).astype(np.float64)  # the store keeps float32
-    serial = VGPMILPRGibbs(**params).fit(X, bags, y)
+    serial = VGPMILPRGibbs(**params, standardize=False).fit(X, bags, y)  # as training.standardize: false
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X, bags)[1], rtol=1e-8)
     info = json.loads((Path(result["train"].path) / "model.json").read_text())
     assert info["model"] == "VGPMILPRGibbs" and info["n_iter"] == 25 and len(info["objective"]) == 25
@@ -485,11 +487,11 @@ def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_c
 def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
     from mil_core import AbSMIL
 
-    params = {"max_iter": 40, "random_state": 0, "standardize": False}
+    params = {"max_iter": 40, "random_state": 0}
     result = pipeline(write_config(tmp_path, cohort, model={"name": "AbSMIL", "params": params}, training={"standardize": False}))
     table = pd.read_parquet(result["report"].path.replace("report.md", "bag_predictions.parquet"))
     X, bags, y, _ = make_toy_bags(n_bags=30, seed=1)
-    serial = AbSMIL(**params).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
+    serial = AbSMIL(**params, standardize=False).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
     assert result["report"].info["bag_auc"] > 0.8
 

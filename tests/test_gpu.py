@@ -169,7 +169,7 @@ def test_the_gibbs_chain_on_a_gpu_worker_is_the_host_chain(tmp_path, data, gpu_c
 
     X, bags, y, _ = data
     path = write_store(tmp_path / "gibbs.zarr", X, bags, y)
-    params = dict(n_inducing=M, kernel=RBF(4.0), n_samples=8, burn_in=2, thin=1, random_state=0)
+    params = dict(n_inducing=M, kernel=RBF(4.0), n_samples=8, burn_in=2, thin=1, random_state=0, standardize=False)
     serial = VGPMILPRGibbs(**params).fit(X, bags, y)
     model = VGPMILPRGibbs(**params)
     summary = fit_cohort(model, path, gpu_client, partition_bytes=1_500, mode="persist", device="gpu", resume=False)
