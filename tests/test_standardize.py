@@ -1,4 +1,4 @@
-"""The GP-MIL estimators standardise their features (``standardize=True``, the default): a fit on
+"""The GP-MIL estimators and AbSMIL standardise their features (``standardize=True``, the default): a fit on
 features in any units — each column scaled and shifted, as raw public tables come — predicts what
 the fit on the standardised features predicts. Before, every default scored bag AUC 0.5 on the raw
 MUSK1 file (docs/BENCHMARKS.md, "Features in their own units")."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_toy_bags
+from sklearn.base import clone
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL
 from mil_core import persist
@@ -29,7 +30,7 @@ def _standardised(X: np.ndarray) -> np.ndarray:
 
 
 def _bag_labels(bags: np.ndarray, y: np.ndarray) -> np.ndarray:
-    keys, first = np.unique(bags, return_index=True)
+    _, first = np.unique(bags, return_index=True)
     return y[first]
 
 
@@ -48,10 +49,10 @@ def test_a_fit_in_other_units_predicts_as_the_standardised_fit(model):
     X, bags, y, _ = make_toy_bags(n_bags=30, n_features=3, seed=1)
     test = bags >= 24
     Xs = _standardised(_units(X[~test]))  # what a user who standardises first passes
-    raw = model.fit(_units(X[~test]), bags[~test], y[~test])
+    raw = clone(model).fit(_units(X[~test]), bags[~test], y[~test])
     mean, scale = raw.feature_mean_.copy(), raw.feature_scale_.copy()
     scores = raw.predict_bag_proba(_units(X[test]), bags[test])[1]
-    reference = type(model)(**{**model.get_params(), "standardize": False}).fit(Xs, bags[~test], y[~test])
+    reference = clone(model).set_params(standardize=False).fit(Xs, bags[~test], y[~test])
     Xs_test = (_units(X[test]) - mean) / scale
     np.testing.assert_allclose(scores, reference.predict_bag_proba(Xs_test, bags[test])[1], atol=1e-8)
     assert scale[-1] == 1.0 and mean[-1] == 42.0  # the constant column is centred, not divided by ~0
