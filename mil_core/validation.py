@@ -24,9 +24,15 @@ def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
     return mean, np.where(std < CONSTANT_STD, 1.0, std)
 
 
-def standardise(X: Any, mean: np.ndarray, scale: np.ndarray) -> Any:
-    """``(X − mean) / scale`` in ``X``'s namespace, device and dtype (a new array)."""
-    return (X - like(mean, X, dtype=X.dtype)) / like(scale, X, dtype=X.dtype)
+def standardise(X: Any, mean: np.ndarray, scale: np.ndarray, *, in_place: bool = False) -> Any:
+    """``(X − mean) / scale`` in ``X``'s namespace, device and dtype: a new array, or ``X`` itself
+    overwritten with ``in_place`` (a fit's own sorted copy: no second copy of 10⁷ rows)."""
+    mean, scale = like(mean, X, dtype=X.dtype), like(scale, X, dtype=X.dtype)
+    if not in_place:
+        return (X - mean) / scale
+    X -= mean
+    X /= scale
+    return X
 
 
 def check_features(X: Any, *, n_features: int | None = None) -> Any:

@@ -111,3 +111,15 @@ def test_the_scaling_is_saved_with_the_model(tmp_path):
     loaded = persist.load(persist.save(model, tmp_path / "model.npz"))
     np.testing.assert_array_equal(loaded.feature_scale_, model.feature_scale_)
     np.testing.assert_array_equal(loaded.predict_bag_proba(_units(X), bags)[1], model.predict_bag_proba(_units(X), bags)[1])
+
+
+@pytest.mark.parametrize("model", [VGPMIL(kernel=RBF(4.0), max_iter=5, random_state=0), AbSMIL(max_iter=5, random_state=0)],
+                         ids=lambda m: type(m).__name__)
+def test_standardising_leaves_the_callers_arrays_alone(model):
+    """The fit standardises its own sorted copy of the rows in place; the caller's X stays as given."""
+    X, bags, y, _ = make_toy_bags(n_bags=12, n_features=2, seed=6)
+    X_raw = _units(X)
+    given = X_raw.copy()
+    fitted = clone(model).fit(X_raw, bags, y)
+    fitted.predict_bag_proba(X_raw, bags)
+    np.testing.assert_array_equal(X_raw, given)

@@ -181,11 +181,12 @@ class FeatureStandardisation:
     both ``None``: the pipeline standardises the cohort itself (``training.standardize``)."""
 
     def _standardise_training_rows(self, X: Any) -> tuple[Any, tuple[np.ndarray | None, np.ndarray | None]]:
-        """``X`` standardised and its ``(mean, scale)`` when ``standardize``; else ``X`` and ``(None, None)``."""
+        """``X`` (the fit's own sorted copy of the rows, overwritten) standardised and its
+        ``(mean, scale)`` when ``standardize``; else ``X`` and ``(None, None)``."""
         if not self.standardize:
             return X, (None, None)
         mean, scale = standardisation(X)
-        return standardise(X, mean, scale), (mean, scale)
+        return standardise(X, mean, scale, in_place=True), (mean, scale)
 
     def _standardised_input(self, X: Any) -> Any:
         """Prediction rows in the units the model was fitted in."""
