@@ -10,7 +10,7 @@ are known, the Spearman correlation of bag score with bag size *within* each cla
 the two classes; 0 is what a rule that does not follow size gets), and fit time.
 
 Adding a method: write ``def fit_predict_<name>(train: Fold, test: Fold) -> Prediction`` and add
-it to ``METHODS``; it gets standardised features and returns bag scores in ``np.unique`` order.
+it to ``METHODS``; it gets standardised features (raw with ``--raw-features``) and returns bag scores in ``np.unique`` order.
 
     python benchmarks/bench_accuracy.py                           # everything (~1 h on 2 busy cores)
     python benchmarks/bench_accuracy.py --datasets musk1 --methods lr_mean_max vgpmil

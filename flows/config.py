@@ -217,13 +217,13 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _params_accepted(self) -> ModelConfig:
-        estimator = MODEL_CLASSES[self.name]()
-        unknown = sorted(set(self.params) - set(estimator.get_params()))
-        if unknown:
-            raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(estimator.get_params()))}")
         if "standardize" in self.params:  # the in-memory fit's; the cluster's fit trains on what the pipeline gives it
             raise ValueError("standardize is set for the whole cohort in the pipeline: use training.standardize, "
                              "not model.params.standardize")
+        accepted = set(MODEL_CLASSES[self.name]().get_params()) - {"standardize"}
+        unknown = sorted(set(self.params) - accepted)
+        if unknown:
+            raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(accepted))}")
         if "kernel" in self.params:
             kernel_from_config(self.params["kernel"])
         if self.name == "EmbeddedGPMIL" and self.params.get("gp") is not None:
