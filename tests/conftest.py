@@ -33,6 +33,11 @@ def make_toy_bags(n_bags: int = 40, n_features: int = 2, seed: int = 0):
     return np.concatenate(X), np.array(bags), np.array(y), np.array(inst)
 
 
+def bag_labels(bags: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each bag's label, in ``np.unique(bags)`` order, from the per-instance ``y``."""
+    return y[np.unique(bags, return_index=True)[1]]
+
+
 @pytest.fixture
 def toy_bags():
     return make_toy_bags()

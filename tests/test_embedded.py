@@ -28,7 +28,7 @@ from mil_core.attention import (
 from mil_core.calibration import expected_calibration_error, fit_platt, reliability_bins
 from mil_core.metrics import chance_auc_std
 from mil_core.persist import load, save
-from tests.conftest import make_toy_bags
+from tests.conftest import bag_labels, make_toy_bags
 
 torch = pytest.importorskip("torch", reason='PyTorch is the optional extra "torch": pip install -e ".[dev,torch]"')
 
@@ -191,16 +191,12 @@ def _best_fitted_epoch(model, y_bags: np.ndarray) -> int:
     return max(range(first, aucs.size), key=lambda i: (aucs[i], -losses[i])) + 1
 
 
-def _bag_labels(bags: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return y[np.unique(bags, return_index=True)[1]]
-
-
 def test_members_stop_together_on_the_pooled_out_of_fold_auc(fitted, data):
     """The kept epoch is the best of the pooled held-out bags' AUC (ties: loss) once the networks
     fit their training bags, the AUC its networks give all held-out bags together."""
     (X, bags, y, _), _ = data
     aucs = fitted.network_validation_auc_
-    assert fitted.network_best_epoch_ == _best_fitted_epoch(fitted, _bag_labels(bags, y))
+    assert fitted.network_best_epoch_ == _best_fitted_epoch(fitted, bag_labels(bags, y))
     keys = np.unique(bags)
     logits, truth = [], []
     for k, val in enumerate(fitted.validation_bags_):
@@ -443,7 +439,7 @@ def test_early_stopping_keeps_the_best_validation_epoch(data):
     assert losses.shape == aucs.shape == model.network_train_loss_.shape and np.all((aucs >= 0) & (aucs <= 1))
     # the best epoch: highest validation AUC, ties to the lower loss, then the earlier epoch, among
     # the epochs once the training loss has fallen to half the constant predictor's
-    assert model.network_best_epoch_ == _best_fitted_epoch(model, _bag_labels(bags, y))
+    assert model.network_best_epoch_ == _best_fitted_epoch(model, bag_labels(bags, y))
     assert losses.size == 40 or losses.size == model.network_best_epoch_ + 3
 
 
@@ -585,7 +581,7 @@ def _features_evidence(gp, X, bags):
 def test_auto_keeps_the_gps_on_the_input_features_where_they_score_higher_out_of_fold(on_features, tmp_path):
     model, (X, bags, y) = on_features
     assert model.representation == "auto" and model.representation_ == "features"
-    keys, labels = np.unique(bags), _bag_labels(bags, y)
+    keys, labels = np.unique(bags), bag_labels(bags, y)
     assert model.representation_auc_["embedding"] <= 0.5 + 2 * chance_auc_std(labels)  # within chance: look at X
     assert model.representation_auc_["features"] > model.representation_auc_["embedding"]
     assert len(model.gps_) == len(model.network_states_) == 5
@@ -612,7 +608,7 @@ def test_auto_keeps_the_gps_on_the_input_features_where_they_score_higher_out_of
                                         for gp in model.gps_], axis=0), rtol=1e-12)
     np.testing.assert_allclose(model.predict_instance_proba(X_test),  # the GPs' mixture: the networks found less
                                np.mean([gp.predict_instance_proba(X_test) for gp in model.gps_], axis=0), rtol=1e-12)
-    assert roc_auc_score(_bag_labels(bags_test, y_test), p) > 0.8
+    assert roc_auc_score(bag_labels(bags_test, y_test), p) > 0.8
     assert roc_auc_score(instance_labels, model.predict_instance_proba(X_test)) > 0.8
     # the networks are kept and still answer for themselves; attention pooling needs GPs on the embeddings
     assert not np.allclose(model.predict_bag_proba(X_test, bags_test, rule="network")[1], p)
@@ -626,7 +622,7 @@ def test_auto_keeps_the_gps_on_the_input_features_where_they_score_higher_out_of
 def test_auto_keeps_an_embedding_that_ranks_above_chance_without_fitting_gps_on_the_features(fitted, data):
     (X, bags, y, _), _ = data
     assert fitted.representation == "auto" and fitted.representation_ == "embedding"
-    assert fitted.representation_auc_["embedding"] > 0.5 + 2 * chance_auc_std(_bag_labels(bags, y))
+    assert fitted.representation_auc_["embedding"] > 0.5 + 2 * chance_auc_std(bag_labels(bags, y))
     assert np.isnan(fitted.representation_auc_["features"]) and len(fitted.gps_) == 5
 
 
@@ -636,7 +632,7 @@ def test_representation_embedding_and_a_fixed_kernel_compare_nothing(on_features
     model, (X, bags, y) = on_features
     embedding = clone(model).set_params(representation="embedding").fit(X, bags, y)
     fixed = clone(model).set_params(gp=VGPMIL(n_inducing=10, max_iter=20, kernel=RBF(variance=4.0))).fit(X, bags, y)
-    keys, labels = np.unique(bags), _bag_labels(bags, y)
+    keys, labels = np.unique(bags), bag_labels(bags, y)
     scores, truth = [], []  # the ensemble's out-of-fold scores, which its calibration is fitted on
     for k, val in enumerate(embedding.validation_bags_):
         rows = np.isin(bags, keys[val])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_toy_bags
+from conftest import bag_labels, make_toy_bags
 from sklearn.base import clone
 
 from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR, VGPMILPRI, VWSGP, AbSMIL, PsiVGPMIL
@@ -27,11 +27,6 @@ def _units(X: np.ndarray) -> np.ndarray:
 def _standardised(X: np.ndarray) -> np.ndarray:
     mean, scale = standardisation(X)
     return (X - mean) / scale
-
-
-def _bag_labels(bags: np.ndarray, y: np.ndarray) -> np.ndarray:
-    _, first = np.unique(bags, return_index=True)
-    return y[first]
 
 
 MODELS = [
@@ -95,7 +90,7 @@ def test_the_default_learns_raw_features_that_defeat_it_unstandardised():
     every inducing point and scores every test bag alike."""
     X, bags, y, _ = make_toy_bags(n_bags=60, n_features=4, seed=3)
     X_raw, test = X * 300.0 + 1000.0, bags >= 40
-    labels = _bag_labels(bags[test], y[test])
+    labels = bag_labels(bags[test], y[test])
 
     def held_out_auc(model):
         model.fit(X_raw[~test], bags[~test], y[~test])
