@@ -217,7 +217,7 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _params_accepted(self) -> ModelConfig:
-        if "standardize" in self.params:  # the in-memory fit's; the cluster's fit trains on what the pipeline gives it
+        if "standardize" in self.params:  # one switch: the pipeline sets the model's from training.standardize
             raise ValueError("standardize is set for the whole cohort in the pipeline: use training.standardize, "
                              "not model.params.standardize")
         accepted = set(MODEL_CLASSES[self.name]().get_params()) - {"standardize"}

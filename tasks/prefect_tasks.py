@@ -113,6 +113,8 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
     embedded = isinstance(model, EmbeddedGPMIL)  # the network trains on the client, its GP on the cluster
+    if not embedded:  # training.standardize is the one switch; the saved model's params then say how it was trained
+        model.set_params(standardize=config.training.standardize)
     gp = (model.gp or default_gp()) if embedded else model  # the estimator whose sweeps are reported
     warnings = []
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):
@@ -309,7 +311,8 @@ def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stag
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """What ``model.npz`` holds: the fitted estimator and the feature scaling it was trained with."""
+    """What ``model.npz`` holds: the fitted estimator and the feature scaling it was trained with
+    (a GP model's also in its ``feature_mean_`` / ``feature_scale_``; ``predict_cohort`` applies it once)."""
 
     estimator: Any
     scaling: FeatureScaling | None

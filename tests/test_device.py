@@ -53,7 +53,7 @@ def _assert_only_documented(log, model, X, n_max: int, kmeans_copies: int = 1):
     assert not [s for s in log.shapes if len(s) == 2 and s[1] == M and s[0] > max(M, N_BAGS)], "A' (N × M) left the device"
 
 
-GP = dict(n_inducing=M, max_iter=4, tol=0.0, random_state=0, standardize=False)  # as the cluster's fit_cohort
+GP = dict(n_inducing=M, max_iter=4, tol=0.0, random_state=0, standardize=False)  # the features as given (test_standardize covers the scaling)
 CASES = {
     "VGPMIL": (VGPMIL, GP),
     "GVGPMIL": (GVGPMIL, GP),

@@ -16,7 +16,7 @@ from tasks.training import fit_cohort, predict_cohort, read_predictions
 
 pytestmark = pytest.mark.timeout(300)
 
-PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0, standardize=False)  # as fit_cohort trains: the pipeline standardises
+PARAMS = dict(n_inducing=12, max_iter=12, tol=0.0, random_state=0)  # standardize=True, the default: fit_cohort follows it
 FIXED_KERNEL = dict(PARAMS, kernel=RBF(4.0))
 
 
@@ -342,20 +342,43 @@ def test_a_fit_that_learns_the_kernel_resumes_with_the_learnt_kernel(client, toy
     np.testing.assert_allclose(resumed.q_.mean, serial.q_.mean, rtol=1e-6, atol=1e-8)
 
 
-def test_standardised_training_equals_a_fit_on_standardised_features(client, tmp_path, toy_bags):
+@pytest.mark.parametrize("early_stopping", [False, True])
+def test_the_models_own_standardisation_trains_and_predicts_as_its_fit(client, tmp_path, toy_bags, early_stopping):
+    """fit_cohort follows the model's ``standardize`` (default True) as ``model.fit`` does — the
+    validation bags' rows in the mean and std too — and predict_cohort applies it once."""
     X, bags, y, _ = toy_bags
     X = (X * [1.0, 1000.0] + [0.0, 5e4]).astype(np.float32).astype(np.float64)  # features on wildly different scales
+    X = np.column_stack([X, np.full(X.shape[0], 7e4)])  # and a constant one: scale 1, as in fit
     path = write_store(tmp_path / "scaled.zarr", X, bags, y)
-    model = VGPMIL(**PARAMS)
-    summary = fit_cohort(model, path, client, partition_bytes=2_000, standardize=True, resume=False)
-    np.testing.assert_allclose(summary.scaling.mean, X.mean(axis=0), rtol=1e-10)
-    np.testing.assert_allclose(summary.scaling.scale, X.std(axis=0), rtol=1e-8)
-    serial = VGPMIL(**PARAMS).fit(summary.scaling(X), bags, y)
+    params = {**PARAMS, "standardize": True, "early_stopping": early_stopping, "n_iter_no_change": 3}
+    model = VGPMIL(**params)
+    summary = fit_cohort(model, path, client, partition_bytes=2_000, resume=False)
+    serial = VGPMIL(**params).fit(X, bags, y)
+    np.testing.assert_allclose(model.feature_mean_, serial.feature_mean_, rtol=1e-10)
+    np.testing.assert_allclose(model.feature_scale_, serial.feature_scale_, rtol=1e-8)
+    np.testing.assert_array_equal(summary.scaling.mean, model.feature_mean_)
+    assert model.feature_scale_[2] == 1.0 and model.feature_mean_[2] == 7e4
     assert_same_fit(model, serial)
-    predict_cohort(model, path, client, run="scaled", scaling=summary.scaling, instance_kwargs={"method": "probit"})
+    mean_before = model.feature_mean_.copy()
+    predict_cohort(model, path, client, run="scaled", instance_kwargs={"method": "probit"})
+    predict_cohort(model, path, client, run="again", scaling=summary.scaling, instance_kwargs={"method": "probit"})  # the same, once
+    np.testing.assert_array_equal(model.feature_mean_, mean_before)  # the reader's copy, not the model, drops it
     order = np.argsort(bags, kind="stable")
-    np.testing.assert_allclose(read_predictions(path, "scaled")["instances/proba"],
-                               serial.predict_instance_proba(summary.scaling(X[order]), method="probit"), rtol=1e-8)
+    expected = serial.predict_instance_proba(X[order], method="probit")
+    for run in ("scaled", "again"):
+        np.testing.assert_allclose(read_predictions(path, run)["instances/proba"], expected, rtol=1e-8)
+    other = type(summary.scaling)(mean=summary.scaling.mean + 1.0, scale=summary.scaling.scale)
+    with pytest.raises(ValueError, match="standardised twice"):
+        predict_cohort(model, path, client, run="twice", scaling=other)
+
+
+def test_a_raw_fit_and_a_transform_leave_the_model_without_a_standardisation(client, toy_store):
+    path, (X, bags, y) = toy_store
+    model = VGPMIL(**PARAMS, standardize=False)  # the features as stored, as its fit
+    assert fit_cohort(model, path, client, resume=False).scaling is None and model.feature_mean_ is None
+    assert_same_fit(model, VGPMIL(**PARAMS, standardize=False).fit(X, bags, y))
+    with pytest.raises(ValueError, match="standardize=True with a transform"):
+        fit_cohort(VGPMIL(**PARAMS), path, client, run="t", standardize=True, transform=np.asarray)
 
 
 def test_absmil_trains_and_predicts_through_fit_cohort_as_its_fit(client, toy_store):

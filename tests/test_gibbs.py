@@ -57,7 +57,7 @@ def test_gibbs_is_seeded_and_validates_its_parameters(tiny):
 
 # ------------------------------------------------------------------ keyed draws: the chain on the cluster
 
-CHAIN = dict(n_inducing=6, kernel=RBF(4.0), standardize=False, n_samples=15, burn_in=5, thin=1, random_state=0)  # as the cluster's
+CHAIN = dict(n_inducing=6, kernel=RBF(4.0), standardize=False, n_samples=15, burn_in=5, thin=1, random_state=0)  # the features as given
 
 
 def chain_store(tmp_path, unlabelled=()):

@@ -177,8 +177,8 @@ class FeatureStandardisation:
     random features: 1/√D), a given ``length_scale`` and ``gp_.Z`` are in units of each feature's
     std. Fitted as given, the raw MUSK files scored bag AUC 0.5 with every default
     (``docs/BENCHMARKS.md``, "Features in their own units"). ``False``: the features as given,
-    ``feature_mean_`` None. An executor that trains outside ``fit`` (``tasks.training``) leaves
-    both ``None``: the pipeline standardises the cohort itself (``training.standardize``)."""
+    ``feature_mean_`` None. An executor that trains outside ``fit`` (``tasks.training``)
+    standardises the same way and sets both after the fit."""
 
     def _standardise_training_rows(self, X: Any) -> tuple[Any, tuple[np.ndarray | None, np.ndarray | None]]:
         """``X`` (the fit's own sorted copy of the rows, overwritten) standardised and its

@@ -26,8 +26,7 @@ from mil_core import EmbeddedGPMIL, persist
 from mil_core.models.base import take_bags
 from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling, read_features
-from tasks.training.fit import TrainingSummary, fit_cohort
-from tasks.training.preprocess import feature_scaling
+from tasks.training.fit import TrainingSummary, fit_cohort, training_scaling
 
 __all__ = ["EmbeddedFeatures", "fit_cohort_embedded"]
 
@@ -82,8 +81,7 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     cohort = open_cohort(store)
     labels = np.asarray(cohort.bag_labels)
     labelled = np.flatnonzero(labels >= 0)
-    scaling = feature_scaling(client, store, list(cohort.partitions(DEFAULT_PARTITION_BYTES)),
-                              np.setdiff1d(np.arange(cohort.n_bags), labelled)) if standardize else None
+    scaling = training_scaling(client, cohort, labelled, DEFAULT_PARTITION_BYTES) if standardize else None
     network_seed, gp_seed = model._seeds()
     X_sorted, offsets, bag_labels = _training_bags(store, scaling)
     model.fit_embedding(X_sorted, offsets, bag_labels, seed=network_seed)

@@ -61,7 +61,7 @@ def fit_cohort(
     split_every: int = 8,
     max_kmeans_sample: int = 200_000,
     memory_fraction: float = 0.5,
-    standardize: bool = False,
+    standardize: bool | None = None,
     on_iteration: Callable[[int, float], None] | None = None,
     transform: Callable[[np.ndarray], np.ndarray] | None = None,
     exclude_bags: np.ndarray | None = None,
@@ -69,9 +69,12 @@ def fit_cohort(
     """Fit ``model`` (any :class:`~mil_core.models.base.SparseGPMILBase` estimator) on the labelled bags
     of a cohort store, with the partition step running on the Dask cluster of ``client``.
 
-    The fitted attributes are those of ``model.fit`` with ``standardize=False`` on the same data
-    (equal to 1e-8): here ``standardize`` (the pipeline's ``training.standardize``) standardises
-    the cohort, and the model's own ``standardize`` (of its in-memory ``fit``) is not used. Inducing
+    The fitted attributes are those of ``model.fit`` on the same data (equal to 1e-8).
+    ``standardize`` (``None``: the model's own ``standardize``, as ``model.fit`` does; ``False``
+    with a ``transform``) learns each feature's mean and std on the labelled bags as a map over
+    partitions and a sum, trains on the standardised features and leaves them on the model
+    (``feature_mean_`` / ``feature_scale_``, so its ``predict_*`` and :func:`predict_cohort` apply
+    them; also returned as the summary's :class:`FeatureScaling`). Inducing
     points come from k-means on all training instances when there are at most
     ``max_kmeans_sample`` of them, else on a seeded sample of whole bags. ``mode="auto"`` keeps the
     prepared partitions in worker memory when they take less than ``memory_fraction`` of the
@@ -80,12 +83,10 @@ def fit_cohort(
     with workers advertising a ``GPU`` resource) keeps partition arrays in the array namespace
     ``gpu_namespace`` (:class:`~tasks.training.placement.ArrayPlacement`), every task that holds
     them asking for the GPU resource. ``compute_dtype="float32"``: float32 whitened features with
-    float64 statistics (:class:`~tasks.training.placement.ArrayPlacement`). ``standardize`` learns a
-    :class:`FeatureScaling` on the training bags (returned in the summary; pass it to
-    :func:`predict_cohort`). With ``resume`` a run that
+    float64 statistics (:class:`~tasks.training.placement.ArrayPlacement`). With ``resume`` a run that
     has a checkpoint continues from it (same model parameters and partitions required).
     ``on_iteration(i, objective)`` is called after each iteration (progress reporting).
-    ``transform``: a fitted feature map the model trains on in place of ``standardize``
+    ``transform``: a fitted feature map the model trains on in place of the standardisation
     (:mod:`tasks.training.embedded`: a learnt embedding); such a fit does not resume.
     ``exclude_bags``: global bag indices kept out of training as if unlabelled (an embedding's
     inner validation bags).
@@ -94,6 +95,10 @@ def fit_cohort(
     """
     store = str(store)
     cohort = open_cohort(store)
+    if standardize is None:
+        standardize = transform is None and bool(getattr(model, "standardize", False))
+    elif standardize and transform is not None:
+        raise ValueError("standardize=True with a transform: the transform is the features' map; standardise inside it")
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     labels = np.asarray(cohort.bag_labels)
@@ -130,8 +135,7 @@ def fit_cohort(
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
-        excluded = np.setdiff1d(np.arange(cohort.n_bags), training)
-        scaling = feature_scaling(client, store, partitions, excluded) if standardize else None
+        scaling = training_scaling(client, cohort, np.union1d(training, validation), partition_bytes) if standardize else None
         features = scaling if transform is None else transform
         X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
             cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
@@ -169,10 +173,19 @@ def fit_cohort(
     max_iter, stop = sweep_budget(model, monitor)
     optimise(executor.sweep, updates, trace.glob, max_iter=max_iter, tol=model.tol, monitor=stop, resume_from=trace)
     model._finish_fit(trace, early.stopping if early is not None else None)
+    if scaling is not None:  # in model.fit's units: its predict_* standardise as after model.fit
+        model.feature_mean_, model.feature_scale_ = scaling.mean, scaling.scale
     return TrainingSummary(
         store=store, run=run, n_partitions=len(partitions), n_bags=int(training.size), n_instances=int(sizes[training].sum()),
         mode=mode, device=device, n_iter=trace.n_iter, resumed_from=latest, scaling=scaling,
     )
+
+
+def training_scaling(client: Client, cohort, bags: np.ndarray, partition_bytes: int) -> FeatureScaling:
+    """The standardisation of ``model.fit`` on ``bags`` (global indices): it standardises every row
+    it is given, its validation bags' too."""
+    partitions = [p for p in cohort.partitions(partition_bytes) if np.any((bags >= p.bag_start) & (bags < p.bag_stop))]
+    return feature_scaling(client, str(cohort.path), partitions, np.setdiff1d(np.arange(cohort.n_bags), bags))
 
 
 def check_feature_dimension(model: SparseGPMILBase, cohort) -> None:

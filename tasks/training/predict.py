@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import uuid
@@ -122,13 +123,16 @@ def predict_cohort(
     Each partition is predicted by one task; the client writes the results (one writer, so
     partitions that share a Zarr chunk cannot race). A bag with NaN/inf features gets NaN
     outputs and is listed with the reason in the ``not_predicted`` attribute; every other bag is
-    predicted. ``scaling``: the training cohort's
-    :class:`FeatureScaling` when the model was trained with ``standardize=True``. Holds the
-    store's writer lease (:mod:`tasks.lease`).
+    predicted. A model that carries its standardisation (``feature_mean_``: fitted with
+    ``standardize``, by :func:`fit_cohort` or ``model.fit``) has it applied as the partitions are
+    read; ``scaling`` is for a model without one (an ``EmbeddedGPMIL``'s cohort standardisation,
+    a model trained before models carried theirs). Holds the store's writer lease
+    (:mod:`tasks.lease`).
     """
     store = str(store)
     cohort = open_cohort(store)
     check_feature_dimension(model, cohort)
+    model, scaling = _scaling_on_read(model, scaling)
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
     root = zarr.open_group(store, mode="a")
     name = f"predictions/{run}"
@@ -169,6 +173,23 @@ def predict_cohort(
     group.attrs["not_predicted"] = not_predicted
     group.attrs["complete"] = True
     return f"{store}/{name}"
+
+
+def _scaling_on_read(model: SparseGPMILBase, scaling: FeatureScaling | None) -> tuple[SparseGPMILBase, FeatureScaling | None]:
+    """The model's own standardisation moved to the reader (float64 on the host, once): a shallow
+    copy of ``model`` without it, and it as a :class:`FeatureScaling`. A different ``scaling``
+    as well would standardise twice: an error."""
+    mean = getattr(model, "feature_mean_", None)
+    if mean is None:
+        return model, scaling
+    own = FeatureScaling(mean=np.asarray(mean), scale=np.asarray(model.feature_scale_))
+    if scaling is not None and not (np.array_equal(scaling.mean, own.mean) and np.array_equal(scaling.scale, own.scale)):
+        raise ValueError(f"this {type(model).__name__} carries its own feature standardisation (feature_mean_, fitted with "
+                         "standardize=True) and a different scaling was given: the features would be standardised twice; "
+                         "leave scaling out")
+    reader = copy.copy(model)
+    reader.feature_mean_ = reader.feature_scale_ = None
+    return reader, own
 
 
 def read_predictions(store: str | Path, run: str = "default") -> dict[str, np.ndarray]:

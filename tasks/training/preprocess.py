@@ -8,27 +8,34 @@ from collections.abc import Sequence
 import numpy as np
 from distributed import Client
 
-from tasks.store import Partition
+from mil_core.validation import CONSTANT_STD
+from tasks.store import Partition, open_cohort
 from tasks.training.blocks import FeatureScaling, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
 from tasks.training.placement import ArrayPlacement
 
 
-def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray) -> np.ndarray:
-    """``[n, Σx, Σx²]`` over the labelled, non-excluded bags of one partition."""
-    X = load_block(path, partition, ArrayPlacement(), exclude_bags).X
+def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """``[n, Σ(x − shift), Σ(x − shift)²]`` over the labelled, non-excluded bags of one partition."""
+    X = load_block(path, partition, ArrayPlacement(), exclude_bags).X - shift
     return np.concatenate([[X.shape[0]], X.sum(axis=0), (X * X).sum(axis=0)])
 
 
 def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], exclude_bags: np.ndarray) -> FeatureScaling:
     """Mean and std of every feature over the training bags, as a map over partitions and a sum
-    (features whose std is 0 keep scale 1)."""
-    sums = client.submit(sum_statistics, *[client.submit(_feature_sums, path, p, exclude_bags, pure=False) for p in partitions]).result()
+    (:func:`mil_core.validation.standardisation`'s, a column with std < 1e-12 keeping scale 1).
+    The sums are of ``x − shift``, ``shift`` the store's first row: the variance Σ(x − s)²/n − (x̄ − s)²
+    then cancels no more than the spread of the data (Σx²/n − x̄² lost the digits of a feature whose
+    mean is large against its std, and a constant column comes out exactly 0)."""
+    cohort = open_cohort(path)
+    first = int(np.flatnonzero(np.diff(cohort.offsets) > 0)[0])
+    shift = np.asarray(cohort.read_bags(first, first + 1).features[0], dtype=np.float64)
+    sums = client.submit(sum_statistics, *[client.submit(_feature_sums, path, p, exclude_bags, shift, pure=False)
+                                           for p in partitions]).result()
     n, D = sums[0], (sums.shape[0] - 1) // 2
-    mean = sums[1 : D + 1] / n
-    std = np.sqrt(np.maximum(sums[D + 1 :] / n - mean**2, 0.0))
-    return FeatureScaling(mean=mean, scale=np.where(std > 1e-12 * np.maximum(np.abs(mean), 1.0), std, 1.0))
-
+    offset = sums[1 : D + 1] / n
+    std = np.sqrt(np.maximum(sums[D + 1 :] / n - offset**2, 0.0))
+    return FeatureScaling(mean=shift + offset, scale=np.where(std < CONSTANT_STD, 1.0, std))
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
