@@ -24,11 +24,14 @@ def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray, shi
 def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], exclude_bags: np.ndarray) -> FeatureScaling:
     """Mean and std of every feature over the training bags, as a map over partitions and a sum
     (:func:`mil_core.validation.standardisation`'s, a column with std < 1e-12 keeping scale 1).
-    The sums are of ``x − shift``, ``shift`` the store's first row: the variance Σ(x − s)²/n − (x̄ − s)²
-    then cancels no more than the spread of the data (Σx²/n − x̄² lost the digits of a feature whose
-    mean is large against its std, and a constant column comes out exactly 0)."""
+    The sums are of ``x − s``, ``s`` the first row of the bags summed: the variance
+    Σ(x − s)²/n − (x̄ − s)² then cancels digits only as far as that row lies from the mean, where
+    Σx²/n − x̄² lost those of every feature whose mean is large against its std; a constant column
+    comes out exactly 0."""
     cohort = open_cohort(path)
-    first = int(np.flatnonzero(np.diff(cohort.offsets) > 0)[0])
+    summed = (np.asarray(cohort.bag_labels) >= 0) & (np.diff(cohort.offsets) > 0)
+    summed[exclude_bags] = False
+    first = int(np.flatnonzero(summed)[0])
     shift = np.asarray(cohort.read_bags(first, first + 1).features[0], dtype=np.float64)
     sums = client.submit(sum_statistics, *[client.submit(_feature_sums, path, p, exclude_bags, shift, pure=False)
                                            for p in partitions]).result()
