@@ -372,6 +372,21 @@ def test_the_models_own_standardisation_trains_and_predicts_as_its_fit(client, t
         predict_cohort(model, path, client, run="twice", scaling=other)
 
 
+def test_the_standardisation_reads_only_the_bags_it_trains_on(client, tmp_path, toy_bags):
+    """An unlabelled first bag (here with a NaN row written behind the store's back, as predict_cohort
+    tolerates) takes no part in the mean and std: they are model.fit's on the labelled bags."""
+    X, bags, y, _ = toy_bags
+    X = X.astype(np.float32).astype(np.float64)
+    path = write_store(tmp_path / "first.zarr", X, bags, y, unlabelled=(0,))
+    zarr.open_group(path, mode="a")["instances/features"][0, 1] = np.nan
+    model = VGPMIL(**PARAMS)
+    fit_cohort(model, path, client, resume=False)
+    labelled = bags != 0
+    serial = VGPMIL(**PARAMS).fit(X[labelled], bags[labelled], y[labelled])
+    np.testing.assert_allclose(model.feature_mean_, serial.feature_mean_, rtol=1e-12)
+    np.testing.assert_allclose(model.feature_scale_, serial.feature_scale_, rtol=1e-12)
+
+
 def test_a_raw_fit_and_a_transform_leave_the_model_without_a_standardisation(client, toy_store):
     path, (X, bags, y) = toy_store
     model = VGPMIL(**PARAMS, standardize=False)  # the features as stored, as its fit
