@@ -145,7 +145,7 @@ class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
             self.mean_, self.scale_ = standardisation(self._columns(X)[0])
         features, bag_ids = self._split(X)
         self.estimator_ = clone(self.estimator).fit(features, bag_ids, y)
-        self.classes_ = self.estimator_.classes_
+        self.classes_ = np.unique(y)  # as given: 0/1 or -1/1 (the estimator's are 0/1)
         return self
 
     def predict_bag_proba(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +160,7 @@ class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
         return np.column_stack([1.0 - p_row, p_row])
 
     def predict(self, X: Any) -> np.ndarray:
-        return (self.predict_proba(X)[:, 1] >= 0.5).astype(int)
+        return self.classes_[(self.predict_proba(X)[:, 1] >= 0.5).astype(int)]
 
 
 def with_bag_ids(X: Any, bag_ids: Any) -> np.ndarray:
@@ -172,7 +172,7 @@ def _bag_metric(metric: str):
     def score(estimator: BagwiseClassifier, X: Any, y: Any) -> float:
         keys, p = estimator.predict_bag_proba(X)
         bag_ids = np.asarray(X, dtype=np.float64)[:, 0]
-        truth = np.asarray(y)[np.unique(bag_ids, return_index=True)[1]]
+        truth = (np.asarray(y) == 1)[np.unique(bag_ids, return_index=True)[1]].astype(int)  # 0/1 or -1/1 as fitted
         return _binary_metrics("bag", truth, p)[f"bag_{metric}"]
 
     return score

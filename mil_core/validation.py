@@ -55,8 +55,9 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, Bag
     """Validate instances, bag ids and (optionally) per-instance bag labels.
 
     Returns ``(X, bags, bag_labels)`` where ``bag_labels`` (B,) is in {0, 1}, ordered like
-    ``bags.keys``. Raises ``ValueError`` for NaN/inf, mismatched lengths, labels other than
-    0/1, a bag whose instances carry different labels, or a single class.
+    ``bags.keys``. ``y`` is 0/1 (or booleans) or −1/+1, the MIL benchmarks' other convention; in
+    both 1 is the positive bag. Raises ``ValueError`` for NaN/inf, mismatched lengths, other
+    labels, a bag whose instances carry different labels, or a single class.
     """
     X = check_features(X)
     bag_ids = np.asarray(bag_ids)
@@ -77,10 +78,12 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, Bag
     y = np.asarray(y)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"y must be 1-D with one bag label per instance ({X.shape[0]}), got shape {y.shape}")
-    if y.dtype.kind not in "biuf" or not np.all(np.isin(y, (0, 1))):
-        bad = np.unique(y[~np.isin(y, (0, 1))]) if y.dtype.kind in "biuf" else np.unique(y)
-        raise ValueError(f"bag labels must be 0 or 1, found {bad[:5].tolist()}")
-    y_sorted = y[bags.order].astype(np.int8)
+    found = np.unique(y)
+    if y.dtype.kind not in "biuf" or not (np.all(np.isin(found, (0, 1))) or np.all(np.isin(found, (-1, 1)))):
+        bad = found[~np.isin(found, (-1, 0, 1))] if y.dtype.kind in "biuf" else found
+        raise ValueError(f"bag labels must be 0 or 1 (or -1 and 1; 1 is positive), found "
+                         f"{(bad if bad.size else found)[:5].tolist()}")
+    y_sorted = (y[bags.order] == 1).astype(np.int8)
     lo = np.minimum.reduceat(y_sorted, bags.offsets[:-1])
     hi = np.maximum.reduceat(y_sorted, bags.offsets[:-1])
     mixed = np.flatnonzero(lo != hi)

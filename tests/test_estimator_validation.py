@@ -35,7 +35,9 @@ BAD_FIT_INPUT = {
                      r"bag_ids has no bag id at row\(s\) \[5\]"),
     "bag-ids-mixed-types": (lambda X, b, y: (X, np.where(b == 0, "zero", b.astype(object)), y), "bag_ids mixes types"),
     "label-not-constant-in-a-bag": (_mixed_labels, "bag 3 has instances with different bag labels"),
-    "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1, found \[2\]"),
+    "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1 \(or -1 and 1; 1 is positive\), found \[2\]"),
+    "label-mixes-conventions": (lambda X, b, y: (X, b, np.where(b == 0, -1, y)), r"found \[-1, 0, 1\]"),
+    "label-strings": (lambda X, b, y: (X, b, np.where(y == 1, "tumour", "normal")), r"found \['normal', 'tumour'\]"),
     "single-class": (lambda X, b, y: (X, b, np.zeros_like(y)), "need bags of both classes"),
     "labels-length": (lambda X, b, y: (X, b, y[:-1]), "y must be 1-D with one bag label per instance"),
 }
@@ -62,6 +64,16 @@ def test_fit_refuses_bad_input_with_a_clear_message_and_learns_nothing(name, pro
     with pytest.raises(ValueError, match=message):
         estimator.fit(*corrupt(X, BAGS, Y), **_fit_kwargs(name))
     assert _same(vars(estimator), before), "a refused fit left fitted attributes behind"
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_minus_one_plus_one_labels_fit_what_zero_one_labels_fit(name):
+    """The MIL benchmarks' other label convention: -1/+1 (and booleans) are the same bags as 0/1."""
+    context = {"coords": COORDS} if name in USES_COORDS else {}
+    reference = ESTIMATORS[name]().fit(X, BAGS, Y, **context)
+    for labels in (2 * Y - 1, Y.astype(bool), Y.astype(float)):
+        other = ESTIMATORS[name]().fit(X, BAGS, labels, **context)
+        assert _same(vars(other), vars(reference)), f"labels {labels[:3]} fitted another model"
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))

@@ -60,6 +60,18 @@ def test_cross_validate_scores_bags_not_instances():
         assert result["test_bag_accuracy"][fold] == pytest.approx(np.mean((p >= 0.5) == truth))
 
 
+def test_minus_one_plus_one_labels_score_and_predict_in_their_own_convention():
+    X, bags, y, _ = make_toy_bags(n_bags=30)
+    cv, Xb = StratifiedBagKFold(3, random_state=0), with_bag_ids(X, bags)
+    model = BagwiseClassifier(VGPMIL(**FAST))
+    zero_one = cross_validate(model, Xb, y, groups=bags, cv=cv, scoring={**bag_scorers(), "row_accuracy": "accuracy"})
+    signed = cross_validate(model, Xb, 2 * y - 1, groups=bags, cv=cv, scoring={**bag_scorers(), "row_accuracy": "accuracy"})
+    for metric in ("test_bag_auc", "test_bag_accuracy", "test_bag_f1", "test_row_accuracy"):
+        np.testing.assert_array_equal(signed[metric], zero_one[metric])
+    fitted = model.fit(Xb, 2 * y - 1)
+    assert fitted.classes_.tolist() == [-1, 1] and set(fitted.predict(Xb)) <= {-1, 1}
+
+
 def test_paper_protocol_grid_reports_the_configuration_with_the_best_bag_accuracy():
     X, bags, y, _ = make_toy_bags(n_bags=30)
     best, rows = grid_search_bags(
