@@ -196,8 +196,9 @@ def gpu_client():
         yield client, plugin
 
 
+@pytest.mark.parametrize("standardize", [False, True])  # True: fit_cohort's scaling, applied on read by predict_cohort
 @pytest.mark.parametrize("mode", ["persist", "stream"])
-def test_the_dask_executor_on_gpu_workers_equals_the_host_fit(tmp_path, data, gpu_client, mode, monkeypatch):
+def test_the_dask_executor_on_gpu_workers_equals_the_host_fit(tmp_path, data, gpu_client, mode, standardize, monkeypatch):
     from tasks.training import fit_cohort, predict_cohort, read_predictions
     from tests.test_distributed import assert_same_fit, write_store
 
@@ -205,7 +206,7 @@ def test_the_dask_executor_on_gpu_workers_equals_the_host_fit(tmp_path, data, gp
     X, bags, y, _ = data
     X = X.astype(np.float32).astype(np.float64)  # the store keeps float32 features
     path = write_store(tmp_path / "gpu.zarr", X, bags, y)
-    params = {**GP, "max_iter": 5, "early_stopping": True, "n_iter_no_change": 3}
+    params = {**GP, "max_iter": 5, "early_stopping": True, "n_iter_no_change": 3, "standardize": standardize}
     serial = VGPMIL(**params).fit(X, bags, y)
     model = VGPMIL(**params)
     with count_transfers(monkeypatch) as log:

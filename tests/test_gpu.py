@@ -136,6 +136,7 @@ DISTRIBUTED = {
     "VWSGP": (VWSGP, GP),
     "VGPMILPR": (VGPMILPR, GP),
     "VGPMILPRI": (VGPMILPRI, {**GP, "lam": 0.7, "kernel": RBF(variance=4.0)}),  # no kernel choice with coords
+    "VGPMIL-standardised": (VGPMIL, {**GP, "standardize": True}),  # fit_cohort's scaling, applied on read by predict_cohort
 }
 
 
