@@ -135,7 +135,7 @@ def fit_cohort(
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
-        scaling = training_scaling(client, cohort, np.union1d(training, validation), partition_bytes) if standardize else None
+        scaling = training_scaling(client, cohort, labelled, partition_bytes) if standardize else None
         features = scaling if transform is None else transform
         X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
             cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
@@ -182,8 +182,8 @@ def fit_cohort(
 
 
 def training_scaling(client: Client, cohort, bags: np.ndarray, partition_bytes: int) -> FeatureScaling:
-    """The standardisation of ``model.fit`` on ``bags`` (global indices): it standardises every row
-    it is given, its validation bags' too."""
+    """The standardisation of ``model.fit`` on ``bags`` (global indices of the labelled bags it is
+    given): it standardises every row it is given, its validation bags' too."""
     partitions = [p for p in cohort.partitions(partition_bytes) if np.any((bags >= p.bag_start) & (bags < p.bag_stop))]
     return feature_scaling(client, str(cohort.path), partitions, np.setdiff1d(np.arange(cohort.n_bags), bags))
 
