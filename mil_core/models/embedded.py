@@ -262,17 +262,16 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         """``gp``, or :func:`default_gp` when it is ``None`` (unfitted; clone it before fitting)."""
         return self.gp if self.gp is not None else default_gp()
 
-    def gp_clone(self, member: int, seed: int, *, on_embedding: bool = True) -> BaseEstimator:
+    def gp_clone(self, member: int, seed: int) -> BaseEstimator:
         """Member ``member``'s unfitted GP: a clone of ``gp`` (or :func:`default_gp`), an unset
-        ``random_state`` set to ``seed + member``. On the embedding its own ``standardize`` is off
-        (it sees the embedding standardised on all training instances); on the input features it
-        keeps ``gp``'s, as any model fitted on them (the pipeline's ``fit_cohort`` follows it, or
-        trains on the cohort it standardised)."""
+        ``random_state`` set to ``seed + member``, its own ``standardize`` off (it sees the
+        embedding standardised on all training instances, or the input features as the pipeline
+        and :meth:`fit` give them, so that both train the same GPs)."""
         gp = clone(self._gp_template())
         params = gp.get_params(deep=False)
         if "random_state" in params and params["random_state"] is None:
             gp.set_params(random_state=(seed + member) % (2**31 - 1))
-        if on_embedding and params.get("standardize"):
+        if params.get("standardize"):
             gp.set_params(standardize=False)
         return gp
 
@@ -300,7 +299,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
                 or gp.get_params(deep=False).get("kernel", "fixed") is not None):
             return None
         n_members = len(self.validation_bags_)
-        return [self.gp_clone(n_members + member, seed, on_embedding=False) for member in range(n_members)]
+        return [self.gp_clone(n_members + member, seed) for member in range(n_members)]
 
     def _held_out_labels(self, labels: np.ndarray) -> np.ndarray:
         """The labels of the members' held-out bags, in the order of their out-of-fold scores."""
