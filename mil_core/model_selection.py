@@ -17,7 +17,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin, MetaEstimatorMixin, clo
 from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
 from sklearn.model_selection import ParameterGrid, StratifiedKFold
 
-from .validation import check_mil_data, standardisation
+from .validation import check_mil_data, standardisation, standardise
 
 __all__ = [
     "StratifiedBagKFold",
@@ -138,7 +138,7 @@ class BagwiseClassifier(ClassifierMixin, MetaEstimatorMixin, BaseEstimator):
 
     def _split(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         features, bag_ids = self._columns(X)
-        return ((features - self.mean_) / self.scale_ if self.standardize else features), bag_ids
+        return (standardise(features, self.mean_, self.scale_) if self.standardize else features), bag_ids
 
     def fit(self, X: Any, y: Any) -> BagwiseClassifier:
         if self.standardize:

@@ -11,6 +11,7 @@ import numpy as np
 from mil_core import persist
 from mil_core.engine import BagBlock
 from mil_core.models.base import take_bags
+from mil_core.validation import standardise
 from tasks.store import Partition, open_cohort
 from tasks.training.placement import ArrayPlacement
 
@@ -27,7 +28,7 @@ class FeatureScaling:
     scale: np.ndarray
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
-        return (X - self.mean) / self.scale
+        return standardise(X, self.mean, self.scale)
 
 
 persist.allow_types(FeatureScaling)  # saved with models and checkpoints
