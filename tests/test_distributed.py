@@ -372,6 +372,31 @@ def test_the_models_own_standardisation_trains_and_predicts_as_its_fit(client, t
         predict_cohort(model, path, client, run="twice", scaling=other)
 
 
+def test_the_standardisation_runs_in_row_chunks_as_on_whole_partitions(tmp_path, toy_bags, monkeypatch):
+    """The standardised read and the mean/std sums work on float64 chunks of ``FLOAT64_ROWS`` rows
+    (no float64 temporaries of a whole partition): chunk edges inside bags change no value."""
+    from tasks.store import open_cohort
+    from tasks.training import blocks
+    from tasks.training.preprocess import _feature_sums
+
+    X, bags, y, _ = toy_bags
+    X = (X * [1.0, 1000.0] + [0.0, 5e4]).astype(np.float32).astype(np.float64)
+    path = write_store(tmp_path / "chunks.zarr", X, bags, y)
+    cohort = open_cohort(path)
+    scaling = blocks.FeatureScaling(mean=X.mean(axis=0), scale=X.std(axis=0))
+    monkeypatch.setattr(blocks, "FLOAT64_ROWS", 7)
+    partitions = cohort.partitions(2_000)
+    assert len(partitions) > 1 and partitions[0].n_rows > 7 and partitions[0].n_rows % 7  # a last, partial chunk
+    for partition in partitions:
+        stored = cohort.read_partition(partition)
+        whole = (np.asarray(stored.features, dtype=np.float64) - scaling.mean) / scaling.scale
+        for dtype in ("float64", "float32"):
+            np.testing.assert_array_equal(blocks.read_features(stored, scaling, dtype), whole.astype(dtype))
+        shifted = np.asarray(stored.features, dtype=np.float64) - X[0]
+        expected = np.concatenate([[shifted.shape[0]], shifted.sum(axis=0), (shifted**2).sum(axis=0)])
+        np.testing.assert_allclose(_feature_sums(path, partition, np.empty(0, dtype=np.int64), X[0]), expected, rtol=1e-12)
+
+
 def test_the_standardisation_reads_only_the_bags_it_trains_on(client, tmp_path, toy_bags):
     """An unlabelled first bag (here with a NaN row written behind the store's back, as predict_cohort
     tolerates) takes no part in the mean and std: they are model.fit's on the labelled bags."""

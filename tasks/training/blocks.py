@@ -3,6 +3,7 @@ non-held-out bags, instance coordinates, and placement on the device."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from tasks.store import Partition, open_cohort
 from tasks.training.placement import ArrayPlacement
 
 DEFAULT_PARTITION_BYTES = 128 * 2**20
+FLOAT64_ROWS = 8192  # rows per float64 chunk: 8 MiB at D = 128
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,28 @@ class FeatureScaling:
 persist.allow_types(FeatureScaling)  # saved with models and checkpoints
 
 
-def read_features(stored: Any, scaling: FeatureScaling | None, dtype: str = "float64") -> np.ndarray:
-    """Stored features, standardised by ``scaling`` (in float64), as ``dtype``: a float32 fit of
-    unscaled float32 features takes the stored array without a float64 round trip."""
-    if scaling is None:
-        return np.asarray(stored.features, dtype=dtype)
-    return np.asarray(scaling(np.asarray(stored.features, dtype=np.float64)), dtype=dtype)
+def float64_rows(features: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
+    """``features`` as float64 copies of :data:`FLOAT64_ROWS` rows at a time, with their row slice.
 
+    Elementwise float64 work on a whole partition allocates temporaries of ~1 GB each, and their
+    first-touch page faults cost ten times the arithmetic (docs/BENCHMARKS.md, "The cohort's
+    standardisation in row chunks"); a chunk of a few MiB is reused from cache."""
+    for start in range(0, features.shape[0], FLOAT64_ROWS):
+        rows = slice(start, start + FLOAT64_ROWS)
+        yield rows, features[rows].astype(np.float64)
+
+
+def read_features(stored: Any, scaling: FeatureScaling | None, dtype: str = "float64") -> np.ndarray:
+    """Stored features, standardised by ``scaling`` (in float64, a chunk of rows at a time), as
+    ``dtype``: a float32 fit of unscaled float32 features takes the stored array without a float64
+    round trip."""
+    features = np.asarray(stored.features)
+    if scaling is None:
+        return np.asarray(features, dtype=dtype)
+    out = np.empty(features.shape, dtype=dtype)
+    for rows, chunk in float64_rows(features):
+        out[rows] = standardise(chunk, scaling.mean, scaling.scale, in_place=True)
+    return out
 
 
 def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclude_bags: np.ndarray | None = None,

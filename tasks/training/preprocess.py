@@ -9,16 +9,22 @@ import numpy as np
 from distributed import Client
 
 from mil_core.validation import CONSTANT_STD
-from tasks.store import Partition, open_cohort
-from tasks.training.blocks import FeatureScaling, grid_coords, load_block, read_features
+from tasks.store import FEATURE_DTYPE, Partition, open_cohort
+from tasks.training.blocks import FeatureScaling, float64_rows, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
 from tasks.training.placement import ArrayPlacement
 
 
 def _feature_sums(path: str, partition: Partition, exclude_bags: np.ndarray, shift: np.ndarray) -> np.ndarray:
     """``[n, Σ(x − shift), Σ(x − shift)²]`` over the labelled, non-excluded bags of one partition."""
-    X = load_block(path, partition, ArrayPlacement(), exclude_bags).X - shift
-    return np.concatenate([[X.shape[0]], X.sum(axis=0), (X * X).sum(axis=0)])
+    X = load_block(path, partition, ArrayPlacement(dtype=FEATURE_DTYPE.name), exclude_bags).X  # as stored: no float64 copy
+    sums = np.zeros(1 + 2 * X.shape[1])
+    sums[0] = X.shape[0]
+    for _, chunk in float64_rows(X):
+        chunk -= shift
+        sums[1 : X.shape[1] + 1] += chunk.sum(axis=0)
+        sums[X.shape[1] + 1 :] += np.einsum("ij,ij->j", chunk, chunk)
+    return sums
 
 
 def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], exclude_bags: np.ndarray) -> FeatureScaling:
