@@ -3,7 +3,7 @@ non-held-out bags, instance coordinates, and placement on the device."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,26 +47,30 @@ def float64_rows(features: np.ndarray) -> Iterator[tuple[slice, np.ndarray]]:
         yield rows, features[rows].astype(np.float64)
 
 
-def read_features(stored: Any, scaling: FeatureScaling | None, dtype: str = "float64") -> np.ndarray:
-    """Stored features, standardised by ``scaling`` (in float64, a chunk of rows at a time), as
-    ``dtype``: a float32 fit of unscaled float32 features takes the stored array without a float64
+def read_features(stored: Any, scaling: Callable[[np.ndarray], np.ndarray] | None, dtype: str = "float64") -> np.ndarray:
+    """Stored features through ``scaling`` — a row-wise map of float64 rows: a
+    :class:`FeatureScaling`, or a fit's ``transform`` — applied a chunk of rows at a time, as
+    ``dtype``. A float32 fit of unscaled float32 features takes the stored array without a float64
     round trip."""
     features = np.asarray(stored.features)
     if scaling is None:
         return np.asarray(features, dtype=dtype)
-    out = np.empty(features.shape, dtype=dtype)
+    out = None
     for rows, chunk in float64_rows(features):
-        out[rows] = standardise(chunk, scaling.mean, scaling.scale, in_place=True)
-    return out
+        mapped = scaling(chunk)
+        if out is None:  # the map's width: a transform may change it
+            out = np.empty((features.shape[0], *mapped.shape[1:]), dtype=dtype)
+        out[rows] = mapped
+    return np.asarray(scaling(features.astype(np.float64)), dtype=dtype) if out is None else out
 
 
 def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclude_bags: np.ndarray | None = None,
-               with_coords: bool = False, scaling: FeatureScaling | None = None) -> BagBlock:
+               with_coords: bool = False, scaling: Callable[[np.ndarray], np.ndarray] | None = None) -> BagBlock:
     """The labelled bags of ``partition`` as an engine block (in the dtype of ``placement``, placed by it).
 
     Unlabelled bags (label −1) and the bags in ``exclude_bags`` (global indices, e.g. a validation
     hold-out) are left out. ``with_coords`` adds the instance coordinates (VGPMIL-PR-I's neighbour
-    graph); ``scaling`` standardises the features. ``bag_index`` is each kept bag's position among the
+    graph); ``scaling`` maps the features (a standardisation, or a fit's transform). ``bag_index`` is each kept bag's position among the
     store's training bags (as in ``model.fit`` on those bags, when the store holds them in id order).
     """
     cohort = open_cohort(path)
