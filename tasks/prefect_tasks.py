@@ -113,8 +113,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
     model = make_model(config.model)
     embedded = isinstance(model, EmbeddedGPMIL)  # the network trains on the client, its GP on the cluster
-    if not embedded:  # training.standardize is the one switch; the saved model's params then say how it was trained
-        model.set_params(standardize=config.training.standardize)
+    model.set_params(standardize=config.training.standardize)  # the one switch; the saved params then say how it was trained
     gp = (model.gp or default_gp()) if embedded else model  # the estimator whose sweeps are reported
     warnings = []
     if not config.training.standardize and (message := diagnostics.feature_scale_spread(diagnostics.sample_features(store))):

@@ -28,6 +28,7 @@ from mil_core.attention import (
 from mil_core.calibration import expected_calibration_error, fit_platt, reliability_bins
 from mil_core.metrics import chance_auc_std
 from mil_core.persist import load, save
+from mil_core.validation import standardisation, standardise
 from tests.conftest import bag_labels, make_toy_bags
 
 torch = pytest.importorskip("torch", reason='PyTorch is the optional extra "torch": pip install -e ".[dev,torch]"')
@@ -36,7 +37,9 @@ NET = {"n_components": 4, "hidden": (16,), "attention_dim": 8, "learning_rate": 
 
 
 def small_model(**params) -> EmbeddedGPMIL:
-    return EmbeddedGPMIL(VGPMIL(n_inducing=10, max_iter=20), **(NET | {"random_state": 0} | params))
+    """The ensemble's mechanics on rows as given (``standardize=False``: the tests below rebuild its
+    numbers from the networks and GPs on ``X``); the standardisation has its own tests."""
+    return EmbeddedGPMIL(VGPMIL(n_inducing=10, max_iter=20), **(NET | {"random_state": 0, "standardize": False} | params))
 
 
 @pytest.fixture(scope="module")
@@ -571,6 +574,59 @@ BLIND = {"learning_rate": 1e-6, "max_epochs": 3}  # networks that learn nothing:
 def on_features():
     X, bags, y, _ = norm_witness_bags(40, seed=0)
     return small_model(**BLIND).fit(X, bags, y), (X, bags, y)
+
+
+def in_own_units(X):
+    """``X`` with each column in its own units (scales 10⁻² … 10³, offsets of 50 such units)."""
+    units = np.geomspace(1e-2, 1e3, X.shape[1])
+    return X * units + 50.0 * units
+
+
+def test_standardize_fits_standardised_rows_and_every_prediction_standardises_its_rows(data):
+    """``standardize=True`` is the model fitted with ``standardize=False`` on rows standardised over
+    the training instances (same networks, GPs and calibration), and each ``predict_*``,
+    ``transform`` and ``predict_attention`` takes rows in their own units."""
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    X, X_test = in_own_units(X), in_own_units(X_test)
+    model = small_model(n_networks=2, standardize=True).fit(X, bags, y)
+    mean, scale = standardisation(X)
+    np.testing.assert_allclose(model.feature_mean_, mean, rtol=1e-12)
+    np.testing.assert_allclose(model.feature_scale_, scale, rtol=1e-12)
+    plain = small_model(n_networks=2).fit(standardise(X, mean, scale), bags, y)
+    for state, plain_state in zip(model.network_states_, plain.network_states_, strict=True):
+        for name, value in plain_state.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    for gp, plain_gp in zip(model.gps_, plain.gps_, strict=True):
+        np.testing.assert_allclose(gp.q_.mean, plain_gp.q_.mean, rtol=1e-5, atol=1e-7)
+    Z = standardise(X_test, mean, scale)
+    X_before = X_test.copy()
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test, return_std=True)[1:],
+                               plain.predict_bag_proba(Z, bags_test, return_std=True)[1:], rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(model.predict_instance_proba(X_test, return_std=True, method="probit"),
+                               plain.predict_instance_proba(Z, return_std=True, method="probit"), rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(model.transform(X_test), plain.transform(Z), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.member_transform(X_test, 1), plain.member_transform(Z, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.predict_attention(X_test, bags_test), plain.predict_attention(Z, bags_test), rtol=1e-5)
+    np.testing.assert_array_equal(X_test, X_before)  # the caller's rows are not overwritten
+    np.testing.assert_array_equal(model.feature_mean_, mean)  # nor the model by predicting
+
+
+def test_the_gps_on_the_input_features_see_them_standardised(on_features):
+    """Where the networks learn nothing (``representation="auto"`` keeps GPs on the input features),
+    those GPs fit on columns in their own units as on unit-scale ones: standardised once, on all
+    training instances."""
+    _, (X, bags, y) = on_features
+    mean, scale = standardisation(in_own_units(X))
+    standardised = small_model(**BLIND, n_networks=2, standardize=True).fit(in_own_units(X), bags, y)
+    unit = small_model(**BLIND, n_networks=2).fit(standardise(in_own_units(X), mean, scale), bags, y)
+    assert standardised.representation_ == unit.representation_ == "features"
+    assert standardised.representation_auc_ == pytest.approx(unit.representation_auc_, rel=1e-6)
+    for gp, unit_gp in zip(standardised.gps_, unit.gps_, strict=True):
+        assert gp.standardize is False and gp.kernel_.variance == unit_gp.kernel_.variance
+        np.testing.assert_allclose(gp.q_.mean, unit_gp.q_.mean, rtol=1e-5, atol=1e-7)
+    X_test, bags_test, _, _ = norm_witness_bags(30, seed=1)
+    np.testing.assert_allclose(standardised.predict_bag_proba(in_own_units(X_test), bags_test)[1],
+                               unit.predict_bag_proba(standardise(in_own_units(X_test), mean, scale), bags_test)[1], rtol=1e-5)
 
 
 def _features_evidence(gp, X, bags):

@@ -61,6 +61,17 @@ class AttentionNetworkParams:
             slope, intercept = fit_platt(scores(), val_labels)
         self.calibration_slope_, self.calibration_intercept_ = slope, intercept
 
+    def _standardised_input(self, X: Any) -> Any:
+        """Prediction rows as given: the networks standardise their inputs themselves.
+        :class:`~mil_core.EmbeddedGPMIL`'s ``standardize`` (its GPs may see the input features)
+        replaces this by :class:`~mil_core.models.base.FeatureStandardisation`'s, earlier in its bases."""
+        return X
+
+    def _input_rows(self, X: Any) -> Any:
+        """Validated prediction rows in the units the networks were fitted in."""
+        check_is_fitted(self, "n_features_in_")
+        return self._standardised_input(check_features(X, n_features=self.n_features_in_))
+
     def _embed(self, X: Any, member: int = 0) -> np.ndarray:
         """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows by network ``member``."""
         check_is_fitted(self, "n_features_in_")
@@ -70,8 +81,8 @@ class AttentionNetworkParams:
     def predict_attention(self, X: Any, bag_ids: Any) -> np.ndarray:
         """Attention weight ``α_n`` of each row within its bag (rows in input order; sums to 1 per
         bag; an ensemble's is the mean of its members')."""
-        check_is_fitted(self, "n_features_in_")
-        _, bags, _ = check_mil_data(check_features(X, n_features=self.n_features_in_), bag_ids)
+        X = self._input_rows(X)
+        _, bags, _ = check_mil_data(X, bag_ids)
         weights = np.zeros(bags.order.size)
         for member, state in enumerate(self._states()):
             H = self._embed(X, member)

@@ -26,7 +26,7 @@ from ..bags import segment_sum
 from ..metrics import binary_auc, chance_auc_std
 from ..validation import check_mil_data, standardisation
 from .attention_mil import AttentionNetworkParams
-from .base import store_params, take_bags
+from .base import FeatureStandardisation, store_params, take_bags
 from .vgpmil import VGPMIL
 
 __all__ = ["EmbeddedGPMIL", "REPRESENTATIONS", "default_gp"]
@@ -69,7 +69,7 @@ def _features_score(gp: BaseEstimator, X: np.ndarray, offsets: np.ndarray) -> np
     return _logit(gp.predict_bag_proba(X, _bag_ids(offsets))[1])
 
 
-class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
+class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimator):
     """GP-MIL models on the instance embeddings of gated-attention MIL networks (seed 000, §6.3),
     as a small cross-fitted ensemble.
 
@@ -148,6 +148,13 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``"auto"``: the GPs on the embeddings, or on the input features where the embeddings rank
         the bags no better than chance out of fold and the features do better (above);
         ``"embedding"``: always on the embeddings.
+    standardize : bool, default=True
+        ``fit`` standardises the input features on the training instances (``feature_mean_`` /
+        ``feature_scale_``; a column with std < 1e-12 keeps scale 1), and every ``predict_*``,
+        :meth:`transform` and :meth:`predict_attention` applies them, as the GP models do. The
+        networks standardise their inputs anyway; the GPs on the input features
+        (``representation="auto"``) would otherwise see each feature in its own units. The member
+        GPs' own ``standardize`` is turned off: they see rows standardised once.
     random_state : int, RandomState or None
         Seeds the networks (weights, bag order, folds) and the GPs' clones.
 
@@ -171,6 +178,8 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         Each member's fitted GP-MIL model on its training bags, on the representation kept.
     calibration_slope_, calibration_intercept_ : float
         Platt's ``a`` and ``c`` (1 and 0 without calibration).
+    feature_mean_, feature_scale_ : ndarray of shape (n_features,) or None
+        The input standardisation (``standardize``); None without it.
     n_features_in_, classes_
     """
 
@@ -191,6 +200,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         calibration: str | None = "platt",
         negative_instances: bool = True,
         representation: str = "auto",
+        standardize: bool = True,
         random_state: Any = None,
     ):
         store_params(self, locals())
@@ -202,14 +212,14 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         calibration) when they score higher out of fold."""
         self._check_representation()
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
+        X_sorted, scaling = self._standardise_training_rows(to_numpy(X).astype(np.float64, copy=False)[bags.order])
         network_seed, gp_seed = self._seeds()
         self.fit_embedding(X_sorted, bags.offsets, labels, seed=network_seed)
         held_out = self.held_out_embeddings(X_sorted, bags.offsets)
         gps = []
         for member in range(len(self.network_states_)):
             X_train, train_ids, y_train = self._member_training_data(X_sorted, bags.offsets, labels, member)
-            gps.append(self.gp_clone(member, gp_seed).fit(self.member_transform(X_train, member), train_ids, y_train))
+            gps.append(self.gp_clone(member, gp_seed).fit(self._member_embedding(X_train, member), train_ids, y_train))
         self.gps_ = gps
         self.fit_calibration(held_out, labels)
         embedding_auc = self.out_of_fold_auc(held_out, labels)
@@ -218,12 +228,15 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
             gp.fit(*self._member_training_data(X_sorted, bags.offsets, labels, member))
         held_out_inputs = None if features_gps is None else self.held_out_inputs(X_sorted, bags.offsets)
         self.choose_representation(features_gps, held_out_inputs, embedding_auc, labels)
+        self.feature_mean_, self.feature_scale_ = scaling
         return self
 
     def fit_embedding(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, *, seed: int) -> EmbeddedGPMIL:
         """Train the networks and the embedding standardisations on bags given as CSR rows (bag
         ``b`` is ``X_sorted[offsets[b]:offsets[b+1]]`` with label ``labels[b]``). :meth:`fit`'s first
-        step; also the entry point of executors that fit the GPs elsewhere (``tasks.training``)."""
+        step; also the entry point of executors that fit the GPs elsewhere (``tasks.training``), whose
+        rows come in the units they are used in (``fit`` and the executor set ``feature_mean_`` after)."""
+        self.feature_mean_ = self.feature_scale_ = None
         X_sorted = np.asarray(X_sorted, dtype=np.float64)
         fit = self._network_fit(X_sorted, np.asarray(offsets), np.asarray(labels, dtype=np.int64), seed,
                                 n_networks=self.n_networks)
@@ -265,8 +278,8 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     def gp_clone(self, member: int, seed: int) -> BaseEstimator:
         """Member ``member``'s unfitted GP: a clone of ``gp`` (or :func:`default_gp`), an unset
         ``random_state`` set to ``seed + member``, its own ``standardize`` off (it sees the
-        embedding standardised on all training instances, or the input features as the pipeline
-        and :meth:`fit` give them, so that both train the same GPs)."""
+        embedding standardised on all training instances, or the input features standardised once
+        on them by :meth:`fit` or the cluster's fit, so that both train the same GPs)."""
         gp = clone(self._gp_template())
         params = gp.get_params(deep=False)
         if "random_state" in params and params["random_state"] is None:
@@ -340,7 +353,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
 
     def _gp_input(self, X: Any, member: int) -> Any:
         """What member ``member``'s GP sees of the rows ``X``: the input features or its embedding."""
-        return X if self._on_features() else self.member_transform(X, member)
+        return X if self._on_features() else self._member_embedding(X, member)
 
     def fit_calibration(self, held_out: list[tuple[np.ndarray, np.ndarray]], labels: np.ndarray) -> EmbeddedGPMIL:
         """Platt scaling of the out-of-fold ensemble scores: each member's score
@@ -364,14 +377,19 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
     def _standardised(self, H: np.ndarray, member: int) -> np.ndarray:
         return (H - self.embedding_mean_[member]) / self.embedding_scale_[member]
 
+    def _member_embedding(self, X: Any, member: int) -> np.ndarray:
+        """Member ``member``'s standardised embedding of rows in the fit's units."""
+        return self._standardised(self._embed(X, member), member)
+
     def member_transform(self, X: Any, member: int) -> np.ndarray:
         """Member ``member``'s standardised instance embedding, (N, n_components): what its GP sees."""
         check_is_fitted(self, "embedding_mean_")
-        return self._standardised(self._embed(X, member), member)
+        return self._member_embedding(self._input_rows(X), member)
 
     def transform(self, X: Any) -> np.ndarray:
         """The members' standardised instance embeddings side by side, (N, n_members · n_components)."""
-        return np.hstack([self.member_transform(X, member) for member in range(len(self._states()))])
+        X = self._input_rows(X)
+        return np.hstack([self._member_embedding(X, member) for member in range(len(self._states()))])
 
     def predict_instance_proba(self, X: Any, *, return_std: bool = False, rule: str = "ensemble",
                                **kwargs: Any) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -399,6 +417,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
             raise ValueError(f"rule must be 'ensemble', 'gp' or 'network', got {rule!r}")
         if rule == "network" and (return_std or kwargs):
             raise ValueError("rule='network' is the networks' own point estimate: no std, no keyword arguments")
+        X = self._input_rows(X)
         features = self._on_features() and rule != "network"
         H = None if features else [self._embed(X, k) for k in range(len(self.network_states_))]  # once per member
         logits = [] if rule == "gp" or features else [instance_logits(network_arrays(self.network_states_[k]), h)
@@ -467,7 +486,7 @@ class EmbeddedGPMIL(AttentionNetworkParams, BaseEstimator):
         ``a / K`` for ``a / 2K``. ``"attention"`` needs the embeddings and is refused.
         """
         check_is_fitted(self, "gps_")
-        X, bags, _ = check_mil_data(X, bag_ids)
+        X, bags, _ = check_mil_data(self._input_rows(X), bag_ids)
         X_sorted = to_numpy(X)[bags.order]
         if rule == "network":
             if return_std or kwargs:

@@ -42,7 +42,7 @@ class EmbeddedFeatures:
     member: int = 0
 
     def __call__(self, X: np.ndarray) -> np.ndarray:
-        return self.model.member_transform(X if self.scaling is None else self.scaling(X), self.member)
+        return self.model._member_embedding(X if self.scaling is None else self.scaling(X), self.member)
 
 
 persist.allow_types(EmbeddedFeatures)  # saved in the GP's training checkpoint
@@ -63,7 +63,7 @@ def _training_bags(store: str, scaling: FeatureScaling | None) -> tuple[np.ndarr
     return np.concatenate(X), np.asarray(offsets, dtype=np.int64), np.concatenate(labels).astype(np.int64)
 
 
-def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client, *, standardize: bool = False,
+def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client, *, standardize: bool | None = None,
                         run: str = "default", **fit_kwargs: Any) -> TrainingSummary:
     """Fit ``model`` on the labelled bags of ``store``: the member networks on the client (their
     own cross-fitted folds of bags), then each member's clone of ``model.gp`` through
@@ -73,10 +73,13 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     each member's clone on the input features (run ``{run}-features{k}``), kept with their own
     calibration when they score higher out of fold
     (:meth:`~mil_core.EmbeddedGPMIL.choose_representation`, on the client). ``fit_kwargs`` go to
-    every :func:`fit_cohort`. Sets the fitted attributes of ``model.fit``; predictions go through
-    :func:`~tasks.training.predict.predict_cohort` with the returned summary's ``scaling``, like
-    any model. The summary is the last member GP's of the representation kept."""
+    every :func:`fit_cohort`. ``standardize`` (None: the model's own) standardises the cohort's
+    features on the labelled bags first, as ``model.fit`` does, and leaves the scaling on the model
+    (``feature_mean_`` / ``feature_scale_``). Sets the fitted attributes of ``model.fit``;
+    predictions go through :func:`~tasks.training.predict.predict_cohort`, like any model. The
+    summary is the last member GP's of the representation kept."""
     model._check_representation()
+    standardize = model.standardize if standardize is None else standardize
     store = str(store)
     cohort = open_cohort(store)
     labels = np.asarray(cohort.bag_labels)
@@ -103,4 +106,6 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
         summaries["features"] = fit_cohort(gp, store, client, run=f"{run}-features{member}", transform=scaling,
                                            exclude_bags=labelled[model.validation_bags_[member]], **fit_kwargs)
     kept = model.choose_representation(features_gps, held_out_inputs, embedding_auc, bag_labels)
+    if scaling is not None:  # in model.fit's units: its predict_* standardise as after model.fit
+        model.feature_mean_, model.feature_scale_ = scaling.mean, scaling.scale
     return dataclasses.replace(summaries[kept], scaling=scaling)
