@@ -392,6 +392,8 @@ def test_the_standardisation_runs_in_row_chunks_as_on_whole_partitions(tmp_path,
         whole = (np.asarray(stored.features, dtype=np.float64) - scaling.mean) / scaling.scale
         for dtype in ("float64", "float32"):
             np.testing.assert_array_equal(blocks.read_features(stored, scaling, dtype), whole.astype(dtype))
+        narrower = blocks.read_features(stored, lambda rows: scaling(rows)[:, 1:] ** 2)  # a transform changing the width
+        np.testing.assert_array_equal(narrower, whole[:, 1:] ** 2)
         shifted = np.asarray(stored.features, dtype=np.float64) - X[0]
         expected = np.concatenate([[shifted.shape[0]], shifted.sum(axis=0), (shifted**2).sum(axis=0)])
         np.testing.assert_allclose(_feature_sums(path, partition, np.empty(0, dtype=np.int64), X[0]), expected, rtol=1e-12)

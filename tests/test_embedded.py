@@ -598,6 +598,8 @@ def test_standardize_fits_standardised_rows_and_every_prediction_standardises_it
             np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     for gp, plain_gp in zip(model.gps_, plain.gps_, strict=True):
         np.testing.assert_allclose(gp.q_.mean, plain_gp.q_.mean, rtol=1e-5, atol=1e-7)
+    assert (model.calibration_slope_, model.calibration_intercept_) == pytest.approx(
+        (plain.calibration_slope_, plain.calibration_intercept_), rel=1e-5)
     Z = standardise(X_test, mean, scale)
     X_before = X_test.copy()
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test, return_std=True)[1:],
