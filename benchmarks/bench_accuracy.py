@@ -58,6 +58,7 @@ from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
 from mil_core.inducing import kmeans_inducing_points  # noqa: E402
 from mil_core.models.probit import PROBIT_BAG_RULES  # noqa: E402
 from mil_core.validation import standardisation  # noqa: E402
+from mil_core.validation import standardise as standardise_with  # noqa: E402
 
 @dataclass(frozen=True)
 class Fold:
@@ -288,7 +289,7 @@ session 30 and run once, with no model change after."""
 
 def standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     mean, scale = standardisation(train)
-    return (train - mean) / scale, (test - mean) / scale
+    return standardise_with(train, mean, scale), standardise_with(test, mean, scale)
 
 
 def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0, standardize: bool = True) -> Iterator[tuple[str, Fold, Fold]]:

@@ -37,7 +37,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 import mil_core
 import mil_core.threadpools
-from mil_core.validation import standardisation
+from mil_core.validation import standardisation, standardise
 if sys.argv[2] == "off":
     mil_core.threadpools.SMALL_SWEEP_FLOPS = 0
 if sys.argv[2] == "ungated":
@@ -51,7 +51,7 @@ else:
     table = np.loadtxt(sys.argv[3], delimiter=",")
     y, bags, X = table[:, 0].astype(int), table[:, 1], table[:, 2:]
 mean, scale = standardisation(X)
-X = (X - mean) / scale
+X = standardise(X, mean, scale)
 wall, cpu = time.perf_counter(), time.process_time()
 with threadpool_limits(limits=1) if sys.argv[2] == "serial" else nullcontext():
     getattr(mil_core, sys.argv[1])(random_state=0).fit(X, bags, y)

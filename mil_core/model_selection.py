@@ -96,7 +96,7 @@ def cross_validate_bags(
         X_train, X_test = X[train], X[test]
         if standardize:
             mean, scale = standardisation(X_train)
-            X_train, X_test = (X_train - mean) / scale, (X_test - mean) / scale
+            X_train, X_test = standardise(X_train, mean, scale), standardise(X_test, mean, scale)
         model = clone(estimator)
         start = time.perf_counter()
         model.fit(X_train, bag_ids[train], y[train])
