@@ -4,9 +4,9 @@ The curated sets of ``bench_accuracy.py`` were added one by one, each for a regi
 of. Here every problem is drawn from a seed: a witness concept (``linear``: beyond a threshold
 along a direction; ``cluster``: a blob away from the background; ``norm``: outside a sphere;
 ``xor``: a sign pattern of two features; ``shift``: a mean shift), 5–200 features of which 1–10
-carry it, bags of 2–8 … 50–200 instances, 1–60 % witnesses in a positive bag, 20 or 50 %
+carry it (``xor``: two), bags of 2–8 … 50–200 instances, 1–60 % witnesses in a positive bag, 20 or 50 %
 positive bags, 60–200 bags, with or without distractor blobs in every bag, and bag size
-unrelated to the label, larger in positive bags or larger in negative ones (the ``size`` column).
+unrelated to the label, larger in positive bags or larger in negative ones (``size_link``).
 Each method sees the same stratified 5-fold CV over bags (features standardised on the training
 fold) through ``bench_accuracy``'s methods; one JSON line per problem and CV seed, then a table.
 
@@ -46,7 +46,7 @@ def draw_problem(seed: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, n
                     positive=float(rng.choice([0.2, 0.5])), bags=int(rng.choice([60, 120, 200])),
                     size_link=SIZE_LINKS[int(rng.integers(3))], distractors=int(rng.choice([0, 3])))
     D, concept = settings["D"], settings["concept"]
-    k = min(D, settings["informative"])
+    k = settings["informative"] = min(D, settings["informative"])  # the features that carry it (xor: the first two)
     centres = 3.0 * rng.standard_normal((settings["distractors"], D))
     direction = rng.standard_normal(k)
     direction /= np.linalg.norm(direction)
