@@ -35,9 +35,10 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from scipy.stats import spearmanr
@@ -306,6 +307,12 @@ def folds(dataset: str, n_splits: int, draws: int, cv_seed: int = 0, standardize
         X, bags, y, inst = robustness_set(dataset)
     else:
         X, bags, y, inst = digits_bags() if dataset == "digits" else load_musk(dataset)
+    yield from stratified_folds(X, bags, y, inst, n_splits, cv_seed, standardize)
+
+
+def stratified_folds(X: np.ndarray, bags: np.ndarray, y: np.ndarray, inst: np.ndarray | None, n_splits: int,
+                     cv_seed: int, standardize: bool = True) -> Iterator[tuple[str, Fold, Fold]]:
+    """``(fold name, train, test)`` of a stratified ``n_splits``-fold CV over the bags of any set."""
     keys, first = np.unique(bags, return_index=True)
     splitter = StratifiedKFold(n_splits, shuffle=True, random_state=cv_seed)
     for i, (tr, te) in enumerate(splitter.split(keys, y[first])):
@@ -610,9 +617,16 @@ def plot_traces(traces: dict[str, tuple[list[float], list[float]]], path: Path) 
     fig.savefig(path, dpi=110)
 
 
-def primary_rule(rows: dict[str, dict[str, list[float]]]) -> str:
-    """The rule a method is compared by: the estimator's own (``default``), else its only one."""
+def primary_rule(rows: Mapping[str, Any]) -> str:
+    """The rule a method is compared by (``rows``: keyed by rule): the estimator's own
+    (``default``), else its only one."""
     return "default" if "default" in rows else next(iter(rows))
+
+
+def primary_bag_auc(prediction: Prediction, test: Fold) -> float:
+    """Held-out bag AUC of a method's :func:`primary_rule` scores on ``test``."""
+    index = BagIndex.from_ids(test.bags)
+    return float(roc_auc_score(test.y[index.order][index.offsets[:-1]], prediction.bag[primary_rule(prediction.bag)]))
 
 
 def paired_difference(auc: list[float], reference: list[float]) -> tuple[float, float]:

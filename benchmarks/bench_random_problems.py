@@ -23,13 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sklearn.metrics import roc_auc_score
-from sklearn.model_selection import StratifiedKFold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_accuracy  # noqa: E402
-
-from mil_core.bags import BagIndex  # noqa: E402
 
 CONCEPTS = ("linear", "cluster", "norm", "xor", "shift")
 SIZE_LINKS = ("none", "positive_larger", "negative_larger")
@@ -95,20 +91,15 @@ def draw_problem(seed: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, n
 
 def evaluate(seed: int, methods: list[str], cv_seed: int) -> dict:
     """Bag AUC (each method's own default rule) per fold of one problem."""
-    (X, bags, y, inst), settings = draw_problem(seed)
-    keys, first = np.unique(bags, return_index=True)
+    problem, settings = draw_problem(seed)
     aucs: dict[str, list[float]] = {m: [] for m in methods}
     seconds = dict.fromkeys(methods, 0.0)
-    for tr, te in StratifiedKFold(5, shuffle=True, random_state=cv_seed).split(keys, y[first]):
-        train, test = bench_accuracy._pair(X, bags, y, inst, np.isin(bags, keys[tr]), np.isin(bags, keys[te]))
-        index = BagIndex.from_ids(test.bags)
-        labels = test.y[index.order][index.offsets[:-1]]
+    for _, train, test in bench_accuracy.stratified_folds(*problem, 5, cv_seed):
         for method in methods:
             start = time.perf_counter()
             prediction = bench_accuracy.METHODS[method](train, test)
             seconds[method] += time.perf_counter() - start
-            scores = next(prediction.bag[r] for r in ("default", "own", "max") if r in prediction.bag)
-            aucs[method].append(float(roc_auc_score(labels, scores)))
+            aucs[method].append(bench_accuracy.primary_bag_auc(prediction, test))
     return dict(settings, cv_seed=cv_seed, auc={m: float(np.mean(a)) for m, a in aucs.items()}, folds=aucs,
                 seconds={m: round(s, 1) for m, s in seconds.items()})
 

@@ -21,9 +21,7 @@ from sklearn.metrics import roc_auc_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_accuracy import METHODS, folds  # noqa: E402
-
-from mil_core.bags import BagIndex  # noqa: E402
+from bench_accuracy import METHODS, folds, primary_bag_auc  # noqa: E402
 
 
 def in_own_units(X: np.ndarray) -> np.ndarray:
@@ -36,9 +34,7 @@ def held_out_aucs(method: str, dataset: str, n_splits: int, draws: int, cv_seed:
     for _, train, test in folds(dataset, n_splits, draws, cv_seed, standardize=False):
         train, test = replace(train, X=in_own_units(train.X)), replace(test, X=in_own_units(test.X))
         prediction = METHODS[method](train, test)
-        index = BagIndex.from_ids(test.bags)
-        scores = prediction.bag["default"] if "default" in prediction.bag else next(iter(prediction.bag.values()))
-        bag_aucs.append(float(roc_auc_score(test.y[index.order][index.offsets[:-1]], scores)))
+        bag_aucs.append(primary_bag_auc(prediction, test))
         if prediction.instance is not None and test.instance_labels is not None:
             instance_aucs.append(float(roc_auc_score(test.instance_labels, prediction.instance)))
     return bag_aucs, instance_aucs
