@@ -58,8 +58,7 @@ from mil_core.bags import BAG_RULES, BagIndex, bag_score  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor  # noqa: E402
 from mil_core.inducing import kmeans_inducing_points  # noqa: E402
 from mil_core.models.probit import PROBIT_BAG_RULES  # noqa: E402
-from mil_core.validation import standardisation  # noqa: E402
-from mil_core.validation import standardise as standardise_with  # noqa: E402
+from mil_core.validation import standardisation, standardise as standardise_with  # noqa: E402
 
 @dataclass(frozen=True)
 class Fold:
@@ -69,6 +68,11 @@ class Fold:
     bags: np.ndarray
     y: np.ndarray
     instance_labels: np.ndarray | None = None
+
+    def bag_labels(self) -> np.ndarray:
+        """Each bag's label, in ``np.unique(bags)`` order (the order of every bag score)."""
+        index = BagIndex.from_ids(self.bags)
+        return self.y[index.order][index.offsets[:-1]]
 
 
 @dataclass
@@ -336,9 +340,7 @@ def fit_predict_lr_mean_max(train: Fold, test: Fold) -> Prediction:
         return np.hstack([np.add.reduceat(X, index.offsets[:-1]) / sizes, np.maximum.reduceat(X, index.offsets[:-1])])
 
     E_train, E_test = standardise(embed(train), embed(test))
-    labels = BagIndex.from_ids(train.bags)
-    y = train.y[labels.order][labels.offsets[:-1]]
-    model = LogisticRegression(max_iter=5000).fit(E_train, y)
+    model = LogisticRegression(max_iter=5000).fit(E_train, train.bag_labels())
     return Prediction({"own": model.predict_proba(E_test)[:, 1]})
 
 
@@ -552,8 +554,7 @@ def evaluate(method: str, dataset: str, n_splits: int, draws: int,
         start = time.perf_counter()
         prediction = METHODS[method](train, test)
         seconds = time.perf_counter() - start
-        index = BagIndex.from_ids(test.bags)
-        labels, sizes = test.y[index.order][index.offsets[:-1]], index.sizes
+        labels, sizes = test.bag_labels(), BagIndex.from_ids(test.bags).sizes
         instance_auc = float("nan")
         if prediction.instance is not None and test.instance_labels is not None:
             instance_auc = float(roc_auc_score(test.instance_labels, prediction.instance))
@@ -625,8 +626,7 @@ def primary_rule(rows: Mapping[str, Any]) -> str:
 
 def primary_bag_auc(prediction: Prediction, test: Fold) -> float:
     """Held-out bag AUC of a method's :func:`primary_rule` scores on ``test``."""
-    index = BagIndex.from_ids(test.bags)
-    return float(roc_auc_score(test.y[index.order][index.offsets[:-1]], prediction.bag[primary_rule(prediction.bag)]))
+    return float(roc_auc_score(test.bag_labels(), prediction.bag[primary_rule(prediction.bag)]))
 
 
 def paired_difference(auc: list[float], reference: list[float]) -> tuple[float, float]:

@@ -45,7 +45,6 @@ from sklearn.metrics import roc_auc_score
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mil_core import ABMIL, EmbeddedGPMIL
-from mil_core.bags import BagIndex
 from mil_core.calibration import expected_calibration_error, reliability_bins
 
 GP_RULES = ("top_fraction", "max", "mean", "noisy_or")  # the GP's own bag rules
@@ -150,8 +149,7 @@ def calibration(methods: dict, datasets: list[str], n_splits: int, draws: int, f
             probs, truth, fold_auc, instance_auc = {}, [], {}, []
             for _, train, test in folds(dataset, n_splits, draws, cv_seed):
                 prediction = fit_predict(train, test)
-                index = BagIndex.from_ids(test.bags)
-                truth.append(test.y[index.order][index.offsets[:-1]])
+                truth.append(test.bag_labels())
                 for key in CALIBRATION_ROWS:
                     if key in prediction.bag:
                         probs.setdefault(key, []).append(prediction.bag[key])

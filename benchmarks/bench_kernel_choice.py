@@ -69,7 +69,7 @@ def outer_fold(proto, train, test, repeats: int):
     X, offsets = train.X[index.order], index.offsets
     labels = train.y[index.order][offsets[:-1]]
     test_index = BagIndex.from_ids(test.bags)
-    X_test, y_test = test.X[test_index.order], test.y[test_index.order][test_index.offsets[:-1]]
+    X_test, y_test = test.X[test_index.order], test.bag_labels()
     variances = proto._auto_variances()
     halves = np.full((repeats, 2, len(variances), CHECKPOINTS.size), np.nan)
     pooled = np.full((repeats, len(variances), CHECKPOINTS.size), np.nan)
