@@ -6,8 +6,8 @@ an M×M system. See ``mil_core.engine`` and ``DESIGN.md``.
 
 Layout: the estimators (and their partition updates and hyper-parameter steps) live in
 :mod:`mil_core.models`; the numerics they share — engine, kernels, likelihoods, bag reductions,
-truncated normals, orthant probabilities, the Ising/CAR coupling, predictive formulas — are
-modules of this package and never import a model.
+truncated normals, orthant probabilities, the Ising/CAR coupling, predictive formulas, features'
+relevance to the bag labels — are modules of this package and never import a model.
 """
 
 from .engine import BagBlock, GaussianQ, SerialExecutor, SparseGP, optimise

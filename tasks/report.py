@@ -187,8 +187,11 @@ def model_choices(model: Any) -> dict[str, Any]:
         choices["H"] = float(model.H_)
         if any("H" in setting for setting, _ in tried):  # H="auto": the choice's best mean held-out bag AUC with each H
             choices["held_out_auc_by_H"] = _aucs_by_value(_best_per_value(tried, "H", None))
-    if any("kernel_bias" in setting for setting, _ in tried):  # the constant kernel, b/v: 0 (none) or 1
-        choices["held_out_auc_by_kernel_bias"] = _aucs_by_value(_best_per_value(tried, "kernel_bias", 0.0))
+    if any("kernel_bias" in setting for setting, _ in tried):  # the constant kernel, b/v: 0 (none) or 1, with ℓ = √D
+        isotropic = [(setting, auc) for setting, auc in tried if "relevance" not in setting]
+        choices["held_out_auc_by_kernel_bias"] = _aucs_by_value(_best_per_value(isotropic, "kernel_bias", 0.0))
+    if any("relevance" in setting for setting, _ in tried):  # per-feature length scales from the bag labels: 0 (no) or 1
+        choices["held_out_auc_by_relevance"] = _aucs_by_value(_best_per_value(tried, "relevance", False))
     return choices
 
 
@@ -253,6 +256,10 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     if "held_out_auc_by_kernel_bias" in choices:
         kept = "the constant kernel" if "kernel_bias" in choices else "no constant kernel"
         parts.append(f"{kept} after trying b = v near the chosen variance (best per b/v {_aucs_text(choices['held_out_auc_by_kernel_bias'])})")
+    if "held_out_auc_by_relevance" in choices:
+        kept = "per-feature length scales" if "shortest_length_scales" in choices else "one length scale"
+        parts.append(f"{kept} after trying features weighed by their bag-label evidence near the chosen variance "
+                     f"(best without 0 / with 1: {_aucs_text(choices['held_out_auc_by_relevance'])})")
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 

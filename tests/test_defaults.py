@@ -61,16 +61,22 @@ def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_t
     X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
     seen = []
     real = VGPMIL._make_updates
-    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append((self.H_, gp.kernel.variance, gp.kernel.bias)) or real(self, gp))
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append(
+        (self.H_, gp.kernel.variance, gp.kernel.bias, np.ndim(gp.kernel.length_scale) == 1)) or real(self, gp))
     model = VGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
     assert model.H == "auto" and model.H_ in AUTO_H
-    first = [h for h, _, b in seen[:-1] if b == 0.0]
-    second = [(h, v, b) for h, v, b in seen[:-1] if b > 0.0]
+    first = [h for h, _, b, weighed in seen[:-1] if b == 0.0 and not weighed]
+    second = [(h, v, b) for h, v, b, _ in seen[:-1] if b > 0.0]
+    weighed = [(h, v) for h, v, _, w in seen[:-1] if w]
     assert first.count(AUTO_H[0]) == first.count(AUTO_H[1]) == 6 * len(VGPMIL_VARIANCES)
-    assert seen[-1] == (model.H_, model.kernel_.variance, model.kernel_.bias)
+    assert seen[-1][:3] == (model.H_, model.kernel_.variance, model.kernel_.bias)
     assert len(second) == 6 * len(AUTO_H) and len({v for _, v, _ in second}) == 1 and all(b == v for _, v, b in second)
+    chosen_first = second[0][1]  # the relevance kernel: the first stage's H, its variance and the grid neighbours
+    i = VGPMIL_VARIANCES.index(chosen_first)
+    assert sorted(weighed) == sorted((1e12, v) for v in VGPMIL_VARIANCES[max(i - 1, 0): i + 2] for _ in range(6))
     settings, aucs = zip(*model.setting_selection_)
-    assert list(settings) == [{"H": 100.0}, {"H": 1e12}, {"H": 100.0, "kernel_bias": 1.0}, {"H": 1e12, "kernel_bias": 1.0}]
+    assert list(settings) == [{"H": 100.0}, {"H": 1e12}, {"H": 100.0, "kernel_bias": 1.0}, {"H": 1e12, "kernel_bias": 1.0},
+                              {"H": 1e12, "relevance": True}]
     assert aucs[1] > aucs[0] and aucs[1] == np.nanmax(model.kernel_selection_[:, 1])  # the first stage chose 1e12
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():
@@ -98,7 +104,13 @@ def test_in_large_bags_h_auto_tries_the_hard_likelihood_only_with_the_constant_k
     X, bags, y = _large_bags(16, (LARGE_BAGS, LARGE_BAGS + 30))
     seen = []
     real = VGPMIL._make_updates
-    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: seen.append((self.H_, gp.kernel.bias)) or real(self, gp))
+
+    def spy(self, gp):
+        if np.ndim(gp.kernel.length_scale) == 0:  # the relevance kernel's fits are not what this test counts
+            seen.append((self.H_, gp.kernel.bias))
+        return real(self, gp)
+
+    monkeypatch.setattr(VGPMIL, "_make_updates", spy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         large = VGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
@@ -108,7 +120,7 @@ def test_in_large_bags_h_auto_tries_the_hard_likelihood_only_with_the_constant_k
         tried_small = list(seen)
     assert (1e12, 0.0) not in tried_large
     assert tried_large[:-1].count((100.0, 0.0)) == 6 * len(VGPMIL_VARIANCES)  # the first stage's other setting
-    assert [s for s, _ in large.setting_selection_] == [{"H": 100.0}, {"H": 1e12, "kernel_bias": 1.0}, {"H": 100.0, "kernel_bias": 1.0}]
+    assert [s for s, _ in large.setting_selection_][:3] == [{"H": 100.0}, {"H": 1e12, "kernel_bias": 1.0}, {"H": 100.0, "kernel_bias": 1.0}]
     if large.H_ == 1e12:
         assert large.kernel_.bias == large.kernel_.variance
     assert tried_small[:-1].count((1e12, 0.0)) == 6 * len(VGPMIL_VARIANCES)
@@ -136,12 +148,15 @@ def test_gvgpmil_in_large_bags_fits_every_candidate_with_the_constant_kernel(mon
     X, bags, y = _large_bags(16, (LARGE_BAGS, LARGE_BAGS + 30))
     seen = []
     real = GVGPMIL._make_updates
-    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append((gp.kernel.variance, gp.kernel.bias)) or real(self, gp))
+    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append(
+        (gp.kernel.variance, gp.kernel.bias, np.ndim(gp.kernel.length_scale) == 1)) or real(self, gp))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         model = GVGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(X, bags, y)
-    assert len(seen) == 6 * len(model._auto_variances()) + 1 and all(b == v for v, b in seen)
-    assert model.kernel_.bias == model.kernel_.variance and model.setting_selection_ == []
+    isotropic = [(v, b) for v, b, weighed in seen[:-1] if not weighed]
+    assert len(isotropic) == 6 * len(model._auto_variances()) and all(b == v for v, b, _ in seen)
+    assert model.kernel_.bias == model.kernel_.variance
+    assert [s for s, _ in model.setting_selection_] == [B, {**B, "relevance": True}]  # the second stage: the relevance kernel only
 
 
 class _Renamed(VGPMIL):
@@ -158,7 +173,8 @@ class _Renamed(VGPMIL):
 
 
 class _FirstStageOnly(VGPMIL):
-    _constant_kernel_reach = None
+    def _refined_candidates(self, variance, setting, settings):
+        return ()
 
 
 def test_the_second_stage_keeps_the_first_stages_point_on_a_tie_and_refits_nothing_already_fitted(toy_bags):
@@ -192,16 +208,19 @@ def test_gvgpmil_tries_the_constant_kernel_at_the_chosen_variance_and_its_neighb
     X, bags, y, _ = make_toy_bags(n_bags=24, n_features=2, seed=3)
     seen = []
     real = GVGPMIL._make_updates
-    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append((gp.kernel.variance, gp.kernel.bias / gp.kernel.variance)) or real(self, gp))
+    monkeypatch.setattr(GVGPMIL, "_make_updates", lambda self, gp: seen.append(
+        (gp.kernel.variance, gp.kernel.bias / gp.kernel.variance, np.ndim(gp.kernel.length_scale) == 1)) or real(self, gp))
     model = GVGPMIL(n_inducing=10, random_state=0).fit(X, bags, y)
     grid = model._auto_variances()
-    assert [v for v, ratio in seen[:-1] if ratio == 0.0] == [v for _ in range(6) for v in grid]
-    second = sorted({v for v, ratio in seen[:-1] if ratio == 1.0})
+    assert [v for v, ratio, weighed in seen[:-1] if ratio == 0.0 and not weighed] == [v for _ in range(6) for v in grid]
+    second = sorted({v for v, ratio, _ in seen[:-1] if ratio == 1.0})
+    weighed = sorted({v for v, ratio, w in seen[:-1] if w and ratio == 0.0})  # the relevance kernel, at the same variances
     i = grid.index(second[0])
-    assert second == list(grid[i : i + len(second)]) and len(second) in (2, 3) and len(seen) - 1 == 6 * (len(grid) + len(second))
-    assert seen[-1] == (model.kernel_.variance, model.kernel_.bias / model.kernel_.variance)
+    assert second == list(grid[i : i + len(second)]) and len(second) in (2, 3) and weighed == second
+    assert len(seen) - 1 == 6 * (len(grid) + 2 * len(second))
+    assert seen[-1] == (model.kernel_.variance, model.kernel_.bias / model.kernel_.variance, np.ndim(model.kernel_.length_scale) == 1)
     settings, aucs = zip(*model.setting_selection_)
-    assert list(settings) == [{}, {"kernel_bias": 1.0}]
+    assert list(settings) == [{}, {"kernel_bias": 1.0}, {"relevance": True}]
     assert np.nanmax(model.kernel_selection_[:, 1]) == aucs[0]  # under the first stage's setting
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():

@@ -21,6 +21,7 @@ from ..bags import BagIndex, split_into_blocks
 from ..engine import BagBlock, FitTrace, HeldOutRows, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
+from ..relevance import relevance_length_scales
 from ..metrics import binary_auc
 from ..threadpools import concurrent_parts, single_thread_when_small
 from ..validation import check_features, check_mil_data, standardisation, standardise
@@ -152,12 +153,16 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
             setattr(estimator, name, value)
 
 
-def _setting_kernel(variance: float, setting: dict[str, Any]) -> tuple[RBF, dict[str, Any]]:
+def _setting_kernel(variance: float, setting: dict[str, Any],
+                    relevance: Callable[[], tuple[float, ...]]) -> tuple[RBF, dict[str, Any]]:
     """The kernel of a kernel-choice candidate, ``RBF(v, bias=kernel_bias·v)`` (``kernel_bias``:
-    0 when the setting does not name it), and the setting's constructor parameters (the rest)."""
+    0 when the setting does not name it) with ``length_scale=relevance()`` when the setting names
+    ``"relevance": True`` (:func:`~mil_core.relevance.relevance_length_scales` of the bags the
+    candidate trains on; else ℓ = √D), and the setting's constructor parameters (the rest)."""
     params = dict(setting)
     ratio = float(params.pop("kernel_bias", 0.0))
-    return RBF(variance=variance, bias=ratio * variance), params
+    length_scale = relevance() if params.pop("relevance", False) else None
+    return RBF(variance=variance, length_scale=length_scale, bias=ratio * variance), params
 
 
 def take_bags(X_sorted: Any, offsets: np.ndarray, bags: np.ndarray) -> tuple[Any, np.ndarray]:
@@ -355,7 +360,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         then the earlier setting), and the chosen one's values become the fitted ``<name>_``
         attributes (VGPMIL's ``H="auto"``: ``H_``). A setting (here or in
         :meth:`_refined_candidates`) may also name ``"kernel_bias"``: the kernel's constant term
-        as a multiple of the variance (:func:`_setting_kernel`).
+        as a multiple of the variance, and ``"relevance": True``: per-feature length scales from the
+        bag labels (:func:`_setting_kernel`).
         ``({},)``: the variance and sweeps only."""
         return ({},)
 
@@ -405,7 +411,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         then the variance and sweeps under it. A model with several :meth:`_auto_settings` (VGPMIL's
         ``H="auto"``) tries each beside every variance and keeps the best point's. A second stage
         then fits the :meth:`_refined_candidates` of that point (the logistic family's constant
-        kernel) on the same splits, under the rule chosen, and the best point of both stages wins
+        kernel and relevance length scales) on the same splits, under the rule chosen, and the best point of both stages wins
         (ties: the first stage's). Sets ``kernel_selection_`` (rows: variance, its best mean AUC,
         under the setting the first stage chose), ``setting_selection_`` (``[setting, its best mean
         AUC over the variances it was tried at]`` when there are several) and
@@ -456,7 +462,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         if chosen is None:
             return None
         (v, k), sweeps = chosen
-        kernel, params = _setting_kernel(v, settings[k])
+        kernel, params = _setting_kernel(v, settings[k], lambda: relevance_length_scales(X_sorted, offsets, labels))
         for name, value in params.items():
             setattr(self, f"{name}_", value)
         self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
@@ -486,8 +492,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             Z, curves = inducing[i], {}
-            for v, k in candidates:
-                kernel, params = _setting_kernel(v, settings[k])
+            for v, k in candidates:  # a relevance kernel weighs the features by this split's training half only
+                kernel, params = _setting_kernel(v, settings[k], lambda: relevance_length_scales(X_tr, tr_offsets, labels[train]))
                 model = clone(self).set_params(kernel=kernel, **params, **overrides)
                 updates = model._start_fit(X_tr, y_tr, inducing=Z)
                 Z = model.gp_.Z

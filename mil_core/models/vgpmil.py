@@ -158,6 +158,11 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     #: kernel"); ``None``: not at all. VGPMIL 0, G-VGPMIL 1 (measured: ``docs/BENCHMARKS.md``).
     _constant_kernel_reach: int | None = None
 
+    #: How far from the chosen variance, in grid steps, the second stage tries the relevance
+    #: length scales (:func:`~mil_core.relevance.relevance_length_scales`); ``None``: not at all.
+    #: VGPMIL and G-VGPMIL 1 (measured: ``docs/BENCHMARKS.md``, session 36).
+    _relevance_reach: int | None = None
+
     def _tries_constant_kernel(self) -> bool:
         """Whether ``kernel=None`` may choose the constant kernel: :attr:`_constant_kernel_reach` set,
         and no hyper-parameter learnt (their gradients take the RBF alone)."""
@@ -177,14 +182,24 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     def _refined_candidates(self, variance: float, setting: dict[str, Any],
                             settings: tuple[dict[str, Any], ...]) -> tuple[tuple[float, dict[str, Any]], ...]:
         """The constant kernel b = v with each of the first stage's ``settings`` (each H) at the variances
-        within :attr:`_constant_kernel_reach` grid steps of the chosen one — not when
-        hyper-parameters are learnt, whose gradients take the RBF alone."""
-        if not self._tries_constant_kernel():
+        within :attr:`_constant_kernel_reach` grid steps of the chosen one, and the relevance length
+        scales (:func:`~mil_core.relevance.relevance_length_scales`) with the chosen ``setting`` at
+        those within :attr:`_relevance_reach` — neither when hyper-parameters are learnt (their
+        gradients take the isotropic RBF alone). Why the relevance kernel: with few
+        informative features among many the isotropic ℓ = √D gives them 1/D of every distance
+        (random problem 32, one of 200: 0.537 → 1.000); always on, it lost on the sparse ``text``
+        set (0.900 → 0.806), so the split of the training bags decides (``docs/BENCHMARKS.md``,
+        session 36)."""
+        if any(learnt_hyper_parameters(self).values()):
             return ()
         grid = self._auto_variances()
         i = grid.index(variance)
-        near = grid[max(i - self._constant_kernel_reach, 0): i + self._constant_kernel_reach + 1]
-        return tuple((v, {**s, "kernel_bias": 1.0}) for v in near for s in settings)
+
+        def near(reach: int | None) -> tuple[float, ...]:
+            return () if reach is None else grid[max(i - reach, 0): i + reach + 1]
+
+        constant = tuple((v, {**s, "kernel_bias": 1.0}) for v in near(self._constant_kernel_reach) for s in settings)
+        return constant + tuple((v, {**setting, "relevance": True}) for v in near(self._relevance_reach))
 
     def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.emax not in ("exact", "max"):
@@ -473,6 +488,7 @@ class VGPMIL(_LogisticGPMIL):
         store_params(self, locals())
 
     _constant_kernel_reach = 0  # b = v with each H at the chosen variance (docs/BENCHMARKS.md, session 25)
+    _relevance_reach = 1
 
     def _psi(self) -> Psi:
         return HyperbolicSecant()
@@ -537,6 +553,7 @@ class GVGPMIL(_LogisticGPMIL):
         store_params(self, locals())
 
     _constant_kernel_reach = 1  # level with trying every variance; the chosen one alone lost text −0.023 (docs/BENCHMARKS.md, session 25)
+    _relevance_reach = 1
 
     def _psi(self) -> Psi:
         return GammaMixture(alpha=self.alpha, beta=self.beta)

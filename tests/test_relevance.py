@@ -1,0 +1,72 @@
+"""Per-feature length scales from the bag labels (``mil_core.relevance``) and the automatic kernel
+choice that tries them (``VGPMIL._refined_candidates``)."""
+
+import warnings
+
+import numpy as np
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import roc_auc_score
+
+import mil_core.models.base as base
+from mil_core import VGPMIL
+from mil_core.bags import BagIndex
+from mil_core.metrics import binary_auc, column_aucs
+from mil_core.relevance import feature_evidence, relevance_length_scales
+
+from conftest import bag_labels, make_toy_bags
+
+
+def _sorted(X, bags, y):
+    index = BagIndex.from_ids(bags)
+    return X[index.order], index.offsets, y[index.order][index.offsets[:-1]]
+
+
+def test_column_aucs_are_the_auc_of_each_column():
+    rng = np.random.default_rng(0)
+    labels, scores = rng.integers(0, 2, 30), rng.normal(size=(30, 4))
+    scores[:, 2] = np.round(scores[:, 2])  # ties count one half
+    np.testing.assert_allclose(column_aucs(labels, scores), [roc_auc_score(labels, s) for s in scores.T], rtol=1e-12)
+    assert binary_auc(labels, scores[:, 1]) == roc_auc_score(labels, scores[:, 1])
+
+
+def test_the_feature_that_carries_the_witness_gets_the_shortest_length_scale():
+    """One informative feature of 30: its evidence stands out, its length scale is the shortest,
+    the mean squared weight is 1 (ℓ = √D keeps its meaning); a constant column gets no weight."""
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=1)
+    X[:, 5] = 0.0
+    X_sorted, offsets, labels = _sorted(X, bags, y)
+    z = feature_evidence(X_sorted, offsets, labels)
+    assert z.argmax() == 0 and z[0] > 4 * np.median(z) and z[5] == 0.0
+    ell = np.array(relevance_length_scales(X_sorted, offsets, labels))
+    assert ell.argmin() == 0 and ell[5] == np.sqrt(30) * 1e3
+    np.testing.assert_allclose(np.mean((np.sqrt(30) / ell[ell < 1e3 * np.sqrt(30)]) ** 2) * 29 / 30, 1.0, rtol=1e-9)
+
+
+def test_equal_evidence_everywhere_is_the_isotropic_kernel():
+    """Features that are copies of one another carry equal evidence: every ℓ_d = √D."""
+    X, bags, y, _ = make_toy_bags(n_bags=30, n_features=1, seed=2)
+    X_sorted, offsets, labels = _sorted(np.repeat(X, 4, axis=1), bags, y)
+    np.testing.assert_allclose(relevance_length_scales(X_sorted, offsets, labels), [2.0] * 4, rtol=1e-12)
+
+
+def test_the_choice_weighs_one_informative_feature_among_many_and_each_split_by_its_own_training_half(monkeypatch):
+    """Sixty features, one informative: the default chooses the relevance kernel (its shortest
+    length scale on feature 0) and ranks new bags better than the isotropic kernel of its first
+    stage. The choice computes each split's weights from that split's training half only (half
+    the bags), the final kernel's from all of them."""
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=60, seed=1)
+    X_new, bags_new, y_new, _ = make_toy_bags(n_bags=60, n_features=60, seed=2)
+    calls = []
+    real = base.relevance_length_scales
+    monkeypatch.setattr(base, "relevance_length_scales", lambda X_, offsets, labels: calls.append(offsets.size - 1) or real(X_, offsets, labels))
+    model = VGPMIL(n_inducing=20, random_state=0).fit(X, bags, y)
+    assert np.ndim(model.kernel_.length_scale) == 1 and int(np.argmin(model.kernel_.length_scale)) == 0
+    assert model.setting_selection_[-1][0].get("relevance") is True
+    assert set(calls[:-1]) == {30} and calls[-1] == 60
+    with warnings.catch_warnings():  # the chosen number of sweeps, not a convergence
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        isotropic = VGPMIL(n_inducing=20, random_state=0, kernel=type(model.kernel_)(variance=model.kernel_.variance),
+                           H=model.H_, max_iter=model.auto_max_iter_ or model.max_iter).fit(X, bags, y)
+    truth = bag_labels(bags_new, y_new)
+    weighed_auc = roc_auc_score(truth, model.predict_bag_proba(X_new, bags_new)[1])
+    assert weighed_auc > roc_auc_score(truth, isotropic.predict_bag_proba(X_new, bags_new)[1]) and weighed_auc > 0.95
