@@ -21,8 +21,8 @@ from ..bags import BagIndex, split_into_blocks
 from ..engine import BagBlock, FitTrace, HeldOutRows, PartitionUpdates, SerialExecutor, SparseGP, optimise
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
-from ..relevance import relevance_length_scales
 from ..metrics import binary_auc
+from ..relevance import relevance_length_scales
 from ..threadpools import concurrent_parts, single_thread_when_small
 from ..validation import check_features, check_mil_data, standardisation, standardise
 from .hyper import HYPER_PARAMETER_FLAGS
@@ -411,8 +411,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         then the variance and sweeps under it. A model with several :meth:`_auto_settings` (VGPMIL's
         ``H="auto"``) tries each beside every variance and keeps the best point's. A second stage
         then fits the :meth:`_refined_candidates` of that point (the logistic family's constant
-        kernel and relevance length scales) on the same splits, under the rule chosen, and the best point of both stages wins
-        (ties: the first stage's). Sets ``kernel_selection_`` (rows: variance, its best mean AUC,
+        kernel and relevance length scales) on the same splits, under the rule chosen, and the best
+        point of both stages wins (ties: the first stage's). Sets ``kernel_selection_`` (rows: variance, its best mean AUC,
         under the setting the first stage chose), ``setting_selection_`` (``[setting, its best mean
         AUC over the variances it was tried at]`` when there are several) and
         ``auto_max_iter_`` (the sweeps the final fit may run). Returns ``None`` (the fallback
