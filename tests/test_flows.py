@@ -131,7 +131,8 @@ def test_an_interrupted_training_resumes_when_the_flow_is_rerun(tmp_path, cohort
     from tasks.prefect_tasks import fingerprint_cohort
     from tasks.training import fit_cohort
 
-    config = load_config(write_config(tmp_path, cohort, training={"checkpoint_every": 3}))
+    fixed = {"name": "VGPMIL", "params": {**MODEL["params"], "kernel": {"variance": 4.0}}}  # all 8 sweeps, not a chosen stop
+    config = load_config(write_config(tmp_path, cohort, model=fixed, training={"checkpoint_every": 3}))
     key = config.model_key(fingerprint_cohort.fn(cohort))
 
     def crash(iteration, objective):
@@ -141,7 +142,7 @@ def test_an_interrupted_training_resumes_when_the_flow_is_rerun(tmp_path, cohort
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         with pytest.raises(KeyboardInterrupt):
             fit_cohort(make_model(config.model), cohort, client, run=key, checkpoint_every=3, standardize=True, on_iteration=crash)
-    result = train_model(write_config(tmp_path, cohort, training={"checkpoint_every": 3}))
+    result = train_model(write_config(tmp_path, cohort, model=fixed, training={"checkpoint_every": 3}))
     assert result.key == key and result.info["resumed_from"] == 3 and result.info["n_iter"] == 8
 
 

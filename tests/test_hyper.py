@@ -156,9 +156,10 @@ def test_g_vgpmil_learns_alpha_and_beta_within_their_domain():
     assert np.all(np.diff(fitted.hyper_objective_, axis=1) >= 0)
 
 
-def test_learning_switched_on_but_never_stepping_is_the_fixed_kernel_fit():
+def test_learning_switched_on_but_never_stepping_is_the_fixed_kernel_fit(monkeypatch):
     """The wrapper (raw blocks, whitened every sweep) reproduces the cached-whitening fit."""
     X, bags, y, _ = make_toy_bags()
+    monkeypatch.setattr(GVGPMIL, "_relevance_reach", None)  # with learnt hyper-parameters the choice tries no relevance kernel
     fixed = GVGPMIL(n_inducing=10, max_iter=15, tol=0.0, random_state=0).fit(X, bags, y)
     wrapped = GVGPMIL(n_inducing=10, max_iter=15, tol=0.0, random_state=0, learn_kernel=True, hyper_every=100).fit(X, bags, y)
     np.testing.assert_allclose(wrapped.q_.mean, fixed.q_.mean, rtol=1e-10, atol=1e-12)
