@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import warnings
 from abc import abstractmethod
@@ -412,8 +413,9 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         ``H="auto"``) tries each beside every variance and keeps the best point's. A second stage
         then fits the :meth:`_refined_candidates` of that point (the logistic family's constant
         kernel and relevance length scales) on the same splits, under the rule chosen, and the best
-        point of both stages wins (ties: the first stage's). Sets ``kernel_selection_`` (rows: variance, its best mean AUC,
-        under the setting the first stage chose), ``setting_selection_`` (``[setting, its best mean
+        point of both stages wins (ties: the first stage's). Sets ``kernel_selection_`` (rows:
+        variance, its best mean AUC, under the setting the first stage chose),
+        ``setting_selection_`` (``[setting, its best mean
         AUC over the variances it was tried at]`` when there are several) and
         ``auto_max_iter_`` (the sweeps the final fit may run). Returns ``None`` (the fallback
         kernel) when a class has fewer than 2 bags, or when every candidate is degenerate: a
@@ -492,8 +494,10 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             Z, curves = inducing[i], {}
-            for v, k in candidates:  # a relevance kernel weighs the features by this split's training half only
-                kernel, params = _setting_kernel(v, settings[k], lambda: relevance_length_scales(X_tr, tr_offsets, labels[train]))
+            # a relevance kernel weighs the features by this split's training half only, computed once per split
+            relevance = functools.cache(lambda: relevance_length_scales(X_tr, tr_offsets, labels[train]))
+            for v, k in candidates:
+                kernel, params = _setting_kernel(v, settings[k], relevance)
                 model = clone(self).set_params(kernel=kernel, **params, **overrides)
                 updates = model._start_fit(X_tr, y_tr, inducing=Z)
                 Z = model.gp_.Z
