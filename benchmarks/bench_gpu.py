@@ -96,8 +96,10 @@ def from_store(store: str, args) -> dict[str, float]:
                    checkpoint_every=10**6, on_iteration=lambda i, _: log_iteration(stamps, i, t, live=True))
         total = time.perf_counter() - t
     if args.defaults:
-        print(f"defaults chose kernel variance {model.kernel_.variance:g}, bag rule {getattr(model, 'bag_rule_', None)}, "
-              f"{model.n_iter_} iterations", flush=True)
+        scales = np.atleast_1d(model.kernel_.length_scale)
+        lengths = "one length scale" if scales.size == 1 else f"per-feature length scales {scales.min():.3g}–{scales.max():.3g}"
+        print(f"defaults chose kernel variance {model.kernel_.variance:g} ({lengths}), bag rule "
+              f"{getattr(model, 'bag_rule_', None)}, {model.n_iter_} iterations", flush=True)
     return {"end to end s": total, "first iteration s (incl. load + whiten)": stamps[0] - t,
             "s / later iteration": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)}
 
