@@ -405,8 +405,8 @@ def test_the_gibbs_reference_takes_the_rule_its_variational_surrogate_chose():
 
 def test_auto_bag_rule_leaves_the_default_only_for_a_clearly_better_rule():
     """``clearly_better_rule``: the first rule stays unless another beats it by more than 2 paired
-    standard errors *and* by more than 0.1 AUC; among those the largest mean gain wins;
-    degenerate (nan) points are left out."""
+    standard errors *and* by more than 0.1 AUC (for ``mean`` the errors alone where the first rule
+    is below chance); among those the largest mean gain wins; degenerate (nan) points are left out."""
     rng = np.random.default_rng(0)
     base = 0.6 + 0.05 * rng.standard_normal((6, 4, 10))  # splits × variances × checkpoints
     steady_small = base + 0.05 + 0.002 * rng.standard_normal((6, 1, 1))  # many standard errors, below the margin
@@ -420,6 +420,12 @@ def test_auto_bag_rule_leaves_the_default_only_for_a_clearly_better_rule():
     degenerate = larger.copy()
     degenerate[:5] = np.nan  # one split left: no standard error, no switch
     assert clearly_better_rule({"top_fraction": base, "mean": degenerate}) == "top_fraction"
+    below_chance = base - 0.2  # the default ranks the held-out bags below chance: no margin for mean, the errors decide
+    a_little_better = below_chance + 0.05 + 0.002 * rng.standard_normal((6, 1, 1))
+    assert clearly_better_rule({"top_fraction": below_chance, "mean": a_little_better}) == "mean"
+    assert clearly_better_rule({"top_fraction": below_chance, "max": a_little_better}) == "top_fraction"  # max follows size more
+    assert clearly_better_rule({"top_fraction": below_chance, "mean": below_chance + 0.15 * np.where(np.arange(6)[:, None, None] % 2, 2.0, -0.6)}) == "top_fraction"
+    assert clearly_better_rule({"top_fraction": np.full((6, 4, 10), np.nan), "mean": larger}) == "top_fraction"
 
 
 def test_the_choices_auc_equals_scikit_learns_with_ties():

@@ -42,7 +42,8 @@ AUTO_BAG_RULES: tuple[str, ...] = ("top_fraction", "max", "mean")
 follows bag size; so is the probit family's orthant probability)."""
 _RULE_SWITCH_SE, _RULE_SWITCH_MARGIN = 2.0, 0.1
 """``bag_rule="auto"`` leaves the default rule only for one better by this many paired standard
-errors and by this much held-out AUC (:func:`clearly_better_rule`)."""
+errors and by this much held-out AUC (``mean`` where the default is below chance: the errors
+alone; :func:`clearly_better_rule`)."""
 
 
 def best_candidate(scores: dict[Any, np.ndarray], checkpoints: np.ndarray,
@@ -81,9 +82,14 @@ def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITC
     errors *and* by more than ``margin`` on average. ``curves[rule]``: splits × variances ×
     checkpoints, nan where degenerate; a split's score is its mean over every (variance, sweeps)
     point, steadier than one maximum. Of several such rules, the one with the largest mean
-    advantage wins."""
+    advantage wins. The margin keeps a rule that ranks the held-out bags from being dropped on
+    noise. Where the default ranks them below chance on average (weak witnesses in bags whose
+    size is anti-predictive: a top rule ranks by size), the standard errors alone decide for
+    ``mean``, whose scores do not grow with bag size (``max`` grows faster than the default)."""
     default, *others = curves
     overall = {rule: np.ma.masked_invalid(c.reshape(c.shape[0], -1)).mean(axis=1).filled(np.nan) for rule, c in curves.items()}
+    scored = overall[default][np.isfinite(overall[default])]
+    below_chance = bool(scored.size) and scored.mean() < 0.5
     best, best_gain = default, 0.0
     for rule in others:
         gain = overall[rule] - overall[default]
@@ -91,7 +97,8 @@ def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITC
         if gain.size < 2:
             continue
         se = gain.std(ddof=1) / np.sqrt(gain.size)
-        if gain.mean() > max(n_se * se, margin, best_gain):
+        needed = 0.0 if below_chance and rule == "mean" else margin
+        if gain.mean() > max(n_se * se, needed, best_gain):
             best, best_gain = rule, float(gain.mean())
     return best
 

@@ -368,8 +368,9 @@ _COMMON_PARAMS = """
         How instance probabilities make a bag score, in ``predict_bag_proba``, in validation
         (early stopping, kernel choice) and in the pipeline (:func:`mil_core.bags.bag_score`).
         ``"auto"``: ``top_fraction``, unless the kernel choice's split finds ``max`` or ``mean``
-        better by more than 2 paired standard errors and 0.1 held-out AUC
-        (:func:`~mil_core.models.base.clearly_better_rule`) — where ``top_fraction`` ranks bags
+        better by more than 2 paired standard errors and 0.1 held-out AUC (``mean``: the errors
+        alone where ``top_fraction`` is below chance there;
+        :func:`~mil_core.models.base.clearly_better_rule`) — where ``top_fraction`` ranks bags
         by their size, e.g. small positive bags with weak witnesses among large negative ones;
         with a fixed kernel ``top_fraction``. The rule used is ``bag_rule_``.
     max_iter, tol
