@@ -163,10 +163,15 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     #: VGPMIL and G-VGPMIL 1 (measured: ``docs/BENCHMARKS.md``, session 36).
     _relevance_reach: int | None = None
 
+    def _reach(self, reach: int | None) -> int | None:
+        """A refinement's reach (:attr:`_constant_kernel_reach`, :attr:`_relevance_reach`) for this
+        fit: ``None`` (not tried) when hyper-parameters are learnt, whose gradients take the
+        isotropic RBF alone."""
+        return None if any(learnt_hyper_parameters(self).values()) else reach
+
     def _tries_constant_kernel(self) -> bool:
-        """Whether ``kernel=None`` may choose the constant kernel: :attr:`_constant_kernel_reach` set,
-        and no hyper-parameter learnt (their gradients take the RBF alone)."""
-        return self._constant_kernel_reach is not None and not any(learnt_hyper_parameters(self).values())
+        """Whether ``kernel=None`` may choose the constant kernel (:meth:`_reach`)."""
+        return self._reach(self._constant_kernel_reach) is not None
 
     def _auto_settings(self, bag_sizes: np.ndarray) -> tuple[dict[str, Any], ...]:
         """``H="auto"``: each of :data:`AUTO_H` beside every kernel variance (a fixed H: the variance
@@ -184,18 +189,17 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         """The constant kernel b = v with each of the first stage's ``settings`` (each H) at the variances
         within :attr:`_constant_kernel_reach` grid steps of the chosen one, and the relevance length
         scales (:func:`~mil_core.relevance.relevance_length_scales`) with the chosen ``setting`` at
-        those within :attr:`_relevance_reach` — neither when hyper-parameters are learnt (their
-        gradients take the isotropic RBF alone). Why the relevance kernel: with few
+        those within :attr:`_relevance_reach` — neither when hyper-parameters are learnt
+        (:meth:`_reach`). Why the relevance kernel: with few
         informative features among many the isotropic ℓ = √D gives them 1/D of every distance
         (random problem 32, one of 200: 0.537 → 1.000); always on, it lost on the sparse ``text``
         set (0.900 → 0.806), so the split of the training bags decides (``docs/BENCHMARKS.md``,
         session 36)."""
-        if any(learnt_hyper_parameters(self).values()):
-            return ()
         grid = self._auto_variances()
         i = grid.index(variance)
 
         def near(reach: int | None) -> tuple[float, ...]:
+            reach = self._reach(reach)
             return () if reach is None else grid[max(i - reach, 0): i + reach + 1]
 
         constant = tuple((v, {**s, "kernel_bias": 1.0}) for v in near(self._constant_kernel_reach) for s in settings)
