@@ -18,12 +18,20 @@ def binary_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 def column_aucs(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """:func:`binary_auc` of each column of ``scores`` (rows: one per label), (C,)."""
     labels = np.asarray(labels).astype(bool)
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
+    if labels.all() or not labels.any():
         raise ValueError("the AUC needs labels of both classes")
-    ranks = rankdata(np.asarray(scores, dtype=np.float64), axis=0)
-    return (ranks[labels].sum(axis=0) - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+    return ranked_aucs(rankdata(np.asarray(scores, dtype=np.float64), axis=0), labels[:, None])[0]
+
+
+def ranked_aucs(ranks: np.ndarray, labellings: np.ndarray) -> np.ndarray:
+    """AUC (P, C) of each column of ``ranks`` (B, C: the scores' ranks, ties averaged) under each
+    0/1 column of ``labellings`` (B, P; each with the same number of positives, at least one of
+    each class): the Mann–Whitney statistic of :func:`binary_auc`, one product for all P — a
+    labelling's permutations reuse the ranks."""
+    labellings = np.asarray(labellings, dtype=np.float64)
+    n_pos = labellings[:, 0].sum()
+    n_neg = labellings.shape[0] - n_pos
+    return (labellings.T @ ranks - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
 
 
 def chance_auc_std(labels: np.ndarray) -> float:

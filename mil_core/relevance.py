@@ -4,13 +4,42 @@ length scales that weigh the features by it (a candidate of the automatic kernel
 from __future__ import annotations
 
 import numpy as np
+from scipy.stats import rankdata
 
-from .metrics import chance_auc_std, column_aucs
+from .metrics import chance_auc_std, ranked_aucs
 
 __all__ = ["feature_evidence", "relevance_length_scales"]
 
 _FLOOR = 1e-3
 """Smallest relative weight a feature keeps (a feature with no evidence: ℓ = 1000 √D)."""
+
+_PERMUTATIONS = 99
+"""Label permutations that give the no-effect distribution of the top feature's excess evidence."""
+
+_SIGNIFICANCE = 0.05
+"""Largest permutation p-value, ``(1 + #{permutations whose top excess reaches the observed}) / 100``,
+at which the top feature counts as standing out."""
+
+
+def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray) -> np.ndarray:
+    """``z`` of :func:`feature_evidence` under each 0/1 column of ``labellings`` (B, P): (P, D).
+    Each bag summary is ranked once for all P (:func:`~mil_core.metrics.ranked_aucs`)."""
+    X_sorted = np.asarray(X_sorted, dtype=np.float64)
+    starts, sizes = offsets[:-1], np.diff(offsets)[:, None]
+    spread = chance_auc_std(labellings[:, 0])
+    z = np.zeros((labellings.shape[1], X_sorted.shape[1]))
+    for summary in (np.maximum.reduceat(X_sorted, starts, axis=0), np.minimum.reduceat(X_sorted, starts, axis=0),
+                    np.add.reduceat(X_sorted, starts, axis=0) / sizes):
+        np.maximum(z, np.abs(ranked_aucs(rankdata(summary, axis=0), labellings) - 0.5) / spread, out=z)
+    return z
+
+
+def _both_classes(labels: np.ndarray) -> np.ndarray:
+    """Bag ``labels`` as booleans, refused unless both classes occur."""
+    labels = np.asarray(labels).astype(bool)
+    if labels.all() or not labels.any():
+        raise ValueError("the AUC needs labels of both classes")
+    return labels
 
 
 def feature_evidence(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -19,21 +48,29 @@ def feature_evidence(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarr
     error under no effect, :func:`~mil_core.metrics.chance_auc_std`). ``X_sorted``: the rows of whole
     bags in CSR order (``offsets``). The maximum and minimum see a witness that pushes one feature
     out in either direction, the mean a shift of many instances; none needs the instance labels."""
-    X_sorted = np.asarray(X_sorted, dtype=np.float64)
-    starts, sizes = offsets[:-1], np.diff(offsets)[:, None]
-    summaries = (np.maximum.reduceat(X_sorted, starts, axis=0), np.minimum.reduceat(X_sorted, starts, axis=0),
-                 np.add.reduceat(X_sorted, starts, axis=0) / sizes)
-    spread = chance_auc_std(labels)
-    return np.max([np.abs(column_aucs(labels, s) - 0.5) / spread for s in summaries], axis=0)
+    labels = _both_classes(labels)
+    return _evidence(X_sorted, offsets, labels[:, None])[0]
 
 
 def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> tuple[float, ...]:
-    """ARD length scales ``ℓ_d = √D / w_d`` with ``w = z / rms(z)`` (:func:`feature_evidence`; each
-    ``w_d`` at least 10⁻³): features weighed by the evidence the bag labels give for them, scaled so
-    that the mean of ``w_d²`` is 1 and ``√D`` keeps its meaning for standardised features (equal
-    evidence everywhere: the isotropic ``ℓ = √D``). One informative feature among D is 1/D of every
-    distance under the isotropic kernel; here it can carry the distance."""
-    z = feature_evidence(X_sorted, offsets, labels)
-    rms = float(np.sqrt(np.mean(z**2)))
-    weights = z / rms if rms > 0 else np.ones_like(z)
+    """ARD length scales ``ℓ_d = √D / w_d`` (each ``w_d`` at least 10⁻³) from the evidence ``z``
+    (:func:`feature_evidence`), scaled so that the mean of ``w_d²`` is 1 and ``√D`` keeps its meaning
+    for standardised features. One informative feature among D is 1/D of every distance under the
+    isotropic kernel; here it can carry the distance.
+
+    When the top feature stands out — its excess ``max_d (z_d − median z)`` above that of all but
+    5 % of 99 label permutations — ``w = (z − median z)₊ / rms``: the median is the no-effect level
+    (most features carry no concept, and evidence that follows bag size lifts every feature's
+    maximum and minimum alike), and the features at or below it get no weight. Otherwise
+    ``w = z / rms(z)``: no feature is singled out, and each is weighed in proportion. Equal evidence
+    everywhere: the isotropic ``ℓ = √D``."""
+    labels = _both_classes(labels)
+    rng = np.random.default_rng(0)  # the weights are a function of the bags alone
+    z_all = _evidence(X_sorted, offsets, np.column_stack([labels] + [rng.permutation(labels) for _ in range(_PERMUTATIONS)]))
+    top_excess = np.max(z_all - np.median(z_all, axis=1, keepdims=True), axis=1)
+    z = z_all[0]
+    stands_out = (1 + np.sum(top_excess[1:] >= top_excess[0])) / (1 + _PERMUTATIONS) <= _SIGNIFICANCE
+    weights = np.maximum(z - np.median(z), 0.0) if stands_out else z
+    rms = float(np.sqrt(np.mean(weights**2)))
+    weights = weights / rms if rms > 0 else np.ones_like(z)
     return tuple(float(ell) for ell in np.sqrt(z.shape[0]) / np.maximum(weights, _FLOOR))

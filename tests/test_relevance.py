@@ -4,13 +4,14 @@ choice that tries them (``VGPMIL._refined_candidates``)."""
 import warnings
 
 import numpy as np
+from scipy.stats import rankdata
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import roc_auc_score
 
 import mil_core.models.base as base
 from mil_core import VGPMIL
 from mil_core.bags import BagIndex
-from mil_core.metrics import binary_auc, column_aucs
+from mil_core.metrics import binary_auc, column_aucs, ranked_aucs
 from mil_core.relevance import feature_evidence, relevance_length_scales
 
 from conftest import bag_labels, make_toy_bags
@@ -27,11 +28,15 @@ def test_column_aucs_are_the_auc_of_each_column():
     scores[:, 2] = np.round(scores[:, 2])  # ties count one half
     np.testing.assert_allclose(column_aucs(labels, scores), [roc_auc_score(labels, s) for s in scores.T], rtol=1e-12)
     assert binary_auc(labels, scores[:, 1]) == roc_auc_score(labels, scores[:, 1])
+    shuffled = rng.permutation(labels)  # several labellings of one ranking: one row each
+    np.testing.assert_allclose(ranked_aucs(rankdata(scores, axis=0), np.column_stack([labels, shuffled])),
+                               [column_aucs(labels, scores), column_aucs(shuffled, scores)], rtol=1e-12)
 
 
 def test_the_feature_that_carries_the_witness_gets_the_shortest_length_scale():
     """One informative feature of 30: its evidence stands out, its length scale is the shortest,
-    the mean squared weight is 1 (ℓ = √D keeps its meaning); a constant column gets no weight."""
+    the mean squared weight is 1 (ℓ = √D keeps its meaning); a constant column and every feature
+    at or below the median evidence get no weight (the floor, ℓ = 1000 √D)."""
     X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=1)
     X[:, 5] = 0.0
     X_sorted, offsets, labels = _sorted(X, bags, y)
@@ -39,7 +44,36 @@ def test_the_feature_that_carries_the_witness_gets_the_shortest_length_scale():
     assert z.argmax() == 0 and z[0] > 4 * np.median(z) and z[5] == 0.0
     ell = np.array(relevance_length_scales(X_sorted, offsets, labels))
     assert ell.argmin() == 0 and ell[5] == np.sqrt(30) * 1e3
-    np.testing.assert_allclose(np.mean((np.sqrt(30) / ell[ell < 1e3 * np.sqrt(30)]) ** 2) * 29 / 30, 1.0, rtol=1e-9)
+    np.testing.assert_array_equal(ell == np.sqrt(30) * 1e3, z <= np.median(z))
+    np.testing.assert_allclose(np.mean((np.sqrt(30) / ell) ** 2), 1.0, rtol=1e-5)
+
+
+def test_evidence_that_bag_size_gives_every_feature_carries_no_weight():
+    """Positive bags 8 instances larger: the maximum and minimum of every feature now tell the
+    labels apart (median z above 3), and the weights still go to the witness's feature — most of
+    Σ w² on feature 0, where weights proportional to z would give it about a tenth."""
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=3)
+    extra = np.repeat(np.unique(bags[y == 1]), 8)
+    X = np.vstack([X, np.random.default_rng(3).normal(size=(extra.size, 30))])
+    bags, y = np.r_[bags, extra], np.r_[y, np.ones(extra.size, dtype=y.dtype)]
+    X_sorted, offsets, labels = _sorted(X, bags, y)
+    z = feature_evidence(X_sorted, offsets, labels)
+    assert np.median(z) > 3 and z[0] ** 2 / np.sum(z**2) < 0.15
+    weights = np.sqrt(30) / np.array(relevance_length_scales(X_sorted, offsets, labels))
+    assert weights[0] ** 2 / np.sum(weights**2) > 0.5
+
+
+def test_without_a_feature_that_stands_out_every_feature_is_weighed_in_proportion():
+    """Features unrelated to the labels: the top feature's excess over the median evidence is one
+    that label permutations reach, so no feature is dropped — ``w = z / rms(z)``, the same for the
+    same bags."""
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=4)
+    X = np.random.default_rng(4).normal(size=X.shape)
+    X_sorted, offsets, labels = _sorted(X, bags, y)
+    z = feature_evidence(X_sorted, offsets, labels)
+    ell = relevance_length_scales(X_sorted, offsets, labels)
+    np.testing.assert_allclose(np.sqrt(30) / np.array(ell), z / np.sqrt(np.mean(z**2)), rtol=1e-12)
+    assert relevance_length_scales(X_sorted, offsets, labels) == ell
 
 
 def test_equal_evidence_everywhere_is_the_isotropic_kernel():
