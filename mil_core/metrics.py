@@ -17,10 +17,16 @@ def binary_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 def column_aucs(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """:func:`binary_auc` of each column of ``scores`` (rows: one per label), (C,)."""
+    labels = both_classes(labels)
+    return ranked_aucs(rankdata(np.asarray(scores, dtype=np.float64), axis=0), labels[:, None])[0]
+
+
+def both_classes(labels: np.ndarray) -> np.ndarray:
+    """0/1 ``labels`` as booleans, refused unless both classes occur (an AUC needs both)."""
     labels = np.asarray(labels).astype(bool)
     if labels.all() or not labels.any():
         raise ValueError("the AUC needs labels of both classes")
-    return ranked_aucs(rankdata(np.asarray(scores, dtype=np.float64), axis=0), labels[:, None])[0]
+    return labels
 
 
 def ranked_aucs(ranks: np.ndarray, labellings: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import rankdata
 
-from .metrics import chance_auc_std, ranked_aucs
+from .metrics import both_classes, chance_auc_std, ranked_aucs
 
 __all__ = ["feature_evidence", "relevance_length_scales"]
 
@@ -34,21 +34,13 @@ def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray)
     return z
 
 
-def _both_classes(labels: np.ndarray) -> np.ndarray:
-    """Bag ``labels`` as booleans, refused unless both classes occur."""
-    labels = np.asarray(labels).astype(bool)
-    if labels.all() or not labels.any():
-        raise ValueError("the AUC needs labels of both classes")
-    return labels
-
-
 def feature_evidence(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """``z_d`` (D,): the largest of ``|AUC − ½| / SE₀`` over three bag summaries of feature d — its
     maximum, minimum and mean in each bag — as scores of the bag ``labels`` (SE₀: the AUC's standard
     error under no effect, :func:`~mil_core.metrics.chance_auc_std`). ``X_sorted``: the rows of whole
     bags in CSR order (``offsets``). The maximum and minimum see a witness that pushes one feature
     out in either direction, the mean a shift of many instances; none needs the instance labels."""
-    labels = _both_classes(labels)
+    labels = both_classes(labels)
     return _evidence(X_sorted, offsets, labels[:, None])[0]
 
 
@@ -64,7 +56,7 @@ def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: n
     maximum and minimum alike), and the features at or below it get no weight. Otherwise
     ``w = z / rms(z)``: no feature is singled out, and each is weighed in proportion. Equal evidence
     everywhere: the isotropic ``ℓ = √D``."""
-    labels = _both_classes(labels)
+    labels = both_classes(labels)
     rng = np.random.default_rng(0)  # the weights are a function of the bags alone
     z_all = _evidence(X_sorted, offsets, np.column_stack([labels] + [rng.permutation(labels) for _ in range(_PERMUTATIONS)]))
     top_excess = np.max(z_all - np.median(z_all, axis=1, keepdims=True), axis=1)
