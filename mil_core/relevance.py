@@ -8,7 +8,13 @@ from scipy.stats import rankdata
 
 from .metrics import both_classes, chance_auc_std, ranked_aucs
 
-__all__ = ["feature_evidence", "relevance_length_scales"]
+__all__ = ["RELEVANCE_FORMS", "feature_evidence", "relevance_length_scales"]
+
+RELEVANCE_FORMS: tuple[str, ...] = ("proportional", "sharpened")
+"""The weightings :func:`relevance_length_scales` offers; the kernel choice tries each
+(``VGPMIL._refined_candidates``), the first winning ties: where no feature stands out in any
+split's training half the two coincide there, and the proportional weights are the ones the
+splits scored, even if the sharpening test passes on all the choice's bags."""
 
 _FLOOR = 1e-3
 """Smallest relative weight a feature keeps (a feature with no evidence: ℓ = 1000 √D)."""
@@ -44,7 +50,8 @@ def feature_evidence(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarr
     return _evidence(X_sorted, offsets, labels[:, None])[0]
 
 
-def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> tuple[float, ...]:
+def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
+                            form: str = "sharpened") -> tuple[float, ...]:
     """ARD length scales ``ℓ_d = √D / w_d`` (each ``w_d`` at least 10⁻³) from the evidence ``z``
     (:func:`feature_evidence`), scaled so that the mean of ``w_d²`` is 1 and ``√D`` keeps its meaning
     for standardised features. One informative feature among D is 1/D of every distance under the
@@ -55,15 +62,28 @@ def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: n
     (most features carry no concept, and evidence that follows bag size lifts every feature's
     maximum and minimum alike), and the features at or below it get no weight. Otherwise
     ``w = z / rms(z)``: no feature is singled out, and each is weighed in proportion. Equal evidence
-    everywhere: the isotropic ``ℓ = √D``."""
+    everywhere: the isotropic ``ℓ = √D``.
+
+    ``form="proportional"``: ``w = z / rms(z)`` always, without the permutations — what the
+    default form gives where no feature stands out. The kernel choice tries both forms
+    (:data:`RELEVANCE_FORMS`; ``docs/BENCHMARKS.md``, session 39)."""
+    if form not in RELEVANCE_FORMS:
+        raise ValueError(f"form must be one of {', '.join(RELEVANCE_FORMS)}, got {form!r}")
     labels = both_classes(labels)
+    if form == "proportional":
+        return _length_scales(feature_evidence(X_sorted, offsets, labels))
     rng = np.random.default_rng(0)  # the weights are a function of the bags alone
     z_all = _evidence(X_sorted, offsets, np.column_stack([labels] + [rng.permutation(labels) for _ in range(_PERMUTATIONS)]))
     excess = z_all - np.median(z_all, axis=1, keepdims=True)  # over each labelling's own median
     top_excess = excess.max(axis=1)
     z = z_all[0]
     stands_out = (1 + np.sum(top_excess[1:] >= top_excess[0])) / (1 + _PERMUTATIONS) <= _SIGNIFICANCE
-    weights = np.maximum(excess[0], 0.0) if stands_out else z
+    return _length_scales(np.maximum(excess[0], 0.0) if stands_out else z)
+
+
+def _length_scales(weights: np.ndarray) -> tuple[float, ...]:
+    """``ℓ_d = √D / w_d`` of ``weights`` scaled to mean square 1 (each at least :data:`_FLOOR`);
+    all zero: the isotropic ``ℓ = √D``."""
     rms = float(np.sqrt(np.mean(weights**2)))
-    weights = weights / rms if rms > 0 else np.ones_like(z)
-    return tuple(float(ell) for ell in np.sqrt(z.shape[0]) / np.maximum(weights, _FLOOR))
+    weights = weights / rms if rms > 0 else np.ones_like(weights)
+    return tuple(float(ell) for ell in np.sqrt(weights.shape[0]) / np.maximum(weights, _FLOOR))

@@ -190,25 +190,26 @@ def model_choices(model: Any) -> dict[str, Any]:
     if any("kernel_bias" in setting for setting, _ in tried):  # the constant kernel, b/v: 0 (none) or 1, with ℓ = √D
         isotropic = [(setting, auc) for setting, auc in tried if "relevance" not in setting]
         choices["held_out_auc_by_kernel_bias"] = _aucs_by_value(_best_per_value(isotropic, "kernel_bias", 0.0))
-    if any("relevance" in setting for setting, _ in tried):  # per-feature length scales from the bag labels: 0 (no) or 1
-        choices["held_out_auc_by_relevance"] = _aucs_by_value(_best_per_value(tried, "relevance", False))
+    if any("relevance" in setting for setting, _ in tried):  # per-feature length scales from the bag labels: none or a weighting
+        choices["held_out_auc_by_relevance"] = _aucs_by_value(_best_per_value(tried, "relevance", "none"))
     return choices
 
 
-def _best_per_value(tried: list[tuple[dict[str, Any], float]], name: str, absent: Any) -> list[tuple[float, float]]:
+def _best_per_value(tried: list[tuple[dict[str, Any], float]], name: str, absent: Any) -> list[tuple[float | str, float]]:
     """The best of ``setting_selection_``'s AUCs per value of one setting (``absent``: a setting
     that does not name it); nan only where every setting with that value was degenerate."""
-    best: dict[float, float] = {}
+    best: dict[float | str, float] = {}
     for setting, auc in tried:
         value = setting.get(name, absent)
         best[value] = auc if np.isnan(best.get(value, np.nan)) else float(np.nanmax([best[value], auc]))
     return list(best.items())
 
 
-def _aucs_by_value(pairs: Iterable[tuple[float, float]]) -> dict[str, float | None]:
-    """The kernel choice's best mean held-out AUC per value it tried (a variance, an H), for
-    ``model.json``: keyed by the value, rounded; ``None`` where every checkpoint was degenerate."""
-    return {f"{value:g}": None if np.isnan(auc) else round(float(auc), 4) for value, auc in pairs}
+def _aucs_by_value(pairs: Iterable[tuple[float | str, float]]) -> dict[str, float | None]:
+    """The kernel choice's best mean held-out AUC per value it tried (a variance, an H, a relevance
+    weighting), for ``model.json``: keyed by the value (a number as ``:g``), rounded; ``None`` where
+    every checkpoint was degenerate."""
+    return {value if isinstance(value, str) else f"{value:g}": None if np.isnan(auc) else round(float(auc), 4) for value, auc in pairs}
 
 
 def _aucs_text(aucs: dict[str, float | None]) -> str:
@@ -259,7 +260,7 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     if "held_out_auc_by_relevance" in choices:
         kept = "per-feature length scales" if "shortest_length_scales" in choices else "one length scale"
         parts.append(f"{kept} after trying features weighed by their bag-label evidence near the chosen variance "
-                     f"(best without 0 / with 1: {_aucs_text(choices['held_out_auc_by_relevance'])})")
+                     f"(best per weighting {_aucs_text(choices['held_out_auc_by_relevance'])})")
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 

@@ -53,7 +53,7 @@ def test_kernel_none_chooses_variance_and_stopping_on_training_bags_and_leaves_p
     assert fixed.kernel_.variance == 2.0 and fixed.kernel_selection_.shape == (0, 2) and fixed.auto_max_iter_ is None
 
 
-def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_the_chosen_one(monkeypatch):
+def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_the_chosen_one(monkeypatch, relevance_weightings):
     """``H="auto"``: every split fits each (variance, H) candidate, then (the second stage) b = v
     with each H at the variance that first stage chose; ``H_`` and ``kernel_`` are the best point's,
     ``kernel_selection_`` is under the first stage's H, and the final fit is the fixed-parameter
@@ -73,10 +73,11 @@ def test_h_auto_tries_each_h_beside_every_variance_then_the_constant_kernel_at_t
     assert len(second) == 6 * len(AUTO_H) and len({v for _, v, _ in second}) == 1 and all(b == v for _, v, b in second)
     chosen_first = second[0][1]  # the relevance kernel: the first stage's H, its variance and the grid neighbours
     i = VGPMIL_VARIANCES.index(chosen_first)
-    assert sorted(weighed) == sorted((1e12, v) for v in VGPMIL_VARIANCES[max(i - 1, 0): i + 2] for _ in range(6))
+    per_variance = sum(relevance_weightings(24))  # each split half's distinct relevance weightings, one fit each
+    assert sorted(weighed) == sorted((1e12, v) for v in VGPMIL_VARIANCES[max(i - 1, 0): i + 2] for _ in range(per_variance))
     settings, aucs = zip(*model.setting_selection_)
     assert list(settings) == [{"H": 100.0}, {"H": 1e12}, {"H": 100.0, "kernel_bias": 1.0}, {"H": 1e12, "kernel_bias": 1.0},
-                              {"H": 1e12, "relevance": True}]
+                              {"H": 1e12, "relevance": "proportional"}, {"H": 1e12, "relevance": "sharpened"}]
     assert aucs[1] > aucs[0] and aucs[1] == np.nanmax(model.kernel_selection_[:, 1])  # the first stage chose 1e12
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():
@@ -156,7 +157,7 @@ def test_gvgpmil_in_large_bags_fits_every_candidate_with_the_constant_kernel(mon
     isotropic = [(v, b) for v, b, weighed in seen[:-1] if not weighed]
     assert len(isotropic) == 6 * len(model._auto_variances()) and all(b == v for v, b, _ in seen)
     assert model.kernel_.bias == model.kernel_.variance
-    assert [s for s, _ in model.setting_selection_] == [B, {**B, "relevance": True}]  # the second stage: the relevance kernel only
+    assert [s for s, _ in model.setting_selection_] == [B, {**B, "relevance": "proportional"}, {**B, "relevance": "sharpened"}]  # the second stage: the relevance kernel only
 
 
 class _Renamed(VGPMIL):
@@ -200,7 +201,7 @@ def test_h_auto_with_a_fixed_kernel_is_100_and_gvgpmil_keeps_the_papers_h(toy_ba
     assert gv.H == 1e12 and gv.H_ == 1e12  # one H: nothing to choose but the constant kernel
 
 
-def test_gvgpmil_tries_the_constant_kernel_at_the_chosen_variance_and_its_neighbours_and_fits_the_chosen_one(monkeypatch):
+def test_gvgpmil_tries_the_constant_kernel_at_the_chosen_variance_and_its_neighbours_and_fits_the_chosen_one(monkeypatch, relevance_weightings):
     """G-VGPMIL's ``kernel=None``: every split fits each variance with b = 0, then b = v at the
     chosen variance and its neighbours on the grid; ``kernel_.bias`` is the best point's,
     ``setting_selection_`` holds each setting's best mean held-out AUC, and the final fit is the
@@ -217,10 +218,10 @@ def test_gvgpmil_tries_the_constant_kernel_at_the_chosen_variance_and_its_neighb
     weighed = sorted({v for v, ratio, w in seen[:-1] if w and ratio == 0.0})  # the relevance kernel, at the same variances
     i = grid.index(second[0])
     assert second == list(grid[i : i + len(second)]) and len(second) in (2, 3) and weighed == second
-    assert len(seen) - 1 == 6 * (len(grid) + 2 * len(second))
+    assert len(seen) - 1 == 6 * (len(grid) + len(second)) + sum(relevance_weightings(24)) * len(second)
     assert seen[-1] == (model.kernel_.variance, model.kernel_.bias / model.kernel_.variance, np.ndim(model.kernel_.length_scale) == 1)
     settings, aucs = zip(*model.setting_selection_)
-    assert list(settings) == [{}, {"kernel_bias": 1.0}, {"relevance": True}]
+    assert list(settings) == [{}, {"kernel_bias": 1.0}, {"relevance": "proportional"}, {"relevance": "sharpened"}]
     assert np.nanmax(model.kernel_selection_[:, 1]) == aucs[0]  # under the first stage's setting
     sweeps = model.auto_max_iter_ or model.max_iter
     with warnings.catch_warnings():

@@ -4,6 +4,7 @@ choice that tries them (``VGPMIL._refined_candidates``)."""
 import warnings
 
 import numpy as np
+import pytest
 from scipy.stats import rankdata
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import roc_auc_score
@@ -12,7 +13,7 @@ import mil_core.models.base as base
 from mil_core import VGPMIL
 from mil_core.bags import BagIndex
 from mil_core.metrics import binary_auc, column_aucs, ranked_aucs
-from mil_core.relevance import feature_evidence, relevance_length_scales
+from mil_core.relevance import RELEVANCE_FORMS, feature_evidence, relevance_length_scales
 
 from conftest import bag_labels, make_toy_bags
 
@@ -76,6 +77,20 @@ def test_without_a_feature_that_stands_out_every_feature_is_weighed_in_proportio
     assert relevance_length_scales(X_sorted, offsets, labels) == ell
 
 
+def test_the_proportional_form_weighs_every_feature_by_its_evidence_even_where_one_stands_out():
+    """``form="proportional"``: ``w = z / rms(z)`` whatever the permutations say — on bags where one
+    feature stands out (so the default form sharpens) every informative feature keeps its share; an
+    unknown form is refused by name."""
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=1)
+    X_sorted, offsets, labels = _sorted(X, bags, y)
+    z = feature_evidence(X_sorted, offsets, labels)
+    proportional = np.sqrt(30) / np.array(relevance_length_scales(X_sorted, offsets, labels, "proportional"))
+    np.testing.assert_allclose(proportional, z / np.sqrt(np.mean(z**2)), rtol=1e-12)
+    assert not np.allclose(relevance_length_scales(X_sorted, offsets, labels, "sharpened"), np.sqrt(30) / proportional)
+    with pytest.raises(ValueError, match="form must be one of proportional, sharpened, got 'sharp'"):
+        relevance_length_scales(X_sorted, offsets, labels, "sharp")
+
+
 def test_equal_evidence_everywhere_is_the_isotropic_kernel():
     """Features that are copies of one another carry equal evidence: every ℓ_d = √D."""
     X, bags, y, _ = make_toy_bags(n_bags=30, n_features=1, seed=2)
@@ -92,11 +107,12 @@ def test_the_choice_weighs_one_informative_feature_among_many_and_each_split_by_
     X_new, bags_new, y_new, _ = make_toy_bags(n_bags=60, n_features=60, seed=2)
     calls = []
     real = base.relevance_length_scales
-    monkeypatch.setattr(base, "relevance_length_scales", lambda X_, offsets, labels: calls.append(offsets.size - 1) or real(X_, offsets, labels))
+    monkeypatch.setattr(base, "relevance_length_scales",
+                        lambda X_, offsets, labels, form: calls.append((offsets.size - 1, form)) or real(X_, offsets, labels, form))
     model = VGPMIL(n_inducing=20, random_state=0).fit(X, bags, y)
     assert np.ndim(model.kernel_.length_scale) == 1 and int(np.argmin(model.kernel_.length_scale)) == 0
-    assert model.setting_selection_[-1][0].get("relevance") is True
-    assert set(calls[:-1]) == {30} and calls[-1] == 60
+    assert [setting.get("relevance") for setting, _ in model.setting_selection_[-2:]] == list(RELEVANCE_FORMS)
+    assert set(calls[:-1]) == {(30, form) for form in RELEVANCE_FORMS} and calls[-1][0] == 60
     with warnings.catch_warnings():  # the chosen number of sweeps, not a convergence
         warnings.simplefilter("ignore", ConvergenceWarning)
         isotropic = VGPMIL(n_inducing=20, random_state=0, kernel=type(model.kernel_)(variance=model.kernel_.variance),
@@ -104,3 +120,26 @@ def test_the_choice_weighs_one_informative_feature_among_many_and_each_split_by_
     truth = bag_labels(bags_new, y_new)
     weighed_auc = roc_auc_score(truth, model.predict_bag_proba(X_new, bags_new)[1])
     assert weighed_auc > roc_auc_score(truth, isotropic.predict_bag_proba(X_new, bags_new)[1]) and weighed_auc > 0.95
+
+
+def test_relevance_forms_that_coincide_on_a_split_share_one_fit(monkeypatch, relevance_weightings):
+    """The choice tries each relevance form at each variance near the chosen one, but where a
+    split's forms give the same length scales (no feature stands out there) it fits them once:
+    the relevance fits per split are its distinct weightings × those variances. With one
+    informative feature every split sharpens (two fits per variance); with none, most do not."""
+    fits = []
+    real = VGPMIL._make_updates
+    monkeypatch.setattr(VGPMIL, "_make_updates", lambda self, gp: fits.append(
+        (gp.kernel.variance, np.ndim(gp.kernel.length_scale))) or real(self, gp))
+    X, bags, y, _ = make_toy_bags(n_bags=60, n_features=30, seed=1)
+    noise = np.random.default_rng(4).normal(size=X.shape)
+    halves = []
+    for features in (X, noise):
+        fits.clear()
+        with warnings.catch_warnings():  # 10 sweeps: a short fit, not a convergence
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            VGPMIL(n_inducing=10, max_iter=10, random_state=0).fit(features, bags, y)
+        weighed = [v for v, ndim in fits[:-1] if ndim == 1]
+        halves.append(relevance_weightings(60))  # this fit's six split halves
+        assert len(halves[-1]) == 6 and len(weighed) == sum(halves[-1]) * len(set(weighed))
+    assert halves[0] == [2] * 6 and sum(halves[1]) < 12

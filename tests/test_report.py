@@ -84,13 +84,14 @@ def test_the_report_says_what_the_fit_chose_and_leaves_out_what_it_did_not():
         "Fitted with kernel variance 2, plus a constant kernel b = 2; the constant kernel after trying b = v near the chosen variance (best per b/v 0: 0.800, 1: 0.850)."
     assert report.choices_text({"kernel_variance": 2.0, "held_out_auc_by_kernel_bias": {"0": 0.9, "1": 0.85}}) == \
         "Fitted with kernel variance 2; no constant kernel after trying b = v near the chosen variance (best per b/v 0: 0.900, 1: 0.850)."
-    assert report.choices_text({"kernel_variance": 4.0, "shortest_length_scales": {"3": 0.9}, "held_out_auc_by_relevance": {"0": 0.7, "1": 0.95}}) == \
+    by_weighting = {"none": 0.7, "sharpened": 0.95, "proportional": 0.9}
+    assert report.choices_text({"kernel_variance": 4.0, "shortest_length_scales": {"3": 0.9}, "held_out_auc_by_relevance": by_weighting}) == \
         ("Fitted with kernel variance 4; one length scale per feature, the shortest (the features it weighs most) at columns 3 (0.9); "
          "per-feature length scales after trying features weighed by their bag-label evidence near the chosen variance "
-         "(best without 0 / with 1: 0: 0.700, 1: 0.950).")
-    assert report.choices_text({"kernel_variance": 4.0, "held_out_auc_by_relevance": {"0": 0.9, "1": 0.85}}).endswith(
+         "(best per weighting none: 0.700, sharpened: 0.950, proportional: 0.900).")
+    assert report.choices_text({"kernel_variance": 4.0, "held_out_auc_by_relevance": {**by_weighting, "none": 0.96}}).endswith(
         "; one length scale after trying features weighed by their bag-label evidence near the chosen variance "
-        "(best without 0 / with 1: 0: 0.900, 1: 0.850).")
+        "(best per weighting none: 0.960, sharpened: 0.950, proportional: 0.900).")
     members = {"members": [{"kernel_variance": 4.0, "bag_rule": "max", "H": 100.0}, {"kernel_variance": 16.0, "bag_rule": "max", "H": 1e12}]}
     assert report.choices_text(members) == ("Its 2 member GPs chose from their training bags: kernel variances 4, 16; "
                                             "bag rules max, max; bag-likelihood odds H 100, 1e+12.")
@@ -119,8 +120,11 @@ def test_model_choices_reads_what_each_fit_has():
                                               > gv["held_out_auc_by_kernel_bias"]["0"] else 0.0)
     for choices in (vgpmil, gv):  # the second stage also tried the relevance length scales; one of them was kept
         by_relevance = choices["held_out_auc_by_relevance"]
-        assert set(by_relevance) == {"0", "1"}
-        kept, other = ("1", "0") if "shortest_length_scales" in choices else ("0", "1")
-        assert by_relevance[kept] >= by_relevance[other]  # ties go to fewer sweeps
+        assert set(by_relevance) == {"none", "sharpened", "proportional"}
+        weighed = max(by_relevance["sharpened"], by_relevance["proportional"])
+        if "shortest_length_scales" in choices:  # ties go to fewer sweeps
+            assert weighed >= by_relevance["none"]
+        else:
+            assert by_relevance["none"] >= weighed
     ard = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0, (3.0, 0.5)), max_iter=5, random_state=0).fit(X, bags, y))
     assert ard["shortest_length_scales"] == {"1": 0.5, "0": 3.0} and "length_scale" not in ard

@@ -162,14 +162,16 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
 
 
 def _setting_kernel(variance: float, setting: dict[str, Any],
-                    relevance: Callable[[], tuple[float, ...]]) -> tuple[RBF, dict[str, Any]]:
+                    relevance: Callable[[str], tuple[float, ...]]) -> tuple[RBF, dict[str, Any]]:
     """The kernel of a kernel-choice candidate, ``RBF(v, bias=kernel_bias·v)`` (``kernel_bias``:
-    0 when the setting does not name it) with ``length_scale=relevance()`` when the setting names
-    ``"relevance": True`` (:func:`~mil_core.relevance.relevance_length_scales` of the bags the
-    candidate trains on; else ℓ = √D), and the setting's constructor parameters (the rest)."""
+    0 when the setting does not name it) with ``length_scale=relevance(form)`` when the setting
+    names ``"relevance": form`` (:func:`~mil_core.relevance.relevance_length_scales` of the bags the
+    candidate trains on, in one of :data:`~mil_core.relevance.RELEVANCE_FORMS`; else ℓ = √D), and
+    the setting's constructor parameters (the rest)."""
     params = dict(setting)
     ratio = float(params.pop("kernel_bias", 0.0))
-    length_scale = relevance() if params.pop("relevance", False) else None
+    form = params.pop("relevance", None)
+    length_scale = None if form is None else relevance(form)
     return RBF(variance=variance, length_scale=length_scale, bias=ratio * variance), params
 
 
@@ -471,7 +473,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         if chosen is None:
             return None
         (v, k), sweeps = chosen
-        kernel, params = _setting_kernel(v, settings[k], lambda: relevance_length_scales(X_sorted, offsets, labels))
+        kernel, params = _setting_kernel(v, settings[k], lambda form: relevance_length_scales(X_sorted, offsets, labels, form))
         for name, value in params.items():
             setattr(self, f"{name}_", value)
         self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
@@ -500,11 +502,16 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             y_tr = np.repeat(labels[train], np.diff(tr_offsets))
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
-            Z, curves = inducing[i], {}
-            # a relevance kernel weighs the features by this split's training half only, computed once per split
-            relevance = functools.cache(lambda: relevance_length_scales(X_tr, tr_offsets, labels[train]))
+            Z, curves, fitted = inducing[i], {}, {}
+            # a relevance kernel weighs the features by this split's training half only, computed once per split and form
+            relevance = functools.cache(lambda form: relevance_length_scales(X_tr, tr_offsets, labels[train], form))
             for v, k in candidates:
                 kernel, params = _setting_kernel(v, settings[k], relevance)
+                same = (kernel, tuple(sorted(params.items())))
+                if same in fitted:  # two forms of the relevance weights that coincide on this half: one fit
+                    curves.update({((v, k), rule): curves[fitted[same], rule] for rule in rules})
+                    continue
+                fitted[same] = (v, k)
                 model = clone(self).set_params(kernel=kernel, **params, **overrides)
                 updates = model._start_fit(X_tr, y_tr, inducing=Z)
                 Z = model.gp_.Z

@@ -30,6 +30,7 @@ from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, Whitened
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
 from ..predictive import probit_scale, sample_latent
+from ..relevance import RELEVANCE_FORMS
 from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, learnt_hyper_parameters, unwrap_hyper_state
 
@@ -194,7 +195,10 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         informative features among many the isotropic ℓ = √D gives them 1/D of every distance
         (random problem 32, one of 200: 0.537 → 1.000); always on, it lost on the sparse ``text``
         set (0.900 → 0.806), so the split of the training bags decides (``docs/BENCHMARKS.md``,
-        session 36)."""
+        session 36). Each of :data:`~mil_core.relevance.RELEVANCE_FORMS` is a candidate, the
+        proportional first: where no feature stands out in a split's training half the two
+        coincide there (and share one fit), and the tie keeps the weights the splits scored even
+        when the sharpening test passes on all the choice's bags (``cancer``, session 39)."""
         grid = self._auto_variances()
         i = grid.index(variance)
 
@@ -203,7 +207,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
             return () if reach is None else grid[max(i - reach, 0): i + reach + 1]
 
         constant = tuple((v, {**s, "kernel_bias": 1.0}) for v in near(self._constant_kernel_reach) for s in settings)
-        return constant + tuple((v, {**setting, "relevance": True}) for v in near(self._relevance_reach))
+        return constant + tuple((v, {**setting, "relevance": form}) for form in RELEVANCE_FORMS for v in near(self._relevance_reach))
 
     def _make_updates(self, gp: SparseGP) -> PsiMILUpdates | HyperMILUpdates:
         if self.emax not in ("exact", "max"):
