@@ -8,7 +8,7 @@ from scipy.stats import rankdata
 
 from .metrics import both_classes, chance_auc_std, ranked_aucs
 
-__all__ = ["RELEVANCE_FORMS", "feature_evidence", "relevance_length_scales"]
+__all__ = ["RELEVANCE_FORMS", "feature_evidence", "relevance_length_scales", "relevance_weightings"]
 
 RELEVANCE_FORMS: tuple[str, ...] = ("proportional", "sharpened")
 """The weightings :func:`relevance_length_scales` offers; the kernel choice tries each
@@ -64,21 +64,26 @@ def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: n
     ``w = z / rms(z)``: no feature is singled out, and each is weighed in proportion. Equal evidence
     everywhere: the isotropic ``ℓ = √D``.
 
-    ``form="proportional"``: ``w = z / rms(z)`` always, without the permutations — what the
-    default form gives where no feature stands out. The kernel choice tries both forms
-    (:data:`RELEVANCE_FORMS`; ``docs/BENCHMARKS.md``, session 39)."""
+    ``form="proportional"``: ``w = z / rms(z)`` always — what the default form gives where no
+    feature stands out. The kernel choice tries both forms (:func:`relevance_weightings`;
+    ``docs/BENCHMARKS.md``, session 39)."""
     if form not in RELEVANCE_FORMS:
         raise ValueError(f"form must be one of {', '.join(RELEVANCE_FORMS)}, got {form!r}")
+    return relevance_weightings(X_sorted, offsets, labels)[form]
+
+
+def relevance_weightings(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> dict[str, tuple[float, ...]]:
+    """:func:`relevance_length_scales` in each of :data:`RELEVANCE_FORMS`, from one pass over the
+    bags (the observed labels' evidence is the first of the permutation test's labellings); the
+    two are the same tuple where no feature stands out."""
     labels = both_classes(labels)
-    if form == "proportional":
-        return _length_scales(feature_evidence(X_sorted, offsets, labels))
     rng = np.random.default_rng(0)  # the weights are a function of the bags alone
     z_all = _evidence(X_sorted, offsets, np.column_stack([labels] + [rng.permutation(labels) for _ in range(_PERMUTATIONS)]))
     excess = z_all - np.median(z_all, axis=1, keepdims=True)  # over each labelling's own median
     top_excess = excess.max(axis=1)
-    z = z_all[0]
+    proportional = _length_scales(z_all[0])
     stands_out = (1 + np.sum(top_excess[1:] >= top_excess[0])) / (1 + _PERMUTATIONS) <= _SIGNIFICANCE
-    return _length_scales(np.maximum(excess[0], 0.0) if stands_out else z)
+    return {"proportional": proportional, "sharpened": _length_scales(np.maximum(excess[0], 0.0)) if stands_out else proportional}
 
 
 def _length_scales(weights: np.ndarray) -> tuple[float, ...]:

@@ -46,26 +46,26 @@ def toy_bags():
 @pytest.fixture
 def relevance_weightings(monkeypatch):
     """Records the distinct relevance length scales the kernel choice computes on each set of bags
-    (``mil_core.relevance.relevance_length_scales`` as ``mil_core.models.base`` calls it):
+    (``mil_core.relevance.relevance_weightings`` as ``mil_core.models.base`` calls it):
     ``weightings(n_bags)`` → how many distinct weightings each set of fewer than ``n_bags`` bags
     (each split's training half) got since the last call. Candidates whose forms coincide on a half
     share one fit, so a half's relevance fits per variance are its distinct weightings."""
     import mil_core.models.base as base
 
     found: dict[tuple, set] = {}
-    real = base.relevance_length_scales
+    real = base.relevance_weightings
 
-    def scales(X, offsets, labels, form):
-        ell = real(X, offsets, labels, form)
-        found.setdefault((offsets.size - 1, offsets.tobytes(), np.asarray(labels).tobytes()), set()).add(ell)
-        return ell
+    def scales(X, offsets, labels):
+        by_form = real(X, offsets, labels)
+        found.setdefault((offsets.size - 1, offsets.tobytes(), np.asarray(labels).tobytes()), set()).update(by_form.values())
+        return by_form
 
     def weightings(n_bags: int) -> list[int]:
         counts = [len(ells) for (n, *_), ells in found.items() if n < n_bags]
         found.clear()
         return counts
 
-    monkeypatch.setattr(base, "relevance_length_scales", scales)
+    monkeypatch.setattr(base, "relevance_weightings", scales)
     return weightings
 
 

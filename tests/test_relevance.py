@@ -106,13 +106,12 @@ def test_the_choice_weighs_one_informative_feature_among_many_and_each_split_by_
     X, bags, y, _ = make_toy_bags(n_bags=60, n_features=60, seed=1)
     X_new, bags_new, y_new, _ = make_toy_bags(n_bags=60, n_features=60, seed=2)
     calls = []
-    real = base.relevance_length_scales
-    monkeypatch.setattr(base, "relevance_length_scales",
-                        lambda X_, offsets, labels, form: calls.append((offsets.size - 1, form)) or real(X_, offsets, labels, form))
+    real = base.relevance_weightings
+    monkeypatch.setattr(base, "relevance_weightings", lambda X_, offsets, labels: calls.append(offsets.size - 1) or real(X_, offsets, labels))
     model = VGPMIL(n_inducing=20, random_state=0).fit(X, bags, y)
     assert np.ndim(model.kernel_.length_scale) == 1 and int(np.argmin(model.kernel_.length_scale)) == 0
     assert [setting.get("relevance") for setting, _ in model.setting_selection_[-2:]] == list(RELEVANCE_FORMS)
-    assert set(calls[:-1]) == {(30, form) for form in RELEVANCE_FORMS} and calls[-1][0] == 60
+    assert set(calls[:-1]) == {30} and calls[-1] == 60
     with warnings.catch_warnings():  # the chosen number of sweeps, not a convergence
         warnings.simplefilter("ignore", ConvergenceWarning)
         isotropic = VGPMIL(n_inducing=20, random_state=0, kernel=type(model.kernel_)(variance=model.kernel_.variance),

@@ -23,7 +23,7 @@ from ..engine import BagBlock, FitTrace, HeldOutRows, PartitionUpdates, SerialEx
 from ..inducing import kmeans_inducing_points
 from ..kernels import RBF
 from ..metrics import binary_auc
-from ..relevance import relevance_length_scales
+from ..relevance import relevance_weightings
 from ..threadpools import concurrent_parts, single_thread_when_small
 from ..validation import check_features, check_mil_data, standardisation, standardise
 from .hyper import HYPER_PARAMETER_FLAGS
@@ -162,16 +162,16 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
 
 
 def _setting_kernel(variance: float, setting: dict[str, Any],
-                    relevance: Callable[[str], tuple[float, ...]]) -> tuple[RBF, dict[str, Any]]:
+                    relevance: Callable[[], dict[str, tuple[float, ...]]]) -> tuple[RBF, dict[str, Any]]:
     """The kernel of a kernel-choice candidate, ``RBF(v, bias=kernel_bias·v)`` (``kernel_bias``:
-    0 when the setting does not name it) with ``length_scale=relevance(form)`` when the setting
-    names ``"relevance": form`` (:func:`~mil_core.relevance.relevance_length_scales` of the bags the
-    candidate trains on, in one of :data:`~mil_core.relevance.RELEVANCE_FORMS`; else ℓ = √D), and
+    0 when the setting does not name it) with ``length_scale=relevance()[form]`` when the setting
+    names ``"relevance": form`` (:func:`~mil_core.relevance.relevance_weightings` of the bags the
+    candidate trains on, one of :data:`~mil_core.relevance.RELEVANCE_FORMS`; else ℓ = √D), and
     the setting's constructor parameters (the rest)."""
     params = dict(setting)
     ratio = float(params.pop("kernel_bias", 0.0))
     form = params.pop("relevance", None)
-    length_scale = None if form is None else relevance(form)
+    length_scale = None if form is None else relevance()[form]
     return RBF(variance=variance, length_scale=length_scale, bias=ratio * variance), params
 
 
@@ -473,7 +473,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         if chosen is None:
             return None
         (v, k), sweeps = chosen
-        kernel, params = _setting_kernel(v, settings[k], lambda form: relevance_length_scales(X_sorted, offsets, labels, form))
+        kernel, params = _setting_kernel(v, settings[k], lambda: relevance_weightings(X_sorted, offsets, labels))
         for name, value in params.items():
             setattr(self, f"{name}_", value)
         self.auto_max_iter_ = sweeps if sweeps < budget else int(self.max_iter)
@@ -503,8 +503,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             part = {} if coords is None else {"coords": take_bags(coords, offsets, train)[0]}
             val_context = self._held_out_context(val_offsets, **({} if coords is None else {"coords": take_bags(coords, offsets, val)[0]}))
             Z, curves, fitted = inducing[i], {}, {}
-            # a relevance kernel weighs the features by this split's training half only, computed once per split and form
-            relevance = functools.cache(lambda form: relevance_length_scales(X_tr, tr_offsets, labels[train], form))
+            # a relevance kernel weighs the features by this split's training half only, both forms computed once per split
+            relevance = functools.cache(lambda: relevance_weightings(X_tr, tr_offsets, labels[train]))
             for v, k in candidates:
                 kernel, params = _setting_kernel(v, settings[k], relevance)
                 same = (kernel, tuple(sorted(params.items())))
