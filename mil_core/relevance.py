@@ -30,12 +30,13 @@ at which the top feature counts as standing out."""
 def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray) -> np.ndarray:
     """``z`` of :func:`feature_evidence` under each 0/1 column of ``labellings`` (B, P): (P, D).
     Each bag summary is ranked once for all P (:func:`~mil_core.metrics.ranked_aucs`)."""
-    X_sorted, labellings = np.asarray(X_sorted, dtype=np.float64), np.asarray(labellings, dtype=np.float64)  # converted once for the 3 summaries
+    X_sorted, labellings = np.asarray(X_sorted), np.asarray(labellings, dtype=np.float64)
     starts, sizes = offsets[:-1], np.diff(offsets)[:, None]
     spread = chance_auc_std(labellings[:, 0])
     z = np.zeros((labellings.shape[1], X_sorted.shape[1]))
+    # the (B, D) summaries in float64; the (N, D) rows stay in their own dtype (no float32 copy)
     for summary in (np.maximum.reduceat(X_sorted, starts, axis=0), np.minimum.reduceat(X_sorted, starts, axis=0),
-                    np.add.reduceat(X_sorted, starts, axis=0) / sizes):
+                    np.add.reduceat(X_sorted, starts, axis=0, dtype=np.float64) / sizes):
         np.maximum(z, np.abs(ranked_aucs(rankdata(summary, axis=0), labellings) - 0.5) / spread, out=z)
     return z
 
@@ -83,7 +84,8 @@ def relevance_weightings(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.n
     top_excess = excess.max(axis=1)
     proportional = _length_scales(z_all[0])
     stands_out = (1 + np.sum(top_excess[1:] >= top_excess[0])) / (1 + _PERMUTATIONS) <= _SIGNIFICANCE
-    return {"proportional": proportional, "sharpened": _length_scales(np.maximum(excess[0], 0.0)) if stands_out else proportional}
+    sharpened = _length_scales(np.maximum(excess[0], 0.0)) if stands_out else proportional
+    return dict(zip(RELEVANCE_FORMS, (proportional, sharpened), strict=True))
 
 
 def _length_scales(weights: np.ndarray) -> tuple[float, ...]:
