@@ -8,7 +8,7 @@ result does not depend on how bags are grouped into partitions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,6 +66,12 @@ class BagIndex:
     def instance_bag(self) -> np.ndarray:
         """Bag number of each reordered row."""
         return np.repeat(np.arange(self.n_bags), self.sizes)
+
+    def key(self, b: int) -> Any:
+        """Bag ``b``'s id as a plain Python value (NumPy scalar or not, e.g. the strings of an
+        object array), for messages that name the bag."""
+        key = self.keys[b]
+        return key.item() if isinstance(key, np.generic) else key
 
 
 def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:

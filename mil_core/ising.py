@@ -98,7 +98,7 @@ def check_coords(coords: Any, bags: BagIndex) -> np.ndarray:
     if np.any(same):
         first = order[1:][same][0]
         raise ValueError(
-            f"bag {bags.keys[bag_of_row[first]].item()!r} has two instances at coordinates "
+            f"bag {bags.key(bag_of_row[first])!r} has two instances at coordinates "
             f"{coords[first].tolist()}; coordinates must be unique within a bag ({int(same.sum())} duplicate(s))"
         )
     return coords

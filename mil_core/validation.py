@@ -89,7 +89,7 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, Bag
     mixed = np.flatnonzero(lo != hi)
     if mixed.size:
         raise ValueError(
-            f"bag {bags.keys[mixed[0]].item()!r} has instances with different bag labels; y must repeat each "
+            f"bag {bags.key(mixed[0])!r} has instances with different bag labels; y must repeat each "
             f"bag's label for all of its instances ({mixed.size} such bag(s))"
         )
     labels = lo.astype(np.int8)

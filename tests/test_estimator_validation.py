@@ -26,6 +26,12 @@ def _mixed_labels(X, bags, y):
     return X, bags, y
 
 
+def _mixed_labels_text_ids(X, bags, y):
+    """As :func:`_mixed_labels`, the bag ids text in an object array (as a CSV table gives them)."""
+    X, _, y = _mixed_labels(X, bags, y)
+    return X, np.array([f"slide-{b}" for b in bags], dtype=object), y
+
+
 BAD_FIT_INPUT = {
     "nan-feature": (_with_nan, "NaN"),
     "infinite-feature": (lambda X, b, y: (np.where(np.arange(X.size).reshape(X.shape) == 3, np.inf, X), b, y), "infinity"),
@@ -35,6 +41,7 @@ BAD_FIT_INPUT = {
                      r"bag_ids has no bag id at row\(s\) \[5\]"),
     "bag-ids-mixed-types": (lambda X, b, y: (X, np.where(b == 0, "zero", b.astype(object)), y), "bag_ids mixes types"),
     "label-not-constant-in-a-bag": (_mixed_labels, "bag 3 has instances with different bag labels"),
+    "label-not-constant-in-a-bag-with-text-ids": (_mixed_labels_text_ids, "bag 'slide-3' has instances with different bag labels"),
     "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1 \(or -1 and 1; 1 is positive\), found \[2\]"),
     "label-mixes-conventions": (lambda X, b, y: (X, b, np.where(b == 0, -1, y)), r"found \[-1, 0, 1\]"),
     "label-strings": (lambda X, b, y: (X, b, np.where(y == 1, "tumour", "normal")), r"found \['normal', 'tumour'\]"),

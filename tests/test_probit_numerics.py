@@ -113,6 +113,9 @@ def test_coords_validation_names_the_problem():
         check_coords(np.zeros((3, 2)), bags)
     with pytest.raises(ValueError, match="two instances at coordinates"):
         check_coords(np.array([[0, 0], [0, 0], [1, 1], [2, 2]]), bags)
+    text_ids = BagIndex.from_ids(np.array(["slide-a", "slide-a", "slide-b", "slide-b"], dtype=object))
+    with pytest.raises(ValueError, match=r"bag 'slide-b' has two instances at coordinates \[1, 1\]"):
+        check_coords(np.array([[0, 0], [0, 1], [1, 1], [1, 1]]), text_ids)
     with pytest.raises(ValueError, match="integer"):
         check_coords(np.array([0.5, 1, 2, 3]), bags)
     np.testing.assert_array_equal(check_coords(np.array([[0, 0], [0, 1], [0, 0], [0, 1]]), bags)[:, 1], [0, 1, 0, 1])
