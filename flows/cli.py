@@ -20,6 +20,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 CV_MODELS: tuple[str, ...] = ("VGPMIL", "GVGPMIL", "VGPMILPR")
 """The automatic defaults ``gpmil cv`` scores, after the pipeline's default model."""
+CV_FOLDS = 5
+"""``gpmil cv``'s stratified folds over bags."""
 
 
 def _quiet_libraries(verbose: bool) -> None:
@@ -147,6 +149,38 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
+    """Features (float64), bag ids (any text) and labels of a MIL CSV table (label, bag id,
+    features…; no header), or a ``ValueError`` that names the file and the row, bag or field at
+    fault: a cell that is not a number, NaN/inf features, labels other than 0/1 (or −1/1) or not
+    constant within a bag, fewer than ``n_splits`` bags of a class."""
+    import numpy as np
+
+    from mil_core.validation import check_mil_data
+    from tasks.ingest.tables import read_mil_csv
+
+    table = read_mil_csv(path, dtype=np.float64)  # an unreadable or empty file: UnreadableFileError, naming it
+    if table.X.shape[1] == 0:
+        raise ValueError(f"{path}: no feature columns; a MIL table is label, bag id, features… (no header)")
+    if table.row_problems:
+        first = min(table.row_problems)
+        raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such row(s); "
+                         "a header line? the table has none)")
+    nonfinite = np.flatnonzero(~np.isfinite(table.X).all(axis=1))
+    if nonfinite.size:
+        raise ValueError(f"{path}: row {nonfinite[0]} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "
+                         f"infinite features ({nonfinite.size} such row(s))")
+    try:
+        _, _, bag_labels = check_mil_data(table.X, table.bag_ids, table.labels)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+    counts = np.bincount(bag_labels, minlength=2)
+    if counts.min() < n_splits:
+        raise ValueError(f"{path}: {n_splits}-fold CV needs at least {n_splits} bags of each class; the table has "
+                         f"{counts[0]} negative and {counts[1]} positive bags")
+    return table.X, table.bag_ids, table.labels
+
+
 def _cv(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -156,13 +190,16 @@ def _cv(args: argparse.Namespace) -> int:
     if not args.csv.is_file():
         print(f"gpmil cv: {args.csv} not found; pass a MIL table (label, bag id, features…)", file=sys.stderr)
         return 2
-    table = np.loadtxt(args.csv, delimiter=",")
-    X, bags, y = table[:, 2:], table[:, 1].astype(int), table[:, 0].astype(int)
+    try:
+        X, bags, y = _mil_table(args.csv, CV_FOLDS)
+    except ValueError as error:
+        print(f"gpmil cv: {error}", file=sys.stderr)
+        return 2
     print(f"{args.csv}: {X.shape[0]} instances, {np.unique(bags).size} bags, {X.shape[1]} features")
     default = ModelConfig().name
     names = [default] + [name for name in CV_MODELS if name != default]  # the pipeline's default model first
     for model in (MODEL_CLASSES[name] for name in names):  # each with its automatic defaults
-        folds = cross_validate_bags(model(n_inducing=args.inducing, random_state=0), X, bags, y)  # its own bag rule
+        folds = cross_validate_bags(model(n_inducing=args.inducing, random_state=0), X, bags, y, n_splits=CV_FOLDS)  # its own bag rule
         auc = np.array([f["bag_auc"] for f in folds])
         print(f"{model.__name__:8s} M={args.inducing}: bag AUC {auc.mean():.3f} ± {auc.std():.3f} (5-fold)")
     return 0

@@ -46,11 +46,12 @@ class FeatureTable:
 
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1,
-                 original_label_column: int | None = None) -> FeatureTable:
+                 original_label_column: int | None = None, dtype: type = np.float32) -> FeatureTable:
     """The MIL CSV layout (no header): bag label, bag id, then the features (the MUSK files).
 
     ``original_label_column`` (a 0-based column position, not a feature) holds the label the 0/1
-    target came from, kept in the store as each bag's original label."""
+    target came from, kept in the store as each bag's original label. ``dtype``: the features'
+    (float32, the store's; ``gpmil cv`` fits on float64 as read)."""
     import pandas as pd
 
     try:
@@ -68,7 +69,7 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
             problems.setdefault(int(r), f"row {r}, column {feature_columns[c]}: {features.iat[r, c]!r} is not a number")
         features = numeric
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
-        X = features.to_numpy(dtype=np.float32)
+        X = features.to_numpy(dtype=dtype)
     return FeatureTable(X=X, bag_ids=table[bag_column].astype(str).to_numpy(dtype=object),
                         labels=table[label_column].to_numpy(), source=str(path), row_problems=problems,
                         original_labels=None if original_label_column is None else table[original_label_column].to_numpy(dtype=object))
