@@ -201,7 +201,7 @@ def _cv(args: argparse.Namespace) -> int:
     for model in (MODEL_CLASSES[name] for name in names):  # each with its automatic defaults
         folds = cross_validate_bags(model(n_inducing=args.inducing, random_state=0), X, bags, y, n_splits=CV_FOLDS)  # its own bag rule
         auc = np.array([f["bag_auc"] for f in folds])
-        print(f"{model.__name__:8s} M={args.inducing}: bag AUC {auc.mean():.3f} ± {auc.std():.3f} (5-fold)")
+        print(f"{model.__name__:8s} M={args.inducing}: bag AUC {auc.mean():.3f} ± {auc.std():.3f} ({CV_FOLDS}-fold)")
     return 0
 
 

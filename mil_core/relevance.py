@@ -34,7 +34,7 @@ def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray)
     starts, sizes = offsets[:-1], np.diff(offsets)[:, None]
     spread = chance_auc_std(labellings[:, 0])
     z = np.zeros((labellings.shape[1], X_sorted.shape[1]))
-    # the (B, D) summaries in float64; the (N, D) rows stay in their own dtype (no float32 copy)
+    # the (B, D) summaries in float64; the (N, D) rows stay in their own dtype (no float64 copy of them)
     for summary in (np.maximum.reduceat(X_sorted, starts, axis=0), np.minimum.reduceat(X_sorted, starts, axis=0),
                     np.add.reduceat(X_sorted, starts, axis=0, dtype=np.float64) / sizes):
         np.maximum(z, np.abs(ranked_aucs(rankdata(summary, axis=0), labellings) - 0.5) / spread, out=z)
@@ -84,8 +84,7 @@ def relevance_weightings(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.n
     top_excess = excess.max(axis=1)
     proportional = _length_scales(z_all[0])
     stands_out = (1 + np.sum(top_excess[1:] >= top_excess[0])) / (1 + _PERMUTATIONS) <= _SIGNIFICANCE
-    sharpened = _length_scales(np.maximum(excess[0], 0.0)) if stands_out else proportional
-    return dict(zip(RELEVANCE_FORMS, (proportional, sharpened), strict=True))
+    return {"proportional": proportional, "sharpened": _length_scales(np.maximum(excess[0], 0.0)) if stands_out else proportional}
 
 
 def _length_scales(weights: np.ndarray) -> tuple[float, ...]:
