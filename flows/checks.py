@@ -6,6 +6,7 @@ again first thing, so a deployment's run with a missing input fails at once too.
 :class:`~flows.config.ConfigError` naming the field and the path.
 """
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -54,11 +55,55 @@ def _original_label_column_problem(path: Path | str | None, column: str | int | 
     return None
 
 
+def _model_dir_problem(model_dir: Path | str | None) -> str | None:
+    """A model folder ``gpmil train`` did not finish writing: ``model.json`` unreadable or without
+    the fields every stage reads, or no ``model.npz`` (written last)."""
+    if model_dir is None or not (Path(model_dir) / "model.json").is_file():
+        return None  # its absence is reported with the paths
+    meta_path, arrays = Path(model_dir) / "model.json", Path(model_dir) / "model.npz"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"MODEL_DIR: {meta_path} is not readable JSON ({error}); retrain to rewrite the model folder"
+    missing = sorted({"model", "store"} - set(meta)) if isinstance(meta, dict) else ["model", "store"]
+    if missing:
+        return f"MODEL_DIR: {meta_path} lacks {', '.join(missing)}: not a model folder written by gpmil train"
+    if not arrays.is_file() and not (Path(model_dir) / "model.pkl").is_file():  # a pickle is refused, naming it, at load
+        return f"MODEL_DIR: {arrays} is missing (training did not finish?); retrain"
+    return None
+
+
+def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None) -> str | None:
+    """``evaluate``'s PREDICTION_KEY: a complete ``predictions/<key>`` of ``store``, made with
+    ``model_dir`` where the prediction recorded its model (``model_key``, since session 41)."""
+    import zarr
+
+    if key in ("", ".", "..") or "/" in key or "\\" in key:
+        return f"PREDICTION_KEY: {key!r} is not a prediction key (the key printed by gpmil predict)"
+    try:
+        predictions = zarr.open_group(str(store), mode="r").get("predictions")
+    except Exception as error:  # not a store: the stage names it when it opens the cohort
+        return f"store: cannot open {store} as a cohort store: {type(error).__name__}: {error}"
+    if predictions is None or key not in predictions:
+        known = sorted(predictions.group_keys()) if predictions is not None else []
+        return (f"PREDICTION_KEY: no prediction {key} in {store} (its predictions: {', '.join(known) or 'none'}); "
+                "the key is printed by gpmil predict")
+    attrs = predictions[key].attrs
+    if not attrs.get("complete"):
+        return f"PREDICTION_KEY: predictions/{key} in {store} is incomplete (the prediction was interrupted); predict again"
+    made_by = attrs.get("model_key")
+    if model_dir is not None and made_by is not None and made_by != Path(model_dir).name:
+        return (f"PREDICTION_KEY: {key} was predicted with the model {attrs.get('model_dir', made_by)}, not MODEL_DIR "
+                f"{model_dir}; evaluate it with that model")
+    return None
+
+
 def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None,
-                 source: str | None = None) -> None:
+                 source: str | None = None, prediction_key: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every missing input of ``stage`` (``store`` and
     ``model_dir``: the command line's overrides and arguments; ``source``: a new cohort's folder
-    that ``predict`` ingests first, whose store need not exist yet)."""
+    that ``predict`` ingests first, whose store need not exist yet; ``prediction_key``:
+    ``evaluate``'s, which must name a complete prediction of that store by that model)."""
     ing = config.ingest
     checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = []
     ingests = stage == "ingest" or (stage == "run" and ing.kind != "none")
@@ -83,8 +128,12 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
+    if stage in ("predict", "evaluate"):
+        problems.append(_model_dir_problem(model_dir))
+    if stage == "evaluate" and prediction_key is not None and not any(problems):
+        problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
         problems.append(_original_label_column_problem(source if stage == "predict" else ing.source, ing.original_label_column))
-        problems = [p for p in problems if p]
+    problems = [p for p in problems if p]
     if problems:
         raise ConfigError("; ".join(problems))

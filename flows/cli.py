@@ -126,7 +126,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    _checked(args, "evaluate", store=_abs(args.store), model_dir=_abs(args.model_dir))
+    _checked(args, "evaluate", store=_abs(args.store), model_dir=_abs(args.model_dir), prediction_key=args.prediction_key)
     from flows.pipeline import evaluate_run
 
     print(summary("report", evaluate_run(str(args.config), _abs(args.model_dir), args.prediction_key, store=_abs(args.store))))

@@ -115,7 +115,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
 def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | None = None) -> t.StageResult:
     """Tables, metrics, figures and the report of one prediction run."""
     cfg = _config(config)
-    check_inputs(cfg, "evaluate", store=store, model_dir=model_dir)
+    check_inputs(cfg, "evaluate", store=store, model_dir=model_dir, prediction_key=prediction_key)
     target = str(store or cfg.prediction.store or cfg.store)
     return t.write_report(cfg, target, model_dir, prediction_key)
 

@@ -359,7 +359,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
                               device=config.training.device, gpu_namespace=config.training.gpu_namespace,
                               compute_dtype=config.training.compute_dtype,
                               scaling=trained.scaling, instance_kwargs=instance_kwargs,
-                              bag_kwargs=bag_kwargs)
+                              bag_kwargs=bag_kwargs, provenance={"model_key": Path(model_dir).name, "model_dir": str(model_dir)})
     return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 
 
@@ -477,7 +477,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     Markdown report, and the matching Prefect artifacts."""
     logger = get_run_logger()
     out = Path(config.output_dir) / "predictions" / prediction_key
-    settings = json.dumps({"model_dir": str(model_dir), **config.prediction.model_dump(mode="json")}, sort_keys=True)
+    settings = json.dumps({"model_dir": str(model_dir), "store": str(Path(store).resolve()), **config.prediction.model_dump(mode="json")},
+                          sort_keys=True)
     if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
         create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),

@@ -451,6 +451,48 @@ def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_print
     assert open_cohort(tmp_path / "new.zarr").attrs["feature_extractor"] == trained.attrs["feature_extractor"]
 
 
+def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_by_its_model(demo_run, capsys):
+    """A key from another store, another model's folder, a made-up or path-like key: exit 2 in one
+    line naming PREDICTION_KEY, before Prefect starts, and the existing report is left as it was."""
+    from flows.cli import main
+
+    workdir, reports, configs = demo_run
+    models = {m: next((Path(reports[m].split("predictions")[0]) / "models").iterdir()) for m in ("wsi", "ct")}
+    report = Path(reports["wsi"])
+    key, before = report.parent.name, report.read_text()
+    wsi, training_store = str(configs["wsi"]), str(workdir / "stores" / "wsi.zarr")
+    for args, message in [
+        ([wsi, str(models["ct"]), key], f"PREDICTION_KEY: {key} was predicted with the model {models['wsi']}, not MODEL_DIR {models['ct']}"),
+        ([wsi, str(models["wsi"]), "badkey"], f"PREDICTION_KEY: no prediction badkey in {workdir / 'stores' / 'wsi-heldout.zarr'} (its predictions: {key})"),
+        ([wsi, str(models["wsi"]), "../../x"], "PREDICTION_KEY: '../../x' is not a prediction key"),
+        ([wsi, str(models["wsi"]), key, "--store", training_store], f"PREDICTION_KEY: no prediction {key} in {training_store} (its predictions: none)"),
+    ]:
+        assert main(["evaluate", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert report.read_text() == before
+    assert main(["evaluate", wsi, str(models["wsi"]), key]) == 0  # its own model: the report, reused
+    assert "report  reused" in capsys.readouterr().out and report.read_text() == before
+
+
+def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo_run, tmp_path, capsys):
+    from flows.cli import main
+
+    workdir, reports, configs = demo_run
+    model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())
+    for name, damage, message in [
+        ("no-arrays", lambda d: (d / "model.npz").unlink(), "model.npz is missing (training did not finish?)"),
+        ("cut-json", lambda d: (d / "model.json").write_text((d / "model.json").read_text()[:40]), "model.json is not readable JSON"),
+        ("empty-json", lambda d: (d / "model.json").write_text("{}"), "model.json lacks model, store"),
+    ]:
+        damaged = tmp_path / name
+        shutil.copytree(model_dir, damaged)
+        damage(damaged)
+        assert main(["predict", str(configs["wsi"]), str(damaged)]) == 2
+        err = capsys.readouterr().err
+        assert f"MODEL_DIR: {damaged / message.split()[0]}" in err and message in err and err.count("\n") == 1, err
+
+
 def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):
     """The sampler from the config: its chain on the cluster is the serial chain (keyed draws), so the
     report's bag probabilities are those of ``fit`` on the same bags; the trace is the chain's log density."""

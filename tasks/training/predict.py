@@ -112,9 +112,12 @@ def predict_cohort(
     scaling: FeatureScaling | None = None,
     instance_kwargs: dict | None = None,
     bag_kwargs: dict | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> str:
     """Predict every bag of the store on the cluster and write ``predictions/<run>/`` (instance
     and bag probability and std; the ``complete`` attribute is set last). Returns the group path.
+    ``provenance``: JSON attributes the group keeps beside the model's class and parameters (the
+    pipeline's model key and folder, which ``gpmil evaluate`` checks).
 
     Models without instance probabilities (VWSGP, whose per-instance evidences are not instance
     labels, seed 001 §3) write ``instances/evidence`` instead of ``instances/proba``; point
@@ -139,7 +142,7 @@ def predict_cohort(
     if name in root:
         del root[name]
     group = root.require_group(name)
-    group.attrs.update({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params())})
+    group.attrs.update({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params()), **(provenance or {})})
     instance_name = "instances/proba" if hasattr(model, "predict_instance_proba") else "instances/evidence"
     group.attrs["instance_scores"] = instance_name.split("/")[1]
     arrays = {
