@@ -159,9 +159,7 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
     from mil_core.validation import check_mil_data
     from tasks.ingest.tables import read_mil_csv
 
-    table = read_mil_csv(path, dtype=np.float64)  # an unreadable or empty file: UnreadableFileError, naming it
-    if table.X.shape[1] == 0:
-        raise ValueError(f"{path}: no feature columns; a MIL table is label, bag id, features… (no header)")
+    table = read_mil_csv(path, dtype=np.float64)  # an unreadable, empty or featureless file: an IngestError naming it
     if table.row_problems:
         first = min(table.row_problems)
         raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such row(s); "

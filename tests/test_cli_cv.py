@@ -58,7 +58,9 @@ BAD_TABLES = {
     "one class": (lambda rows: [["0", *r[1:]] for r in rows], "need bags of both classes"),
     "too few bags of a class": (lambda rows: rows[:40] + [r for r in rows[40:] if r[0] == "0"],
                                 "5-fold CV needs at least 5 bags of each class; the table has 10 negative and 4 positive bags"),
-    "no feature columns": (lambda rows: [r[:2] for r in rows], "no feature columns"),
+    "no feature columns": (lambda rows: [r[:2] for r in rows], "at least one feature column"),
+    "one column": (lambda rows: [r[:1] for r in rows], "a MIL CSV is bag label, bag id, features"),
+    "an empty bag id": (_cell(4, 1, ""), "no bag id at row(s) [4]"),
     "an empty file": (lambda rows: [], "cannot read CSV"),
 }
 

@@ -159,3 +159,40 @@ def test_documented_entry_points_import_from_the_package():
     assert from_package is ingest_bag_files and ingest_h5_features.__module__ == "tasks.ingest.h5"
     with pytest.raises(AttributeError, match="no attribute 'ingest_nothing'"):
         ingest.ingest_nothing
+
+
+def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(tmp_path):
+    """Bag ids stay text ('00123' and '0123' are two bags); a missing id, arrays that disagree on
+    the number of rows, features in one list column, a file that is not an archive: each refused
+    with the file and what is wrong, never a bag called 'nan', rows cut short or zero features."""
+    from tasks.ingest.errors import IngestError
+
+    csv = tmp_path / "ids.csv"
+    csv.write_text("0,00123,1.0\n0,0123,2.0\n1,07,3.0\n1,07,4.0\n")
+    assert list(read_mil_csv(csv).bag_ids) == ["00123", "0123", "07", "07"]
+    csv.write_text("0,a,1.0\n0,,2.0\n")
+    with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[1\].*ids.csv"):
+        read_mil_csv(csv)
+
+    X, ids, labels = np.zeros((20, 3)), np.repeat(np.arange(4), 5).astype(str), np.repeat([0, 1, 0, 1], 5)
+    for name, arrays, message in [
+        ("short_ids", dict(X=X, bag_ids=ids[:15], labels=labels), "bag_ids has 15 rows but the features have 20"),
+        ("bag_labels", dict(X=X, bag_ids=ids, labels=labels[::5]), "labels has 4 rows but the features have 20"),
+        ("coords", dict(X=X, bag_ids=ids, labels=labels, coords=np.zeros((14, 1))), "coords has 14 rows"),
+        ("flat", dict(X=X[:, 0], bag_ids=ids, labels=labels), r"2-D \(rows, features\) array .* got shape \(20,\)"),
+    ]:
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        with pytest.raises(IngestError, match=rf"{message}.*{name}\.npz"):
+            read_npz_table(tmp_path / f"{name}.npz")
+    (tmp_path / "junk.npz").write_bytes(bytes(100))
+    with pytest.raises(IngestError, match="not a NumPy .npz archive") as refused:
+        read_npz_table(tmp_path / "junk.npz")
+    assert "allow_pickle" not in str(refused.value)
+
+    frame = pd.DataFrame({"bag_id": ids, "label": labels, "features": list(np.ones((20, 3)))})
+    frame.to_parquet(tmp_path / "listcol.parquet")
+    with pytest.raises(IngestError, match=r"no numeric feature column .*features \(list<.*listcol\.parquet"):
+        read_parquet_table(tmp_path / "listcol.parquet")
+    pd.DataFrame({"bag_id": [None, *ids[1:]], "label": labels, "f0": 1.0}).to_parquet(tmp_path / "nullid.parquet")
+    with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[0\]"):
+        read_parquet_table(tmp_path / "nullid.parquet")

@@ -44,6 +44,20 @@ class FeatureTable:
     row_problems: dict[int, str] = field(default_factory=dict)
     original_labels: np.ndarray | None = None
 
+    def __post_init__(self) -> None:
+        """The shapes every reader must deliver, checked once here: a table whose arrays disagree
+        would be cut short or misaligned row by row, silently."""
+        X = np.asarray(self.X)
+        if X.ndim != 2 or X.shape[1] == 0:
+            raise IngestError(f"features must be a 2-D (rows, features) array with at least one feature column, got shape "
+                              f"{X.shape}", path=self.source)
+        for name in ("bag_ids", "labels", "coords", "instance_labels", "original_labels"):
+            values = getattr(self, name)
+            if values is not None and (np.ndim(values) == 0 or len(values) != X.shape[0]):
+                rows = "a scalar" if np.ndim(values) == 0 else f"{len(values)} rows"
+                raise IngestError(f"{name} has {rows} but the features have {X.shape[0]}: one entry per instance row",
+                                  path=self.source)
+
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1,
                  original_label_column: int | None = None, dtype: type = np.float32) -> FeatureTable:
@@ -55,9 +69,12 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     import pandas as pd
 
     try:
-        table = pd.read_csv(path, header=None)
+        table = pd.read_csv(path, header=None, dtype={bag_column: str})  # '00123' and '0123' are two bags
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
+    if bag_column not in table.columns or label_column not in table.columns:
+        raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
+                          "(comma-separated, no header)", path=str(path))
     if original_label_column is not None and original_label_column not in table.columns:
         raise IngestError(f"CSV table has no column {original_label_column} (original_label_column; columns 0 to "
                           f"{len(table.columns) - 1})", path=str(path))
@@ -70,7 +87,7 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
         features = numeric
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
         X = features.to_numpy(dtype=dtype)
-    return FeatureTable(X=X, bag_ids=table[bag_column].astype(str).to_numpy(dtype=object),
+    return FeatureTable(X=X, bag_ids=_bag_id_text(table[bag_column].to_numpy(dtype=object), path),
                         labels=table[label_column].to_numpy(), source=str(path), row_problems=problems,
                         original_labels=None if original_label_column is None else table[original_label_column].to_numpy(dtype=object))
 
@@ -101,6 +118,10 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         reserved = {bag_column, label_column, instance_label_column, original_label_column}
         feature_columns = [f.name for f in schema if f.name not in reserved
                            and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
+        if not feature_columns:
+            others = ", ".join(f"{f.name} ({f.type})" for f in schema if f.name not in reserved) or "none"
+            raise IngestError(f"Parquet table has no numeric feature column (one integer or float column per feature; the "
+                              f"other columns: {others})", path=str(path))
     others = [c for c in (bag_column, label_column, instance_label_column, original_label_column) if c is not None]
     X = np.empty((parquet.metadata.num_rows, len(feature_columns)), dtype=np.float32)
     columns: dict[str, list[np.ndarray]] = {c: [] for c in others}
@@ -121,7 +142,7 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     merged = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
     return FeatureTable(
-        X=X, bag_ids=merged[bag_column].astype(str).astype(object), labels=merged[label_column], source=str(path),
+        X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=merged[label_column], source=str(path),
         instance_labels=None if instance_label_column is None else merged[instance_label_column],
         original_labels=None if original_label_column is None else merged[original_label_column])
 
@@ -133,13 +154,26 @@ def read_npz_table(path: str | Path) -> FeatureTable:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
     except Exception as error:
-        raise UnreadableFileError(f"cannot read .npz: {type(error).__name__}: {error}", path=str(path)) from error
+        reason = ("not a NumPy .npz archive, or one holding pickled objects (never loaded: they can run code)"
+                  if "pickled" in str(error) else f"{type(error).__name__}: {error}")
+        raise UnreadableFileError(f"cannot read .npz: {reason}", path=str(path)) from error
     missing = {"X", "bag_ids", "labels"} - set(arrays)
     if missing:
         raise IngestError(f".npz lacks arrays {sorted(missing)}", path=str(path))
-    return FeatureTable(X=arrays["X"], bag_ids=arrays["bag_ids"].astype(str).astype(object),
+    return FeatureTable(X=arrays["X"], bag_ids=_bag_id_text(arrays["bag_ids"], path),
                         labels=arrays["labels"], source=str(path), coords=arrays.get("coords"),
                         instance_labels=arrays.get("instance_labels"), original_labels=arrays.get("original_labels"))
+
+
+def _bag_id_text(values: np.ndarray, path: str | Path) -> np.ndarray:
+    """Bag ids as text (object array); a missing one (an empty cell, a null) is an error naming its
+    row, not a bag called 'nan' or 'None'."""
+    values = np.asarray(values, dtype=object)
+    missing = [r for r, v in enumerate(values) if v is None or (isinstance(v, float) and np.isnan(v))]
+    if missing:
+        raise IngestError(f"no bag id at row(s) {missing[:5]}" + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""),
+                          path=str(path))
+    return np.array([str(v) for v in values], dtype=object)
 
 
 def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,
