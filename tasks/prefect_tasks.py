@@ -31,6 +31,7 @@ from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.ingest.errors import NothingIngestedError
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import open_cohort
@@ -281,7 +282,22 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     lines follow the items as they finish. Holds the store's writer lease throughout (a second
     run on the same store fails at once with :class:`tasks.lease.StoreLockedError`)."""
     with writer_lease(str(config.store), f"gpmil ingest {config.name!r} ({config.ingest.kind} from {config.ingest.source})"):
-        return _ingest_cohort_items(config, scheduler_address)
+        result = _ingest_cohort_items(config, scheduler_address)
+    if not result.info.get("added") and not result.info.get("already_done"):
+        raise NothingIngestedError(_nothing_ingested(config, result.info))
+    return result
+
+
+def _nothing_ingested(config: PipelineConfig, info: dict[str, Any]) -> str:
+    """Why an ingest added no bag and found none done before, from its report's ``info``."""
+    where = f"ingest.source {config.ingest.source}: no bag ingested into {config.store}"
+    skipped = info.get("skipped", [])
+    if not skipped:
+        return f"{where}: no {config.ingest.kind} input found there"
+    first = skipped[0]
+    named = first.get("bag_id") or first.get("path")
+    return (f"{where}: all {len(skipped)} input(s) skipped (first: {named}: {first.get('error')}: {first.get('reason')}); "
+            f"the ingest report {info.get('report_path')} lists each")
 
 
 def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+import zarr
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.pipeline import pipeline, predict_cohort, train_model
@@ -471,8 +472,9 @@ def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_b
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert report.read_text() == before
-    assert main(["evaluate", wsi, str(models["wsi"]), key]) == 0  # its own model: the report, reused
-    assert "report  reused" in capsys.readouterr().out and report.read_text() == before
+    assert main(["evaluate", wsi, str(models["wsi"]), key]) == 0  # its own model and store: the report
+    assert str(report) in capsys.readouterr().out
+    assert f"Cohort `{workdir / 'stores' / 'wsi-heldout.zarr'}`" in report.read_text()
 
 
 def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo_run, tmp_path, capsys):
@@ -491,6 +493,39 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
         assert main(["predict", str(configs["wsi"]), str(damaged)]) == 2
         err = capsys.readouterr().err
         assert f"MODEL_DIR: {damaged / message.split()[0]}" in err and message in err and err.count("\n") == 1, err
+
+
+def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_run, capsys):
+    """An empty slide folder, a table whose every bag is refused, and a new folder predicted into the
+    training store (every slide a duplicate id) end with a non-zero exit naming the source and the
+    first reason, not 'done' / 'reused' with 0 bags; the training store gets no prediction."""
+    from flows.cli import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "labels.csv").write_text("image_id,data_provider,isup_grade,gleason_score\nslide_a,synthetic,0,0+0\n")
+    empty = write_config(tmp_path, tmp_path / "e.zarr", ingest={"kind": "wsi", "source": str(tmp_path / "empty"),
+                                                                "labels": str(tmp_path / "labels.csv")})
+    assert main(["ingest", empty]) == 1
+    assert f"no slide to ingest: 0 slide file(s) found, 1 left out; first left out: {tmp_path / 'empty' / 'slide_a'}" in capsys.readouterr().err
+    (tmp_path / "t.csv").write_text("".join(f"2,bag{b},{b}.0\n" for b in range(6)))  # label 2 on every bag
+    table = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
+    assert main(["ingest", table]) == 1
+    err = capsys.readouterr().err
+    assert "no bag ingested" in err and "all 6 input(s) skipped (first: bag0: MissingLabelError: bag label must be" in err
+
+    workdir, reports, configs = demo_run
+    model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())
+    training_store = workdir / "stores" / "wsi.zarr"
+
+    def predictions_in(store):
+        group = zarr.open_group(str(store), mode="r")
+        return sorted(group["predictions"].group_keys()) if "predictions" in group else []
+
+    before = predictions_in(training_store)
+    assert main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir / "raw" / "wsi-heldout"),
+                 "--store", str(training_store)]) == 1
+    assert "DuplicateIdError: bag id already in the store" in capsys.readouterr().err
+    assert predictions_in(training_store) == before
 
 
 def test_the_gibbs_reference_trains_and_predicts_through_the_pipeline_from_the_config(tmp_path, cohort):

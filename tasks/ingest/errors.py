@@ -57,3 +57,7 @@ class InvalidSeriesError(IngestError):
 
 class LabelChangedError(IngestError):
     """A bag already in the store whose labels file now gives another label (binary or original)."""
+
+
+class NothingIngestedError(IngestError):
+    """An ingest whose source gave the store no bag: every input skipped, or none found."""

@@ -437,6 +437,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     if needs_fit(extractor):
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
+        elif not items:
+            first = f"; first left out: {skipped[0].path}: {skipped[0].reason}" if skipped else ""
+            raise IngestError(f"no slide to ingest: {len(paths)} slide file(s) found, {len(skipped)} left out{first}",
+                              path=str(slides) if listed else None)
         else:
             extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=4,
@@ -488,5 +492,6 @@ def _fit_sample(items: Sequence[IngestItem], params: TilingParams, n_tiles: int,
         if used == 8 or sum(map(len, tiles)) >= n_tiles:
             break
     if not tiles:
-        raise IngestError("no readable slide with tissue to fit the feature extractor on")
+        raise IngestError(f"none of the {len(items)} slide(s) gave a tile with tissue to fit the feature extractor on "
+                          f"(unreadable, or smaller than one {params.tile_size}-px tile, or under min_tissue_fraction)")
     return np.concatenate(tiles)[:n_tiles]
