@@ -128,6 +128,9 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
+    written = [("output_dir", config.output_dir)] + ([("--store" if store else "store", store or config.store)] if ingests else [])
+    problems += [f"{field}: {path} is not a folder" for field, path in written if path is not None and Path(path).exists()
+                 and not Path(path).is_dir()]  # folders the stage writes into may be new, never a file
     if stage in ("predict", "evaluate"):
         problems.append(_model_dir_problem(model_dir))
     if stage == "evaluate" and prediction_key is not None and not any(problems):

@@ -79,7 +79,7 @@ def summary(stage: str, result: Any) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _checked(args, "run")
+    _checked(args, "run", store=_abs(args.store))
     from flows.pipeline import pipeline
 
     for stage, result in pipeline(str(args.config), store=_abs(args.store), source=_abs(args.source)).items():
@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    _checked(args, "ingest")
+    _checked(args, "ingest", store=_abs(args.store))
     from flows.pipeline import ingest_cohort
 
     print(summary("ingest", ingest_cohort(str(args.config), store=_abs(args.store), source=_abs(args.source))))

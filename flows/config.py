@@ -29,7 +29,17 @@ class ConfigError(ValueError):
 class _ConfigLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that also reads YAML 1.2 floats: PyYAML follows YAML 1.1, where ``1e12``
     and ``1e-6`` (no decimal point) are strings, so ``H: 1e12`` or ``tol: 1e-6`` would reach the
-    estimator as text."""
+    estimator as text. A key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one section",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _ConfigLoader.add_implicit_resolver(
@@ -429,6 +439,8 @@ def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | 
         raw = yaml.load(path.read_text(), Loader=_ConfigLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not a readable YAML text file ({type(error).__name__}: {error})") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(raw, dict):

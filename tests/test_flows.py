@@ -283,16 +283,35 @@ def test_a_bad_config_or_a_missing_input_fails_in_one_line_before_prefect_or_mil
     missing = tmp_path / "missing.yaml"
     missing.write_text(yaml.safe_dump({"store": str(tmp_path / "s.zarr"), "output_dir": "out",
                                        "ingest": {"kind": "wsi", "source": "slides", "labels": "labels.csv"}}))
+    a_file, binary = tmp_path / "a_file", tmp_path / "binary.yaml"
+    a_file.write_text("not a folder")
+    binary.write_bytes(bytes(range(128, 256)))
+    (tmp_path / "t.csv").write_text("0,a,1.0\n1,b,2.0\n")
+    for folder in ("t", "o"):  # one config file per folder
+        (tmp_path / folder).mkdir()
+    table_config = write_config(tmp_path / "t", tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
+    file_output = write_config(tmp_path / "o", cohort, output_dir=str(a_file))
     probe = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
              "print(rc, sorted(m for m in ('prefect', 'mil_core', 'distributed') if m in sys.modules))")
     for args, message in [(["run", bad], f"gpmil: {bad}: training.mode: Input should be 'auto', 'persist' or 'stream'"),
                           (["ingest", str(missing)], f"gpmil: {missing}: ingest.source: {tmp_path / 'slides'} does not exist; "
                                                      f"ingest.labels: {tmp_path / 'labels.csv'} does not exist"),
                           (["train", str(missing), "--store", str(tmp_path / "none.zarr")],
-                           f"gpmil: {missing}: --store: {tmp_path / 'none.zarr'} does not exist")]:
+                           f"gpmil: {missing}: --store: {tmp_path / 'none.zarr'} does not exist"),
+                          (["ingest", table_config, "--store", str(a_file)], f"gpmil: {table_config}: --store: {a_file} is not a folder"),
+                          (["run", file_output], f"gpmil: {file_output}: output_dir: {a_file} is not a folder"),
+                          (["run", str(binary)], f"gpmil: {binary}: not a readable YAML text file (UnicodeDecodeError"),
+                          (["run", str(tmp_path)], f"gpmil: {tmp_path}: not a readable YAML text file (IsADirectoryError")]:
         done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
         assert done.stdout.strip() == "2 []", done.stderr
         assert done.stderr.count("\n") == 1 and done.stderr.startswith(message) and "Traceback" not in done.stderr
+
+
+def test_a_key_given_twice_in_a_config_section_is_refused_naming_it(tmp_path, cohort):
+    path = Path(write_config(tmp_path, cohort))
+    path.write_text(path.read_text() + "name: other\n")
+    with pytest.raises(ConfigError, match=r"key 'name' given twice in one section"):
+        load_config(path)
 
 
 @pytest.fixture(scope="module")
