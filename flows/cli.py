@@ -162,8 +162,7 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
     table = read_mil_csv(path, dtype=np.float64)  # an unreadable, empty or featureless file: an IngestError naming it
     if table.row_problems:
         first = min(table.row_problems)
-        raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such row(s); "
-                         "a header line? the table has none)")
+        raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such row(s))")
     nonfinite = np.flatnonzero(~np.isfinite(table.X).all(axis=1))
     if nonfinite.size:
         raise ValueError(f"{path}: row {nonfinite[0]} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "

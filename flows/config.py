@@ -183,6 +183,13 @@ class IngestConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _labels_apply(self) -> IngestConfig:
+        if self.kind == "features" and self.labels is not None:
+            raise ValueError("labels applies to ingest.kind wsi, ct, h5 and npy; a feature table ('features') carries each "
+                             "row's bag label in its own label column")
+        return self
+
+    @model_validator(mode="after")
     def _original_label_column_fits(self) -> IngestConfig:
         column = self.original_label_column
         if column is None:

@@ -50,7 +50,7 @@ def _cell(row: int, column: int, value: str):
 
 BAD_TABLES = {
     "a cell that is not a number": (_cell(7, 3, "abc"), "row 7, column 3: 'abc' is not a number"),
-    "a header line": (lambda rows: [["label", "bag", "f1", "f2", "f3"], *rows], "row 0, column 2: 'f1' is not a number"),
+    "a header line": (lambda rows: [["label", "bag", "f1", "f2", "f3"], *rows], "row 0 (label, bag, f1, f2, …) looks like a header"),
     "a NaN feature": (_cell(12, 4, "nan"), "row 12 (bag 'slide-02') has empty, NaN or infinite features"),
     "a short row": (lambda rows: [*rows[:3], rows[3][:-1], *rows[4:]], "row 3 (bag 'slide-00') has empty, NaN or infinite features"),
     "labels that differ within a bag": (_cell(1, 0, "1"), "bag 'slide-00' has instances with different bag labels"),

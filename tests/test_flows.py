@@ -100,6 +100,9 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, dask={"adapt_kwargs": {"minimum": 0, "maximum": 4}}))
     with pytest.raises(ConfigError, match=r"dask: .*either scheduler_address .* or cluster_class"):
         load_config(write_config(tmp_path, cohort, dask={"scheduler_address": "tcp://h:8786", "cluster_class": "distributed.LocalCluster"}))
+    with pytest.raises(ConfigError, match=r"ingest: .*labels applies to ingest.kind wsi, ct, h5 and npy; a feature table"):
+        load_config(write_config(tmp_path, cohort, ingest={"kind": "features", "source": "t.csv",
+                                                           "labels": {"file": "c.csv", "id_column": "a", "label_column": "b"}}))
     assert not (tmp_path / "out").exists()
 
 

@@ -170,6 +170,9 @@ def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(
     csv = tmp_path / "ids.csv"
     csv.write_text("0,00123,1.0\n0,0123,2.0\n1,07,3.0\n1,07,4.0\n")
     assert list(read_mil_csv(csv).bag_ids) == ["00123", "0123", "07", "07"]
+    csv.write_text("label,bag,f1\n0,a,1.0\n")
+    with pytest.raises(IngestError, match=r"row 0 \(label, bag, f1, …\) looks like a header: a MIL CSV has none"):
+        read_mil_csv(csv)
     csv.write_text("0,a,1.0\n0,,2.0\n")
     with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[1\].*ids.csv"):
         read_mil_csv(csv)

@@ -75,6 +75,12 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     if bag_column not in table.columns or label_column not in table.columns:
         raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
                           "(comma-separated, no header)", path=str(path))
+    labels = pd.to_numeric(table[label_column], errors="coerce")
+    if len(table) > 1 and np.isnan(labels.iloc[0]) and labels.iloc[1:].notna().all():
+        raise IngestError(f"row 0 ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
+                          "(bag label, bag id, features…); remove the first line", path=str(path))
+    if labels.notna().all():  # numbers, also where a stray cell made pandas read the column as text
+        table[label_column] = labels
     if original_label_column is not None and original_label_column not in table.columns:
         raise IngestError(f"CSV table has no column {original_label_column} (original_label_column; columns 0 to "
                           f"{len(table.columns) - 1})", path=str(path))
