@@ -199,3 +199,21 @@ def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(
     pd.DataFrame({"bag_id": [None, *ids[1:]], "label": labels, "f0": 1.0}).to_parquet(tmp_path / "nullid.parquet")
     with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[0\]"):
         read_parquet_table(tmp_path / "nullid.parquet")
+
+
+def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_hold(tmp_path):
+    """Ids that differ from the file stems by a suffix or spaces, or not at all alike: the error
+    counts the files and names the first one left out with the labels file's near id."""
+    from tasks.ingest.errors import IngestError
+
+    (tmp_path / "h5").mkdir()
+    for i in range(2):
+        with h5py.File(tmp_path / "h5" / f"slide{i}.h5", "w") as handle:
+            handle["features"] = np.zeros((3, 4), np.float32)
+    for rows, hint in [("slide0.svs,1\nslide1.svs,0\n", "it has 'slide0.svs': ids must equal the file stem"),
+                       (" slide0 ,1\n slide1 ,0\n", "it has ' slide0 '"),
+                       ("other0,1\nother1,0\n", "its ids look like 'other0', 'other1'")]:
+        (tmp_path / "clin.csv").write_text("slide_id,label\n" + rows)
+        with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, 2 left out; first left out: "
+                                              rf"slide0: no label in .*clin.csv \({hint}"):
+            ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=tmp_path / "clin.csv")

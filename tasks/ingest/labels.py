@@ -51,13 +51,18 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     the labels file's value); unlabelled or badly labelled bags are skipped."""
     originals = originals or {}
     items, skipped = [], []
+    near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, built at the first miss
     for bag_id, source, payload in candidates:
         if labels is None:
             items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
             continue
         label = labels.get(bag_id)
         if label is None:
-            label = MissingLabelError(f"no label in {labels_path}", path=source, bag_id=bag_id)
+            near_ids = {Path(str(key).strip()).stem: key for key in labels} if near_ids is None else near_ids
+            near = near_ids.get(bag_id)
+            hint = (f" (it has {near!r}: ids must equal the file stem, without spaces or suffixes)" if near is not None else
+                    f" (its ids look like {', '.join(repr(k) for k in list(labels)[:2])})" if labels else "")
+            label = MissingLabelError(f"no label in {labels_path}{hint}", path=source, bag_id=bag_id)
         if isinstance(label, Exception):
             skipped.append(Skipped.from_error(label, IngestItem(bag_id, source, UNKNOWN_LABEL)))
         else:
