@@ -57,7 +57,7 @@ def _original_label_column_problem(path: Path | str | None, column: str | int | 
 
 def _model_dir_problem(model_dir: Path | str | None) -> str | None:
     """A model folder ``gpmil train`` did not finish writing: ``model.json`` unreadable or without
-    the fields every stage reads, or no ``model.npz`` (written last)."""
+    the training store every stage reads, or no ``model.npz`` (written last)."""
     if model_dir is None or not (Path(model_dir) / "model.json").is_file():
         return None  # its absence is reported with the paths
     meta_path, arrays = Path(model_dir) / "model.json", Path(model_dir) / "model.npz"
@@ -65,9 +65,8 @@ def _model_dir_problem(model_dir: Path | str | None) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         return f"MODEL_DIR: {meta_path} is not readable JSON ({error}); retrain to rewrite the model folder"
-    missing = sorted({"model", "store"} - set(meta)) if isinstance(meta, dict) else ["model", "store"]
-    if missing:
-        return f"MODEL_DIR: {meta_path} lacks {', '.join(missing)}: not a model folder written by gpmil train"
+    if not isinstance(meta, dict) or "store" not in meta:  # every stage reads the training store from it
+        return f"MODEL_DIR: {meta_path} lacks store: not a model folder written by gpmil train"
     if not arrays.is_file() and not (Path(model_dir) / "model.pkl").is_file():  # a pickle is refused, naming it, at load
         return f"MODEL_DIR: {arrays} is missing (training did not finish?); retrain"
     return None

@@ -507,7 +507,7 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
     for name, damage, message in [
         ("no-arrays", lambda d: (d / "model.npz").unlink(), "model.npz is missing (training did not finish?)"),
         ("cut-json", lambda d: (d / "model.json").write_text((d / "model.json").read_text()[:40]), "model.json is not readable JSON"),
-        ("empty-json", lambda d: (d / "model.json").write_text("{}"), "model.json lacks model, store"),
+        ("empty-json", lambda d: (d / "model.json").write_text("{}"), "model.json lacks store"),
     ]:
         damaged = tmp_path / name
         shutil.copytree(model_dir, damaged)
