@@ -104,6 +104,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.labels and not args.source:
+        print("gpmil predict: --labels gives the labels of a --source folder; a store's bags keep the labels they were "
+              "ingested with", file=sys.stderr)
+        return 2
     config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_abs(args.model_dir))
     from flows.pipeline import predict_cohort
     from tasks import report

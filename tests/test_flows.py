@@ -499,6 +499,15 @@ def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_b
     assert f"Cohort `{workdir / 'stores' / 'wsi-heldout.zarr'}`" in report.read_text()
 
 
+def test_predict_refuses_labels_without_a_source_folder(demo_run, capsys):
+    from flows.cli import main
+
+    workdir, reports, configs = demo_run
+    model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())
+    assert main(["predict", str(configs["wsi"]), str(model_dir), "--labels", str(workdir / "raw" / "wsi-heldout" / "labels.csv")]) == 2
+    assert "--labels gives the labels of a --source folder" in capsys.readouterr().err
+
+
 def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo_run, tmp_path, capsys):
     from flows.cli import main
 
