@@ -38,7 +38,8 @@ def test_a_labels_file_gives_targets_originals_and_per_row_errors(tmp_path):
     assert isinstance(labels["c"], MissingLabelError) and "empty grade" in labels["c"].reason
     assert isinstance(labels["d"], DuplicateIdError)
     by_value = LabelSpec(str(path), id_column="case", label_column="dx", positive=["tumor"]).read()[0]
-    assert (by_value["a"], by_value["b"], by_value["e"]) == (0, 1, 0)  # values compare exactly
+    assert (by_value["a"], by_value["b"]) == (0, 1)  # values compare exactly; a near miss is refused, not negative
+    assert isinstance(by_value["e"], MissingLabelError) and "'Tumor' differs from the positive value 'tumor' only in case" in by_value["e"].reason
     numeric = LabelSpec(str(path), id_column="case", label_column="grade", positive=[2, 4]).read()[0]
     assert (numeric["b"], numeric["e"]) == (1, 0)  # 2.0 read from CSV matches 2
     with pytest.raises(IngestError, match=r"no column\(s\) \['stage'\]"):

@@ -219,6 +219,7 @@ class LabelSpec:
             return TargetExpression(self.target)
         if self.positive is not None:
             positives = {str(v) for v in self.positive}
+            folded = {p.strip().casefold(): p for p in positives}  # 'Tumor', 'tumor ' are typos, not negatives
             column = self.label_column
 
             def in_positives(row: dict[str, Any]) -> int:
@@ -226,6 +227,9 @@ class LabelSpec:
                     raise ValueError(f"empty {column}")
                 value = row[column]
                 text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+                if text not in positives and text.strip().casefold() in folded:
+                    raise ValueError(f"{column} {text!r} differs from the positive value {folded[text.strip().casefold()]!r} "
+                                     "only in case or spaces: correct it, or list it under positive")
                 return int(text in positives)
             return in_positives
         return lambda row: binary(row[self.label_column])
