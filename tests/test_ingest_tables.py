@@ -217,3 +217,22 @@ def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_
         with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, 2 left out; first left out: "
                                               rf"slide0: no label in .*clin.csv \({hint}"):
             ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=tmp_path / "clin.csv")
+
+
+def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_path):
+    """A pickled inst_labels file is named (not the features file it sits beside); instance labels
+    outside 0/1/-1 and an empty features file are refused per bag; the other bags are ingested."""
+    for folder in ("features", "labels", "inst_labels"):
+        (tmp_path / folder).mkdir()
+    for i in range(4):
+        np.save(tmp_path / "features" / f"b{i}.npy", np.ones((0 if i == 3 else 3, 2), np.float32))
+        np.save(tmp_path / "labels" / f"b{i}.npy", np.array(i % 2))
+        np.save(tmp_path / "inst_labels" / f"b{i}.npy", np.array([0, 7, 0]) if i == 2 else np.zeros(3 if i < 3 else 0, int))
+    np.save(tmp_path / "inst_labels" / "b1.npy", np.array([{"x": 1}] * 3, dtype=object), allow_pickle=True)
+    report = ingest_bag_files(tmp_path / "t.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                              inst_labels_dir=tmp_path / "inst_labels")
+    reasons = {s.bag_id: (s.path, s.reason) for s in report.skipped}
+    assert report.added == ("b0",) and set(reasons) == {"b1", "b2", "b3"}, reasons
+    assert reasons["b1"][0].endswith("inst_labels/b1.npy") and "cannot read .npy" in reasons["b1"][1]
+    assert reasons["b2"][0].endswith("inst_labels/b2.npy") and "found [0, 7]" in reasons["b2"][1]
+    assert "features of shape (0, 2)" in reasons["b3"][1]

@@ -25,18 +25,22 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
     ``coords`` ((N, k)); features are memory-mapped and copied ``batch_rows`` rows at a time.
     """
     paths = item.payload
-    try:
-        features = np.load(paths["features"], mmap_mode="r")
-        inst = np.load(paths["inst_labels"]) if paths.get("inst_labels") else None
-        coords = np.load(paths["coords"]) if paths.get("coords") else None
-    except Exception as error:
-        raise UnreadableFileError(f"cannot read .npy: {type(error).__name__}: {error}", path=item.source) from error
-    if features.ndim != 2:
-        raise FeatureDimensionError(f"features of shape {features.shape}; expected (N, D)", path=item.source)
+    arrays: dict[str, np.ndarray | None] = {}
+    for name in ("features", "inst_labels", "coords"):  # each file named when it is the one that fails
+        try:
+            arrays[name] = None if not paths.get(name) else np.load(paths[name], mmap_mode="r" if name == "features" else None)
+        except Exception as error:
+            raise UnreadableFileError(f"cannot read .npy: {type(error).__name__}: {error}", path=paths[name]) from error
+    features, inst, coords = arrays["features"], arrays["inst_labels"], arrays["coords"]
+    if features.ndim != 2 or features.shape[0] == 0:
+        raise FeatureDimensionError(f"features of shape {features.shape}; expected (N, D) with N >= 1", path=item.source)
     n = features.shape[0]
     for name, array in (("inst_labels", inst), ("coords", coords)):
-        if array is not None and array.shape[0] != n:
-            raise FeatureDimensionError(f"{name} has {array.shape[0]} rows for {n} instances", path=paths[name])
+        if array is not None and (array.ndim == 0 or array.shape[0] != n):
+            raise FeatureDimensionError(f"{name} of shape {array.shape} for {n} instances", path=paths[name])
+    if inst is not None and not np.isin(inst, (-1, 0, 1)).all():
+        raise IngestError(f"instance labels must be 0, 1 or -1 (unknown), found {np.unique(inst)[:5].tolist()}",
+                          path=paths["inst_labels"])
     for start in range(0, n, batch_rows):
         rows = slice(start, min(n, start + batch_rows))
         count = rows.stop - rows.start
