@@ -236,3 +236,18 @@ def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_p
     assert reasons["b1"][0].endswith("inst_labels/b1.npy") and "cannot read .npy" in reasons["b1"][1]
     assert reasons["b2"][0].endswith("inst_labels/b2.npy") and "found [0, 7]" in reasons["b2"][1]
     assert "features of shape (0, 2)" in reasons["b3"][1]
+
+
+def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_path):
+    """TRIDENT writes (1, N, 2) coords beside (1, N, D) features: both lose the batch axis; a file
+    with no patch is skipped saying so."""
+    (tmp_path / "h5").mkdir()
+    xy = np.arange(10).reshape(1, 5, 2) * 256
+    for name, n, coords in (("batched", 5, xy), ("empty", 0, np.zeros((0, 2)))):
+        with h5py.File(tmp_path / "h5" / f"{name}.h5", "w") as handle:
+            handle["features"] = np.ones((1, n, 3), np.float32)
+            handle["coords"] = coords
+    report = ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=None)
+    assert report.added == ("batched",) and [s.bag_id for s in report.skipped] == ["empty"]
+    assert "'features' has shape (1, 0, 3): no patch" in report.skipped[0].reason
+    np.testing.assert_array_equal(open_cohort(tmp_path / "s.zarr").read_bags(0, 1).coords, xy[0])

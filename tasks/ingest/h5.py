@@ -51,13 +51,17 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
         with h5py.File(item.source, "r") as handle:
             features, batched = _h5_features(handle, item.source)
             n = features.shape[-2]
+            if n == 0:
+                raise FeatureDimensionError(f"'features' has shape {features.shape}: no patch", path=item.source)
             coords = handle["coords"] if "coords" in handle else None
-            if coords is not None and coords.shape[0] != n:
-                raise FeatureDimensionError(f"{coords.shape[0]} coords for {n} feature rows", path=item.source)
+            coords_batched = coords is not None and coords.ndim == 3 and coords.shape[0] == 1  # (1, N, 2), like features
+            if coords is not None and coords.shape[int(coords_batched)] != n:
+                raise FeatureDimensionError(f"'coords' of shape {coords.shape} for {n} feature rows", path=item.source)
             for start in range(0, n, batch_rows):
                 rows = slice(start, min(n, start + batch_rows))
                 block = features[0, rows] if batched else features[rows]
-                xy = np.zeros((len(block), 2), dtype=np.int64) if coords is None else np.asarray(coords[rows]).reshape(len(block), -1)
+                xy = (np.zeros((len(block), 2), dtype=np.int64) if coords is None else
+                      np.asarray(coords[0, rows] if coords_batched else coords[rows]).reshape(len(block), -1))
                 writer.write(np.asarray(block, dtype=np.float32), xy, np.full(len(block), -1, dtype=np.int8))
     except IngestError:
         raise
