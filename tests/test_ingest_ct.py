@@ -180,3 +180,14 @@ def test_a_ct_store_keeps_no_bag_without_its_slice_uids(tmp_path):
     with pytest.raises(FeatureDimensionError, match="keeps instance ids \\(SOPInstanceUID\\)"):
         append_bags(tmp_path / "ct.zarr", [BagData("x", 0, "/x", bag.features, bag.coords, bag.instance_labels)])
     assert open_cohort(tmp_path / "ct.zarr").n_bags == 1
+
+
+def test_a_slice_label_other_than_0_or_1_names_the_slice_and_its_value(tmp_path):
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=4, size=16, seed=4)
+    labels = pd.read_csv(tmp_path / "dicom" / "labels.csv")
+    wrong = f"ID_{scans[0].sop_uids[2]}_any"
+    labels.loc[labels["ID"] == wrong, "Label"] = 2
+    labels.to_csv(tmp_path / "labels.csv", index=False)
+    report = ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
+    (skipped,) = report.skipped
+    assert skipped.bag_id == scans[0].series_uid and f"gives {wrong} = 2 (slice file {Path(scans[0].paths[2]).name})" in skipped.reason

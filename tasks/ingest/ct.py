@@ -297,8 +297,10 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
             continue
         instance = np.array([subtypes.get(uid, {}).get("any", UNKNOWN_LABEL) for uid in s.sop_uids])
         if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
-            skipped.append(Skipped.from_error(MissingLabelError("slice labels must be 0 or 1", path=source,
-                                                                bag_id=s.series_uid)))
+            bad = int(np.flatnonzero(~np.isin(instance, (UNKNOWN_LABEL, 0, 1)))[0])
+            skipped.append(Skipped.from_error(MissingLabelError(
+                f"slice labels must be 0 or 1; {labels_csv} gives ID_{s.sop_uids[bad]}_any = {instance[bad]} "
+                f"(slice file {Path(s.files[bad]).name})", path=source, bag_id=s.series_uid)))
             continue
         if not (instance == 1).any() and (instance == UNKNOWN_LABEL).any():
             skipped.append(Skipped.from_error(MissingLabelError(
