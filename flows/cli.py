@@ -111,6 +111,7 @@ def _predict(args: argparse.Namespace) -> int:
     config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_abs(args.model_dir))
     from flows.pipeline import predict_cohort
     from tasks import report
+    from tasks.ingest.driver import Skipped
 
     result = predict_cohort(str(args.config), _abs(args.model_dir), store=_abs(args.store), source=_abs(args.source),
                             labels=_abs(args.labels))
@@ -125,7 +126,7 @@ def _predict(args: argparse.Namespace) -> int:
     table = report.bag_table(store, result.key, threshold=config.prediction.threshold)
     print(report.summary_text(table, threshold=config.prediction.threshold, metrics=result.info.get("metrics"), where=where))
     for skipped in result.info.get("skipped", []):
-        print(f"skipped {skipped['path']}: {skipped['error']}: {skipped['reason']}")
+        print(f"skipped {Skipped(**skipped).line()}")
     return 0
 
 

@@ -228,7 +228,7 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
         create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
         for s in result.skipped:
-            logger.warning("skipped %s (%s): %s", s.path, s.error, s.reason)
+            logger.warning("skipped %s", s.line())
     logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(result.added),
                 result.n_instances_added, len(result.already_done), len(result.skipped))
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)

@@ -251,3 +251,12 @@ def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_pat
     assert report.added == ("batched",) and [s.bag_id for s in report.skipped] == ["empty"]
     assert "'features' has shape (1, 0, 3): no patch" in report.skipped[0].reason
     np.testing.assert_array_equal(open_cohort(tmp_path / "s.zarr").read_bags(0, 1).coords, xy[0])
+
+
+def test_a_skipped_input_names_its_bag_where_the_path_does_not():
+    from tasks.ingest.driver import Skipped
+
+    row = Skipped(path="/data/labels.csv", bag_id="slide_7", error="MissingLabelError", reason="unusable label")
+    file = Skipped(path="/data/slides/slide_8.svs", bag_id="slide_8", error="UnreadableFileError", reason="truncated")
+    assert row.line() == "/data/labels.csv [bag slide_7]: MissingLabelError: unusable label"
+    assert file.line() == "/data/slides/slide_8.svs: UnreadableFileError: truncated"

@@ -81,6 +81,12 @@ class Skipped:
         reason = getattr(error, "reason", None) or str(error)
         return cls(path=path, bag_id=bag_id, error=type(error).__name__, reason=reason)
 
+    def line(self) -> str:
+        """``<path> [bag <id>]: <error>: <reason>``; the bag only where the path does not name it
+        (a row of a labels file, a series in a DICOM folder)."""
+        bag = f" [bag {self.bag_id}]" if self.bag_id and self.bag_id != Path(self.path or "").stem else ""
+        return f"{self.path}{bag}: {self.error}: {self.reason}"
+
 
 @dataclass(frozen=True)
 class IngestReport:
