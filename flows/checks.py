@@ -1,5 +1,7 @@
 """A run's inputs checked before anything starts (no Prefect server, no cluster, no retries):
-every file and folder the stage reads exists and is of the right kind.
+every file and folder the stage reads exists and is of the right kind, the folders it writes into
+are not files, a model folder is complete, and ``evaluate``'s key names a complete prediction of
+its store by its model.
 
 The CLI calls :func:`check_inputs` right after loading the configuration; each flow calls it
 again first thing, so a deployment's run with a missing input fails at once too. Problems raise
@@ -74,7 +76,8 @@ def _model_dir_problem(model_dir: Path | str | None) -> str | None:
 
 def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None) -> str | None:
     """``evaluate``'s PREDICTION_KEY: a complete ``predictions/<key>`` of ``store``, made with
-    ``model_dir`` where the prediction recorded its model (``model_key``, since session 41)."""
+    ``model_dir`` where the prediction recorded its model (``model_key``; an older prediction
+    without it is not checked for its model)."""
     import zarr
 
     if key in ("", ".", "..") or "/" in key or "\\" in key:
