@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import tifffile
 
 from tasks.ingest.driver import run_ingest
 from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
@@ -70,16 +71,20 @@ def test_slide_ingest_reports_bad_inputs_and_ingests_the_others(slides, tmp_path
     shutil.copytree(folder, work)
     write_slide(work / "blank.tiff", np.zeros((32, 48), dtype=np.uint8), seed=1)
     write_slide(work / "nolabel.tiff", generated[0].label_map, seed=2)
+    tifffile.imwrite(work / "tiny.tiff", np.full((20, 30, 3), 120, np.uint8))  # smaller than one tile
     labels = pd.read_csv(work / "labels.csv")
-    extra = pd.DataFrame({"image_id": ["blank", "slide_00001"], "data_provider": "x", "isup_grade": [0, 3],
-                          "gleason_score": ["0+0", "4+3"]})
+    extra = pd.DataFrame({"image_id": ["blank", "slide_00001", "tiny"], "data_provider": "x", "isup_grade": [0, 3, 0],
+                          "gleason_score": ["0+0", "4+3", "0+0"]})
     pd.concat([labels, extra]).to_csv(work / "labels.csv", index=False)  # slide_00001 now listed twice
 
     report = ingest_slides(tmp_path / "s.zarr", work, labels_csv=work / "labels.csv", qc_dir=tmp_path / "qc")
 
     problems = {s.bag_id: s.error for s in report.skipped}
-    assert problems == {"corrupt_00000": "UnreadableFileError", "blank": "NoTissueError",
+    assert problems == {"corrupt_00000": "UnreadableFileError", "blank": "NoTissueError", "tiny": "NoTissueError",
                         "nolabel": "MissingLabelError", "slide_00001": "DuplicateIdError"}
+    reasons = {s.bag_id: s.reason for s in report.skipped}
+    assert reasons["blank"] == "no tile has >= 50% tissue"
+    assert reasons["tiny"] == "the slide (30 × 20 px at level 0) is smaller than one tile (256 level-0 px); lower ingest.tile_size"
     assert all(s.path.endswith(".tiff") or s.path.endswith("labels.csv") for s in report.skipped)
     written = json.loads(Path(report.report_path).read_text())
     assert {s["bag_id"] for s in written["skipped"]} == set(problems)

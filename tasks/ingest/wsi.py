@@ -375,7 +375,11 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
             grid, thumbnail = tile_grid(slide, params), None
             batches = ((extractor(tiles), coords) for tiles, coords in iter_tile_batches(slide, grid, batch_size))
         if not len(grid.coords):
-            raise NoTissueError(f"no tile has >= {params.min_tissue:.0%} tissue", path=item.source, bag_id=item.bag_id)
+            rows, cols = grid.shape
+            why = (f"the slide ({slide.level_shapes[0][1]} × {slide.level_shapes[0][0]} px at level 0) is smaller than one "
+                   f"tile ({grid.geometry.side0:g} level-0 px); lower ingest.tile_size" if rows * cols == 0 else
+                   f"no tile has >= {params.min_tissue:.0%} tissue")
+            raise NoTissueError(why, path=item.source, bag_id=item.bag_id)
         if qc_dir is not None:
             write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid, thumbnail=thumbnail)
         for batch_features, coords in batches:
