@@ -244,9 +244,17 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
         "tiling": spec.tiling, "instance_ids": spec.instance_ids,
     })
     for key in _COMPATIBLE_ATTRS:
-        if attrs.get(key) != wanted[key]:
+        have, want = attrs.get(key), wanted[key]
+        if have != want:
             error = FeatureDimensionError if key == "n_features" else StoreMismatchError
-            raise error(f"store has {key}={attrs.get(key)!r}, this ingest has {wanted[key]!r}", path=path)
+            if isinstance(have, dict) and isinstance(want, dict):  # name the settings that differ, not both dicts
+                fields = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+                detail = ", ".join(f"{key}.{k}: store {have.get(k)!r}, this ingest {want.get(k)!r}" for k in fields)
+            else:
+                detail = f"store has {key}={have!r}, this ingest has {want!r}"
+            hint = ("; a store holds one kind of cohort (slides, CT, features): ingest into another store"
+                    if key in ("coords_dim", "coords_meaning") else "; ingest into a new store for other settings")
+            raise error(detail + hint, path=path)
     stored, given = attrs.get("labels") or {}, _as_json(spec.labels) or {}
     changed = [k for k in ("column", "target", "positive") if stored and given and stored.get(k) != given.get(k)]
     if changed:  # the stored original labels would mean two things

@@ -206,3 +206,19 @@ def test_the_direct_append_and_the_staging_writer_check_instance_ids_alike(tmp_p
         with pytest.raises(FeatureDimensionError, match=rf"instance ids of shape \({bag.n_instances - 1},\) for {bag.n_instances}"):
             append_bags(path, [dataclasses.replace(bag, instance_ids=np.array(["u"] * (bag.n_instances - 1)))])
     assert open_cohort(path).n_bags == 0
+
+
+def test_a_store_with_other_settings_names_the_setting_that_differs(tmp_path, spec):
+    """Changed tiling: the field and both values, not two whole dicts; another kind of cohort: say
+    that a store holds one kind."""
+    import dataclasses
+
+    from tasks.ingest.errors import StoreMismatchError
+    from tasks.store import open_or_create_cohort
+
+    tiled = dataclasses.replace(spec, tiling={"tile_size": 128, "level": 0, "min_tissue": 0.5})
+    open_or_create_cohort(tmp_path / "s.zarr", tiled)
+    with pytest.raises(StoreMismatchError, match=r"^tiling.tile_size: store 128, this ingest 64; ingest into a new store"):
+        open_or_create_cohort(tmp_path / "s.zarr", dataclasses.replace(spec, tiling={**tiled.tiling, "tile_size": 64}))
+    with pytest.raises(StoreMismatchError, match=r"store has coords_dim=2, this ingest has 1; a store holds one kind of cohort"):
+        open_or_create_cohort(tmp_path / "s.zarr", dataclasses.replace(tiled, coords_dim=1))
