@@ -39,7 +39,7 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
         if array is not None and (array.ndim == 0 or array.shape[0] != n):
             raise FeatureDimensionError(f"{name} of shape {array.shape} for {n} instances", path=paths[name])
     if inst is not None and not np.isin(inst, (-1, 0, 1)).all():
-        raise IngestError(f"instance labels must be 0, 1 or -1 (unknown), found {np.unique(inst)[:5].tolist()}",
+        raise MissingLabelError(f"instance labels must be 0, 1 or -1 (unknown), found {np.unique(inst)[:5].tolist()}",
                           path=paths["inst_labels"])
     for start in range(0, n, batch_rows):
         rows = slice(start, min(n, start + batch_rows))
