@@ -236,6 +236,13 @@ def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_p
     assert reasons["b1"][0].endswith("inst_labels/b1.npy") and "cannot read .npy" in reasons["b1"][1]
     assert reasons["b2"][0].endswith("inst_labels/b2.npy") and "found [0, 7]" in reasons["b2"][1]
     assert "features of shape (0, 2)" in reasons["b3"][1]
+    for i in range(4):  # now no bag has a usable label
+        np.save(tmp_path / "labels" / f"b{i}.npy", np.array(2))
+    from tasks.ingest.errors import IngestError
+
+    with pytest.raises(IngestError, match=r"4 .npy file\(s\) found, 4 left out; first left out: b0: unusable label file"):
+        ingest_bag_files(tmp_path / "u.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                         inst_labels_dir=tmp_path / "inst_labels")
 
 
 def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_path):
