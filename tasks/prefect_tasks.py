@@ -30,7 +30,7 @@ from mil_core import EmbeddedGPMIL, persist
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
-from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
 from tasks.ingest.errors import NothingIngestedError
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
@@ -291,13 +291,10 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
 def _nothing_ingested(config: PipelineConfig, info: dict[str, Any]) -> str:
     """Why an ingest added no bag and found none done before, from its report's ``info``."""
     where = f"ingest.source {config.ingest.source}: no bag ingested into {config.store}"
-    skipped = info.get("skipped", [])
+    skipped = [Skipped(**s) for s in info.get("skipped", [])]
     if not skipped:
         return f"{where}: no {config.ingest.kind} input found there"
-    first = skipped[0]
-    named = first.get("bag_id") or first.get("path")
-    return (f"{where}: all {len(skipped)} input(s) skipped (first: {named}: {first.get('error')}: {first.get('reason')}); "
-            f"the ingest report {info.get('report_path')} lists each")
+    return f"{where}: {summarise_left_out(f'{len(skipped)} input(s)', skipped)}; the ingest report {info.get('report_path')} lists each"
 
 
 def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> StageResult:

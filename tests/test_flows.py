@@ -542,7 +542,7 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
     table = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
     assert main(["ingest", table]) == 1
     err = capsys.readouterr().err
-    assert "no bag ingested" in err and "all 6 input(s) skipped (first: bag0: MissingLabelError: bag label must be" in err
+    assert "no bag ingested" in err and f"6 input(s), 6 left out; first left out: {tmp_path / 't.csv'} [bag bag0]: MissingLabelError: bag label must be" in err
 
     workdir, reports, configs = demo_run
     model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())

@@ -215,7 +215,7 @@ def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_
                        ("other0,1\nother1,0\n", "its ids look like 'other0', 'other1'")]:
         (tmp_path / "clin.csv").write_text("slide_id,label\n" + rows)
         with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, 2 left out; first left out: "
-                                              rf"slide0: no label in .*clin.csv \({hint}"):
+                                              rf".*slide0.h5: MissingLabelError: no label in .*clin.csv \({hint}"):
             ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=tmp_path / "clin.csv")
 
 
@@ -240,7 +240,7 @@ def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_p
         np.save(tmp_path / "labels" / f"b{i}.npy", np.array(2))
     from tasks.ingest.errors import IngestError
 
-    with pytest.raises(IngestError, match=r"4 .npy file\(s\) found, 4 left out; first left out: b0: unusable label file"):
+    with pytest.raises(IngestError, match=r"4 .npy file\(s\) found, 4 left out; first left out: .*b0.npy: MissingLabelError: unusable label file"):
         ingest_bag_files(tmp_path / "u.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
                          inst_labels_dir=tmp_path / "inst_labels")
 

@@ -88,6 +88,13 @@ class Skipped:
         return f"{self.path}{bag}: {self.error}: {self.reason}"
 
 
+def summarise_left_out(found: str, skipped: Sequence[Skipped]) -> str:
+    """``<found>, N left out; first left out: <its line>``: the tail of the message of an ingest
+    that has nothing to ingest (no slide, no .h5 or .npy file, no bag)."""
+    first = f"; first left out: {skipped[0].line()}" if skipped else ""
+    return f"{found}, {len(skipped)} left out{first}"
+
+
 @dataclass(frozen=True)
 class IngestReport:
     """What one ingest did (small: ids and skipped entries, no data)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest
+from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, labelled_items
 from tasks.store import CohortSpec
@@ -101,8 +101,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     if n_features is None:
         found = f"{len(paths)} .h5 file(s) found" + ("" if paths or not isinstance(files, (str, Path)) else
                                                      f" ({sum(1 for _ in Path(files).glob('*.hdf5'))} .hdf5: rename to .h5)")
-        first = f"; first left out: {skipped[0].bag_id or skipped[0].path}: {skipped[0].reason}" if skipped else ""
-        raise IngestError(f"no .h5 feature file to ingest: {found}, {len(skipped)} left out{first}", path=str(files))
+        raise IngestError(f"no .h5 feature file to ingest: {summarise_left_out(found, skipped)}", path=str(files))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
                       coords_meaning="x,y (level-0 pixels, as in the .h5)",
                       tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())}, labels=described)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest
+from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
 from tasks.ingest.labels import binary, labelled_items
 from tasks.store import CohortSpec
@@ -84,9 +84,8 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
         except Exception:  # reported by the worker
             continue
     if n_features is None:
-        first = f"; first left out: {skipped[0].bag_id or skipped[0].path}: {skipped[0].reason}" if skipped else ""
-        raise IngestError(f"no readable feature file to ingest: {len(feature_files)} .npy file(s) found, "
-                          f"{len(skipped)} left out{first}", path=str(features_dir))
+        raise IngestError(f"no readable feature file to ingest: {summarise_left_out(f'{len(feature_files)} .npy file(s) found', skipped)}",
+                          path=str(features_dir))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features,
                       coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index",
                       labels=None if labels_dir is None else {"file": str(labels_dir), "column": "labels/<bag>.npy",

@@ -174,12 +174,14 @@ def read_npz_table(path: str | Path) -> FeatureTable:
 def _bag_id_text(values: np.ndarray, path: str | Path) -> np.ndarray:
     """Bag ids as text (object array); a missing one (an empty cell, a null) is an error naming its
     row, not a bag called 'nan' or 'None'."""
-    values = np.asarray(values, dtype=object)
-    missing = [r for r, v in enumerate(values) if v is None or (isinstance(v, float) and np.isnan(v))]
-    if missing:
-        raise IngestError(f"no bag id at row(s) {missing[:5]}" + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""),
-                          path=str(path))
-    return np.array([str(v) for v in values], dtype=object)
+    import pandas as pd
+
+    values = np.asarray(values)
+    missing = np.flatnonzero(pd.isna(values))  # None or NaN: a null or an empty cell
+    if missing.size:
+        raise IngestError(f"no bag id at row(s) {missing[:5].tolist()}"
+                          + (f" (and {missing.size - 5} more)" if missing.size > 5 else ""), path=str(path))
+    return values.astype(str).astype(object)
 
 
 def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,

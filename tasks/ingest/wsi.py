@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
+from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_id
@@ -442,8 +442,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
         elif not items:
-            first = f"; first left out: {skipped[0].path}: {skipped[0].reason}" if skipped else ""
-            raise IngestError(f"no slide to ingest: {len(paths)} slide file(s) found, {len(skipped)} left out{first}",
+            raise IngestError(f"no slide to ingest: {summarise_left_out(f'{len(paths)} slide file(s) found', skipped)}",
                               path=str(slides) if listed else None)
         else:
             extractor = extractor.fit(_fit_sample(items, params, fit_tiles, seed))
