@@ -8,6 +8,7 @@ Layout (see ``docs/STORE.md`` for dtypes, chunks and codecs)::
       instances/instance_id (N,) str      (only stores whose spec names ``instance_ids``, e.g. CT SOPInstanceUIDs)
       bags/offsets (B+1,) int64   bags/id (B,) str   bags/label (B,) int8   bags/source (B,) str
       bags/original_label (B,) str  (the label as the labels file gave it, JSON text; "" = none)
+      bags/input_stamp (B,) str  (what the bag's input was at ingest: ``tasks.ingest.stamps``; "" = none)
       bags/done (B,) bool
       staging/<key>/{features,coords,label[,instance_id]}   (per-bag work area of the parallel ingest)
       predictions/<run>/...                  (written by ``tasks.training.predict_cohort``)
@@ -53,7 +54,8 @@ TARGET_CHUNK_BYTES = 4 * 2**20
 
 _NUMERIC_CODEC = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
 _INSTANCE_ARRAYS = ("features", "bag", "coords", "label")
-_BAG_ARRAYS = ("id", "label", "source", "original_label", "offsets", "done")
+_BAG_ARRAYS = ("id", "label", "source", "original_label", "input_stamp", "offsets", "done")
+_ADDED_BAG_ARRAYS = ("original_label", "input_stamp")  # text arrays a store written before them gets, "" for its bags
 # Attributes that must agree between an existing store and a new ingest into it.
 _COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extractor", "tiling", "instance_ids")
 
@@ -120,7 +122,7 @@ class CohortSpec:
 class BagData:
     """One bag in memory: ``features`` (n, D), ``coords`` (n, k), ``instance_labels`` (n,);
     ``original_label`` is JSON text (:func:`encode_original_label`), ``instance_ids`` (n,) str
-    for stores that keep them."""
+    for stores that keep them, ``input_stamp`` what the input was (:mod:`tasks.ingest.stamps`)."""
 
     bag_id: str
     label: int
@@ -130,6 +132,7 @@ class BagData:
     instance_labels: np.ndarray
     original_label: str = ""
     instance_ids: np.ndarray | None = None
+    input_stamp: str = ""
 
     @property
     def n_instances(self) -> int:
@@ -200,7 +203,8 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
     offsets[:] = 0
     bags.create_array("id", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
     bags.create_array("source", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
-    bags.create_array("original_label", shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
+    for name in _ADDED_BAG_ARRAYS:
+        bags.create_array(name, shape=(0,), chunks=(BAG_CHUNK,), dtype=str)
     bags.create_array("label", shape=(0,), chunks=(BAG_CHUNK,), dtype=LABEL_DTYPE,
                       fill_value=UNKNOWN_LABEL, **numeric)
     bags.create_array("done", shape=(0,), chunks=(BAG_CHUNK,), dtype=bool, fill_value=False)
@@ -294,11 +298,12 @@ def _instance_arrays(root: zarr.Group) -> tuple[str, ...]:
 
 def repair(target: str | Path | zarr.Group) -> int:
     """Drop rows and bags left by an interrupted append; return the number of rows dropped.
-    A store written before ``bags/original_label`` existed gets it, empty for its bags."""
+    A store written before ``bags/original_label`` or ``bags/input_stamp`` existed gets them, empty
+    for its bags."""
     root = _open_root(target, "r+")
-    if "original_label" not in root["bags"]:
-        n = root["bags/id"].shape[0]
-        root["bags"].create_array("original_label", shape=(n,), chunks=(BAG_CHUNK,), dtype=str)
+    for name in _ADDED_BAG_ARRAYS:
+        if name not in root["bags"]:
+            root["bags"].create_array(name, shape=(root["bags/id"].shape[0],), chunks=(BAG_CHUNK,), dtype=str)
     n_bags = committed_bag_count(root)
     n_rows = int(root["bags/offsets"][n_bags])
     dropped = root["instances/bag"].shape[0] - n_rows
@@ -403,7 +408,7 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
     first_bag = committed_bag_count(root)
     seen = set(committed_bag_ids(root))
     offsets = [int(root["bags/offsets"][first_bag])]
-    ids, labels, sources, originals = [], [], [], []
+    ids, labels, sources, originals, stamps = [], [], [], [], []
     keeps_ids = "instance_id" in root["instances"]
     id_kind = (root.attrs.get("instance_ids") or "instance id") if keeps_ids else None
     writer = _RowWriter(root, offsets[0])
@@ -441,10 +446,11 @@ def append_bags(target: str | Path | zarr.Group, bags: Iterable[BagData]) -> int
         labels.append(bag.label)
         sources.append(bag.source)
         originals.append(bag.original_label)
+        stamps.append(bag.input_stamp)
         offsets.append(offsets[-1] + bag.n_instances)
     writer.flush()
     if ids:
-        _write_bag_arrays(root, first_bag, ids, labels, sources, offsets, originals)
+        _write_bag_arrays(root, first_bag, ids, labels, sources, offsets, originals, stamps)
     return len(ids)
 
 
@@ -469,12 +475,13 @@ def _check_original(text: str, *, path: str | None, bag_id: str) -> None:
 
 
 def _write_bag_arrays(root: zarr.Group, first: int, ids: list[str], labels: list[int],
-                      sources: list[str], offsets: list[int], originals: list[str]) -> None:
+                      sources: list[str], offsets: list[int], originals: list[str], stamps: list[str]) -> None:
     stop = first + len(ids)
     columns = {
         "id": np.asarray(ids, dtype=np.dtypes.StringDType()),
         "source": np.asarray(sources, dtype=np.dtypes.StringDType()),
         "original_label": np.asarray(originals, dtype=np.dtypes.StringDType()),
+        "input_stamp": np.asarray(stamps, dtype=np.dtypes.StringDType()),
         "label": np.asarray(labels, dtype=LABEL_DTYPE),
     }
     for name, values in columns.items():
@@ -568,7 +575,7 @@ def write_cohort_from_arrays(
     writer.flush()
     if len(unique_ids):
         _write_bag_arrays(root, 0, [str(b) for b in unique_ids], bag_labels.tolist(),
-                          [source] * len(unique_ids), offsets.tolist(), originals)
+                          [source] * len(unique_ids), offsets.tolist(), originals, [""] * len(unique_ids))
     return open_cohort(path)
 
 
@@ -595,6 +602,11 @@ def staged_status(root: zarr.Group, bag_id: str, *, source: str | None = None, l
     return "complete" if attrs.get("complete") else "incomplete"
 
 
+def staged_input_stamp(root: zarr.Group, bag_id: str) -> str:
+    """The input stamp a staged bag was written with (``""``: none)."""
+    return root[f"staging/{staging_key(bag_id)}"].attrs.get("input_stamp", "")
+
+
 def staged_dropped(root: zarr.Group, bag_id: str) -> int:
     """Instances a staged bag left out for NaN/inf features (``nonfinite="drop"``)."""
     return int(root[f"staging/{staging_key(bag_id)}"].attrs.get("n_dropped_nonfinite", 0))
@@ -608,7 +620,7 @@ class StagingWriter:
     """
 
     def __init__(self, store_path: str | Path, bag_id: str, label: int, source: str, nonfinite: NonFinitePolicy = "reject",
-                 original_label: str = ""):
+                 original_label: str = "", input_stamp: str = ""):
         check_text(bag_id, source)
         _check_original(original_label, path=source, bag_id=bag_id)
         root = _open_root(store_path, "r+")
@@ -616,7 +628,7 @@ class StagingWriter:
         self._chunk_rows = root.attrs["chunk_rows"]
         self._group = root["staging"].create_group(staging_key(bag_id), overwrite=True)
         self._group.attrs.update({"bag_id": bag_id, "label": int(label), "source": source,
-                                  "original_label": original_label, "complete": False})
+                                  "original_label": original_label, "input_stamp": input_stamp, "complete": False})
         self._arrays = {
             "features": self._create("features", (0, self._n_features), FEATURE_DTYPE),
             "coords": self._create("coords", (0, self._coords_dim), COORD_DTYPE),
@@ -684,7 +696,8 @@ def read_staged(root: zarr.Group, bag_id: str) -> BagData:
     return BagData(bag_id=attrs["bag_id"], label=attrs["label"], source=attrs["source"],
                    features=group["features"][:], coords=group["coords"][:],
                    instance_labels=group["label"][:], original_label=attrs.get("original_label", ""),
-                   instance_ids=group["instance_id"][:] if "instance_id" in group else None)
+                   instance_ids=group["instance_id"][:] if "instance_id" in group else None,
+                   input_stamp=attrs.get("input_stamp", ""))
 
 
 def drop_staged(root: zarr.Group, bag_ids: Iterable[str]) -> None:

@@ -246,6 +246,13 @@ def test_ingest_runs_one_named_task_per_slide_a_corrupt_slide_fails_only_its_own
     rerun = task_runs_of(again.state_details.flow_run_id, n_expected=3)
     assert [r.name for r in rerun if r.task_key.startswith("ingest_item")] == ["ingest corrupt_00000"]  # only the failed one is retried
     assert again.result().reused and len(again.result().info["already_done"]) == 4
+    # A slide replaced since its ingest is reported, not reused as done; the store keeps the bag it has.
+    shutil.copy(slide_folder / "slide_00002.tiff", slide_folder / "slide_00001.tiff")
+    replaced = ingest_cohort(config).info
+    assert len(replaced["already_done"]) == 3 and not replaced["added"]
+    changed = [(s["bag_id"], s["error"]) for s in replaced["skipped"] if s["error"] != "UnreadableFileError"]
+    assert changed == [("slide_00001", "SourceChangedError")]
+    assert open_cohort(tmp_path / "slides.zarr").n_bags == 4
 
 
 def test_only_transient_errors_are_retried():

@@ -293,7 +293,7 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
         payload = {"files": list(s.files), "sop_uids": list(s.sop_uids)}
         if subtypes is None:
             items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
-                                    payload | {"instance_labels": [UNKNOWN_LABEL] * len(s.files)}))
+                                    payload | {"instance_labels": [UNKNOWN_LABEL] * len(s.files)}, inputs=tuple(s.files)))
             continue
         instance = np.array([subtypes.get(uid, {}).get("any", UNKNOWN_LABEL) for uid in s.sop_uids])
         if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
@@ -309,7 +309,7 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
             continue
         items.append(IngestItem(s.series_uid, source, int((instance == 1).any()),
                                 payload | {"instance_labels": instance.tolist()},
-                                encode_original_label(scan_subtypes(s.sop_uids, subtypes))))
+                                encode_original_label(scan_subtypes(s.sop_uids, subtypes)), tuple(s.files)))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(extractor.n_features), coords_dim=1,
                       coords_meaning="slice_index", feature_extractor=extractor_spec(extractor),
                       tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]}, instance_ids="SOPInstanceUID",

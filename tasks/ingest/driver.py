@@ -9,8 +9,10 @@ finished bags in item order, ``commit_every`` at a time, and marks them ``done``
 ingest flow uses the same pieces: a plan task opens the :class:`IngestRun`, one Prefect task per
 item runs :func:`stage_item` on the Dask cluster, and a finalise task records the outcomes.
 
-Resumption: an item whose bag id is committed with the same source is skipped; a bag staged
-completely by an interrupted run is committed without recomputing it; a half-staged bag is redone.
+Resumption: an item whose bag id is committed with the same source is skipped, unless its files
+changed since (:mod:`tasks.ingest.stamps`: then it is reported, and the store keeps what it has); a
+bag staged completely by an interrupted run from the same files is committed without recomputing
+it; a half-staged bag is redone.
 Bad input never stops the run: each failing item becomes a :class:`Skipped` entry (error type,
 file, reason) in the returned :class:`IngestReport` and in the JSON report written next to the store.
 
@@ -32,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 
-from tasks.ingest.errors import DuplicateIdError, LabelChangedError, NoTissueError
+from tasks.ingest.errors import DuplicateIdError, LabelChangedError, NoTissueError, SourceChangedError
+from tasks.ingest.stamps import file_change, file_stamp
 from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (
     UNKNOWN_LABEL,
@@ -47,6 +50,7 @@ from tasks.store import (
     read_staged,
     repair,
     staged_dropped,
+    staged_input_stamp,
     staged_status,
 )
 
@@ -55,14 +59,21 @@ BagWriter = Callable[["IngestItem", StagingWriter], None]
 
 @dataclass(frozen=True)
 class IngestItem:
-    """One bag to ingest: its id, source file, bag label (-1 unlabelled), reader-specific payload and
-    the label as the labels file gave it (JSON text, :func:`tasks.store.encode_original_label`)."""
+    """One bag to ingest: its id, source file, bag label (-1 unlabelled), reader-specific payload,
+    the label as the labels file gave it (JSON text, :func:`tasks.store.encode_original_label`) and
+    the files it is read from when they are not just ``source`` (a CT series' slices, a bag's
+    ``.npy`` files)."""
 
     bag_id: str
     source: str
     label: int
     payload: Any = None
     original_label: str = ""
+    inputs: tuple[str, ...] = ()
+
+    def input_files(self) -> tuple[str, ...]:
+        """The files whose :func:`~tasks.ingest.stamps.file_stamp` the store keeps for this bag."""
+        return self.inputs or (self.source,)
 
 
 @dataclass(frozen=True)
@@ -128,7 +139,7 @@ def stage_item(store: str, item: IngestItem, bag_writer: BagWriter, nonfinite: N
     """
     try:
         writer = StagingWriter(store, item.bag_id, item.label, item.source, nonfinite=nonfinite,
-                               original_label=item.original_label)
+                               original_label=item.original_label, input_stamp=file_stamp(item.input_files()))
         bag_writer(item, writer)
         if writer.n_instances == 0:
             raise NoTissueError("no instances were produced", path=item.source, bag_id=item.bag_id)
@@ -174,9 +185,10 @@ class IngestRun:
 
     Opening it creates the store from ``spec`` (or checks an existing store against it), repairs an
     interrupted append and sorts ``items`` into already committed (same bag id and source), rejected
-    (duplicate ids; a committed bag whose labels file now gives another label: the store keeps the
-    label it has, a relabelled cohort is a new store) and pending. ``to_run`` are the pending items still to stage: a bag staged
-    completely by an interrupted run is committed without recomputing it. Staging (one item at a
+    (duplicate ids; a committed bag whose files changed since, or whose labels file now gives another
+    label: the store keeps what it has, a changed cohort is a new store) and pending. ``to_run`` are
+    the pending items still to stage: a bag staged completely by an interrupted run, from files that
+    have not changed since, is committed without recomputing it. Staging (one item at a
     time, in parallel, each into its own staging group: :func:`stage_item`) happens elsewhere;
     :meth:`record` is told of each outcome and commits finished bags in item order,
     ``commit_every`` at a time; :meth:`finish` commits every completely staged bag not yet
@@ -197,6 +209,7 @@ class IngestRun:
         committed = dict(zip(bags["id"][:n_committed].tolist(), bags["source"][:n_committed].tolist()))
         stored_label = dict(zip(bags["id"][:n_committed].tolist(),
                                 zip(bags["label"][:n_committed].tolist(), bags["original_label"][:n_committed].tolist())))
+        stored_stamp = dict(zip(bags["id"][:n_committed].tolist(), bags["input_stamp"][:n_committed].tolist()))
         self.skipped = list(skipped)
         self.already_done: list[str] = []
         self.pending: list[IngestItem] = []
@@ -207,7 +220,12 @@ class IngestRun:
                     f"bag id also given by {first_source[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
             elif item.bag_id in committed and committed[item.bag_id] == item.source:
                 label, original = stored_label[item.bag_id]
-                if item.label != UNKNOWN_LABEL and (label, original) != (item.label, item.original_label):
+                if change := file_change(item.input_files(), stored_stamp[item.bag_id]):
+                    self.skipped.append(Skipped.from_error(SourceChangedError(
+                        f"bag already in the store, and its input changed since it was ingested ({change}). The store "
+                        "keeps the features it has: ingest into a new store to use the new input",
+                        path=item.source, bag_id=item.bag_id)))
+                elif item.label != UNKNOWN_LABEL and (label, original) != (item.label, item.original_label):
                     self.skipped.append(Skipped.from_error(LabelChangedError(
                         f"bag already in the store with label {label} (original {original or 'none'}); the labels "
                         f"file now gives {item.label} (original {item.original_label or 'none'}). The store keeps "
@@ -223,7 +241,8 @@ class IngestRun:
         self._index = {item.bag_id: i for i, item in enumerate(self.pending)}
         self._finished: dict[int, bool] = {i: True for i, item in enumerate(self.pending)  # pending index -> staged?
                                            if staged_status(self.root, item.bag_id, source=item.source, label=item.label,
-                                                            original_label=item.original_label) == "complete"}
+                                                            original_label=item.original_label) == "complete"
+                                           and not file_change(item.input_files(), staged_input_stamp(self.root, item.bag_id))}
         self.to_run = [item for i, item in enumerate(self.pending) if i not in self._finished]
         self.added: list[str] = []
         self.dropped_nonfinite: dict[str, int] = {}

@@ -59,5 +59,9 @@ class LabelChangedError(IngestError):
     """A bag already in the store whose labels file now gives another label (binary or original)."""
 
 
+class SourceChangedError(IngestError):
+    """A bag already in the store whose input (file or table rows) changed since it was ingested."""
+
+
 class NothingIngestedError(IngestError):
     """An ingest whose source gave the store no bag: every input skipped, or none found."""

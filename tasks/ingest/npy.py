@@ -7,6 +7,7 @@ rows at a time through the parallel, resumable ingest driver.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     candidates = [(p.stem, str(p), {"features": str(p), "inst_labels": optional(inst_labels_dir, p.stem),
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
     items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir), originals)
+    items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:
         try:

@@ -18,7 +18,8 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, default_report_path
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
-                                 NonFiniteFeaturesError, UnreadableFileError)
+                                 NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
+from tasks.ingest.stamps import rows_stamp
 from tasks.lease import writer_lease
 from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
                          encode_original_label, finite_rows, open_or_create_cohort, repair)
@@ -190,10 +191,11 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
 
     Bags keep the order of their first row. A bag whose rows disagree on the bag label, or whose
     label is not 0/1/-1, is skipped (:class:`MissingLabelError`); bags already in the store from the
-    same file are skipped as done, from another file as duplicates. A feature dimension that differs
-    from an existing store's raises (it concerns the whole file). A bag with NaN/inf features is
-    skipped naming the file rows (``nonfinite="reject"``) or loses those rows, counted in the
-    report (``"drop"``). Holds the store's writer lease (:mod:`tasks.lease`).
+    same file are skipped as done (reported instead when their rows or labels changed since:
+    :class:`SourceChangedError`, :class:`LabelChangedError`), from another file as duplicates. A
+    feature dimension that differs from an existing store's raises (it concerns the whole file). A
+    bag with NaN/inf features is skipped naming the file rows (``nonfinite="reject"``) or loses
+    those rows, counted in the report (``"drop"``). Holds the store's writer lease (:mod:`tasks.lease`).
     """
     import pandas as pd
 
@@ -213,6 +215,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
         stored_labels = dict(zip(root["bags/id"][:n_committed].tolist(),
                                  zip(root["bags/label"][:n_committed].tolist(), root["bags/original_label"][:n_committed].tolist())))
+        stored_stamps = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/input_stamp"][:n_committed].tolist()))
         codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
         order = np.argsort(codes, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
@@ -244,8 +247,18 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                             path=table.source, bag_id=bag_id)))
                         continue
                     original = originals.pop()
-                if bag_id in committed:  # from this file: done, unless the file now labels it otherwise
-                    if labels[0] != UNKNOWN_LABEL and stored_labels[bag_id] != (int(labels[0]), original):
+                features = np.asarray(X[rows])
+                instance_coords = np.arange(len(features))[:, None] if coords is None else coords[rows]
+                instance_labels = (np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
+                                   else np.asarray(table.instance_labels[rows]))
+                stamp = rows_stamp(features, instance_coords, instance_labels)
+                if bag_id in committed:  # from this file: done, unless the file now gives it other rows or labels
+                    if stored_stamps[bag_id] and stored_stamps[bag_id] != stamp:
+                        skipped.append(Skipped.from_error(SourceChangedError(
+                            "bag already in the store, and its rows in the file changed since it was ingested (features, "
+                            "coordinates or instance labels). The store keeps the features it has: ingest into a new store "
+                            "to use the new rows", path=table.source, bag_id=bag_id)))
+                    elif labels[0] != UNKNOWN_LABEL and stored_labels[bag_id] != (int(labels[0]), original):
                         skipped.append(Skipped.from_error(LabelChangedError(
                             f"bag already in the store with label {stored_labels[bag_id][0]} (original "
                             f"{stored_labels[bag_id][1] or 'none'}); the file now gives {int(labels[0])} (original "
@@ -254,10 +267,6 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                     else:
                         done.append(bag_id)
                     continue
-                features = np.asarray(X[rows])
-                instance_coords = np.arange(len(features))[:, None] if coords is None else coords[rows]
-                instance_labels = (np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
-                                   else np.asarray(table.instance_labels[rows]))
                 with np.errstate(over="ignore"):  # float32 overflow is reported as infinite
                     stored = features.astype(FEATURE_DTYPE)
                 bad_cells = [table.row_problems[r] for r in np.arange(n)[rows] if r in table.row_problems]
@@ -281,7 +290,8 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                 added.append(bag_id)
                 rows_added += len(features)
                 yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
-                              coords=instance_coords, instance_labels=instance_labels, original_label=original)
+                              coords=instance_coords, instance_labels=instance_labels, original_label=original,
+                              input_stamp=stamp)
 
         append_bags(root, bags())
         report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),

@@ -1,0 +1,174 @@
+"""A rerun tells an unchanged input (done) from one that changed since it was ingested (reported,
+the store keeps what it has): files by size, time and sampled content, table bags by their rows."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import zarr
+
+from tasks.ingest.driver import IngestItem, run_ingest
+from tasks.ingest.stamps import SAMPLE_BYTES, file_change, file_stamp, rows_stamp
+from tasks.store import CohortSpec, StagingWriter, create_cohort, open_cohort
+
+
+def test_a_file_stamp_ignores_a_touch_or_a_copy_and_sees_any_change_of_size_or_sampled_bytes(tmp_path):
+    a = tmp_path / "a.bin"
+    a.write_bytes(bytes(range(256)) * (3 * SAMPLE_BYTES // 256))  # larger than the two samples
+    stamp = file_stamp([str(a)])
+    assert file_change([str(a)], stamp) is None
+    os.utime(a, ns=(1, 1))  # touched: the stat digest differs, the content digest does not
+    assert file_change([str(a)], stamp) is None
+    copy = tmp_path / "copy" / "a.bin"
+    copy.parent.mkdir()
+    shutil.copy(a, copy)  # a copied cohort: another path and time, the same name and bytes
+    assert file_change([str(copy)], stamp) is None
+    data = bytearray(a.read_bytes())
+    for where in (0, len(data) - 1):  # one byte in the head or the tail, same size
+        changed = data.copy()
+        changed[where] ^= 1
+        a.write_bytes(bytes(changed))
+        assert file_change([str(a)], stamp) == "same size, other content"
+    a.write_bytes(bytes(data) + b"x")
+    assert file_change([str(a)], stamp) == f"{len(data)} bytes when ingested, {len(data) + 1} now"
+    b = tmp_path / "b.bin"
+    b.write_bytes(b"b")
+    assert file_change([str(a), str(b)], stamp) == "1 file(s) when ingested, 2 now"
+    a.unlink()
+    assert "cannot be read now" in file_change([str(a)], stamp)
+    assert file_stamp([str(a)]) == "" and file_stamp([str(tmp_path)]) == "" and file_change([str(b)], "") is None
+
+
+def test_a_rows_stamp_changes_with_any_value_dtype_or_shape():
+    X = np.arange(6, dtype=np.float64).reshape(3, 2)
+    stamp = rows_stamp(X, np.arange(3)[:, None], None)
+    assert stamp == rows_stamp(X.copy(), np.arange(3)[:, None], None)
+    changed = X.copy()
+    changed[2, 1] += 1e-9
+    assert stamp != rows_stamp(changed, np.arange(3)[:, None], None)
+    assert stamp != rows_stamp(X.astype(np.float32), np.arange(3)[:, None], None)
+    assert stamp != rows_stamp(X.reshape(2, 3), np.arange(3)[:, None], None)
+    assert "cannot" not in file_change(["x"], stamp) and "table" in file_change(["x"], stamp)
+
+
+def features_of(store: Path, bag: int) -> np.ndarray:
+    return zarr.open_group(str(store), mode="r")["instances/features"][open_cohort(store).bag_slice(bag)]
+
+
+def write_h5(path: Path, features: np.ndarray) -> None:
+    with h5py.File(path, "w") as handle:
+        handle["features"] = features
+        handle["coords"] = np.arange(2 * len(features)).reshape(-1, 2) * 256
+
+
+def test_an_h5_file_re_extracted_since_its_ingest_is_reported_and_the_store_keeps_its_features(tmp_path):
+    from tasks.ingest.h5 import ingest_h5_features
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "h5"
+    folder.mkdir()
+    first = {f"s{k}": rng.normal(size=(5, 4)).astype(np.float32) for k in range(3)}
+    for name, features in first.items():
+        write_h5(folder / f"{name}.h5", features)
+    pd.DataFrame({"slide_id": list(first), "label": [0, 1, 1]}).to_csv(tmp_path / "labels.csv", index=False)
+    store = tmp_path / "c.zarr"
+    assert ingest_h5_features(store, folder, tmp_path / "labels.csv").added == ("s0", "s1", "s2")
+    write_h5(folder / "s1.h5", rng.normal(size=(5, 4)).astype(np.float32))  # another extractor, same shape
+    os.utime(folder / "s2.h5", ns=(7, 7))  # only touched
+    report = ingest_h5_features(store, folder, tmp_path / "labels.csv")
+    assert report.already_done == ("s0", "s2") and report.added == ()
+    assert [(s.bag_id, s.error) for s in report.skipped] == [("s1", "SourceChangedError")]
+    assert "changed since it was ingested (same size, other content)" in report.skipped[0].reason
+    assert "ingest into a new store" in report.skipped[0].reason and report.skipped[0].path == str(folder / "s1.h5")
+    assert np.array_equal(features_of(store, 1), first["s1"])  # the store keeps what it has
+    write_h5(folder / "s1.h5", first["s1"])  # put back: done again
+    assert ingest_h5_features(store, folder, tmp_path / "labels.csv").already_done == ("s0", "s1", "s2")
+
+
+def test_a_table_whose_rows_for_a_bag_changed_reports_that_bag_only(tmp_path):
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+
+    rng = np.random.default_rng(1)
+    rows = [[label, bag, *rng.normal(size=3).round(6)] for bag, label in (("a", 0), ("b", 1), ("c", 1)) for _ in range(4)]
+    path = tmp_path / "t.csv"
+    pd.DataFrame(rows).to_csv(path, header=False, index=False)
+    store = tmp_path / "t.zarr"
+    assert ingest_table(store, read_mil_csv(path)).added == ("a", "b", "c")
+    before = features_of(store, 1)
+    assert ingest_table(store, read_mil_csv(path)).already_done == ("a", "b", "c")
+    rows[5][3] += 0.5  # one value of bag b
+    pd.DataFrame(rows).to_csv(path, header=False, index=False)
+    report = ingest_table(store, read_mil_csv(path))
+    assert report.already_done == ("a", "c") and [(s.bag_id, s.error) for s in report.skipped] == [("b", "SourceChangedError")]
+    assert "its rows in the file changed" in report.skipped[0].reason
+    assert np.array_equal(features_of(store, 1), before)
+
+
+def _write_tagged(item: IngestItem, writer) -> None:
+    """Bag writer reading one number from the item's file: the features show which version was read."""
+    value = float(Path(item.source).read_text())
+    writer.write(np.full((2, 3), value, dtype=np.float32), np.zeros((2, 1)), np.full(2, -1))
+
+
+def test_a_bag_staged_by_an_interrupted_run_from_a_file_changed_since_is_staged_again(tmp_path):
+    spec = CohortSpec("c", n_features=3, coords_dim=1, coords_meaning="instance_index")
+    store, files = tmp_path / "c.zarr", [tmp_path / f"s{k}.txt" for k in range(2)]
+    for k, path in enumerate(files):
+        path.write_text(str(k))
+    items = [IngestItem(f"s{k}", str(path), k) for k, path in enumerate(files)]
+    create_cohort(store, spec)
+    for item in items:  # an interrupted run staged both bags completely, then died before committing
+        staged = StagingWriter(store, item.bag_id, item.label, item.source, input_stamp=file_stamp(item.input_files()))
+        _write_tagged(item, staged)
+        staged.finish()
+    files[1].write_text("5")
+    report = run_ingest(store, spec, items, _write_tagged)
+    assert report.added == ("s0", "s1") and features_of(store, 0)[0, 0] == 0 and features_of(store, 1)[0, 0] == 5
+    assert set(zarr.open_group(str(store), mode="r")["staging"]) == set()
+
+
+def test_a_torchmil_side_file_belongs_to_its_bag_and_a_store_without_stamps_reads_as_done(tmp_path):
+    from tasks.ingest.npy import ingest_bag_files
+
+    rng = np.random.default_rng(2)
+    for sub in ("features", "labels", "inst"):
+        (tmp_path / sub).mkdir()
+    for k in range(2):
+        np.save(tmp_path / "features" / f"b{k}.npy", rng.normal(size=(3, 4)).astype(np.float32))
+        np.save(tmp_path / "labels" / f"b{k}.npy", np.array([k]))
+        np.save(tmp_path / "inst" / f"b{k}.npy", np.array([0, 0, k]))
+    store = tmp_path / "n.zarr"
+
+    def ingest():
+        return ingest_bag_files(store, tmp_path / "features", labels_dir=tmp_path / "labels", inst_labels_dir=tmp_path / "inst")
+
+    assert ingest().added == ("b0", "b1")
+    np.save(tmp_path / "inst" / "b1.npy", np.array([0, 1, 1]))  # only the instance labels changed
+    report = ingest()
+    assert [(s.bag_id, s.error) for s in report.skipped] == [("b1", "SourceChangedError")]
+    assert zarr.open_group(str(store), mode="r")["instances/label"][:].tolist() == [0, 0, 0, 0, 0, 1]
+    # A store written before stamps existed: its bags have none, so a rerun finds them done and the array is added.
+    group = zarr.open_group(str(store), mode="a")
+    del group["bags/input_stamp"]
+    assert ingest().already_done == ("b0", "b1")
+    assert zarr.open_group(str(store), mode="r")["bags/input_stamp"][:].tolist() == ["", ""]
+
+
+def test_a_ct_series_that_lost_a_slice_since_its_ingest_is_reported(tmp_path):
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import make_ct_cohort
+
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=6, size=32, positive_fraction=0.5, seed=3)
+    store, labels = tmp_path / "ct.zarr", tmp_path / "dicom" / "labels.csv"
+    assert len(ingest_ct(store, tmp_path / "dicom", labels_csv=labels).added) == 2
+    Path(scans[0].paths[-1]).unlink()  # the first series' last slice (one from the middle would be a gap)
+    report = ingest_ct(store, tmp_path / "dicom", labels_csv=labels)
+    assert report.already_done == (scans[1].series_uid,)
+    assert [(s.bag_id, s.error) for s in report.skipped] == [(scans[0].series_uid, "SourceChangedError")]
+    assert "6 file(s) when ingested, 5 now" in report.skipped[0].reason
+    assert np.diff(open_cohort(store).offsets).tolist() == [6, 6]
