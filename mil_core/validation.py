@@ -35,23 +35,44 @@ def standardise(X: Any, mean: np.ndarray, scale: np.ndarray, *, in_place: bool =
     return X
 
 
-def check_features(X: Any, *, n_features: int | None = None) -> Any:
+def check_features(X: Any, *, n_features: int | None = None, bag_ids: Any | None = None) -> Any:
     """A finite 2-D float array; host input goes through scikit-learn's ``check_array``, an
-    array-API array on a device (CuPy, …) stays there (one scalar comes back: all finite?)."""
+    array-API array on a device (CuPy, …) stays there (one scalar comes back: all finite?). A
+    non-finite value is named by row, column and — given ``bag_ids`` (one per row) — bag."""
     if not is_host_array(X):
-        xp = array_namespace(X)
         if X.ndim != 2:
             raise ValueError(f"X must be 2-D (n_instances, n_features), got shape {X.shape}")
-        if not bool(xp.all(xp.isfinite(X))):
-            raise ValueError("X contains NaN or infinity")
     else:
-        X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=True, input_name="X")
+        X = check_array(X, dtype=[np.float64, np.float32], ensure_all_finite=False, input_name="X")
     if n_features is not None and X.shape[1] != n_features:
         raise ValueError(f"X has {X.shape[1]} features, but the model was fitted with {n_features}")
+    _check_finite(X, bag_ids)
     return X
 
 
-def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
+def _check_finite(X: Any, bag_ids: Any | None) -> None:
+    """Raise naming the first row (and its bag) that holds NaN or infinity; when all is finite
+    one pass and one scalar (a sum on the host, as scikit-learn does; ``isfinite`` on a device)."""
+    xp = array_namespace(X)
+    if is_host_array(X):
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.sum(X)):
+                return
+    if bool(xp.all(xp.isfinite(X))):
+        return
+    bad_rows = ~xp.all(xp.isfinite(X), axis=1)
+    row = int(xp.argmax(xp.astype(bad_rows, xp.int8)))
+    values = to_numpy(X[row, :])
+    column = int(np.flatnonzero(~np.isfinite(values))[0])
+    key = None if bag_ids is None else np.asarray(bag_ids)[row]
+    bag = "" if key is None else f", bag {key.item() if isinstance(key, np.generic) else key!r}"
+    kind = "NaN" if np.isnan(values[column]) else "infinity"
+    raise ValueError(f"X contains {kind} at row {row}, column {column}{bag} "
+                     f"({int(xp.sum(xp.astype(bad_rows, xp.int64)))} row(s) with NaN or infinity)")
+
+
+def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *,
+                   n_features: int | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
     """Validate instances, bag ids and (optionally) per-instance bag labels.
 
     Returns ``(X, bags, bag_labels)`` where ``bag_labels`` (B,) is in {0, 1}, ordered like
@@ -59,8 +80,9 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None) -> tuple[Any, Bag
     both 1 is the positive bag. Raises ``ValueError`` for NaN/inf, mismatched lengths, other
     labels, a bag whose instances carry different labels, or a single class.
     """
-    X = check_features(X)
     bag_ids = np.asarray(bag_ids)
+    X = check_features(X, n_features=n_features,
+                       bag_ids=bag_ids if bag_ids.ndim == 1 and np.shape(X)[:1] == bag_ids.shape else None)
     if bag_ids.ndim != 1 or bag_ids.shape[0] != X.shape[0]:
         raise ValueError(f"bag_ids must be 1-D with one entry per instance ({X.shape[0]}), got shape {bag_ids.shape}")
     if bag_ids.dtype.kind == "f" and not np.all(np.isfinite(bag_ids)):

@@ -162,6 +162,21 @@ def assert_attention_networks_match_the_host(to_device, X, bags, y) -> list:
     return fits
 
 
+def test_device_features_are_checked_on_the_device_and_a_nan_is_named_by_row_column_and_bag(data, monkeypatch):
+    from mil_core.validation import check_features, check_mil_data
+
+    X, bags, y, _ = data
+    with count_transfers(monkeypatch) as log:
+        check_mil_data(to_emulated(X), bags, y)
+    assert log.shapes == [()]  # all finite: one scalar comes back
+    bad = X.copy()
+    bad[7, 2] = np.inf
+    with pytest.raises(ValueError, match=rf"X contains infinity at row 7, column 2, bag {bags[7].item()} \(1 row"):
+        check_mil_data(to_emulated(bad), bags, y)
+    with pytest.raises(ValueError, match="X has 3 features, but the model was fitted with 4"):
+        check_features(to_emulated(bad[:, :3]), n_features=4)
+
+
 def test_the_attention_networks_take_device_features(data):
     pytest.importorskip("torch")
     X, bags, y, _ = data

@@ -33,8 +33,9 @@ def _mixed_labels_text_ids(X, bags, y):
 
 
 BAD_FIT_INPUT = {
-    "nan-feature": (_with_nan, "NaN"),
-    "infinite-feature": (lambda X, b, y: (np.where(np.arange(X.size).reshape(X.shape) == 3, np.inf, X), b, y), "infinity"),
+    "nan-feature": (_with_nan, rf"X contains NaN at row 4, column 1, bag {BAGS[4].item()} \(1 row\(s\) with NaN or infinity\)"),
+    "infinite-feature": (lambda X, b, y: (np.where(np.arange(X.size).reshape(X.shape) == 3, np.inf, X), b, y),
+                         rf"X contains infinity at row {3 // X.shape[1]}, column {3 % X.shape[1]}, bag {BAGS[3 // X.shape[1]].item()}"),
     "bag-ids-length": (lambda X, b, y: (X, b[:-1], y), "bag_ids must be 1-D with one entry per instance"),
     "bag-ids-nan": (lambda X, b, y: (X, np.where(np.arange(b.size) == 2, np.nan, b.astype(float)), y), "bag_ids contains NaN"),
     "bag-ids-none": (lambda X, b, y: (X, np.where(np.arange(b.size) == 5, None, b.astype(str).astype(object)), y),
@@ -93,7 +94,7 @@ def test_predict_refuses_wrong_width_nan_and_an_unfitted_model(name):
     context = {"coords": COORDS} if name in USES_COORDS else {}
     with pytest.raises(ValueError, match="features"):
         estimator.predict_bag_proba(np.hstack([X, X]), BAGS, **context)
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="NaN at row 4, column 1"):
         estimator.predict_bag_proba(_with_nan(X, BAGS, Y)[0], BAGS, **context)
     with pytest.raises(ValueError, match="bag_ids must be 1-D"):
         estimator.predict_bag_proba(X, BAGS[:-1], **context)

@@ -111,6 +111,17 @@ def test_car_solve_on_cupy_matches_the_sparse_lu(data):
     np.testing.assert_allclose(on_gpu.get(), coupling.solve(rhs), rtol=1e-10, atol=1e-12)
 
 
+def test_a_nan_in_cupy_features_is_named_by_row_column_and_bag(data):
+    from mil_core.validation import check_mil_data
+
+    X, bags, y, _ = data
+    bad = X.copy()
+    bad[7, 2] = np.nan
+    with pytest.raises(ValueError, match=rf"X contains NaN at row 7, column 2, bag {bags[7].item()} \(1 row"):
+        check_mil_data(cupy.asarray(bad), bags, y)
+    assert check_mil_data(cupy.asarray(X), bags, y)[0].shape == X.shape
+
+
 def test_the_attention_networks_take_cupy_features(data):
     pytest.importorskip("torch")
     X, bags, y, _ = data

@@ -600,8 +600,7 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
         """Validated input, bag index, log P(z | x) (bag order) and, per side m ∈ {0, 1}, the
         chain's ``log P(Y = m, T = 1 | X_b)`` and (optionally) instance posteriors."""
         check_is_fitted(self, "weights_")
-        X = check_features(X, n_features=self.n_features_in_)
-        X, bags, _ = check_mil_data(X, bag_ids)
+        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_)
         updates = self._updates()
         X_sorted = take_rows(self._standardised_input(X), bags.order)
         log_p = updates.log_attribute_proba(updates.features(X_sorted), self.weights_)

@@ -551,10 +551,9 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
     # ---- shared prediction helpers -----------------------------------------------------------
     def _check_predict_input(self, X: Any, bag_ids: Any | None = None) -> tuple[Any, BagIndex | None]:
         check_is_fitted(self, "q_")
-        X = check_features(X, n_features=self.n_features_in_)
         if bag_ids is None:
-            return self._standardised_input(X), None
-        X, bags, _ = check_mil_data(X, bag_ids)
+            return self._standardised_input(check_features(X, n_features=self.n_features_in_)), None
+        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_)
         return self._standardised_input(X), bags
 
     def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
