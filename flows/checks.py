@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from flows.config import ConfigError, PipelineConfig
+from flows.config import ConfigError, IngestConfig, PipelineConfig
 
 __all__ = ["check_inputs", "Stage"]
 
@@ -32,12 +32,14 @@ def _problem(field: str, path: Path | str | None, kind: Literal["file", "dir", "
     return None
 
 
-def _original_label_column_problem(path: Path | str | None, column: str | int | None) -> str | None:
-    """The feature table at ``path`` lacks ``ingest.original_label_column``: read from its
-    header only (a Parquet schema, a CSV's first row)."""
-    if column is None or path is None or not Path(path).is_file():
+def _table_columns_problem(path: Path | str | None, ing: IngestConfig) -> str | None:
+    """The feature table at ``path`` lacks a column the config names (``ingest.original_label_column``,
+    ``ingest.columns``): read from its header only (a Parquet schema, a CSV's first row)."""
+    named = ([] if ing.columns is None else [("ingest.columns", c) for c in ing.columns.named()]) + (
+        [] if ing.original_label_column is None else [("ingest.original_label_column", ing.original_label_column)])
+    if not named or path is None or not Path(path).is_file():
         return None
-    path, field = Path(path), "ingest.original_label_column"
+    path = Path(path)
     try:
         if path.suffix.lower() == ".parquet":
             import pyarrow.parquet as pq
@@ -48,12 +50,15 @@ def _original_label_column_problem(path: Path | str | None, column: str | int | 
 
             columns = list(range(2, pd.read_csv(path, header=None, nrows=1).shape[1]))  # 0, 1: bag label, bag id
         else:
-            return f"{field}: {path} is not a .parquet or .csv table (an .npz gives the array 'original_labels')"
+            return f"{named[0][0]}: {path} is not a .parquet or .csv table (an .npz names its arrays)"
     except Exception as error:  # the ingest names the unreadable file with the full reason
-        return f"{field}: cannot read the columns of {path}: {type(error).__name__}: {error}"
-    if column not in columns or isinstance(column, bool):
+        return f"{named[0][0]}: cannot read the columns of {path}: {type(error).__name__}: {error}"
+    absent = [(field, column) for field, column in named if column not in columns or isinstance(column, bool)]
+    if absent:
         shown = ", ".join(map(str, columns[:20])) + (", …" if len(columns) > 20 else "")
-        return f"{field}: {path} has no column {column!r} (its columns: {shown})"
+        field = absent[0][0]
+        missing = ", ".join(repr(column) for f, column in absent if f == field)
+        return f"{field}: {path} has no column {missing} (its columns: {shown})"
     return None
 
 
@@ -138,7 +143,7 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
     if stage == "evaluate" and prediction_key is not None and not any(problems):
         problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
-        problems.append(_original_label_column_problem(source if stage == "predict" else ing.source, ing.original_label_column))
+        problems.append(_table_columns_problem(source if stage == "predict" else ing.source, ing))
     problems = [p for p in problems if p]
     if problems:
         raise ConfigError("; ".join(problems))

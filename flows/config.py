@@ -123,6 +123,29 @@ class LabelsConfig(_Strict):
         return LabelSpec(str(self.file), self.id_column, self.label_column, self.positive, self.target)
 
 
+class TableColumns(_Strict):
+    """Which columns of a Parquet feature table are what (``ingest.columns``; ``kind: features``).
+    ``features``: a list of names, a pattern (``feat_*``) or ``None``: every numeric column that
+    is not named here; ``coords`` (e.g. ``[x, y]``, integers) are kept as the instances'
+    coordinates, not used as features; ``instance_label``: a 0/1/-1 column, optional."""
+
+    bag: str = "bag_id"
+    label: str = "label"
+    features: list[str] | str | None = None
+    coords: list[str] | None = None
+    instance_label: str | None = None
+
+    def reader_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`tasks.ingest.tables.read_parquet_table`."""
+        return {"bag_column": self.bag, "label_column": self.label, "feature_columns": self.features,
+                "coords_columns": self.coords, "instance_label_column": self.instance_label}
+
+    def named(self) -> list[str]:
+        """Every column named here (a features pattern is not a column)."""
+        features = self.features if isinstance(self.features, list) else []
+        return [self.bag, self.label, *features, *(self.coords or []), *([self.instance_label] if self.instance_label else [])]
+
+
 class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``
@@ -137,6 +160,8 @@ class IngestConfig(_Strict):
     ``original_label_column`` (``features`` only): the table's column whose value the 0/1 target
     came from (an ISUP grade, a class name), kept per bag as its original label; a Parquet column
     name, or a 0-based column position in a MIL CSV (an ``.npz`` has the array ``original_labels``).
+    ``columns`` (``features`` from Parquet only): :class:`TableColumns`, which columns are the bag
+    id, label, features and coordinates (a MIL CSV and an ``.npz`` fix theirs).
 
     Slides (``wsi``): any format OpenSlide or tifffile reads, found under ``source`` by ``patterns``
     (default: the usual slide suffixes; in sub-folders when ``recursive``). ``target_mpp`` tiles at a
@@ -163,6 +188,7 @@ class IngestConfig(_Strict):
     extractor_from: Path | None = None
     nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
     original_label_column: str | int | None = None  # features tables: the column the 0/1 target came from
+    columns: TableColumns | None = None  # Parquet feature tables: bag, label, feature and coordinate columns
 
     @field_validator("extractor")
     @classmethod
@@ -205,6 +231,13 @@ class IngestConfig(_Strict):
                              f"the 0-based position of a later column, got {column!r}")
         if suffix == ".npz":
             raise ValueError("original_label_column: an .npz table gives its original labels as the array 'original_labels'")
+        return self
+
+    @model_validator(mode="after")
+    def _columns_fit(self) -> IngestConfig:
+        if self.columns is not None and (self.kind != "features" or self.source.suffix.lower() != ".parquet"):
+            raise ValueError("columns applies to a Parquet feature table (ingest.kind 'features', a .parquet source); a MIL "
+                             "CSV is label, bag id, features by position and an .npz names its arrays X, bag_ids, labels, coords")
         return self
 
 

@@ -269,8 +269,10 @@ def ingest_table(config: PipelineConfig) -> StageResult:
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     if source.suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
-    column = {} if ing.original_label_column is None else {"original_label_column": ing.original_label_column}
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source, **column), name=config.name,
+    options = {} if ing.original_label_column is None else {"original_label_column": ing.original_label_column}
+    if ing.columns is not None and source.suffix == ".parquet":  # a predicted cohort's table is read like the training one
+        options |= ing.columns.reader_arguments()
+    result = ingest_feature_table(str(config.store), readers[source.suffix](source, **options), name=config.name,
                                   nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 

@@ -109,6 +109,7 @@ class CohortSpec:
     chunk_rows: int | None = None
     instance_ids: str | None = None  # what ``instances/instance_id`` holds (e.g. "SOPInstanceUID"); None: no such array
     labels: dict[str, Any] | None = None  # where bag labels come from (file, column, target): ``labels`` attribute
+    feature_columns: Sequence[str] | None = None  # a named table's feature columns, in order: ``feature_columns`` attribute
 
     def resolved_chunk_rows(self) -> int:
         """Rows per chunk: about 4 MiB of features, a power of two in [1024, 262144]."""
@@ -219,6 +220,7 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
         "tiling": spec.tiling,
         "instance_ids": spec.instance_ids,
         "labels": spec.labels,
+        "feature_columns": None if spec.feature_columns is None else list(spec.feature_columns),
         "chunk_rows": chunk_rows,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
@@ -233,6 +235,8 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
     check_compatible(root, spec, path=str(path))
     if spec.labels is not None and root.attrs.get("labels") is None:
         root.attrs["labels"] = spec.labels  # a store first filled without labels gets its labels' description
+    if spec.feature_columns is not None and root.attrs.get("feature_columns") is None:
+        root.attrs["feature_columns"] = list(spec.feature_columns)  # a store from unnamed columns learns the names
     return root
 
 
@@ -264,6 +268,17 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
     if changed:  # the stored original labels would mean two things
         raise StoreMismatchError(f"store's bag labels come from {stored}, this ingest's from {given} "
                                  f"({', '.join(changed)} differ): ingest into a new store", path=path)
+    stored, given = attrs.get("feature_columns"), _as_json(spec.feature_columns)
+    if stored and given and stored != given:  # the same width, other columns: features that do not compare
+        j = next((j for j, (a, b) in enumerate(zip(stored, given)) if a != b), min(len(stored), len(given)))
+        raise StoreMismatchError(f"store's features are the table columns {_column_list(stored)}, this ingest's "
+                                 f"{_column_list(given)} (first difference at feature {j}: store "
+                                 f"{stored[j] if j < len(stored) else 'none'!r}, this ingest "
+                                 f"{given[j] if j < len(given) else 'none'!r}): ingest into a new store", path=path)
+
+
+def _column_list(names: Sequence[str]) -> str:
+    return "[" + ", ".join(names[:4]) + (f", … ({len(names)})" if len(names) > 4 else "") + "]"
 
 
 def _as_json(value: Any) -> Any:

@@ -267,3 +267,92 @@ def test_a_skipped_input_names_its_bag_where_the_path_does_not():
     file = Skipped(path="/data/slides/slide_8.svs", bag_id="slide_8", error="UnreadableFileError", reason="truncated")
     assert row.line() == "/data/labels.csv [bag slide_7]: MissingLabelError: unusable label"
     assert file.line() == "/data/slides/slide_8.svs: UnreadableFileError: truncated"
+
+
+def _slide_table(rng: np.random.Generator) -> pd.DataFrame:
+    """A Parquet table as teams export it: a slide id, a label, tile coordinates, metadata, features."""
+    from decimal import Decimal
+
+    frame = pd.DataFrame({"slide_id": np.repeat(["s0", "s1", "s2"], 4), "label": np.repeat([0, 1, 1], 4),
+                          "x": np.tile([0, 256, 0, 256], 3), "y": np.tile([0, 0, 256, 256], 3),
+                          "path": [f"/tiles/{k}.png" for k in range(12)]})
+    for j in range(3):
+        frame[f"feat_{j}"] = rng.normal(size=12).astype(np.float32)
+    frame["stain"] = [Decimal(f"{v:.3f}") for v in rng.uniform(size=12)]  # a decimal column is numeric too
+    return frame
+
+
+def test_parquet_columns_name_the_bag_coordinates_and_features_and_the_store_keeps_the_names(tmp_path):
+    import zarr
+
+    from tasks.ingest.errors import StoreMismatchError
+
+    frame = _slide_table(np.random.default_rng(5))
+    frame.to_parquet(tmp_path / "t.parquet")
+    table = read_parquet_table(tmp_path / "t.parquet", bag_column="slide_id", feature_columns="feat_*", coords_columns=["x", "y"])
+    assert table.feature_names == ("feat_0", "feat_1", "feat_2") and table.coords_names == ("x", "y")
+    ingest_table(tmp_path / "a.zarr", table)
+    cohort = open_cohort(tmp_path / "a.zarr")
+    np.testing.assert_array_equal(cohort.read_bags(0, 3).features, frame[["feat_0", "feat_1", "feat_2"]].to_numpy(np.float32))
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "a.zarr"), mode="r")["instances/coords"][:], frame[["x", "y"]])
+    assert cohort.attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2"]
+    assert cohort.attrs["coords_meaning"] == "given: table columns x, y"
+    # By default every numeric column that is not the bag, label or coordinates: the decimal one too, not the text one.
+    default = read_parquet_table(tmp_path / "t.parquet", bag_column="slide_id", coords_columns=["x", "y"])
+    assert default.feature_names == ("feat_0", "feat_1", "feat_2", "stain")
+    np.testing.assert_allclose(default.X[:, 3], frame["stain"].astype(float), rtol=1e-6)
+    # A table of the same width whose features are other columns would mix features that do not compare.
+    other = frame.rename(columns={"feat_2": "feat_9"})
+    other["slide_id"] = other["slide_id"] + "b"
+    other.to_parquet(tmp_path / "other.parquet")
+    with pytest.raises(StoreMismatchError, match=r"table columns \[feat_0, feat_1, feat_2\], this ingest's \[feat_0, "
+                                                 r"feat_1, feat_9\] \(first difference at feature 2: store 'feat_2', this ingest 'feat_9'\)"):
+        ingest_table(tmp_path / "a.zarr", read_parquet_table(tmp_path / "other.parquet", bag_column="slide_id",
+                                                             feature_columns="feat_*", coords_columns=["x", "y"]))
+    assert open_cohort(tmp_path / "a.zarr").n_bags == 3
+
+
+@pytest.mark.parametrize("arguments, change, message", [
+    ({"bag_column": "slide"}, None, r"lacks columns \['slide'\] \(columns: slide_id, label, x, y, path, feat_0"),
+    ({"bag_column": "slide_id", "feature_columns": "emb_*"}, None, r"no column matches feature_columns 'emb_\*'"),
+    ({"bag_column": "slide_id", "feature_columns": ["feat_0", "path"]}, None, r"feature columns must be numeric; path \((large_)?string\) are not"),
+    ({"bag_column": "slide_id", "feature_columns": ["feat_0", "x"], "coords_columns": ["x", "y"]}, None,
+     r"feature columns \['x'\] are also bag, label or coordinate columns"),
+    ({"bag_column": "slide_id", "coords_columns": ["x", "path"]}, None, r"coordinate column 'path' is (large_)?string, not numeric"),
+    ({"bag_column": "slide_id", "coords_columns": ["x", "y"]}, lambda f: f.assign(y=f["y"] + 0.5),
+     r"coordinate column 'y' holds 0.5 at row 0: coordinates must be integers"),
+    ({"bag_column": "slide_id", "coords_columns": ["x", "x"]}, None, r"a column is named twice"),
+])
+def test_parquet_columns_that_do_not_fit_the_table_are_refused_naming_the_file_and_column(tmp_path, arguments, change, message):
+    from tasks.ingest.errors import IngestError
+
+    frame = _slide_table(np.random.default_rng(6))
+    (change(frame) if change else frame).to_parquet(tmp_path / "t.parquet")
+    with pytest.raises(IngestError, match=message) as error:
+        read_parquet_table(tmp_path / "t.parquet", **arguments)
+    assert error.value.path == str(tmp_path / "t.parquet")
+
+
+def test_a_config_names_the_columns_of_a_parquet_table(tmp_path):
+    """``ingest.columns`` goes from the YAML through the ingest task; a column the table lacks is
+    refused before anything runs, and the section applies to Parquet tables only."""
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, load_config
+    from tasks.prefect_tasks import ingest_table as ingest_task
+
+    frame = _slide_table(np.random.default_rng(7))
+    frame.to_parquet(tmp_path / "t.parquet")
+
+    def load(columns: str, source: str = "t.parquet"):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"name: t\nstore: t.zarr\noutput_dir: out\ningest:\n  kind: features\n  source: {source}\n"
+                        f"  columns: {columns}\n")
+        return load_config(path, preflight=lambda config: check_inputs(config, "ingest"))
+
+    config = load("{bag: slide_id, features: 'feat_*', coords: [x, y]}")
+    assert list(ingest_task.fn(config).info["added"]) == ["s0", "s1", "s2"]
+    assert open_cohort(config.store).attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2"]
+    with pytest.raises(ConfigError, match=r"ingest.columns: .*t\.parquet has no column 'slide', 'u' \(its columns: slide_id, label"):
+        load("{bag: slide, coords: [x, u]}")
+    with pytest.raises(ConfigError, match=r"columns applies to a Parquet feature table"):
+        load("{bag: slide_id}", source="t.csv")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, L
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
 from tasks.ingest.stamps import rows_stamp
 from tasks.lease import writer_lease
-from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
+from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
                          encode_original_label, finite_rows, open_or_create_cohort, repair)
 
 
@@ -34,6 +35,8 @@ class FeatureTable:
     derived from (an ISUP grade, a class name), kept as the bag's original label; without it the
     original label is the bag label itself (none for -1).
     ``row_problems``: file row → why its features are NaN (a cell that is not a number).
+    ``feature_names`` / ``coords_names``: the columns the features / coordinates came from, where
+    the file names them (Parquet); the store keeps the feature names and refuses other ones.
     """
 
     X: np.ndarray
@@ -44,6 +47,8 @@ class FeatureTable:
     instance_labels: np.ndarray | None = None
     row_problems: dict[int, str] = field(default_factory=dict)
     original_labels: np.ndarray | None = None
+    feature_names: tuple[str, ...] | None = None
+    coords_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         """The shapes every reader must deliver, checked once here: a table whose arrays disagree
@@ -101,16 +106,18 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
 
 def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_column: str = "label",
                        instance_label_column: str | None = None, original_label_column: str | None = None,
-                       feature_columns: list[str] | None = None) -> FeatureTable:
+                       feature_columns: Sequence[str] | str | None = None,
+                       coords_columns: Sequence[str] | None = None) -> FeatureTable:
     """A Parquet table with a bag-id column, a bag-label column and feature columns.
 
     ``original_label_column`` (e.g. ``isup_grade``) holds the label the 0/1 target came from, kept
-    in the store as each bag's original label. ``feature_columns`` defaults to every other numeric
-    column. The file is read a row group and
-    8 columns at a time into one preallocated float32 array, so peak memory is the features plus
-    8 columns of one row group.
+    in the store as each bag's original label. ``coords_columns`` (e.g. ``["x", "y"]``, integers)
+    are kept as the instances' coordinates, not used as features. ``feature_columns``: a list of
+    names, a pattern (``"feat_*"``, :func:`fnmatch.fnmatchcase`) or, by default, every other
+    numeric column (integer, float or decimal). The file is read a row group and 8 columns at a
+    time into one preallocated float32 array, so peak memory is the features plus 8 columns of one
+    row group.
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -118,20 +125,14 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     except Exception as error:
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     schema = parquet.schema_arrow
-    missing = {bag_column, label_column, instance_label_column, original_label_column} - set(schema.names) - {None}
-    if missing:
-        raise IngestError(f"Parquet table lacks columns {sorted(missing)} (columns: {', '.join(schema.names)})", path=str(path))
-    if feature_columns is None:
-        reserved = {bag_column, label_column, instance_label_column, original_label_column}
-        feature_columns = [f.name for f in schema if f.name not in reserved
-                           and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
-        if not feature_columns:
-            others = ", ".join(f"{f.name} ({f.type})" for f in schema if f.name not in reserved) or "none"
-            raise IngestError(f"Parquet table has no numeric feature column (one integer or float column per feature; the "
-                              f"other columns: {others})", path=str(path))
+    coords_columns = list(coords_columns or [])
     others = [c for c in (bag_column, label_column, instance_label_column, original_label_column) if c is not None]
+    feature_columns = _parquet_feature_columns(schema, feature_columns, others + coords_columns, str(path))
+    for name in coords_columns:
+        if not _numeric(schema.field(name).type):
+            raise IngestError(f"coordinate column {name!r} is {schema.field(name).type}, not numeric", path=str(path))
     X = np.empty((parquet.metadata.num_rows, len(feature_columns)), dtype=np.float32)
-    columns: dict[str, list[np.ndarray]] = {c: [] for c in others}
+    columns: dict[str, list[np.ndarray]] = {c: [] for c in others + coords_columns}
     start = 0
     try:  # a row group and 8 columns at a time: Arrow decodes a whole row group per read
         for group in range(parquet.num_row_groups):
@@ -140,9 +141,9 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
                 names = feature_columns[first:first + 8]
                 part = parquet.read_row_group(group, columns=names)
                 for j, name in enumerate(names, start=first):
-                    X[start:stop, j] = part.column(name).to_numpy()
-            part = parquet.read_row_group(group, columns=others)
-            for name in others:
+                    X[start:stop, j] = _column_values(part.column(name))
+            part = parquet.read_row_group(group, columns=list(columns))
+            for name in columns:
                 columns[name].append(part.column(name).to_numpy())
             start = stop
     except Exception as error:
@@ -150,8 +151,71 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     merged = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
     return FeatureTable(
         X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=merged[label_column], source=str(path),
+        coords=_integer_coords(merged, coords_columns, str(path)) if coords_columns else None,
         instance_labels=None if instance_label_column is None else merged[instance_label_column],
-        original_labels=None if original_label_column is None else merged[original_label_column])
+        original_labels=None if original_label_column is None else merged[original_label_column],
+        feature_names=tuple(feature_columns), coords_names=tuple(coords_columns) or None)
+
+
+def _numeric(kind) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+
+
+def _column_values(column) -> np.ndarray:
+    """A numeric Arrow column as NumPy (decimals as float64; nulls as NaN, reported by the ingest)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_decimal(column.type):
+        column = pc.cast(column, pa.float64())
+    return column.to_numpy(zero_copy_only=False)
+
+
+def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, reserved: list[str], path: str) -> list[str]:
+    """The feature columns of a Parquet schema: ``wanted`` (names or one pattern) or every numeric
+    column not ``reserved``; each named column must exist, be numeric and not be reserved."""
+    missing = sorted(set(reserved) - set(schema.names))
+    shown = ", ".join(schema.names[:20]) + (", …" if len(schema.names) > 20 else "")
+    if missing:
+        raise IngestError(f"Parquet table lacks columns {missing} (columns: {shown})", path=path)
+    if len(set(reserved)) < len(reserved):
+        raise IngestError(f"a column is named twice among bag, label and coordinate columns: {reserved}", path=path)
+    candidates = [f.name for f in schema if f.name not in reserved]
+    if wanted is None:
+        columns = [name for name in candidates if _numeric(schema.field(name).type)]
+        if not columns:
+            others = ", ".join(f"{name} ({schema.field(name).type})" for name in candidates) or "none"
+            raise IngestError(f"Parquet table has no numeric feature column (one integer, float or decimal column per "
+                              f"feature; the other columns: {others})", path=path)
+        return columns
+    if isinstance(wanted, str):
+        columns = [name for name in candidates if fnmatchcase(name, wanted)]
+        if not columns:
+            raise IngestError(f"no column matches feature_columns {wanted!r} (columns: {shown})", path=path)
+    else:
+        columns = list(wanted)
+        absent = [name for name in columns if name not in schema.names]
+        if absent:
+            raise IngestError(f"Parquet table lacks the feature columns {absent[:5]} (columns: {shown})", path=path)
+        if taken := [name for name in columns if name in reserved]:
+            raise IngestError(f"feature columns {taken} are also bag, label or coordinate columns", path=path)
+    if text := [f"{name} ({schema.field(name).type})" for name in columns if not _numeric(schema.field(name).type)]:
+        raise IngestError(f"feature columns must be numeric; {', '.join(text[:5])} are not", path=path)
+    return columns
+
+
+def _integer_coords(columns: dict[str, np.ndarray], names: list[str], path: str) -> np.ndarray:
+    """The coordinate columns as an (N, k) int64 array; a missing or fractional value is refused
+    naming its column and row (the store keeps integer coordinates, e.g. level-0 pixels)."""
+    coords = np.column_stack([np.asarray(columns[name], dtype=np.float64) for name in names])
+    bad = ~np.isfinite(coords) | (coords != np.round(coords)) | (np.abs(coords) > np.iinfo(COORD_DTYPE).max)
+    if bad.any():
+        row, j = np.argwhere(bad)[0]
+        raise IngestError(f"coordinate column {names[j]!r} holds {coords[row, j]} at row {row}: coordinates must be "
+                          f"integers (e.g. level-0 pixels) within int32 ({int(bad.any(axis=1).sum())} such row(s))", path=path)
+    return coords.astype(np.int64)
 
 
 def read_npz_table(path: str | Path) -> FeatureTable:
@@ -205,7 +269,9 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         coords = None if table.coords is None else np.asarray(table.coords).reshape(n, -1)
         spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(X.shape[1]),
                           coords_dim=1 if coords is None else coords.shape[1],
-                          coords_meaning="instance_index" if coords is None else "given", chunk_rows=chunk_rows)
+                          coords_meaning="instance_index" if coords is None else "given" if table.coords_names is None
+                          else f"given: table columns {', '.join(table.coords_names)}", chunk_rows=chunk_rows,
+                          feature_columns=table.feature_names)
         try:
             root = open_or_create_cohort(store, spec)
         except IngestError as error:
