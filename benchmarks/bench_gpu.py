@@ -9,6 +9,11 @@ the store. D = 128 float32 features, M = 200 inducing points, bags of 100–1,00
     python benchmarks/bench_gpu.py --n 1000000 --store /scratch/gpu-1e6.zarr --skip resident --defaults   # the pipeline's default model
     python benchmarks/bench_gpu.py --n 20000 --namespace numpy --store /tmp/s.zarr   # CPU smoke test
     python benchmarks/bench_gpu.py --n 5000 --namespace array_api_strict:device1 --store /tmp/s.zarr
+    python benchmarks/bench_gpu.py --n 1000000 --store /scratch/gpu-1e6.zarr --skip resident store --choice --model GVGPMIL
+
+``--choice`` times the defaults' kernel choice alone (``_select_kernel`` on the bags the store
+fit's choice reads, at most 20,000 instances): on the host and on the namespace's arrays. It is
+most of the first iteration of ``--defaults``, which runs it on the client's host.
 
 ``--namespace``: ``cupy`` (the GPU), ``numpy`` (the same code on the host), or any array-API
 namespace ``module[:device]``. ``--dtype float32`` keeps the whitened features A' in float32
@@ -34,8 +39,9 @@ from mil_core import GVGPMIL, RBF, VGPMIL, VGPMILPR  # noqa: E402
 from mil_core.engine import BagBlock, SerialExecutor, optimise  # noqa: E402
 from tasks.store import open_cohort  # noqa: E402
 from tasks.training import fit_cohort  # noqa: E402
+from mil_core.models.base import choice_bags  # noqa: E402
 from tasks.training.placement import ArrayPlacement  # noqa: E402
-from tasks.training.preprocess import kmeans_sample  # noqa: E402
+from tasks.training.preprocess import kmeans_sample, read_bags  # noqa: E402
 
 KERNEL = RBF(variance=1.0)  # pinned (ℓ = √D): kernel=None would also time the automatic kernel choice
 MODELS = {"VGPMIL": VGPMIL, "GVGPMIL": GVGPMIL, "VGPMILPR": VGPMILPR}
@@ -78,6 +84,30 @@ def resident(store: str, args, dtype: str) -> tuple[dict[str, float], object]:
             "s / iteration": iterations / args.iterations}, trace
 
 
+def kernel_choice(store: str, args) -> dict[str, float]:
+    """The default model's kernel choice on the bags a store fit's choice reads
+    (:func:`~mil_core.models.base.choice_bags`), on the host and on ``--namespace``'s arrays."""
+    cohort = open_cohort(store)
+    labels = np.asarray(cohort.bag_labels)
+    training = np.flatnonzero(labels >= 0)
+    picked = training[choice_bags(np.diff(cohort.offsets)[training], labels[training], 0)]
+    X, row_labels, offsets, _ = read_bags(cohort, labels, picked, None)
+    placement = ArrayPlacement(kind="gpu", namespace=args.namespace) if args.namespace != "numpy" else None
+    times = {}
+    for where, data in (("host", X), (args.namespace, None if placement is None else placement.to_device(X))):
+        if data is None:
+            continue
+        model = MODELS[args.model](random_state=0)
+        synchronise(where)
+        t = time.perf_counter()
+        kernel = model._select_kernel(data, offsets, row_labels[offsets[:-1]], None)
+        synchronise(where)
+        times[f"{where} s"] = time.perf_counter() - t
+        print(f"kernel choice on {where} ({X.shape[0]} rows of {picked.size} bags): {times[f'{where} s']:.1f} s; chose {kernel}, "
+              f"{model.auto_max_iter_} sweeps, bag rule {getattr(model, 'bag_rule_', None)}", flush=True)
+    return times
+
+
 def from_store(store: str, args) -> dict[str, float]:
     """End to end through ``fit_cohort``: one GPU worker (persist mode), reading the store."""
     device = "cpu" if args.namespace == "numpy" else "gpu"
@@ -118,6 +148,7 @@ def main() -> None:
     parser.add_argument("--skip", choices=["resident", "store"], nargs="*", default=[])
     parser.add_argument("--defaults", action="store_true",
                         help="the store run fits the constructor's defaults (kernel choice and stop, bag rule, n_inducing)")
+    parser.add_argument("--choice", action="store_true", help="time the defaults' kernel choice alone, on the host and the device")
     parser.add_argument("--compare-float64", action="store_true",
                         help="also run the resident fit in float64 and print the float32 error against it")
     args = parser.parse_args()
@@ -140,6 +171,8 @@ def main() -> None:
             print(f"float32 vs float64 after {args.iterations} iterations: max |m' error| / max |m'| = "
                   f"{np.abs(m32 - m64).max() / np.abs(m64).max():.2e}, ELBO relative error = "
                   f"{abs(trace.objective[-1] - trace64.objective[-1]) / abs(trace64.objective[-1]):.2e}", flush=True)
+    if args.choice:
+        print("kernel choice:", {k: round(v, 2) for k, v in kernel_choice(str(args.store), args).items()}, flush=True)
     if "store" not in args.skip:
         print("from the store:", {k: round(v, 2) for k, v in from_store(str(args.store), args).items()}, flush=True)
 

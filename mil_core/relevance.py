@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import rankdata
 
+from ._backend import to_numpy
 from .metrics import both_classes, chance_auc_std, ranked_aucs
 
 __all__ = ["RELEVANCE_FORMS", "feature_evidence", "relevance_length_scales", "relevance_weightings"]
@@ -76,8 +77,9 @@ def relevance_length_scales(X_sorted: np.ndarray, offsets: np.ndarray, labels: n
 def relevance_weightings(X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> dict[str, tuple[float, ...]]:
     """:func:`relevance_length_scales` in each of :data:`RELEVANCE_FORMS`, from one pass over the
     bags (the observed labels' evidence is the first of the permutation test's labellings); the
-    two are the same tuple where no feature stands out."""
-    labels = both_classes(labels)
+    two are the same tuple where no feature stands out. Ranks are a host computation: rows on a
+    device are copied once (the kernel choice's halves: thousands of rows)."""
+    X_sorted, labels = to_numpy(X_sorted), both_classes(labels)
     rng = np.random.default_rng(0)  # the weights are a function of the bags alone
     z_all = _evidence(X_sorted, offsets, np.column_stack([labels] + [rng.permutation(labels) for _ in range(_PERMUTATIONS)]))
     excess = z_all - np.median(z_all, axis=1, keepdims=True)  # over each labelling's own median

@@ -162,6 +162,21 @@ def assert_attention_networks_match_the_host(to_device, X, bags, y) -> list:
     return fits
 
 
+def test_the_kernel_choice_runs_on_device_arrays_and_chooses_as_on_the_host(data):
+    """``_select_kernel`` on device rows (the relevance weights are ranked on one host copy per
+    split): the same kernel, sweeps and bag rule as on the host, each candidate's score to rounding."""
+    from mil_core.bags import BagIndex
+
+    X, bags, y, _ = data
+    index = BagIndex.from_ids(bags)
+    X_sorted, labels = X[index.order], y[index.order][index.offsets[:-1]].astype(int)
+    host, device = VGPMIL(random_state=0, max_iter=10), VGPMIL(random_state=0, max_iter=10)  # 10 sweeps a candidate: CI time
+    kernel = host._select_kernel(X_sorted, index.offsets, labels, None)
+    assert device._select_kernel(to_emulated(X_sorted), index.offsets, labels, None) == kernel
+    assert (device.auto_max_iter_, getattr(device, "bag_rule_", None)) == (host.auto_max_iter_, getattr(host, "bag_rule_", None))
+    np.testing.assert_allclose(device.kernel_selection_, host.kernel_selection_, rtol=1e-9)
+
+
 def test_device_features_are_checked_on_the_device_and_a_nan_is_named_by_row_column_and_bag(data, monkeypatch):
     from mil_core.validation import check_features, check_mil_data
 

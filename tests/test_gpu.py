@@ -111,6 +111,19 @@ def test_car_solve_on_cupy_matches_the_sparse_lu(data):
     np.testing.assert_allclose(on_gpu.get(), coupling.solve(rhs), rtol=1e-10, atol=1e-12)
 
 
+def test_the_kernel_choice_runs_on_cupy_and_chooses_as_on_the_host(data):
+    from mil_core.bags import BagIndex
+
+    X, bags, y, _ = data
+    index = BagIndex.from_ids(bags)
+    X_sorted, labels = X[index.order], y[index.order][index.offsets[:-1]].astype(int)
+    host, device = VGPMIL(random_state=0, max_iter=10), VGPMIL(random_state=0, max_iter=10)
+    kernel = host._select_kernel(X_sorted, index.offsets, labels, None)
+    assert device._select_kernel(cupy.asarray(X_sorted), index.offsets, labels, None) == kernel
+    assert (device.auto_max_iter_, device.bag_rule_) == (host.auto_max_iter_, host.bag_rule_)
+    np.testing.assert_allclose(device.kernel_selection_, host.kernel_selection_, rtol=RTOL)
+
+
 def test_a_nan_in_cupy_features_is_named_by_row_column_and_bag(data):
     from mil_core.validation import check_mil_data
 
