@@ -40,6 +40,7 @@ from mil_core.engine import BagBlock, SerialExecutor, optimise  # noqa: E402
 from tasks.store import open_cohort  # noqa: E402
 from tasks.training import fit_cohort  # noqa: E402
 from mil_core.models.base import choice_bags  # noqa: E402
+from mil_core.threadpools import native_threads  # noqa: E402
 from tasks.training.placement import ArrayPlacement  # noqa: E402
 from tasks.training.preprocess import kmeans_sample, read_bags  # noqa: E402
 
@@ -158,7 +159,8 @@ def main() -> None:
         write_cohort(args.store, args.n, args.d, (100, 1000))
         print(f"wrote {args.store} ({args.n:.0e} instances) in {time.perf_counter() - t:.0f} s")
     n = open_cohort(str(args.store)).n_instances
-    print(f"{platform.node()} {platform.machine()}, python {platform.python_version()}; namespace {args.namespace}, "
+    print(f"{platform.node()} {platform.machine()}, python {platform.python_version()}, {native_threads()} native threads "
+          f"(the kernel choice runs that many splits side by side); namespace {args.namespace}, "
           f"A' {args.dtype}; {args.model}, N={n:.2e}, D={args.d}, M={args.m}, {args.iterations} iterations"
           + ("; the store run fits the defaults" if args.defaults else ""))
     if "resident" not in args.skip:
