@@ -172,3 +172,34 @@ def test_a_ct_series_that_lost_a_slice_since_its_ingest_is_reported(tmp_path):
     assert [(s.bag_id, s.error) for s in report.skipped] == [(scans[0].series_uid, "SourceChangedError")]
     assert "6 file(s) when ingested, 5 now" in report.skipped[0].reason
     assert np.diff(open_cohort(store).offsets).tolist() == [6, 6]
+
+
+def test_a_cohort_moved_or_copied_since_its_ingest_is_done_and_another_file_under_its_ids_is_a_duplicate(tmp_path):
+    """A rerun on a moved folder found every bag 'already in the store from <old path>' (a duplicate):
+    nothing added, nothing done, and the pipeline's ingest failed. The stamp tells the same files at
+    a new path (done) from other files under the same ids (duplicates)."""
+    from tasks.ingest.h5 import ingest_h5_features
+    from tasks.ingest.tables import ingest_table, read_npz_table
+
+    rng = np.random.default_rng(4)
+    (tmp_path / "a").mkdir()
+    for k in range(3):
+        write_h5(tmp_path / "a" / f"s{k}.h5", rng.normal(size=(4, 3)).astype(np.float32))
+    pd.DataFrame({"slide_id": ["s0", "s1", "s2"], "label": [0, 1, 1]}).to_csv(tmp_path / "labels.csv", index=False)
+    store = tmp_path / "c.zarr"
+    assert len(ingest_h5_features(store, tmp_path / "a", tmp_path / "labels.csv").added) == 3
+    shutil.move(tmp_path / "a", tmp_path / "moved")  # same files, same times
+    report = ingest_h5_features(store, tmp_path / "moved", tmp_path / "labels.csv")
+    assert report.already_done == ("s0", "s1", "s2") and not report.skipped
+    shutil.copytree(tmp_path / "moved", tmp_path / "copy", copy_function=shutil.copyfile)  # new times, same bytes
+    write_h5(tmp_path / "copy" / "s2.h5", rng.normal(size=(4, 3)).astype(np.float32))  # another file called s2
+    report = ingest_h5_features(store, tmp_path / "copy", tmp_path / "labels.csv")
+    assert report.already_done == ("s0", "s1")
+    assert [(s.bag_id, s.error) for s in report.skipped] == [("s2", "DuplicateIdError")]
+    assert f"already in the store from {tmp_path / 'a' / 's2.h5'}" in report.skipped[0].reason
+    assert open_cohort(store).n_bags == 3
+
+    np.savez(tmp_path / "t.npz", X=rng.normal(size=(4, 2)), bag_ids=np.array(["a", "a", "b", "b"]), labels=np.array([0, 0, 1, 1]))
+    assert ingest_table(tmp_path / "t.zarr", read_npz_table(tmp_path / "t.npz")).added == ("a", "b")
+    shutil.copy(tmp_path / "t.npz", tmp_path / "u.npz")
+    assert ingest_table(tmp_path / "t.zarr", read_npz_table(tmp_path / "u.npz")).already_done == ("a", "b")

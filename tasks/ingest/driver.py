@@ -10,9 +10,10 @@ ingest flow uses the same pieces: a plan task opens the :class:`IngestRun`, one 
 item runs :func:`stage_item` on the Dask cluster, and a finalise task records the outcomes.
 
 Resumption: an item whose bag id is committed with the same source is skipped, unless its files
-changed since (:mod:`tasks.ingest.stamps`: then it is reported, and the store keeps what it has); a
-bag staged completely by an interrupted run from the same files is committed without recomputing
-it; a half-staged bag is redone.
+changed since (:mod:`tasks.ingest.stamps`: then it is reported, and the store keeps what it has);
+from another path, it is skipped too when its files are the ones ingested (a cohort moved or
+copied since), else reported as a duplicate id; a bag staged completely by an interrupted run from
+the same files is committed without recomputing it; a half-staged bag is redone.
 Bad input never stops the run: each failing item becomes a :class:`Skipped` entry (error type,
 file, reason) in the returned :class:`IngestReport` and in the JSON report written next to the store.
 
@@ -184,14 +185,14 @@ class IngestRun:
     """One ingest in progress; the single writer of the store's CSR arrays.
 
     Opening it creates the store from ``spec`` (or checks an existing store against it), repairs an
-    interrupted append and sorts ``items`` into already committed (same bag id and source), rejected
-    (duplicate ids; a committed bag whose files changed since, or whose labels file now gives another
-    label: the store keeps what it has, a changed cohort is a new store) and pending. ``to_run`` are
-    the pending items still to stage: a bag staged completely by an interrupted run, from files that
-    have not changed since, is committed without recomputing it. Staging (one item at a
-    time, in parallel, each into its own staging group: :func:`stage_item`) happens elsewhere;
-    :meth:`record` is told of each outcome and commits finished bags in item order,
-    ``commit_every`` at a time; :meth:`finish` commits every completely staged bag not yet
+    interrupted append and sorts ``items`` into already committed (same bag id, and same source or
+    the same files at another path), rejected (duplicate ids; a committed bag whose files changed
+    since, or whose labels file now gives another label: the store keeps what it has, a changed
+    cohort is a new store) and pending. ``to_run`` are the pending items still to stage: a bag
+    staged completely by an interrupted run, from files that have not changed since, is committed
+    without recomputing it. Staging (one item at a time, in parallel, each into its own staging
+    group: :func:`stage_item`) happens elsewhere; :meth:`record` is told of each outcome and commits
+    finished bags in item order, ``commit_every`` at a time; :meth:`finish` commits every completely staged bag not yet
     committed — also those staged by an earlier, interrupted run and those after an item that
     never reported — and writes the report. Whatever else a run does, what is completely staged
     is committed by its end. The caller holds the store's writer lease (:mod:`tasks.lease`).
@@ -218,9 +219,13 @@ class IngestRun:
             if item.bag_id in first_source:
                 self.skipped.append(Skipped.from_error(DuplicateIdError(
                     f"bag id also given by {first_source[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
-            elif item.bag_id in committed and committed[item.bag_id] == item.source:
+            elif item.bag_id in committed:
                 label, original = stored_label[item.bag_id]
-                if change := file_change(item.input_files(), stored_stamp[item.bag_id]):
+                change = file_change(item.input_files(), stored_stamp[item.bag_id])
+                if committed[item.bag_id] != item.source and (change or not stored_stamp[item.bag_id]):
+                    self.skipped.append(Skipped.from_error(DuplicateIdError(
+                        f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
+                elif change:
                     self.skipped.append(Skipped.from_error(SourceChangedError(
                         f"bag already in the store, and its input changed since it was ingested ({change}). The store "
                         "keeps the features it has: ingest into a new store to use the new input",
@@ -230,11 +235,8 @@ class IngestRun:
                         f"bag already in the store with label {label} (original {original or 'none'}); the labels "
                         f"file now gives {item.label} (original {item.original_label or 'none'}). The store keeps "
                         "its label: ingest into a new store to relabel", path=item.source, bag_id=item.bag_id)))
-                else:
+                else:  # the same input, also when moved or copied since (same stamp, another path)
                     self.already_done.append(item.bag_id)
-            elif item.bag_id in committed:
-                self.skipped.append(Skipped.from_error(DuplicateIdError(
-                    f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
             else:
                 self.pending.append(item)
             first_source.setdefault(item.bag_id, item.source)

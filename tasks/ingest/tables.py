@@ -256,7 +256,8 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
     Bags keep the order of their first row. A bag whose rows disagree on the bag label, or whose
     label is not 0/1/-1, is skipped (:class:`MissingLabelError`); bags already in the store from the
     same file are skipped as done (reported instead when their rows or labels changed since:
-    :class:`SourceChangedError`, :class:`LabelChangedError`), from another file as duplicates. A
+    :class:`SourceChangedError`, :class:`LabelChangedError`), from another file as duplicates
+    unless their rows are the ones stored (the table moved or copied since: done). A
     feature dimension that differs from an existing store's raises (it concerns the whole file). A
     bag with NaN/inf features is skipped naming the file rows (``nonfinite="reject"``) or loses
     those rows, counted in the report (``"drop"``). Holds the store's writer lease (:mod:`tasks.lease`).
@@ -293,10 +294,6 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
             for b, bag_id in enumerate(map(str, ids)):
                 rows = order[offsets[b]:offsets[b + 1]]
                 rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
-                if bag_id in committed and committed[bag_id] != table.source:
-                    skipped.append(Skipped.from_error(DuplicateIdError(
-                        f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
-                    continue
                 labels = np.unique(np.asarray(table.labels[rows]))
                 if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
                     skipped.append(Skipped.from_error(MissingLabelError(
@@ -318,8 +315,11 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                 instance_labels = (np.full(len(features), UNKNOWN_LABEL) if table.instance_labels is None
                                    else np.asarray(table.instance_labels[rows]))
                 stamp = rows_stamp(features, instance_coords, instance_labels)
-                if bag_id in committed:  # from this file: done, unless the file now gives it other rows or labels
-                    if stored_stamps[bag_id] and stored_stamps[bag_id] != stamp:
+                if bag_id in committed:  # done, unless the file now gives it other rows or labels
+                    if committed[bag_id] != table.source and stored_stamps[bag_id] != stamp:  # not this table moved
+                        skipped.append(Skipped.from_error(DuplicateIdError(
+                            f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
+                    elif stored_stamps[bag_id] and stored_stamps[bag_id] != stamp:
                         skipped.append(Skipped.from_error(SourceChangedError(
                             "bag already in the store, and its rows in the file changed since it was ingested (features, "
                             "coordinates or instance labels). The store keeps the features it has: ingest into a new store "
