@@ -31,10 +31,11 @@ from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
+from tasks.ingest.stamps import stamp_content
 from tasks.ingest.errors import NothingIngestedError
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
-from tasks.store import open_cohort
+from tasks.store import column_difference, open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 from tasks.training.embedded import fit_cohort_embedded
 from tasks.training.predict import prediction_kwargs
@@ -94,12 +95,18 @@ RETRY_IF_TRANSIENT = dict(retries=2, retry_delay_seconds=[2, 10], retry_conditio
 
 @task(name="fingerprint-cohort", task_run_name="fingerprint {store}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def fingerprint_cohort(store: str) -> str:
-    """Content fingerprint of a store: bag ids, labels, offsets and the feature extractor."""
+    """Content fingerprint of a store: bag ids, labels, offsets, the feature extractor and — for
+    bags ingested with one — the content part of each bag's input stamp, so that two stores of one
+    cohort whose features came from other files (two extractors' ``.h5`` folders, tables with
+    other columns) do not share a model key. Stores without stamps keep the fingerprint they had."""
     cohort = open_cohort(store)
     digest = hashlib.sha256()
     for array in (np.asarray(cohort.bag_ids, dtype=str), np.asarray(cohort.bag_labels), np.asarray(cohort.offsets)):
         digest.update(array.tobytes())
     digest.update(json.dumps(cohort.attrs.get("feature_extractor"), sort_keys=True, default=str).encode())
+    contents = [stamp_content(stamp) for stamp in cohort.input_stamps]
+    if any(contents):
+        digest.update("\0".join(contents).encode())
     return digest.hexdigest()[:16]
 
 
@@ -148,6 +155,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
         "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
+        "feature_columns": open_cohort(store).attrs.get("feature_columns"),  # a named table's, else None
     }
     if hasattr(gp, "rhat_") and not gp.converged_:  # a sampler: its chain, not a tolerance
         warnings.append(f"the chain's largest split-R-hat is {gp.rhat_:.2f} > 1.05 after {gp.n_iter_} sweeps: its samples "
@@ -384,6 +392,11 @@ def _check_same_features(store: str, model_dir: str) -> None:
     trained_on = json.loads((Path(model_dir) / "model.json").read_text())
     if "feature_extractor" not in trained_on:
         return
+    columns, given = trained_on.get("feature_columns"), open_cohort(store).attrs.get("feature_columns")
+    if columns and given and columns != given:  # tables of the same width whose columns differ: features that do not compare
+        raise ValueError(f"{store}'s features are other table columns than those the model {model_dir} was trained on "
+                         f"({column_difference(given, columns, 'here', 'in ' + trained_on['store'])}): read the table "
+                         "with the training table's feature columns (ingest.columns.features)")
     expected, actual = trained_on["feature_extractor"], open_cohort(store).attrs.get("feature_extractor")
     if actual != expected:
         def describe(spec):

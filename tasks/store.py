@@ -270,15 +270,24 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
                                  f"({', '.join(changed)} differ): ingest into a new store", path=path)
     stored, given = attrs.get("feature_columns"), _as_json(spec.feature_columns)
     if stored and given and stored != given:  # the same width, other columns: features that do not compare
-        j = next((j for j, (a, b) in enumerate(zip(stored, given)) if a != b), min(len(stored), len(given)))
         raise StoreMismatchError(f"store's features are the table columns {_column_list(stored)}, this ingest's "
-                                 f"{_column_list(given)} (first difference at feature {j}: store "
-                                 f"{stored[j] if j < len(stored) else 'none'!r}, this ingest "
-                                 f"{given[j] if j < len(given) else 'none'!r}): ingest into a new store", path=path)
+                                 f"{_column_list(given)} ({column_difference(stored, given, 'store', 'this ingest')}): "
+                                 "ingest into a new store", path=path)
 
 
 def _column_list(names: Sequence[str]) -> str:
     return "[" + ", ".join(names[:4]) + (f", … ({len(names)})" if len(names) > 4 else "") + "]"
+
+
+def column_difference(first: Sequence[str], second: Sequence[str], first_name: str, second_name: str) -> str:
+    """Where two stores' feature columns first differ, for messages: ``first difference at feature
+    j: <first_name> 'a', <second_name> 'b'``."""
+    j = next((j for j, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
+
+    def at(names: Sequence[str]) -> str:
+        return repr(names[j]) if j < len(names) else "none"
+
+    return f"first difference at feature {j}: {first_name} {at(first)}, {second_name} {at(second)}"
 
 
 def _as_json(value: Any) -> Any:
@@ -767,6 +776,15 @@ class Cohort:
         for b, text in enumerate(self._original_texts):
             out[b] = decode_original_label(text)
         return out
+
+    @property
+    def input_stamps(self) -> np.ndarray:
+        """(B,) object array of str: what each bag's input was at ingest (:mod:`tasks.ingest.stamps`),
+        ``""`` for bags ingested before stamps existed or from no file."""
+        bags = self._root["bags"]
+        if "input_stamp" not in bags:
+            return np.full(self.n_bags, "", dtype=object)
+        return np.asarray(bags["input_stamp"][: self.n_bags], dtype=object)
 
     @property
     def instance_id_kind(self) -> str | None:

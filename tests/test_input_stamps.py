@@ -203,3 +203,58 @@ def test_a_cohort_moved_or_copied_since_its_ingest_is_done_and_another_file_unde
     assert ingest_table(tmp_path / "t.zarr", read_npz_table(tmp_path / "t.npz")).added == ("a", "b")
     shutil.copy(tmp_path / "t.npz", tmp_path / "u.npz")
     assert ingest_table(tmp_path / "t.zarr", read_npz_table(tmp_path / "u.npz")).already_done == ("a", "b")
+
+
+def test_two_stores_of_one_cohort_from_other_feature_files_do_not_share_a_model_key(tmp_path):
+    """Bag ids, labels and offsets are equal for two extractors' .h5 folders of one cohort; the
+    fingerprint (and so the model and prediction keys) now tells them apart by the input stamps'
+    content, and keeps the fingerprint of a store without stamps as it was."""
+    import hashlib
+    import json
+
+    from tasks.ingest.h5 import ingest_h5_features
+    from tasks.prefect_tasks import fingerprint_cohort
+
+    rng = np.random.default_rng(8)
+    pd.DataFrame({"slide_id": ["s0", "s1"], "label": [0, 1]}).to_csv(tmp_path / "labels.csv", index=False)
+    for folder in ("uni", "conch"):
+        (tmp_path / folder).mkdir()
+        for k in range(2):
+            write_h5(tmp_path / folder / f"s{k}.h5", rng.normal(size=(4, 3)).astype(np.float32))
+        ingest_h5_features(tmp_path / f"{folder}.zarr", tmp_path / folder, tmp_path / "labels.csv")
+    shutil.copytree(tmp_path / "uni", tmp_path / "uni-copy", copy_function=shutil.copyfile)
+    ingest_h5_features(tmp_path / "uni-copy.zarr", tmp_path / "uni-copy", tmp_path / "labels.csv")
+    keys = {name: fingerprint_cohort.fn(str(tmp_path / f"{name}.zarr")) for name in ("uni", "conch", "uni-copy")}
+    assert keys["uni"] != keys["conch"] and keys["uni"] == keys["uni-copy"]  # other features / the same files elsewhere
+
+    group = zarr.open_group(str(tmp_path / "conch.zarr"), mode="a")
+    del group["bags/input_stamp"]  # a store written before stamps: the fingerprint it always had
+    cohort = open_cohort(tmp_path / "conch.zarr")
+    digest = hashlib.sha256()
+    for array in (np.asarray(cohort.bag_ids, dtype=str), np.asarray(cohort.bag_labels), np.asarray(cohort.offsets)):
+        digest.update(array.tobytes())
+    digest.update(json.dumps(cohort.attrs.get("feature_extractor"), sort_keys=True, default=str).encode())
+    assert fingerprint_cohort.fn(str(tmp_path / "conch.zarr")) == digest.hexdigest()[:16]
+
+
+def test_a_table_read_with_other_feature_columns_is_refused_by_the_model(tmp_path):
+    import json
+
+    import pytest
+
+    from tasks.ingest.tables import ingest_table, read_parquet_table
+    from tasks.prefect_tasks import _check_same_features
+
+    frame = pd.DataFrame({"bag_id": ["a", "a", "b", "b"], "label": [0, 0, 1, 1], "f0": [1.0, 2, 3, 4], "f1": [5.0, 6, 7, 8]})
+    frame.to_parquet(tmp_path / "t.parquet")
+    ingest_table(tmp_path / "train.zarr", read_parquet_table(tmp_path / "t.parquet"))
+    ingest_table(tmp_path / "new.zarr", read_parquet_table(tmp_path / "t.parquet", feature_columns=["f1", "f0"]))
+    (tmp_path / "model").mkdir()
+    train = open_cohort(tmp_path / "train.zarr").attrs
+    (tmp_path / "model" / "model.json").write_text(json.dumps({
+        "store": str(tmp_path / "train.zarr"), "feature_extractor": train["feature_extractor"],
+        "feature_columns": train["feature_columns"]}))
+    _check_same_features(str(tmp_path / "train.zarr"), str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=r"new\.zarr's features are other table columns .*first difference at feature 0: "
+                                         r"here 'f1', in .*train\.zarr 'f0'\): read the table with the training table's"):
+        _check_same_features(str(tmp_path / "new.zarr"), str(tmp_path / "model"))

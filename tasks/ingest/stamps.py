@@ -87,6 +87,15 @@ def file_change(paths: Sequence[str], stamp: str) -> str | None:
     return "same size, other content"
 
 
+def stamp_content(stamp: str) -> str:
+    """The part of a stamp that depends on the input's content only (not on where it lies or when
+    it was written): files' names, sizes and samples, or a table bag's rows; ``""`` for no stamp."""
+    if not stamp:
+        return ""
+    then = json.loads(stamp)
+    return then.get("content") or then.get("rows", "")
+
+
 def rows_stamp(*arrays: np.ndarray | None) -> str:
     """The stamp of a table bag from its row arrays (features, coordinates, instance labels): their
     dtypes, shapes and bytes."""
