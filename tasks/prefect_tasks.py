@@ -224,22 +224,27 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
     """Commit the staged bags in item order (``bags/done`` last), write the ingest report, and
     list the inputs left out, and why (table artifact). Not retried: it holds the open ingest's
     state; if it fails, the staged bags stay and the next run commits them without recomputing."""
-    logger = get_run_logger()
     run = work.run
     for item in run.to_run:
         if item.bag_id in outcomes:  # an item without an outcome stays staged or pending for a rerun
             error = outcomes[item.bag_id]
             run.record(item.bag_id, None if error is None else Skipped.from_error(error, item))
     result = run.finish()
-    info = result.to_json()
-    if result.skipped:
+    _report_left_out(config, result.to_json())
+    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+
+
+def _report_left_out(config: PipelineConfig, info: dict[str, Any]) -> None:
+    """Every input an ingest left out (its report's ``info``), and why: a warning line each and the
+    ``skipped-inputs`` table artifact; then the counts."""
+    logger = get_run_logger()
+    if info["skipped"]:
         create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
-        for s in result.skipped:
-            logger.warning("skipped %s", s.line())
-    logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(result.added),
-                result.n_instances_added, len(result.already_done), len(result.skipped))
-    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
+        for skipped in info["skipped"]:
+            logger.warning("skipped %s", Skipped(**skipped).line())
+    logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(info["added"]),
+                info["n_instances_added"], len(info["already_done"]), len(info["skipped"]))
 
 
 def _label_source(labels: Any) -> Any:
@@ -275,12 +280,13 @@ def ingest_table(config: PipelineConfig) -> StageResult:
                                   inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"))
         return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
-    if source.suffix not in readers:
+    suffix = source.suffix.lower()
+    if suffix not in readers:
         raise ValueError(f"ingest.source {source}: feature tables must be .csv, .parquet or .npz")
     options = {} if ing.original_label_column is None else {"original_label_column": ing.original_label_column}
-    if ing.columns is not None and source.suffix == ".parquet":  # a predicted cohort's table is read like the training one
+    if ing.columns is not None and suffix == ".parquet":  # a predicted cohort's table is read like the training one
         options |= ing.columns.reader_arguments()
-    result = ingest_feature_table(str(config.store), readers[source.suffix](source, **options), name=config.name,
+    result = ingest_feature_table(str(config.store), readers[suffix](source, **options), name=config.name,
                                   nonfinite=config.ingest.nonfinite)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
 
@@ -311,7 +317,9 @@ def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stag
     from prefect.futures import as_completed
 
     if config.ingest.kind in ("features", "h5", "npy"):
-        return ingest_table(config)
+        result = ingest_table(config)
+        _report_left_out(config, result.info)
+        return result
     logger = get_run_logger()
     work = list_inputs(config)
     todo = work.run.to_run

@@ -272,6 +272,7 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
     if stored and given and stored != given:  # the same width, other columns: features that do not compare
         raise StoreMismatchError(f"store's features are the table columns {_column_list(stored)}, this ingest's "
                                  f"{_column_list(given)} ({column_difference(stored, given, 'store', 'this ingest')}): "
+                                 "name the store's columns in its order (feature_columns / ingest.columns.features), or "
                                  "ingest into a new store", path=path)
 
 
@@ -392,13 +393,15 @@ def check_text(bag_id: str, source: str) -> None:
 
 
 def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,
-                first_row: int = 0, file_rows: np.ndarray | None = None) -> np.ndarray | None:
+                first_row: int = 0, file_rows: np.ndarray | None = None,
+                column_names: Sequence[str] | None = None) -> np.ndarray | None:
     """Rows of ``features`` (already in the store's dtype) to keep, or None when all are finite.
 
     ``policy="reject"`` raises :class:`NonFiniteFeaturesError` naming the bag, the file, the first
     offending rows (numbered within the bag from ``first_row``, or the rows of the input file
-    ``file_rows`` when given) and columns; ``"drop"`` returns the
-    mask of finite rows (the caller counts what it dropped and reports it).
+    ``file_rows`` when given) and columns (by ``column_names`` where the file names them, else
+    0-based among the features); ``"drop"`` returns the mask of finite rows (the caller counts what
+    it dropped and reports it). A table's missing cells (nulls) are NaN here.
     """
     finite = np.isfinite(features)
     if finite.all():
@@ -410,9 +413,11 @@ def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | No
         raise ValueError(f"nonfinite must be 'reject' or 'drop', got {policy!r}")
     columns = np.flatnonzero(~finite.all(axis=0))
     where = f"{(bad[:5] + first_row).tolist()}" if file_rows is None else f"{np.asarray(file_rows)[bad[:5]].tolist()}"
+    named = (f"columns {[column_names[j] for j in columns[:5]]}" if column_names is not None
+             else f"feature columns {columns[:5].tolist()} (0-based among the features)")
     raise NonFiniteFeaturesError(
-        f"{bad.size} instance row(s) with NaN or infinite features (rows {where}"
-        f"{'…' if bad.size > 5 else ''} of the {'bag' if file_rows is None else 'file'}, columns {columns[:5].tolist()}{'…' if columns.size > 5 else ''}; "
+        f"{bad.size} instance row(s) with missing, NaN or infinite features (rows {where}"
+        f"{'…' if bad.size > 5 else ''} of the {'bag' if file_rows is None else 'file'}, {named}{'…' if columns.size > 5 else ''}; "
         "float32 overflow counts as infinite). Fix the features, or set ingest.nonfinite: drop to leave those "
         "instances out (counted in the ingest report)", path=path, bag_id=bag_id)
 

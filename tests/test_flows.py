@@ -255,6 +255,26 @@ def test_ingest_runs_one_named_task_per_slide_a_corrupt_slide_fails_only_its_own
     assert open_cohort(tmp_path / "slides.zarr").n_bags == 4
 
 
+def test_a_feature_table_ingest_lists_each_input_it_left_out_as_the_slide_ingest_does(tmp_path, caplog):
+    """The features/h5/npy kinds logged only '1 skipped': no warning naming the bag, no artifact."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.pipeline import ingest_cohort
+
+    rows = "".join(f"{label},bag{b},{b}.0,1.0\n" for b, label in enumerate([0, 1, 0, 1, 0, 1]))
+    (tmp_path / "t.csv").write_text(rows + "2,odd,1.0,2.0\n")  # one bag with label 2
+    config = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
+    state = ingest_cohort(config, return_state=True)
+    assert len(state.result().info["added"]) == 6
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    table = next(a for a in artifacts if a.key == "skipped-inputs-toy")
+    assert "odd" in str(table.data) and "MissingLabelError" in str(table.data)
+    assert any(r.levelname == "WARNING" and f"skipped {tmp_path / 't.csv'} [bag odd]: MissingLabelError" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_only_transient_errors_are_retried():
     from distributed import KilledWorker
 

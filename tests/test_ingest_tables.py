@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import h5py
@@ -194,7 +195,10 @@ def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(
 
     frame = pd.DataFrame({"bag_id": ids, "label": labels, "features": list(np.ones((20, 3)))})
     frame.to_parquet(tmp_path / "listcol.parquet")
-    with pytest.raises(IngestError, match=r"no numeric feature column .*features \(list<.*listcol\.parquet"):
+    with pytest.raises(IngestError, match=r"column 'features' holds lists of numbers \(list<.*one numeric column per feature.*listcol\.parquet"):
+        read_parquet_table(tmp_path / "listcol.parquet")
+    frame.assign(x=1, y=2).to_parquet(tmp_path / "listcol.parquet")  # beside numeric columns it was left out silently
+    with pytest.raises(IngestError, match=r"column 'features' holds lists of numbers"):
         read_parquet_table(tmp_path / "listcol.parquet")
     pd.DataFrame({"bag_id": [None, *ids[1:]], "label": labels, "f0": 1.0}).to_parquet(tmp_path / "nullid.parquet")
     with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[0\]"):
@@ -313,15 +317,18 @@ def test_parquet_columns_name_the_bag_coordinates_and_features_and_the_store_kee
 
 
 @pytest.mark.parametrize("arguments, change, message", [
-    ({"bag_column": "slide"}, None, r"lacks columns \['slide'\] \(columns: slide_id, label, x, y, path, feat_0"),
+    ({"bag_column": "slide"}, None, r"lacks the bag column 'slide' \(columns: slide_id, label, x, y, path, feat_0"),
     ({"bag_column": "slide_id", "feature_columns": "emb_*"}, None, r"no column matches feature_columns 'emb_\*'"),
     ({"bag_column": "slide_id", "feature_columns": ["feat_0", "path"]}, None, r"feature columns must be numeric; path \((large_)?string\) are not"),
     ({"bag_column": "slide_id", "feature_columns": ["feat_0", "x"], "coords_columns": ["x", "y"]}, None,
-     r"feature columns \['x'\] are also bag, label or coordinate columns"),
+     r"feature columns 'x' \(named as the coords column\) cannot be features too"),
     ({"bag_column": "slide_id", "coords_columns": ["x", "path"]}, None, r"coordinate column 'path' is (large_)?string, not numeric"),
     ({"bag_column": "slide_id", "coords_columns": ["x", "y"]}, lambda f: f.assign(y=f["y"] + 0.5),
      r"coordinate column 'y' holds 0.5 at row 0: coordinates must be integers"),
-    ({"bag_column": "slide_id", "coords_columns": ["x", "x"]}, None, r"a column is named twice"),
+    ({"bag_column": "slide_id", "coords_columns": ["x", "x"]}, None, r"column 'x' is named twice as a coords column"),
+    ({"bag_column": "slide_id", "original_label_column": "label"}, None,
+     r"column 'label' is named as the label and the original_label column: each column has one role"),
+    ({"bag_column": "slide_id", "feature_columns": ["feat_0", "feat_1", "feat_0"]}, None, r"feature columns named twice: \['feat_0'\]"),
 ])
 def test_parquet_columns_that_do_not_fit_the_table_are_refused_naming_the_file_and_column(tmp_path, arguments, change, message):
     from tasks.ingest.errors import IngestError
@@ -345,14 +352,48 @@ def test_a_config_names_the_columns_of_a_parquet_table(tmp_path):
 
     def load(columns: str, source: str = "t.parquet"):
         path = tmp_path / "c.yaml"
-        path.write_text(f"name: t\nstore: t.zarr\noutput_dir: out\ningest:\n  kind: features\n  source: {source}\n"
+        path.write_text(f"name: t\nstore: {source}.zarr\noutput_dir: out\ningest:\n  kind: features\n  source: {source}\n"
                         f"  columns: {columns}\n")
         return load_config(path, preflight=lambda config: check_inputs(config, "ingest"))
 
-    config = load("{bag: slide_id, features: 'feat_*', coords: [x, y]}")
-    assert list(ingest_task.fn(config).info["added"]) == ["s0", "s1", "s2"]
-    assert open_cohort(config.store).attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2"]
+    shutil.copy(tmp_path / "t.parquet", tmp_path / "T.PARQUET")  # the suffix in capitals reads the same
+    for source in ("t.parquet", "T.PARQUET"):
+        config = load("{bag: slide_id, features: 'feat_*', coords: [x, y]}", source)
+        assert list(ingest_task.fn(config).info["added"]) == ["s0", "s1", "s2"]
+        assert open_cohort(config.store).attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2"]
     with pytest.raises(ConfigError, match=r"ingest.columns: .*t\.parquet has no column 'slide', 'u' \(its columns: slide_id, label"):
         load("{bag: slide, coords: [x, u]}")
     with pytest.raises(ConfigError, match=r"columns applies to a Parquet feature table"):
         load("{bag: slide_id}", source="t.csv")
+
+
+def test_table_instance_labels_text_labels_and_missing_features_are_read_or_refused_by_name(tmp_path):
+    """Instance labels must be 0, 1 or -1 (a Parquet null is -1, unknown; 2 or text is refused, not
+    stored as a wrong int8); a label column of text digits reads as numbers; a missing feature
+    cell is named by its column; a schema with two columns of one name is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.ingest.errors import IngestError, MissingLabelError
+
+    frame = pd.DataFrame({"bag_id": ["a", "a", "b", "b"], "label": ["0", "0", "1", "1"], "f0": [1.0, 2, 3, 4],
+                          "zz": [1.0, 2, None, 4], "inst": pd.array([0, None, 1, 0], dtype="Int64")})
+    frame.to_parquet(tmp_path / "t.parquet")
+    table = read_parquet_table(tmp_path / "t.parquet", instance_label_column="inst")
+    assert table.labels.tolist() == [0, 0, 1, 1] and table.instance_labels.tolist() == [0, -1, 1, 0]
+    report = ingest_table(tmp_path / "t.zarr", table)
+    assert report.added == ("a",) and [(s.bag_id, s.error) for s in report.skipped] == [("b", "NonFiniteFeaturesError")]
+    assert "rows [2] of the file, columns ['zz']" in report.skipped[0].reason
+    for values, shown in (([0, 2, 1, 0], "row 1 holds 2"), (["neg", "neg", "pos", "neg"], "row 0 holds 'neg'")):
+        frame.assign(inst=values).to_parquet(tmp_path / "bad.parquet")
+        with pytest.raises(MissingLabelError, match=rf"instance labels must be 0, 1 or -1 \(unknown\); {shown}") as refused:
+            read_parquet_table(tmp_path / "bad.parquet", instance_label_column="inst")
+        assert refused.value.path == str(tmp_path / "bad.parquet")
+    np.savez(tmp_path / "t.npz", X=np.ones((4, 2)), bag_ids=np.array(["a", "a", "b", "b"]), labels=np.array([0, 0, 1, 1]),
+             instance_labels=np.array([0, 0, 7, 1]))
+    with pytest.raises(MissingLabelError, match=r"row 2 holds 7"):
+        read_npz_table(tmp_path / "t.npz")
+    pq.write_table(pa.table([pa.array(["a", "b"]), pa.array([0, 1]), pa.array([1.0, 2.0]), pa.array([3.0, 4.0])],
+                            names=["bag_id", "label", "f", "f"]), tmp_path / "twice.parquet")
+    with pytest.raises(IngestError, match=r"columns named twice: \['f'\]"):
+        read_parquet_table(tmp_path / "twice.parquet")

@@ -157,6 +157,9 @@ def test_a_torchmil_side_file_belongs_to_its_bag_and_a_store_without_stamps_read
     del group["bags/input_stamp"]
     assert ingest().already_done == ("b0", "b1")
     assert zarr.open_group(str(store), mode="r")["bags/input_stamp"][:].tolist() == ["", ""]
+    shutil.move(tmp_path / "features", tmp_path / "moved")  # such a store cannot tell a moved file: it says so
+    report = ingest_bag_files(store, tmp_path / "moved", labels_dir=tmp_path / "labels", inst_labels_dir=tmp_path / "inst")
+    assert {s.error for s in report.skipped} == {"DuplicateIdError"} and "no input stamp for it" in report.skipped[0].reason
 
 
 def test_a_ct_series_that_lost_a_slice_since_its_ingest_is_reported(tmp_path):
@@ -258,3 +261,36 @@ def test_a_table_read_with_other_feature_columns_is_refused_by_the_model(tmp_pat
     with pytest.raises(ValueError, match=r"new\.zarr's features are other table columns .*first difference at feature 0: "
                                          r"here 'f1', in .*train\.zarr 'f0'\): read the table with the training table's"):
         _check_same_features(str(tmp_path / "new.zarr"), str(tmp_path / "model"))
+
+
+def test_a_slide_is_stamped_with_every_file_it_is_read_from(tmp_path):
+    from tasks.ingest.slide_io import slide_files
+
+    (tmp_path / "a").mkdir()
+    for name in ("a.mrxs", "a/Slidedat.ini", "a/Data0000.dat", "b.svs"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "dicom").mkdir()
+    for name in ("level1.dcm", "level0.dcm", "notes.txt"):
+        (tmp_path / "dicom" / name).write_bytes(b"x")
+    assert slide_files(tmp_path / "a.mrxs") == tuple(str(tmp_path / n) for n in ("a.mrxs", "a/Data0000.dat", "a/Slidedat.ini"))
+    assert slide_files(tmp_path / "dicom") == tuple(str(tmp_path / "dicom" / n) for n in ("level0.dcm", "level1.dcm"))
+    assert slide_files(tmp_path / "b.svs") == (str(tmp_path / "b.svs"),)
+    stamp = file_stamp(slide_files(tmp_path / "a.mrxs"))
+    (tmp_path / "a" / "Data0000.dat").write_bytes(b"y")  # the MIRAX data changed, its index did not
+    assert file_change(slide_files(tmp_path / "a.mrxs"), stamp) == "same size, other content"
+
+
+def test_a_changed_file_reached_by_another_spelling_of_its_path_is_a_change_not_a_duplicate(tmp_path, monkeypatch):
+    from tasks.ingest.h5 import ingest_h5_features
+
+    rng = np.random.default_rng(9)
+    (tmp_path / "h5").mkdir()
+    write_h5(tmp_path / "h5" / "s0.h5", rng.normal(size=(4, 3)).astype(np.float32))
+    write_h5(tmp_path / "h5" / "s1.h5", rng.normal(size=(4, 3)).astype(np.float32))
+    pd.DataFrame({"slide_id": ["s0", "s1"], "label": [0, 1]}).to_csv(tmp_path / "labels.csv", index=False)
+    monkeypatch.chdir(tmp_path)
+    assert len(ingest_h5_features(tmp_path / "c.zarr", Path("h5"), tmp_path / "labels.csv").added) == 2  # relative
+    (tmp_path / "link").symlink_to(tmp_path / "h5")
+    write_h5(tmp_path / "h5" / "s1.h5", rng.normal(size=(5, 3)).astype(np.float32))
+    report = ingest_h5_features(tmp_path / "c.zarr", tmp_path / "link", tmp_path / "labels.csv")  # absolute, via a symlink
+    assert report.already_done == ("s0",) and [(s.bag_id, s.error) for s in report.skipped] == [("s1", "SourceChangedError")]

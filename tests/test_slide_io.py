@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import tifffile
@@ -157,6 +159,17 @@ def test_dicom_wsi_folders_are_discovered_and_tiled_like_the_same_pixels_in_a_ti
     thumbnail, downsample, side = heatmap_background(root / "site_a" / "case-1.v2", cohort.attrs["tiling"])
     np.testing.assert_array_equal(thumbnail, tissue[::4, ::4])  # level 1, whole: at most 1024 px a side
     assert (downsample, side) == (4.0, 256.0)
+    # The folder's stamp covers its .dcm files: a level rewritten since is reported; the folder moved, it is done.
+    level1 = root / "site_a" / "case-1.v2" / "level1.dcm"
+    original = level1.read_bytes()
+    level1.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    again = ingest_slides(tmp_path / "s.zarr", root, params=params, fit_tiles=64)
+    assert [s.error for s in again.skipped if s.bag_id == "case-1.v2"] == ["SourceChangedError"]
+    level1.write_bytes(original)
+    shutil.move(root / "site_a", root / "site_b")
+    again = ingest_slides(tmp_path / "s.zarr", root, params=params, fit_tiles=64)
+    assert sorted(again.already_done) == ["case-1.v2", "case-2"] and not again.added
+    shutil.move(root / "site_b", root / "site_a")
     from tasks.ingest.ct import scan_dicom_dir  # and the CT reader names the slide for what it is
 
     series, errors = scan_dicom_dir(root / "site_a")

@@ -31,7 +31,7 @@ def test_nan_features_are_refused_naming_bag_file_row_and_column_and_nothing_is_
     append_bags(store, [_bag("good", np.ones((2, 3)))])
     bad = np.ones((7, 3))
     bad[4, 1] = np.nan
-    with pytest.raises(NonFiniteFeaturesError, match=r"rows \[4\] of the bag, columns \[1\].*path='/data/bad.csv', bag='bad'"):
+    with pytest.raises(NonFiniteFeaturesError, match=r"rows \[4\] of the bag, feature columns \[1\] \(0-based among the features\).*path='/data/bad.csv', bag='bad'"):
         append_bags(store, [_bag("ok2", np.zeros((2, 3))), _bag("bad", bad)])
     assert list(open_cohort(store).bag_ids) == ["good"]  # the earlier bag stays, the call commits nothing
 
@@ -90,7 +90,7 @@ def test_a_feature_table_bag_with_nan_is_skipped_naming_the_file_row_and_the_oth
     report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)))
     assert report.added == ("a", "c")
     (skip,) = report.skipped
-    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "rows [2] of the file, columns [1]" in skip.reason
+    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "rows [2] of the file, feature columns [1] (0-based among the features)" in skip.reason
     assert skip.path.endswith("table.csv")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -98,6 +99,16 @@ class Skipped:
         (a row of a labels file, a series in a DICOM folder)."""
         bag = f" [bag {self.bag_id}]" if self.bag_id and self.bag_id != Path(self.path or "").stem else ""
         return f"{self.path}{bag}: {self.error}: {self.reason}"
+
+
+UNSTAMPED = ("; the store has no input stamp for it (ingested before stamps existed), so the same file at another "
+             "path cannot be recognised: ingest from the path it was first ingested from, or into a new store")
+
+
+def same_source(stored: str, given: str) -> bool:
+    """Whether two spellings name one input: equal, or the same file or folder once resolved
+    (a relative path, a symlinked folder)."""
+    return stored == given or os.path.realpath(stored) == os.path.realpath(given)
 
 
 def summarise_left_out(found: str, skipped: Sequence[Skipped]) -> str:
@@ -222,9 +233,10 @@ class IngestRun:
             elif item.bag_id in committed:
                 label, original = stored_label[item.bag_id]
                 change = file_change(item.input_files(), stored_stamp[item.bag_id])
-                if committed[item.bag_id] != item.source and (change or not stored_stamp[item.bag_id]):
+                if not same_source(committed[item.bag_id], item.source) and (change or not stored_stamp[item.bag_id]):
                     self.skipped.append(Skipped.from_error(DuplicateIdError(
-                        f"bag id already in the store from {committed[item.bag_id]}", path=item.source, bag_id=item.bag_id)))
+                        f"bag id already in the store from {committed[item.bag_id]}{'' if change else UNSTAMPED}",
+                        path=item.source, bag_id=item.bag_id)))
                 elif change:
                     self.skipped.append(Skipped.from_error(SourceChangedError(
                         f"bag already in the store, and its input changed since it was ingested ({change}). The store "

@@ -214,6 +214,19 @@ def slide_id(path: str | Path) -> str:
     return path.name if path.is_dir() else path.stem
 
 
+def slide_files(path: str | Path) -> tuple[str, ...]:
+    """The files a slide is read from, for its input stamp (:mod:`tasks.ingest.stamps`): a DICOM-WSI
+    folder's ``.dcm`` files, a MIRAX slide's ``.mrxs`` and the files of its same-named folder, else
+    the file itself; in a fixed order."""
+    path = Path(path)
+    if path.is_dir():
+        return tuple(str(p) for p in sorted(path.glob("*.dcm")))
+    companions = path.with_suffix("")
+    if path.suffix.lower() == ".mrxs" and companions.is_dir():
+        return (str(path), *(str(p) for p in sorted(companions.iterdir()) if p.is_file()))
+    return (str(path),)
+
+
 def _open_dicom_folder(folder: Path, reader: Reader) -> SlideReader:
     """A DICOM-WSI folder, opened by OpenSlide from its first file OpenSlide recognises as DICOM-WSI."""
     import openslide

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, Skipped, default_report_path
+from tasks.ingest.driver import UNSTAMPED, IngestReport, Skipped, default_report_path, same_source
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
 from tasks.ingest.stamps import rows_stamp
@@ -63,6 +63,20 @@ class FeatureTable:
                 rows = "a scalar" if np.ndim(values) == 0 else f"{len(values)} rows"
                 raise IngestError(f"{name} has {rows} but the features have {X.shape[0]}: one entry per instance row",
                                   path=self.source)
+        if self.instance_labels is not None:
+            _check_instance_labels(np.asarray(self.instance_labels), self.source)
+
+
+def _check_instance_labels(values: np.ndarray, source: str) -> None:
+    """Instance labels are 0, 1 or -1 (unknown); anything else — text, 2, a missing value — would be
+    stored as a wrong label (the store keeps int8): refused naming the first row."""
+    numeric = values.dtype.kind in "biuf"
+    bad = (np.flatnonzero(~np.isin(values, (-1, 0, 1))) if numeric
+           else np.arange(values.shape[0]))
+    if bad.size:
+        value = values[bad[0]].item() if isinstance(values[bad[0]], np.generic) else values[bad[0]]
+        raise MissingLabelError(f"instance labels must be 0, 1 or -1 (unknown); row {bad[0]} holds {value!r} "
+                                f"({bad.size} such row(s))", path=source)
 
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1,
@@ -126,8 +140,11 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     schema = parquet.schema_arrow
     coords_columns = list(coords_columns or [])
-    others = [c for c in (bag_column, label_column, instance_label_column, original_label_column) if c is not None]
-    feature_columns = _parquet_feature_columns(schema, feature_columns, others + coords_columns, str(path))
+    roles = {"bag": [bag_column], "label": [label_column], "instance_label": [instance_label_column],
+             "original_label": [original_label_column], "coords": coords_columns}
+    roles = {role: [c for c in names if c is not None] for role, names in roles.items()}
+    others = [c for role in ("bag", "label", "instance_label", "original_label") for c in roles[role]]
+    feature_columns = _parquet_feature_columns(schema, feature_columns, roles, str(path))
     for name in coords_columns:
         if not _numeric(schema.field(name).type):
             raise IngestError(f"coordinate column {name!r} is {schema.field(name).type}, not numeric", path=str(path))
@@ -150,11 +167,32 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     merged = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
     return FeatureTable(
-        X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=merged[label_column], source=str(path),
+        X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=_numbers_if_all(merged[label_column]), source=str(path),
         coords=_integer_coords(merged, coords_columns, str(path)) if coords_columns else None,
-        instance_labels=None if instance_label_column is None else merged[instance_label_column],
+        instance_labels=None if instance_label_column is None else _unknown_if_missing(merged[instance_label_column]),
         original_labels=None if original_label_column is None else merged[original_label_column],
         feature_names=tuple(feature_columns), coords_names=tuple(coords_columns) or None)
+
+
+def _numbers_if_all(values: np.ndarray) -> np.ndarray:
+    """A text label column whose every value is a number (``"0"``, ``"1"``) as numbers, as the
+    MIL CSV reader reads it; otherwise as it is (the ingest names a value that is not 0/1/-1)."""
+    import pandas as pd
+
+    if values.dtype.kind in "biuf":
+        return values
+    numbers = pd.to_numeric(pd.Series(values), errors="coerce")
+    return numbers.to_numpy() if numbers.notna().all() else values
+
+
+def _unknown_if_missing(values: np.ndarray) -> np.ndarray:
+    """An instance-label column with its missing cells (nulls) as -1, unknown."""
+    import pandas as pd
+
+    missing = pd.isna(values)
+    if not missing.any():
+        return values
+    return np.where(missing, -1, _numbers_if_all(np.where(missing, -1, values)))
 
 
 def _numeric(kind) -> bool:
@@ -173,17 +211,32 @@ def _column_values(column) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False)
 
 
-def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, reserved: list[str], path: str) -> list[str]:
+def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, roles: dict[str, list[str]], path: str) -> list[str]:
     """The feature columns of a Parquet schema: ``wanted`` (names or one pattern) or every numeric
-    column not ``reserved``; each named column must exist, be numeric and not be reserved."""
-    missing = sorted(set(reserved) - set(schema.names))
+    column not given a ``roles`` entry (bag, label, coordinates, …); each named column must exist
+    once, be numeric and have one role."""
+    import pyarrow as pa
+
     shown = ", ".join(schema.names[:20]) + (", …" if len(schema.names) > 20 else "")
-    if missing:
-        raise IngestError(f"Parquet table lacks columns {missing} (columns: {shown})", path=path)
-    if len(set(reserved)) < len(reserved):
-        raise IngestError(f"a column is named twice among bag, label and coordinate columns: {reserved}", path=path)
+    if twice := sorted({name for name in schema.names if schema.names.count(name) > 1}):
+        raise IngestError(f"Parquet table has columns named twice: {twice}; give every column its own name", path=path)
+    reserved = {name: role for role, names in roles.items() for name in names}
+    if missing := [f"{role} column {name!r}" for role, names in roles.items() for name in names if name not in schema.names]:
+        raise IngestError(f"Parquet table lacks the {', '.join(missing)} (columns: {shown})", path=path)
+    named = [(role, name) for role, names in roles.items() for name in names]
+    if clash := [(role, name) for role, name in named if reserved[name] != role or [n for _, n in named].count(name) > 1]:
+        roles_of = sorted({role for role, name in named if name == clash[0][1]})
+        what = f"twice as a {roles_of[0]} column" if len(roles_of) == 1 else f"as the {' and the '.join(roles_of)} column"
+        raise IngestError(f"column {clash[0][1]!r} is named {what}: each column has one role", path=path)
     candidates = [f.name for f in schema if f.name not in reserved]
     if wanted is None:
+        lists = [name for name in candidates if (pa.types.is_list(schema.field(name).type) or pa.types.is_large_list(
+            schema.field(name).type) or pa.types.is_fixed_size_list(schema.field(name).type))
+            and _numeric(schema.field(name).type.value_type)]
+        if lists:
+            raise IngestError(f"column {lists[0]!r} holds lists of numbers ({schema.field(lists[0]).type}): an embedding in "
+                              "one column is not read; write one numeric column per feature, or name the feature columns "
+                              "(feature_columns / ingest.columns.features) to leave it out", path=path)
         columns = [name for name in candidates if _numeric(schema.field(name).type)]
         if not columns:
             others = ", ".join(f"{name} ({schema.field(name).type})" for name in candidates) or "none"
@@ -196,11 +249,12 @@ def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, reserve
             raise IngestError(f"no column matches feature_columns {wanted!r} (columns: {shown})", path=path)
     else:
         columns = list(wanted)
-        absent = [name for name in columns if name not in schema.names]
-        if absent:
+        if absent := [name for name in columns if name not in schema.names]:
             raise IngestError(f"Parquet table lacks the feature columns {absent[:5]} (columns: {shown})", path=path)
-        if taken := [name for name in columns if name in reserved]:
-            raise IngestError(f"feature columns {taken} are also bag, label or coordinate columns", path=path)
+        if repeated := sorted({name for name in columns if columns.count(name) > 1}):
+            raise IngestError(f"feature columns named twice: {repeated}", path=path)
+        if taken := [f"{name!r} (named as the {reserved[name]} column)" for name in columns if name in reserved]:
+            raise IngestError(f"feature columns {', '.join(taken)} cannot be features too", path=path)
     if text := [f"{name} ({schema.field(name).type})" for name in columns if not _numeric(schema.field(name).type)]:
         raise IngestError(f"feature columns must be numeric; {', '.join(text[:5])} are not", path=path)
     return columns
@@ -316,9 +370,10 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                                    else np.asarray(table.instance_labels[rows]))
                 stamp = rows_stamp(features, instance_coords, instance_labels)
                 if bag_id in committed:  # done, unless the file now gives it other rows or labels
-                    if committed[bag_id] != table.source and stored_stamps[bag_id] != stamp:  # not this table moved
+                    if not same_source(committed[bag_id], table.source) and stored_stamps[bag_id] != stamp:  # not this table moved
                         skipped.append(Skipped.from_error(DuplicateIdError(
-                            f"bag id already in the store from {committed[bag_id]}", path=table.source, bag_id=bag_id)))
+                            f"bag id already in the store from {committed[bag_id]}{'' if stored_stamps[bag_id] else UNSTAMPED}",
+                            path=table.source, bag_id=bag_id)))
                     elif stored_stamps[bag_id] and stored_stamps[bag_id] != stamp:
                         skipped.append(Skipped.from_error(SourceChangedError(
                             "bag already in the store, and its rows in the file changed since it was ingested (features, "
@@ -342,7 +397,8 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                         path=table.source, bag_id=bag_id)))
                     continue
                 try:
-                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows])
+                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows],
+                                       column_names=table.feature_names)
                 except NonFiniteFeaturesError as error:
                     skipped.append(Skipped.from_error(error))
                     continue

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
-from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_id
+from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_files, slide_id
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
 
@@ -432,6 +432,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                          else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
     items, unlabelled = labelled_items(((slide_id(p), str(p), None) for p in paths), labels, labels_path, originals)
+    items = [replace(item, inputs=slide_files(item.source)) for item in items]  # a DICOM-WSI folder, a MIRAX slide's data
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
         present = {slide_id(p) for p in paths} | {s.bag_id for s in ambiguous}
