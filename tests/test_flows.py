@@ -480,6 +480,36 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     assert len(list((out / "heatmaps").glob("*.png"))) == 16
 
 
+def test_a_parquet_table_with_named_columns_runs_end_to_end_with_its_coordinates_as_x_y(tmp_path):
+    """A team's Parquet export (slide id, label, x, y, a tile path, feat_*) through ingest.columns:
+    x, y are coordinates, not features, and the report paints and exports them as for .h5 folders."""
+    rng = np.random.default_rng(1)
+    parts = []
+    for i in range(16):
+        n, positive = int(rng.integers(8, 20)), i % 2
+        X = rng.normal(size=(n, 4)).astype(np.float32)
+        X[: 3 * positive, 0] += 4.0
+        grid = rng.choice(400, size=n, replace=False)
+        part = pd.DataFrame(X, columns=[f"feat_{j}" for j in range(4)])
+        part["x"], part["y"] = grid % 20 * 256, grid // 20 * 256
+        part["slide_id"], part["label"], part["tile"] = f"case_{i:02d}", positive, [f"t{k}.png" for k in range(n)]
+        parts.append(part)
+    pd.concat(parts).to_parquet(tmp_path / "tiles.parquet")
+    config = write_config(tmp_path, tmp_path / "t.zarr", ingest={
+        "kind": "features", "source": str(tmp_path / "tiles.parquet"),
+        "columns": {"bag": "slide_id", "features": "feat_*", "coords": ["x", "y"]}}, prediction={"n_heatmaps": 2})
+    results = pipeline(config)
+    cohort = open_cohort(tmp_path / "t.zarr")
+    assert cohort.n_features == 4 and cohort.attrs["coords_meaning"] == "x,y (table columns x, y)"
+    out = Path(results["report"].path).parent
+    instances = pd.read_parquet(out / "instance_predictions.parquet")
+    assert list(instances.columns[:4]) == ["bag_id", "instance", "x", "y"]
+    np.testing.assert_array_equal(instances["x"], parts[0]["x"].tolist() + [v for p in parts[1:] for v in p["x"]])
+    ring = json.loads((out / "geojson" / safe_filename("case_03", ".geojson")).read_text())["features"][0]["geometry"]["coordinates"][0]
+    assert ring[1][0] - ring[0][0] == 256  # the tile side, from the coordinates' grid step
+    assert len(list((out / "heatmaps").glob("*.png"))) == 2
+
+
 def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_prints_a_summary(demo_run, tmp_path, capsys):
     from flows.cli import main
 

@@ -300,7 +300,7 @@ def test_parquet_columns_name_the_bag_coordinates_and_features_and_the_store_kee
     np.testing.assert_array_equal(cohort.read_bags(0, 3).features, frame[["feat_0", "feat_1", "feat_2"]].to_numpy(np.float32))
     np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "a.zarr"), mode="r")["instances/coords"][:], frame[["x", "y"]])
     assert cohort.attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2"]
-    assert cohort.attrs["coords_meaning"] == "given: table columns x, y"
+    assert cohort.attrs["coords_meaning"] == "x,y (table columns x, y)"  # the report's heatmaps and GeoJSON read x, y
     # By default every numeric column that is not the bag, label or coordinates: the decimal one too, not the text one.
     default = read_parquet_table(tmp_path / "t.parquet", bag_column="slide_id", coords_columns=["x", "y"])
     assert default.feature_names == ("feat_0", "feat_1", "feat_2", "stain")

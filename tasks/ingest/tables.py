@@ -303,6 +303,18 @@ def _bag_id_text(values: np.ndarray, path: str | Path) -> np.ndarray:
     return values.astype(str).astype(object)
 
 
+def _coords_meaning(coords: np.ndarray | None, names: tuple[str, ...] | None) -> str:
+    """What a table's coordinates are: two named columns are x, y (in that order; level-0 pixels as
+    CLAM/TRIDENT write them, or a grid), which the report reads for heatmaps and QuPath GeoJSON."""
+    if coords is None:
+        return "instance_index"
+    if names is None:
+        return "given"
+    if len(names) == 2:
+        return f"x,y (table columns {names[0]}, {names[1]})"
+    return f"given: table columns {', '.join(names)}"
+
+
 def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_rows: int | None = None,
                  report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
     """Append a :class:`tasks.ingest.tables.FeatureTable` to a store, bag by bag.
@@ -324,8 +336,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         coords = None if table.coords is None else np.asarray(table.coords).reshape(n, -1)
         spec = CohortSpec(name=name or Path(str(store)).stem, n_features=int(X.shape[1]),
                           coords_dim=1 if coords is None else coords.shape[1],
-                          coords_meaning="instance_index" if coords is None else "given" if table.coords_names is None
-                          else f"given: table columns {', '.join(table.coords_names)}", chunk_rows=chunk_rows,
+                          coords_meaning=_coords_meaning(coords, table.coords_names), chunk_rows=chunk_rows,
                           feature_columns=table.feature_names)
         try:
             root = open_or_create_cohort(store, spec)
