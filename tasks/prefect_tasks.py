@@ -31,7 +31,7 @@ from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
-from tasks.ingest.stamps import stamp_content
+from tasks.ingest.stamps import file_change, stamp_content
 from tasks.ingest.errors import NothingIngestedError
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
@@ -507,6 +507,25 @@ def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     return {slide_id(path): str(path) for path in find_slides(tiling["slides_dir"])[0]}
 
 
+def _slides_moved_since_ingest(cohort: Any, bags: Any, folder: Path | None) -> dict[str, str]:
+    """Bag id → its slide under ``folder`` (the run's ``ingest.source``), for the ``bags`` whose
+    stored path is gone and whose file there has the input stamp the store keeps: the same slide,
+    moved since its ingest (a rerun finds it done). Others: none (the heatmap goes without it)."""
+    from tasks.ingest.slide_io import find_slides, slide_files, slide_id
+
+    stamps = cohort.input_stamps
+    gone = [b for b in bags if stamps[b] and not Path(cohort.sources[b]).exists()]
+    if not gone or folder is None or not Path(folder).is_dir():
+        return {}
+    found = {slide_id(path): path for path in find_slides(folder)[0]}
+    moved = {}
+    for b in gone:
+        path = found.get(cohort.bag_ids[b])
+        if path is not None and file_change(slide_files(path), stamps[b]) is None:
+            moved[cohort.bag_ids[b]] = str(path)
+    return moved
+
+
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
@@ -595,12 +614,15 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
 
     top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
     slides = _slides_by_stem(cohort.attrs.get("tiling"))
+    moved = {} if slides is not None or config.ingest.kind != "wsi" else _slides_moved_since_ingest(
+        cohort, [int(b) for b in top.index], config.ingest.source)
     for b in top.index:
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
             xy, side = report.level0_tiles(coords[rows], cohort.attrs.get("coords_meaning", ""))
-            thumbnail, downsample = _slide_background(table.at[b, "source"], bag_id, cohort.attrs.get("tiling"), logger, slides)
+            thumbnail, downsample = _slide_background(moved.get(bag_id, table.at[b, "source"]), bag_id,
+                                                      cohort.attrs.get("tiling"), logger, slides)
             figures.append(report.plot_wsi_heatmap(xy, side, scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
                                                    thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
