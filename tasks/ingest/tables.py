@@ -22,8 +22,8 @@ from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, L
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
 from tasks.ingest.stamps import rows_stamp
 from tasks.lease import writer_lease
-from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, committed_bag_count,
-                         encode_original_label, finite_rows, open_or_create_cohort, repair)
+from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
+                         committed_bag_count, encode_original_label, finite_rows, open_or_create_cohort, repair)
 
 
 @dataclass(frozen=True)
@@ -381,7 +381,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                                    else np.asarray(table.instance_labels[rows]))
                 stamp = rows_stamp(features, instance_coords, instance_labels)
                 if bag_id in committed:  # done, unless the file now gives it other rows or labels
-                    if not same_source(committed[bag_id], table.source) and stored_stamps[bag_id] != stamp:  # not this table moved
+                    if not same_source(committed[bag_id], table.source) and stored_stamps[bag_id] != stamp:  # not it, moved
                         skipped.append(Skipped.from_error(DuplicateIdError(
                             f"bag id already in the store from {committed[bag_id]}{'' if stored_stamps[bag_id] else UNSTAMPED}",
                             path=table.source, bag_id=bag_id)))
