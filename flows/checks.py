@@ -62,6 +62,22 @@ def _table_columns_problem(path: Path | str | None, ing: IngestConfig) -> str | 
     return None
 
 
+def _training_store_problem(store: Path | str | None, model_dir: Path | str | None) -> str | None:
+    """A new cohort (``predict --source``) would be ingested into the store the model was trained
+    on: its bags would join the training data of the next run."""
+    meta_path = None if model_dir is None else Path(model_dir) / "model.json"
+    if store is None or meta_path is None or not meta_path.is_file():
+        return None
+    try:
+        trained_on = json.loads(meta_path.read_text()).get("store")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None  # _model_dir_problem names the unreadable file
+    if trained_on and Path(store).resolve() == Path(trained_on).resolve():
+        return (f"--store: {store} is the store the model was trained on; a new cohort ingested there would become training "
+                "data of the next run: give --store a new path (or leave it out)")
+    return None
+
+
 def _model_dir_problem(model_dir: Path | str | None) -> str | None:
     """A model folder ``gpmil train`` did not finish writing: ``model.json`` unreadable or without
     the training store every stage reads, or no ``model.npz`` (written last)."""
@@ -128,6 +144,10 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         checks += [("--source", source, "file" if ing.kind == "features" else "dir"), ("MODEL_DIR", model_dir, "dir")]
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
+        new_cohort_problems = [_training_store_problem(config.prediction.store, model_dir)]
+        if ing.kind == "features" and ing.labels is not None:
+            new_cohort_problems.append("--labels: a feature table carries each bag's label in its label column (-1: unlabelled); "
+                                       "--labels applies to slide, CT, h5 and npy folders")
     elif stage in ("predict", "evaluate"):
         target = store or config.prediction.store or config.store
         field = "--store" if store else "prediction.store" if config.prediction.store else "store"
@@ -135,6 +155,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
+    if stage == "predict" and source is not None:
+        problems += new_cohort_problems
     written = [("output_dir", config.output_dir)] + ([("--store" if store else "store", store or config.store)] if ingests else [])
     problems += [f"{field}: {path} is not a folder" for field, path in written if path is not None and Path(path).exists()
                  and not Path(path).is_dir()]  # folders the stage writes into may be new, never a file

@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.checks import check_inputs
-from flows.config import PipelineConfig, load_config
+from flows.config import PipelineConfig, TableColumns, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import start_cluster
 from tasks.paths import safe_filename
@@ -89,11 +89,15 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     was trained on (``labels``: optional, for metrics), then predicted, and the report and tables
     are written; the result's ``info`` says where."""
     cfg = _config(config)
-    trained_on = json.loads((Path(model_dir) / "model.json").read_text())["store"] if Path(model_dir, "model.json").is_file() else None
+    trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
+    trained_on = trained.get("store")
     if source is not None:
         new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
         ingest = cfg.ingest.model_copy(update={"source": Path(source), "labels": None if labels is None else Path(labels),
                                                "extractor_from": None if trained_on is None else Path(trained_on)})
+        if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":  # the model's columns, by name
+            columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
+            ingest = ingest.model_copy(update={"columns": columns})
         cfg = cfg.model_copy(update={"ingest": ingest, "prediction": cfg.prediction.model_copy(update={"store": new_store})})
         check_inputs(cfg, "predict", model_dir=model_dir, source=source)
     else:

@@ -603,10 +603,11 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     sections += [f"Per-instance table: `instance_predictions.parquet` ({len(instances)} rows: bag, instance, "
                  f"{', '.join(c for c in instances.columns if c not in ('bag_id', 'instance', kind, 'std'))}, {kind}, std).", ""]
     meaning = str(cohort.attrs.get("coords_meaning", ""))
+    cohort_side = report.cohort_tile_side(coords, np.asarray(cohort.offsets), meaning)  # one patch size per cohort
     if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
         for b in range(cohort.n_bags):  # one QuPath-importable GeoJSON per slide, tiles in level-0 pixels
             rows = cohort.bag_slice(b)
-            xy, side = report.level0_tiles(coords[rows], meaning)
+            xy, side = report.level0_tiles(coords[rows], meaning, cohort_side)
             report.write_geojson(report.tile_geojson(xy, side, scores[rows], predictions["instances/std"][rows], kind=kind),
                                  bag_file(out / "geojson", table.at[b, "bag_id"], ".geojson"))
         sections += ["Tiles per slide for QuPath (File → Import objects): `geojson/<slide>.geojson`, level-0 pixels, "
@@ -620,7 +621,7 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
-            xy, side = report.level0_tiles(coords[rows], cohort.attrs.get("coords_meaning", ""))
+            xy, side = report.level0_tiles(coords[rows], meaning, cohort_side)
             thumbnail, downsample = _slide_background(moved.get(bag_id, table.at[b, "source"]), bag_id,
                                                       cohort.attrs.get("tiling"), logger, slides)
             figures.append(report.plot_wsi_heatmap(xy, side, scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,

@@ -43,6 +43,7 @@ __all__ = [
     "plot_roc",
     "plot_wsi_heatmap",
     "level0_tiles",
+    "cohort_tile_side",
     "heatmap_canvas",
     "plot_ct_slices",
     "plot_ct_strip",
@@ -402,20 +403,42 @@ def _colour_scale(scores: np.ndarray, kind: ScoreKind) -> dict[str, Any]:
 SCORE_LABELS = {"probability": "p(tile positive)", "evidence": "instance evidence (not a probability)"}
 
 
-def level0_tiles(coords: np.ndarray, coords_meaning: str) -> tuple[np.ndarray, float]:
+def level0_tiles(coords: np.ndarray, coords_meaning: str, side: float | None = None) -> tuple[np.ndarray, float]:
     """Tile top-left corners ``(x, y)`` in level-0 pixels and the tile side there, from the stored
-    coordinates: slide stores (``tile_row,tile_col,x,y``), CLAM/TRIDENT ``.h5`` (``x,y``; the side is
-    the grid step of the coordinates), else a grid (row, col) in tile units (side 1)."""
-    coords = np.asarray(coords)
+    coordinates: slide stores (``tile_row,tile_col,x,y``), CLAM/TRIDENT ``.h5`` and named table
+    columns (``x,y``; the side is ``side`` — the cohort's, :func:`cohort_tile_side` — else the grid
+    step of these coordinates), else a grid (row, col) in tile units (side 1)."""
+    xy = _level0_xy(np.asarray(coords), coords_meaning)
+    if xy is None:
+        return np.asarray(coords)[:, 1::-1][:, :2].astype(np.float64), 1.0
+    return xy.astype(np.float64), side or _grid_step(xy) or 1.0
+
+
+def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: str) -> float | None:
+    """The tile side of a cohort whose coordinates are level-0 pixels: the smallest grid step of
+    any bag (one patch size per cohort), so that a bag of one tile, or of scattered tiles, gets
+    squares of the patch size rather than of its own spacing; None for other coordinates or when
+    no bag has two tiles in a row or column."""
+    xy = _level0_xy(np.asarray(coords), coords_meaning)
+    if xy is None:
+        return None
+    steps = [step for start, stop in zip(offsets[:-1], offsets[1:]) if (step := _grid_step(xy[start:stop])) is not None]
+    return min(steps) if steps else None
+
+
+def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
     if coords_meaning.startswith("tile_row,tile_col,x,y"):
-        xy = coords[:, 2:4]
-    elif coords_meaning.startswith("x,y"):
-        xy = coords[:, :2]
-    else:
-        return coords[:, 1::-1][:, :2].astype(np.float64), 1.0
-    steps = [np.diff(np.unique(xy[:, axis])) for axis in (0, 1)]
-    positive = np.concatenate([s[s > 0] for s in steps])
-    return xy.astype(np.float64), float(positive.min()) if positive.size else 1.0
+        return coords[:, 2:4]
+    if coords_meaning.startswith("x,y"):
+        return coords[:, :2]
+    return None
+
+
+def _grid_step(xy: np.ndarray) -> float | None:
+    """The smallest positive spacing of the x or y values of one bag's tiles (None for one tile)."""
+    steps = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
+    positive = steps[steps > 0]
+    return float(positive.min()) if positive.size else None
 
 
 def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,

@@ -509,6 +509,19 @@ def test_a_parquet_table_with_named_columns_runs_end_to_end_with_its_coordinates
     assert ring[1][0] - ring[0][0] == 256  # the tile side, from the coordinates' grid step
     assert len(list((out / "heatmaps").glob("*.png"))) == 2
 
+    # A new cohort's table with its feature columns in another order is read by the model's column names.
+    from flows.cli import main
+
+    model_dir = results["train"].path
+    shuffled = pd.concat(parts)[["slide_id", "label", "x", "y", "feat_3", "feat_1", "feat_0", "feat_2"]]
+    shuffled.assign(slide_id="new_" + shuffled["slide_id"]).to_parquet(tmp_path / "new.parquet")
+    assert main(["predict", config, model_dir, "--source", str(tmp_path / "new.parquet"), "--store", str(tmp_path / "new.zarr")]) == 0
+    assert open_cohort(tmp_path / "new.zarr").attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2", "feat_3"]
+    (tmp_path / "labels.csv").write_text("slide_id,label\nnew_case_00,1\n")
+    assert main(["predict", config, model_dir, "--source", str(tmp_path / "new.parquet"), "--labels", str(tmp_path / "labels.csv"),
+                 "--store", str(tmp_path / "other.zarr")]) == 2
+    assert not (tmp_path / "other.zarr").exists()
+
 
 def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_prints_a_summary(demo_run, tmp_path, capsys):
     from flows.cli import main
@@ -584,9 +597,10 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
 
 
 def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_run, capsys):
-    """An empty slide folder, a table whose every bag is refused, and a new folder predicted into the
-    training store (every slide a duplicate id) end with a non-zero exit naming the source and the
-    first reason, not 'done' / 'reused' with 0 bags; the training store gets no prediction."""
+    """An empty slide folder and a table whose every bag is refused end with a non-zero exit naming
+    the source and the first reason, not 'done' / 'reused' with 0 bags; a new folder predicted into
+    the model's training store is refused before anything runs (its bags would have joined the
+    training data), and that store gets no prediction."""
     from flows.cli import main
 
     (tmp_path / "empty").mkdir()
@@ -610,9 +624,11 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
         return sorted(group["predictions"].group_keys()) if "predictions" in group else []
 
     before = predictions_in(training_store)
+    n_bags = open_cohort(training_store).n_bags
     assert main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir / "raw" / "wsi-heldout"),
-                 "--store", str(training_store)]) == 1
-    assert "DuplicateIdError: bag id already in the store" in capsys.readouterr().err
+                 "--store", str(training_store)]) == 2
+    assert f"--store: {training_store} is the store the model was trained on" in capsys.readouterr().err
+    assert open_cohort(training_store).n_bags == n_bags
     assert predictions_in(training_store) == before
 
 

@@ -384,16 +384,32 @@ def test_table_instance_labels_text_labels_and_missing_features_are_read_or_refu
     report = ingest_table(tmp_path / "t.zarr", table)
     assert report.added == ("a",) and [(s.bag_id, s.error) for s in report.skipped] == [("b", "NonFiniteFeaturesError")]
     assert "rows [2] of the file, columns ['zz']" in report.skipped[0].reason
+    frame.assign(inst=["0", "1", "1", "-1"]).to_parquet(tmp_path / "text.parquet")  # text digits read as numbers
+    assert read_parquet_table(tmp_path / "text.parquet", instance_label_column="inst").instance_labels.tolist() == [0, 1, 1, -1]
     for values, shown in (([0, 2, 1, 0], "row 1 holds 2"), (["neg", "neg", "pos", "neg"], "row 0 holds 'neg'")):
         frame.assign(inst=values).to_parquet(tmp_path / "bad.parquet")
-        with pytest.raises(MissingLabelError, match=rf"instance labels must be 0, 1 or -1 \(unknown\); {shown}") as refused:
+        with pytest.raises(MissingLabelError, match=rf"instance labels \(column 'inst'\) must be 0, 1 or -1 \(unknown\); {shown}") as refused:
             read_parquet_table(tmp_path / "bad.parquet", instance_label_column="inst")
         assert refused.value.path == str(tmp_path / "bad.parquet")
     np.savez(tmp_path / "t.npz", X=np.ones((4, 2)), bag_ids=np.array(["a", "a", "b", "b"]), labels=np.array([0, 0, 1, 1]),
              instance_labels=np.array([0, 0, 7, 1]))
-    with pytest.raises(MissingLabelError, match=r"row 2 holds 7"):
+    with pytest.raises(MissingLabelError, match=r"instance labels must be 0, 1 or -1 \(unknown\); row 2 holds 7"):
         read_npz_table(tmp_path / "t.npz")
     pq.write_table(pa.table([pa.array(["a", "b"]), pa.array([0, 1]), pa.array([1.0, 2.0]), pa.array([3.0, 4.0])],
                             names=["bag_id", "label", "f", "f"]), tmp_path / "twice.parquet")
     with pytest.raises(IngestError, match=r"columns named twice: \['f'\]"):
         read_parquet_table(tmp_path / "twice.parquet")
+
+
+def test_the_row_index_pandas_writes_is_no_feature_and_a_plus_minus_one_table_is_told_why_it_cannot_train(tmp_path):
+    from mil_core import VGPMIL
+    from tasks.training import fit_cohort
+
+    frame = pd.DataFrame({"bag_id": list("aabbccdd"), "label": [-1, -1, 1, 1, -1, -1, 1, 1], "f": np.arange(8.0)})
+    frame.sample(frac=1, random_state=0).to_parquet(tmp_path / "t.parquet")  # index=True: '__index_level_0__'
+    table = read_parquet_table(tmp_path / "t.parquet")
+    assert table.feature_names == ("f",)
+    ingest_table(tmp_path / "t.zarr", table)
+    with pytest.raises(ValueError, match=r"bag labels found: \[-1, 1\] \(-1 marks an unlabelled bag in a store: a table "
+                                         r"labelled -1/\+1 needs 0 for its negative bags\)"):
+        fit_cohort(VGPMIL(), str(tmp_path / "t.zarr"), None)

@@ -13,7 +13,7 @@ import pandas as pd
 import zarr
 
 from tasks.ingest.driver import IngestItem, run_ingest
-from tasks.ingest.stamps import SAMPLE_BYTES, file_change, file_stamp, rows_stamp
+from tasks.ingest.stamps import SAMPLE_BYTES, file_change, file_stamp, rows_change, rows_stamp
 from tasks.store import CohortSpec, StagingWriter, create_cohort, open_cohort
 
 
@@ -44,16 +44,19 @@ def test_a_file_stamp_ignores_a_touch_or_a_copy_and_sees_any_change_of_size_or_s
     assert file_stamp([str(a)]) == "" and file_stamp([str(tmp_path)]) == "" and file_change([str(b)], "") is None
 
 
-def test_a_rows_stamp_changes_with_any_value_dtype_or_shape():
-    X = np.arange(6, dtype=np.float64).reshape(3, 2)
-    stamp = rows_stamp(X, np.arange(3)[:, None], None)
-    assert stamp == rows_stamp(X.copy(), np.arange(3)[:, None], None)
+def test_a_rows_stamp_changes_with_any_value_dtype_or_shape_and_names_the_array():
+    X, coords, labels = np.arange(6, dtype=np.float64).reshape(3, 2), np.arange(3)[:, None], np.full(3, -1)
+    stamp = rows_stamp(X, coords, labels)
+    assert stamp == rows_stamp(X.copy(), coords, labels) and rows_change(stamp, rows_stamp(X.copy(), coords, labels)) is None
     changed = X.copy()
     changed[2, 1] += 1e-9
-    assert stamp != rows_stamp(changed, np.arange(3)[:, None], None)
-    assert stamp != rows_stamp(X.astype(np.float32), np.arange(3)[:, None], None)
-    assert stamp != rows_stamp(X.reshape(2, 3), np.arange(3)[:, None], None)
-    assert "cannot" not in file_change(["x"], stamp) and "table" in file_change(["x"], stamp)
+    assert rows_change(stamp, rows_stamp(changed, coords, labels)) == "features"
+    assert rows_change(stamp, rows_stamp(X.astype(np.float32), coords, labels)) == "features"
+    assert rows_change(stamp, rows_stamp(X.reshape(2, 3), coords, labels)) == "features"
+    assert rows_change(stamp, rows_stamp(X, coords, np.array([0, 1, -1]))) == "instance labels"
+    assert rows_change(stamp, rows_stamp(X, coords + 1, np.array([0, 1, -1]))) == "coordinates, instance labels"
+    assert rows_change('{"rows": "0"}', stamp) == "rows" and rows_change("", stamp) is None
+    assert "table" in file_change(["x"], stamp)
 
 
 def features_of(store: Path, bag: int) -> np.ndarray:
@@ -105,7 +108,7 @@ def test_a_table_whose_rows_for_a_bag_changed_reports_that_bag_only(tmp_path):
     pd.DataFrame(rows).to_csv(path, header=False, index=False)
     report = ingest_table(store, read_mil_csv(path))
     assert report.already_done == ("a", "c") and [(s.bag_id, s.error) for s in report.skipped] == [("b", "SourceChangedError")]
-    assert "its rows in the file changed" in report.skipped[0].reason
+    assert "its features differ from those ingested" in report.skipped[0].reason
     assert np.array_equal(features_of(store, 1), before)
 
 

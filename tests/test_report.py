@@ -52,6 +52,22 @@ def test_h5_level0_coordinates_give_a_thumbnail_sized_heatmap_with_each_tile_in_
     np.testing.assert_array_equal(report.level0_tiles(slide_tiles, "tile_row,tile_col,x,y (...)")[0], [[768, 512]])
 
 
+def test_a_bag_of_one_tile_or_of_scattered_tiles_gets_the_cohorts_patch_size():
+    """A bag's own grid step is no patch size when it has one tile (none) or sparse tiles (a
+    multiple): the cohort's smallest step is, for its GeoJSON squares and heatmap."""
+    meaning = "x,y (table columns x, y)"
+    coords = np.array([[0, 0], [256, 0], [256, 256],  # a bag of adjacent 256-px patches
+                       [1000, 2000],  # a bag of one tile
+                       [0, 0], [512, 768]])  # a bag of scattered ones
+    offsets = np.array([0, 3, 4, 6])
+    side = report.cohort_tile_side(coords, offsets, meaning)
+    assert side == 256
+    assert report.level0_tiles(coords[3:4], meaning)[1] == 1.0 and report.level0_tiles(coords[3:4], meaning, side)[1] == 256
+    assert report.level0_tiles(coords[4:6], meaning)[1] == 512 and report.level0_tiles(coords[4:6], meaning, side)[1] == 256
+    assert report.cohort_tile_side(coords[3:4], np.array([0, 1]), meaning) is None
+    assert report.cohort_tile_side(coords, offsets, "tile_row,tile_col") is None
+
+
 def test_the_ct_strip_shows_the_most_positive_slice_with_its_neighbours_and_spreads_the_rest(tmp_path):
     scores = np.zeros(40)
     scores[17] = 0.9

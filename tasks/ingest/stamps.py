@@ -96,12 +96,27 @@ def stamp_content(stamp: str) -> str:
     return then.get("content") or then.get("rows", "")
 
 
-def rows_stamp(*arrays: np.ndarray | None) -> str:
-    """The stamp of a table bag from its row arrays (features, coordinates, instance labels): their
-    dtypes, shapes and bytes."""
-    parts = []
-    for array in arrays:
-        if array is not None:
-            array = np.ascontiguousarray(array)
-            parts += [f"{array.dtype.str}{array.shape}".encode(), array.tobytes()]
-    return json.dumps({"rows": _digest(parts)})
+_ROW_PARTS = ("features", "coordinates", "instance labels")
+
+
+def rows_stamp(features: np.ndarray, coords: np.ndarray, instance_labels: np.ndarray) -> str:
+    """The stamp of a table bag from its rows: a digest of each array's dtype, shape and bytes, and
+    of all three (``rows``)."""
+    parts = {}
+    for name, array in zip(_ROW_PARTS, (features, coords, instance_labels)):
+        array = np.ascontiguousarray(array)
+        parts[name] = _digest([f"{array.dtype.str}{array.shape}".encode(), array.tobytes()])
+    return json.dumps({"rows": _digest([digest.encode() for digest in parts.values()]), **parts})
+
+
+def rows_change(stamp: str, now: str) -> str | None:
+    """Which of a table bag's row arrays differ between its stored ``stamp`` and ``now`` (both from
+    :func:`rows_stamp`), or None when they do not (or there is no stored stamp)."""
+    if not stamp or stamp == now:
+        return None
+    then, now_parts = json.loads(stamp), json.loads(now)
+    if then.get("rows") == now_parts.get("rows"):
+        return None
+    if _ROW_PARTS[0] not in then:  # a stamp of the rows as a whole
+        return "rows"
+    return ", ".join(name for name in _ROW_PARTS if then[name] != now_parts[name])

@@ -20,7 +20,7 @@ import numpy as np
 from tasks.ingest.driver import UNSTAMPED, IngestReport, Skipped, default_report_path, same_source
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
-from tasks.ingest.stamps import rows_stamp
+from tasks.ingest.stamps import rows_change, rows_stamp
 from tasks.lease import writer_lease
 from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
                          committed_bag_count, encode_original_label, finite_rows, open_or_create_cohort, repair)
@@ -64,18 +64,19 @@ class FeatureTable:
                 raise IngestError(f"{name} has {rows} but the features have {X.shape[0]}: one entry per instance row",
                                   path=self.source)
         if self.instance_labels is not None:
-            _check_instance_labels(np.asarray(self.instance_labels), self.source)
+            _check_instance_labels(np.asarray(self.instance_labels), self.source, "instance labels")
 
 
-def _check_instance_labels(values: np.ndarray, source: str) -> None:
-    """Instance labels are 0, 1 or -1 (unknown); anything else — text, 2, a missing value — would be
-    stored as a wrong label (the store keeps int8): refused naming the first row."""
+def _check_instance_labels(values: np.ndarray, source: str, what: str) -> None:
+    """Instance labels (``what``: where they come from) are 0, 1 or -1 (unknown); anything else —
+    text, 2, a missing value — would be stored as a wrong label (the store keeps int8): refused
+    naming the first row."""
     numeric = values.dtype.kind in "biuf"
     bad = (np.flatnonzero(~np.isin(values, (-1, 0, 1))) if numeric
            else np.arange(values.shape[0]))
     if bad.size:
         value = values[bad[0]].item() if isinstance(values[bad[0]], np.generic) else values[bad[0]]
-        raise MissingLabelError(f"instance labels must be 0, 1 or -1 (unknown); row {bad[0]} holds {value!r} "
+        raise MissingLabelError(f"{what} must be 0, 1 or -1 (unknown); row {bad[0]} holds {value!r} "
                                 f"({bad.size} such row(s))", path=source)
 
 
@@ -169,7 +170,8 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
     return FeatureTable(
         X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=_numbers_if_all(merged[label_column]), source=str(path),
         coords=_integer_coords(merged, coords_columns, str(path)) if coords_columns else None,
-        instance_labels=None if instance_label_column is None else _unknown_if_missing(merged[instance_label_column]),
+        instance_labels=None if instance_label_column is None else _instance_labels(merged[instance_label_column],
+                                                                                      instance_label_column, str(path)),
         original_labels=None if original_label_column is None else merged[original_label_column],
         feature_names=tuple(feature_columns), coords_names=tuple(coords_columns) or None)
 
@@ -185,14 +187,15 @@ def _numbers_if_all(values: np.ndarray) -> np.ndarray:
     return numbers.to_numpy() if numbers.notna().all() else values
 
 
-def _unknown_if_missing(values: np.ndarray) -> np.ndarray:
-    """An instance-label column with its missing cells (nulls) as -1, unknown."""
+def _instance_labels(values: np.ndarray, column: str, path: str) -> np.ndarray:
+    """A Parquet instance-label column: missing cells (nulls) are -1, unknown; text digits are
+    numbers; then 0, 1 or -1, else refused naming the column and row."""
     import pandas as pd
 
     missing = pd.isna(values)
-    if not missing.any():
-        return values
-    return np.where(missing, -1, _numbers_if_all(np.where(missing, -1, values)))
+    values = _numbers_if_all(np.where(missing, -1, values) if missing.any() else values)
+    _check_instance_labels(values, path, f"instance labels (column {column!r})")
+    return values
 
 
 def _numeric(kind) -> bool:
@@ -213,8 +216,8 @@ def _column_values(column) -> np.ndarray:
 
 def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, roles: dict[str, list[str]], path: str) -> list[str]:
     """The feature columns of a Parquet schema: ``wanted`` (names or one pattern) or every numeric
-    column not given a ``roles`` entry (bag, label, coordinates, …); each named column must exist
-    once, be numeric and have one role."""
+    column not given a ``roles`` entry (bag, label, coordinates, …) and not the row index pandas
+    wrote; each named column must exist once, be numeric and have one role."""
     import pyarrow as pa
 
     shown = ", ".join(schema.names[:20]) + (", …" if len(schema.names) > 20 else "")
@@ -237,7 +240,8 @@ def _parquet_feature_columns(schema, wanted: Sequence[str] | str | None, roles: 
             raise IngestError(f"column {lists[0]!r} holds lists of numbers ({schema.field(lists[0]).type}): an embedding in "
                               "one column is not read; write one numeric column per feature, or name the feature columns "
                               "(feature_columns / ingest.columns.features) to leave it out", path=path)
-        columns = [name for name in candidates if _numeric(schema.field(name).type)]
+        index = {c for c in (schema.pandas_metadata or {}).get("index_columns", []) if isinstance(c, str)}
+        columns = [name for name in candidates if _numeric(schema.field(name).type) and name not in index]  # not a row index
         if not columns:
             others = ", ".join(f"{name} ({schema.field(name).type})" for name in candidates) or "none"
             raise IngestError(f"Parquet table has no numeric feature column (one integer, float or decimal column per "
@@ -385,11 +389,11 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                         skipped.append(Skipped.from_error(DuplicateIdError(
                             f"bag id already in the store from {committed[bag_id]}{'' if stored_stamps[bag_id] else UNSTAMPED}",
                             path=table.source, bag_id=bag_id)))
-                    elif stored_stamps[bag_id] and stored_stamps[bag_id] != stamp:
+                    elif change := rows_change(stored_stamps[bag_id], stamp):
                         skipped.append(Skipped.from_error(SourceChangedError(
-                            "bag already in the store, and its rows in the file changed since it was ingested (features, "
-                            "coordinates or instance labels). The store keeps the features it has: ingest into a new store "
-                            "to use the new rows", path=table.source, bag_id=bag_id)))
+                            f"bag already in the store, and its {change} differ from those ingested (the file changed, "
+                            "or the columns it is read from). The store keeps what it has: ingest into a new store to use "
+                            "the new rows", path=table.source, bag_id=bag_id)))
                     elif labels[0] != UNKNOWN_LABEL and stored_labels[bag_id] != (int(labels[0]), original):
                         skipped.append(Skipped.from_error(LabelChangedError(
                             f"bag already in the store with label {stored_labels[bag_id][0]} (original "

@@ -106,7 +106,9 @@ def fit_cohort(
     if exclude_bags is not None:
         labelled = np.setdiff1d(labelled, exclude_bags)
     if np.unique(labels[labelled]).size < 2:
-        raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {np.unique(labels).tolist()}")
+        found = np.unique(labels).tolist()
+        hint = " (-1 marks an unlabelled bag in a store: a table labelled -1/+1 needs 0 for its negative bags)" if found == [-1, 1] else ""
+        raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {found}{hint}")
     sizes = np.diff(cohort.offsets)
     validation = np.empty(0, dtype=np.int64)
     if getattr(model, "early_stopping", False):  # AbSMIL has no validation hold-out
