@@ -31,8 +31,8 @@ from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
-from tasks.ingest.stamps import file_change, stamp_content
 from tasks.ingest.errors import NothingIngestedError
+from tasks.ingest.stamps import file_change, stamp_content
 from tasks.lease import writer_lease
 from tasks.paths import bag_file
 from tasks.store import column_difference, open_cohort
@@ -230,8 +230,9 @@ def finalise_store(config: PipelineConfig, work: IngestWork, outcomes: dict[str,
             error = outcomes[item.bag_id]
             run.record(item.bag_id, None if error is None else Skipped.from_error(error, item))
     result = run.finish()
-    _report_left_out(config, result.to_json())
-    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+    info = result.to_json()
+    _report_left_out(config, info)
+    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=info)
 
 
 def _report_left_out(config: PipelineConfig, info: dict[str, Any]) -> None:
