@@ -68,7 +68,9 @@ def original_label_text(value: Any) -> str:
 def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int = 3) -> pd.DataFrame:
     """One row per bag: id, source, label (−1 unknown), the original label (the labels file's value,
     e.g. the ISUP grade; "" if none), probability, std, predicted label, and the ``top_k`` most
-    suspicious instances (row, coordinates, SOPInstanceUID where stored, probability or evidence) as JSON."""
+    suspicious instances (the store's ``row``, the ``instance`` index within the bag — the key of
+    ``instance_predictions`` with the bag id —, coordinates, SOPInstanceUID where stored,
+    probability or evidence) as JSON."""
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
     p_inst, kind = instance_scores(pred)
@@ -79,7 +81,7 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
         rows = cohort.bag_slice(b)
         top = rows.start + np.argsort(-p_inst[rows], kind="stable")[:top_k]
         suspicious.append(json.dumps([
-            {"row": int(r), "coords": coords[r].tolist(), **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
+            {"row": int(r), "instance": int(r - rows.start), "coords": coords[r].tolist(), **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
              kind: round(float(p_inst[r]), 6)} for r in top
         ]))
     table = pd.DataFrame({

@@ -47,7 +47,11 @@ def test_pipeline_writes_model_predictions_and_report_and_a_rerun_repeats_nothin
     table = pd.read_parquet(first["report"].path.replace("report.md", "bag_predictions.parquet"))
     assert len(table) == 30 and set(table.columns) >= {"bag_id", "probability", "std", "predicted_label", "most_suspicious"}
     assert first["report"].info["bag_auc"] > 0.9
-    assert json.loads(table["most_suspicious"][0])[0].keys() == {"row", "coords", "probability"}
+    suspicious = json.loads(table["most_suspicious"][0])[0]
+    assert suspicious.keys() == {"row", "instance", "coords", "probability"}
+    instances = pd.read_parquet(first["report"].path.replace("report.md", "instance_predictions.parquet"))
+    match = instances[(instances["bag_id"] == table["bag_id"][0]) & (instances["instance"] == suspicious["instance"])]
+    assert match["probability"].round(6).tolist() == [suspicious["probability"]]  # joins on (bag id, instance)
 
     second = pipeline(config)
     assert all(r.reused for r in second.values())
