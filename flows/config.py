@@ -213,6 +213,11 @@ class IngestConfig(_Strict):
         if self.kind == "features" and self.labels is not None:
             raise ValueError("labels applies to ingest.kind wsi, ct, h5 and npy; a feature table ('features') carries each "
                              "row's bag label in its own label column")
+        if self.kind == "ct" and isinstance(self.labels, LabelsConfig) and (
+                self.labels.model_fields_set - {"file", "preset"} or self.labels.preset not in (None, "rsna")):
+            raise ValueError("labels: ingest.kind ct reads RSNA slice labels (rows ID_<SOPInstanceUID>_<subtype>, Label): "
+                             "give the file, or {file: …, preset: rsna}; id_column, label_column, positive, target and "
+                             "the panda preset do not apply")
         return self
 
     @model_validator(mode="after")

@@ -15,13 +15,14 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.checks import check_inputs
-from flows.config import PipelineConfig, TableColumns, load_config
+from flows.config import IngestConfig, LabelsConfig, PipelineConfig, TableColumns, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import start_cluster
 from tasks.paths import safe_filename
@@ -78,6 +79,23 @@ def train_model(config: str, store: str | None = None, scheduler_address: str | 
         return t.train(cfg, str(cfg.store), cfg.model_key(fingerprint), address)
 
 
+def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Path | None,
+                      trained: dict[str, Any]) -> IngestConfig:
+    """How ``predict --source`` reads a new cohort: like ``ingest`` (the training cohort's settings)
+    from ``source``, with the training store's fitted extractor (``trained``: the model's
+    ``model.json``), its labels from ``labels`` read as the config's labels section reads its file
+    (its id and label columns, target or positive values; else the kind's convention), and a
+    Parquet table's features by the model's column names."""
+    new_labels = None if labels is None else (ingest.labels.model_copy(update={"file": Path(labels)})
+                                              if isinstance(ingest.labels, LabelsConfig) else Path(labels))
+    ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels,
+                                       "extractor_from": Path(trained["store"]) if trained.get("store") else None})
+    if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":
+        columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
+        ingest = ingest.model_copy(update={"columns": columns})
+    return ingest
+
+
 @flow(name="predict-cohort", log_prints=True)
 def predict_cohort(config: str, model_dir: str, store: str | None = None, source: str | None = None,
                    labels: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
@@ -90,15 +108,10 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     are written; the result's ``info`` says where."""
     cfg = _config(config)
     trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
-    trained_on = trained.get("store")
     if source is not None:
         new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
-        ingest = cfg.ingest.model_copy(update={"source": Path(source), "labels": None if labels is None else Path(labels),
-                                               "extractor_from": None if trained_on is None else Path(trained_on)})
-        if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":  # the model's columns, by name
-            columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
-            ingest = ingest.model_copy(update={"columns": columns})
-        cfg = cfg.model_copy(update={"ingest": ingest, "prediction": cfg.prediction.model_copy(update={"store": new_store})})
+        cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained),
+                                     "prediction": cfg.prediction.model_copy(update={"store": new_store})})
         check_inputs(cfg, "predict", model_dir=model_dir, source=source)
     else:
         check_inputs(cfg, "predict", store=store, model_dir=model_dir)

@@ -508,23 +508,26 @@ def _slides_by_stem(tiling: dict[str, Any] | None) -> dict[str, str] | None:
     return {slide_id(path): str(path) for path in find_slides(tiling["slides_dir"])[0]}
 
 
-def _slides_moved_since_ingest(cohort: Any, bags: Any, folder: Path | None) -> dict[str, str]:
-    """Bag id → its slide under ``folder`` (the run's ``ingest.source``), for the ``bags`` whose
-    stored path is gone and whose file there has the input stamp the store keeps: the same slide,
-    moved since its ingest (a rerun finds it done). Others: none (the heatmap goes without it)."""
+def _slides_as_ingested(cohort: Any, bags: Any, folder: Path | None) -> dict[str, str | None]:
+    """For the ``bags`` with an input stamp whose stored slide path no longer holds the slide they
+    were tiled from: bag id → the slide of that name under ``folder`` (the run's
+    ``ingest.source``) whose files match the stamp (the same slide, moved since its ingest), or
+    None (the slide changed or is gone: a heatmap of the stored tiles goes without a thumbnail
+    rather than over another image). Bags whose stored path still matches are not listed."""
     from tasks.ingest.slide_io import find_slides, slide_files, slide_id
 
     stamps = cohort.input_stamps
-    gone = [b for b in bags if stamps[b] and not Path(cohort.sources[b]).exists()]
-    if not gone or folder is None or not Path(folder).is_dir():
+    changed = [b for b in bags if stamps[b] and file_change(slide_files(cohort.sources[b]), stamps[b]) is not None]
+    if not changed:
         return {}
-    found = {slide_id(path): path for path in find_slides(folder)[0]}
-    moved = {}
-    for b in gone:
+    found = ({slide_id(path): path for path in find_slides(folder)[0]} if folder is not None and Path(folder).is_dir()
+             else {})
+    chosen: dict[str, str | None] = {}
+    for b in changed:
         path = found.get(cohort.bag_ids[b])
-        if path is not None and file_change(slide_files(path), stamps[b]) is None:
-            moved[cohort.bag_ids[b]] = str(path)
-    return moved
+        chosen[cohort.bag_ids[b]] = (str(path) if path is not None and file_change(slide_files(path), stamps[b]) is None
+                                     else None)
+    return chosen
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
@@ -616,15 +619,20 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
 
     top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
     slides = _slides_by_stem(cohort.attrs.get("tiling"))
-    moved = {} if slides is not None or config.ingest.kind != "wsi" else _slides_moved_since_ingest(
+    as_ingested = {} if slides is not None or config.ingest.kind != "wsi" else _slides_as_ingested(
         cohort, [int(b) for b in top.index], config.ingest.source)
     for b in top.index:
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
         if coords.shape[1] >= 2:
             xy, side = report.level0_tiles(coords[rows], meaning, cohort_side)
-            thumbnail, downsample = _slide_background(moved.get(bag_id, table.at[b, "source"]), bag_id,
-                                                      cohort.attrs.get("tiling"), logger, slides)
+            source = as_ingested.get(bag_id, table.at[b, "source"])
+            if source is None:
+                logger.warning("slide %s changed or is gone since its ingest: heatmap without the slide thumbnail",
+                               table.at[b, "source"])
+                thumbnail, downsample = None, None
+            else:
+                thumbnail, downsample = _slide_background(source, bag_id, cohort.attrs.get("tiling"), logger, slides)
             figures.append(report.plot_wsi_heatmap(xy, side, scores[rows], bag_file(out / "heatmaps", bag_id, ".png"), kind=kind,
                                                    thumbnail=thumbnail, thumb_downsample=downsample,
                                                    title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))

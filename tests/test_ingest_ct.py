@@ -191,3 +191,28 @@ def test_a_slice_label_other_than_0_or_1_names_the_slice_and_its_value(tmp_path)
     report = ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
     (skipped,) = report.skipped
     assert skipped.bag_id == scans[0].series_uid and f"gives {wrong} = 2 (slice file {Path(scans[0].paths[2]).name})" in skipped.reason
+
+
+def test_a_scout_in_the_series_is_refused_and_a_dose_report_beside_a_scan_does_not_count(tmp_path):
+    """A localizer kept in the series (same SeriesInstanceUID, another plane) was ordered into the
+    stack as a slice; an SR dose report in the scan's folder made it 'a folder of 2 series'."""
+    from pydicom.uid import generate_uid
+
+    uid, _, paths = write_ct_series(tmp_path / "scout" / "p1", np.zeros((6, 16, 16)), series_key="scout")
+    scout = pydicom.dcmread(paths[2])
+    scout.SOPInstanceUID = generate_uid(entropy_srcs=["scout-localizer"])
+    scout.ImageOrientationPatient = [0.0, 1.0, 0.0, 0.0, 0.0, -1.0]  # sagittal
+    scout.ImagePositionPatient = [-22.5, -125.0, 125.0]
+    scout.save_as(tmp_path / "scout" / "p1" / "localizer.dcm")
+    series, errors = scan_dicom_dir(tmp_path / "scout")
+    assert not series and [e.bag_id for e in errors] == [uid]
+    assert "slice localizer.dcm lies in another plane (ImageOrientationPatient [0.0, 1.0, 0.0, 0.0, 0.0, -1.0])" in errors[0].reason
+
+    uid, _, paths = write_ct_series(tmp_path / "dose" / "p2", np.zeros((6, 16, 16)), series_key="dose")
+    report = pydicom.dcmread(paths[0])
+    report.Modality, report.SeriesInstanceUID = "SR", generate_uid(entropy_srcs=["dose-report"])
+    report.SOPInstanceUID = generate_uid(entropy_srcs=["dose-report-sop"])
+    report.save_as(tmp_path / "dose" / "p2" / "dose.dcm")
+    series, errors = scan_dicom_dir(tmp_path / "dose")
+    assert [s.series_uid for s in series] == [uid] and len(series[0].files) == 6
+    assert [(Path(e.path).name, "Modality 'SR', not CT" in e.reason) for e in errors] == [("p2", True)]

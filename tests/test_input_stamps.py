@@ -299,22 +299,26 @@ def test_a_changed_file_reached_by_another_spelling_of_its_path_is_a_change_not_
     assert report.already_done == ("s0",) and [(s.bag_id, s.error) for s in report.skipped] == [("s1", "SourceChangedError")]
 
 
-def test_a_report_finds_a_slide_moved_since_its_ingest_by_its_stamp_and_no_other(tmp_path):
-    """The store keeps the path a slide was ingested from; after the cohort moved, the heatmap's
-    thumbnail comes from the slide under the run's ingest.source whose stamp matches — not from
-    another file of the same name."""
+def test_a_report_draws_a_slide_only_if_it_is_the_one_ingested_also_after_a_move(tmp_path):
+    """The store keeps the path a slide was ingested from. A heatmap's thumbnail comes from that
+    path while its files match the stamp; after the cohort moved, from the slide of that name under
+    the run's ingest.source that matches; a replaced slide (at either place) gives none, never
+    another image under the stored tiles."""
     from tasks.ingest.synthetic import make_slide_cohort
     from tasks.ingest.wsi import TilingParams, ingest_slides
-    from tasks.prefect_tasks import _slides_moved_since_ingest
+    from tasks.prefect_tasks import _slides_as_ingested
 
     make_slide_cohort(tmp_path / "slides", 3, map_shape=(16, 24), seed=4, tile=128)
     store = tmp_path / "s.zarr"
     ingest_slides(store, tmp_path / "slides", labels_csv=tmp_path / "slides" / "labels.csv",
                   params=TilingParams(tile_size=128, mask_max_side=256), fit_tiles=64)
     cohort = open_cohort(store)
-    assert _slides_moved_since_ingest(cohort, [0, 1, 2], tmp_path / "slides") == {}  # nothing moved
-    shutil.move(tmp_path / "slides", tmp_path / "moved")
     names = [Path(s).name for s in cohort.sources]
+    assert _slides_as_ingested(cohort, [0, 1, 2], tmp_path / "slides") == {}  # every stored path holds its slide
+    shutil.move(tmp_path / "slides", tmp_path / "moved")
     shutil.copy(tmp_path / "moved" / names[2], tmp_path / "moved" / names[1])  # another slide under bag 1's name
-    moved = _slides_moved_since_ingest(cohort, [0, 1, 2], tmp_path / "moved")
-    assert moved == {cohort.bag_ids[0]: str(tmp_path / "moved" / names[0]), cohort.bag_ids[2]: str(tmp_path / "moved" / names[2])}
+    assert _slides_as_ingested(cohort, [0, 1, 2], tmp_path / "moved") == {
+        cohort.bag_ids[0]: str(tmp_path / "moved" / names[0]), cohort.bag_ids[1]: None,
+        cohort.bag_ids[2]: str(tmp_path / "moved" / names[2])}
+    shutil.move(tmp_path / "moved", tmp_path / "slides")  # back in place, bag 1's file still replaced
+    assert _slides_as_ingested(cohort, [0, 1, 2], tmp_path / "slides") == {cohort.bag_ids[1]: None}

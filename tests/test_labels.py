@@ -40,6 +40,9 @@ def test_a_labels_file_gives_targets_originals_and_per_row_errors(tmp_path):
     by_value = LabelSpec(str(path), id_column="case", label_column="dx", positive=["tumor"]).read()[0]
     assert (by_value["a"], by_value["b"]) == (0, 1)  # values compare exactly; a near miss is refused, not negative
     assert isinstance(by_value["e"], MissingLabelError) and "'Tumor' differs from the positive value 'tumor' only in case" in by_value["e"].reason
+    by_target = LabelSpec(str(path), id_column="case", label_column="dx", target="dx in ['tumor'] and grade >= 0").read()[0]
+    assert (by_target["a"], by_target["b"]) == (0, 1)  # so does a target expression's comparison with a text
+    assert isinstance(by_target["e"], MissingLabelError) and "'Tumor' differs from 'tumor' in the target only in case" in by_target["e"].reason
     numeric = LabelSpec(str(path), id_column="case", label_column="grade", positive=[2, 4]).read()[0]
     assert (numeric["b"], numeric["e"]) == (1, 0)  # 2.0 read from CSV matches 2
     with pytest.raises(IngestError, match=r"no column\(s\) \['stage'\]"):
@@ -60,3 +63,34 @@ def test_the_config_labels_section_names_the_field_of_a_bad_expression(tmp_path)
     config.write_text("name: t\nstore: s.zarr\noutput_dir: out\ningest:\n  kind: h5\n  source: h5\n"
                       "  labels: {file: l.csv, target: grade > 2}\n")
     assert load_config(config).ingest.labels.file == tmp_path / "l.csv"
+
+
+def test_a_new_cohorts_labels_file_is_read_as_the_configs_labels_section_reads_its_own(tmp_path):
+    """``predict --source NEW --labels FILE`` with a labels section (id column, target): the file
+    takes the section's place, not PANDA's convention; a plain labels path stays a path."""
+    from flows.config import IngestConfig, LabelsConfig
+    from flows.pipeline import new_cohort_ingest
+
+    (tmp_path / "slides").mkdir()
+    (tmp_path / "clinical.csv").write_text("slide,dx\n")
+    section = IngestConfig(kind="wsi", source=tmp_path / "slides",
+                           labels=LabelsConfig(file=tmp_path / "clinical.csv", id_column="slide", label_column="dx",
+                                               target="dx in ['tumor']"))
+    new = new_cohort_ingest(section, tmp_path / "new", tmp_path / "new.csv", {"store": str(tmp_path / "train.zarr")})
+    assert (new.source, new.extractor_from) == (tmp_path / "new", tmp_path / "train.zarr")
+    assert new.labels == section.labels.model_copy(update={"file": tmp_path / "new.csv"})
+    plain = section.model_copy(update={"labels": tmp_path / "clinical.csv"})
+    assert new_cohort_ingest(plain, tmp_path / "new", tmp_path / "new.csv", {}).labels == tmp_path / "new.csv"
+    assert new_cohort_ingest(section, tmp_path / "new", None, {}).labels is None
+
+
+def test_a_ct_labels_section_that_names_columns_or_rules_is_refused_when_the_config_is_loaded(tmp_path):
+    """The CT reader reads RSNA slice labels only: a section's id column or positive values were
+    ignored silently (and a per-scan table failed after Prefect and Dask started)."""
+    from pydantic import ValidationError
+
+    from flows.config import IngestConfig
+
+    with pytest.raises(ValidationError, match=r"ingest.kind ct reads RSNA slice labels"):
+        IngestConfig(kind="ct", source=tmp_path, labels={"file": tmp_path / "l.csv", "id_column": "series", "positive": ["yes"]})
+    assert IngestConfig(kind="ct", source=tmp_path, labels={"file": tmp_path / "l.csv", "preset": "rsna"}).labels.preset == "rsna"

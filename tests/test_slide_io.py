@@ -117,6 +117,21 @@ def test_openslide_opens_a_dicom_wsi_folder_with_the_pixels_and_scale_written(ti
         open_slide(tmp_path / "slide-7", reader="tifffile")
 
 
+def test_a_dicom_wsi_folder_of_upper_case_files_opens_and_a_macos_resource_fork_is_no_slide(tissue, tmp_path):
+    from tasks.ingest.slide_io import slide_files
+    from tasks.ingest.synthetic import write_dicom_wsi
+
+    _, files = write_dicom_wsi(tmp_path / "case", tissue, mpp=0.5, series_key="up")
+    for f in files:
+        f.rename(f.with_suffix(".DCM"))
+    with open_slide(tmp_path / "case") as slide:
+        assert slide.vendor == "dicom"
+    assert slide_files(tmp_path / "case") == tuple(str(tmp_path / "case" / n) for n in ("level0.DCM", "level1.DCM"))
+    write_pyramid(tmp_path / "a.tiff", tissue, mpp=0.5)
+    (tmp_path / "._a.tiff").write_bytes(b"\x00\x05\x16\x07")  # what macOS writes beside a file on a foreign disk
+    assert find_slides(tmp_path)[0] == [tmp_path / "a.tiff", tmp_path / "case"]
+
+
 def test_dicom_wsi_folders_are_discovered_and_tiled_like_the_same_pixels_in_a_tiff(tissue, tmp_path):
     """A DICOM-WSI folder is one slide (bag id = folder name) and gives the tiles and features of
     the same pixels written as a TIFF; a CT series, a WSI OpenSlide refuses and a folder of two WSI

@@ -35,6 +35,7 @@ _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "Imag
                 "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
+ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,22 @@ def windowed_channels(hu: np.ndarray) -> np.ndarray:
     return np.stack([window(hu, centre, width) for _, centre, width in WINDOWS], axis=-1)
 
 
-def _slice_position(header) -> float | None:
+def _orientation(header) -> np.ndarray | None:
+    """A slice's ImageOrientationPatient (row and column direction cosines), or None."""
     try:
         orientation = np.asarray(header.ImageOrientationPatient, dtype=np.float64)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return orientation if orientation.shape == (6,) else None
+
+
+def _slice_position(header) -> float | None:
+    orientation = _orientation(header)
+    try:
         position = np.asarray(header.ImagePositionPatient, dtype=np.float64)
     except (AttributeError, TypeError, ValueError):
         return None
-    if orientation.shape != (6,) or position.shape != (3,):
+    if orientation is None or position.shape != (3,):
         return None
     return float(np.dot(np.cross(orientation[:3], orientation[3:]), position))
 
@@ -118,7 +128,9 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     """Why a series (files and headers in spatial order) cannot be one CT bag, or None.
 
     Refused: a Modality other than CT; a slice without RescaleSlope/RescaleIntercept (HU would be
-    off by the intercept, typically 1024); two slices at the same position; a gap along the slice
+    off by the intercept, typically 1024); a slice in another plane than the first (a localizer or
+    scout kept in the series: its position along the others' normal means nothing); two slices at
+    the same position; a gap along the slice
     normal of more than :data:`GAP_FACTOR` × the median spacing (a missing or unreadable slice);
     without positions, InstanceNumbers that repeat or skip.
     """
@@ -137,6 +149,11 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
                 float(header[tag].value)
             except (KeyError, TypeError, ValueError):
                 return refuse(f"no usable {tag} in {Path(path).name}: Hounsfield units cannot be computed")
+    planes = [(path, o) for path, h in zip(files, headers) if (o := _orientation(h)) is not None]
+    if other := next(((path, o) for path, o in planes[1:] if np.abs(o - planes[0][1]).max() > ORIENTATION_TOL), None):
+        return refuse(f"slice {Path(other[0]).name} lies in another plane (ImageOrientationPatient "
+                      f"{np.round(other[1], 3).tolist()}) than {Path(planes[0][0]).name} ({np.round(planes[0][1], 3).tolist()}): "
+                      "a localizer/scout or a second stack in the series; remove it")
     positions = [_slice_position(h) for h in headers]
     if all(p is not None for p in positions) and len(positions) > 1:
         z = np.asarray(positions)
@@ -162,9 +179,11 @@ def _reject_mixed_folders(series: list[CTSeries], groups: dict[str, list], error
                           ) -> tuple[list[CTSeries], list[IngestError]]:
     """Series of one study that share a folder are two reconstructions (or a copy mistake) of
     one scan: refused, all of them, rather than ingested as separate bags of the same patient.
-    Folders holding series of different studies (the flat RSNA layout) are fine."""
+    Folders holding series of different studies (the flat RSNA layout) are fine, and only CT series
+    that are scans count (a dose report or a refused series beside one is reported on its own)."""
+    scans = {s.series_uid for s in series}
     by_folder_study: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for uid, members in groups.items():
+    for uid, members in ((uid, members) for uid, members in groups.items() if uid in scans):
         for path, _, header in members:
             key = (str(Path(path).parent), str(header.get("StudyInstanceUID", "")))
             if uid not in by_folder_study[key]:

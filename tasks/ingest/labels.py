@@ -182,6 +182,9 @@ class TargetExpression:
         left = self._value(node.left, row)
         for op, comparator in zip(node.ops, node.comparators):
             right = self._value(comparator, row)
+            if isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) and (near := _near_miss(left, right)):
+                raise ValueError(f"{near[0]!r} differs from {near[1]!r} in the target only in case or spaces: correct the "
+                                 "labels file, or write the target with the value it holds")
             if not _COMPARE[type(op)](left, right):
                 return False
             left = right
@@ -192,6 +195,17 @@ class TargetExpression:
         if missing:
             raise ValueError(f"empty {', '.join(missing)}")
         return int(bool(self._value(self._tree, row)))
+
+
+def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
+    """Two texts (or a text and one of a list's) that are not equal but are once case and
+    surrounding spaces are ignored: 'Tumor' or 'tumor ' against 'tumor', a typo that would
+    otherwise count as another class."""
+    for a in left if isinstance(left, list) else [left]:
+        for b in right if isinstance(right, list) else [right]:
+            if isinstance(a, str) and isinstance(b, str) and a != b and a.strip().casefold() == b.strip().casefold():
+                return a, b
+    return None
 
 
 def _is_missing(value: Any) -> bool:

@@ -220,11 +220,16 @@ def slide_files(path: str | Path) -> tuple[str, ...]:
     the file itself; in a fixed order."""
     path = Path(path)
     if path.is_dir():
-        return tuple(str(p) for p in sorted(path.glob("*.dcm")))
+        return tuple(str(p) for p in _dicom_files(path))
     companions = path.with_suffix("")
     if path.suffix.lower() == ".mrxs" and companions.is_dir():
         return (str(path), *(str(p) for p in sorted(companions.iterdir()) if p.is_file()))
     return (str(path),)
+
+
+def _dicom_files(folder: Path) -> list[Path]:
+    """A DICOM-WSI folder's ``.dcm`` files (any case of the suffix, as discovery finds them), sorted."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() == ".dcm")
 
 
 def _open_dicom_folder(folder: Path, reader: Reader) -> SlideReader:
@@ -234,7 +239,7 @@ def _open_dicom_folder(folder: Path, reader: Reader) -> SlideReader:
     if reader == "tifffile":
         raise UnreadableFileError("a DICOM-WSI folder is read by OpenSlide (reader auto or openslide), not tifffile",
                                   path=str(folder))
-    for path in sorted(folder.glob("*.dcm")):
+    for path in _dicom_files(folder):
         try:
             if openslide.OpenSlide.detect_format(str(path)) == "dicom":
                 return OpenSlideSlide(path)
@@ -297,7 +302,8 @@ def find_slides(source: str | Path | Sequence[str | Path], patterns: Sequence[st
         raise IngestError("slide source is not a folder", path=str(root))
     files = sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file())
     lowered = [pattern.lower() for pattern in patterns]
-    slides = [p for p in files if any(Path(p.name.lower()).match(pattern) for pattern in lowered)]
+    slides = [p for p in files if any(Path(p.name.lower()).match(pattern) for pattern in lowered)
+              and not p.name.startswith(".")]  # hidden files: macOS's '._<slide>' resource forks are no slides
     mirax_dirs = {p.with_suffix("") for p in slides if p.suffix.lower() == ".mrxs"}
     chosen = set(slides)
     left_out = [UnreadableFileError(f"not a slide: the name matches none of the patterns {list(patterns)}", path=str(p))
