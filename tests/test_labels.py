@@ -94,3 +94,11 @@ def test_a_ct_labels_section_that_names_columns_or_rules_is_refused_when_the_con
     with pytest.raises(ValidationError, match=r"ingest.kind ct reads RSNA slice labels"):
         IngestConfig(kind="ct", source=tmp_path, labels={"file": tmp_path / "l.csv", "id_column": "series", "positive": ["yes"]})
     assert IngestConfig(kind="ct", source=tmp_path, labels={"file": tmp_path / "l.csv", "preset": "rsna"}).labels.preset == "rsna"
+
+
+def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):
+    from tasks.ingest.labels import read_panda_labels
+
+    (tmp_path / "labels.csv").write_text("image_id;isup_grade\nslide_a;3\n")
+    with pytest.raises(IngestError, match=r"one column 'image_id;isup_grade': it looks semicolon-separated"):
+        read_panda_labels(tmp_path / "labels.csv")

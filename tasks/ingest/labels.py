@@ -86,6 +86,9 @@ def read_labels_csv(path: str | Path, **read_csv: Any):
         raise IngestError(f"cannot read the labels CSV: {type(error).__name__}: {error}", path=str(path)) from None
     if table.empty:
         raise IngestError(f"the labels file has a header ({', '.join(map(str, table.columns))}) but no rows", path=str(path))
+    if len(table.columns) == 1 and ";" in str(table.columns[0]) and read_csv.get("sep", ",") == ",":
+        raise IngestError(f"the labels file has one column {table.columns[0]!r}: it looks semicolon-separated (as a "
+                          "spreadsheet in some locales saves it); save it comma-separated", path=str(path))
     return table
 
 
