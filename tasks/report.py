@@ -81,7 +81,8 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
         rows = cohort.bag_slice(b)
         top = rows.start + np.argsort(-p_inst[rows], kind="stable")[:top_k]
         suspicious.append(json.dumps([
-            {"row": int(r), "instance": int(r - rows.start), "coords": coords[r].tolist(), **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
+            {"row": int(r), "instance": int(r - rows.start), "coords": coords[r].tolist(),
+             **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
              kind: round(float(p_inst[r]), 6)} for r in top
         ]))
     table = pd.DataFrame({

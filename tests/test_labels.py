@@ -43,6 +43,8 @@ def test_a_labels_file_gives_targets_originals_and_per_row_errors(tmp_path):
     by_target = LabelSpec(str(path), id_column="case", label_column="dx", target="dx in ['tumor'] and grade >= 0").read()[0]
     assert (by_target["a"], by_target["b"]) == (0, 1)  # so does a target expression's comparison with a text
     assert isinstance(by_target["e"], MissingLabelError) and "'Tumor' differs from 'tumor' in the target only in case" in by_target["e"].reason
+    listed = LabelSpec(str(path), id_column="case", label_column="dx", target="dx in ['tumor', 'Tumor']").read()[0]
+    assert listed["e"] == 1  # a value the target lists exactly is no typo
     numeric = LabelSpec(str(path), id_column="case", label_column="grade", positive=[2, 4]).read()[0]
     assert (numeric["b"], numeric["e"]) == (1, 0)  # 2.0 read from CSV matches 2
     with pytest.raises(IngestError, match=r"no column\(s\) \['stage'\]"):

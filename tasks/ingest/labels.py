@@ -204,10 +204,12 @@ def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
     """Two texts (or a text and one of a list's) that are not equal but are once case and
     surrounding spaces are ignored: 'Tumor' or 'tumor ' against 'tumor', a typo that would
     otherwise count as another class."""
+    rights = right if isinstance(right, list) else [right]
     for a in left if isinstance(left, list) else [left]:
-        for b in right if isinstance(right, list) else [right]:
-            if isinstance(a, str) and isinstance(b, str) and a != b and a.strip().casefold() == b.strip().casefold():
-                return a, b
+        if isinstance(a, str) and a not in rights:  # an exact match anywhere ('Tumor' listed too) is no typo
+            for b in rights:
+                if isinstance(b, str) and a.strip().casefold() == b.strip().casefold():
+                    return a, b
     return None
 
 
