@@ -316,6 +316,24 @@ def committed_bag_ids(target: str | Path | zarr.Group) -> np.ndarray:
     return np.asarray(root["bags/id"][: committed_bag_count(root)], dtype=object)
 
 
+def label_unlabelled_bags(root: zarr.Group, labels: dict[str, tuple[int, str]]) -> None:
+    """Give committed bags that were ingested unlabelled (label -1) their label and original label
+    (JSON text), e.g. from a labels file that arrived after the cohort was ingested for prediction.
+    Only -1 is ever overwritten: a bag with a label keeps it (a changed label is a new store)."""
+    if not labels:
+        return
+    n_bags = committed_bag_count(root)
+    position = {bag_id: b for b, bag_id in enumerate(root["bags/id"][:n_bags].tolist())}
+    stored = root["bags/label"][:n_bags]
+    for bag_id, (label, original) in labels.items():
+        b = position[bag_id]
+        if stored[b] != UNKNOWN_LABEL or label not in (0, 1):
+            raise ValueError(f"bag {bag_id!r} has label {stored[b]}: only an unlabelled bag (-1) is given one, here {label}")
+        _check_original(original, path=None, bag_id=bag_id)
+        root["bags/original_label"][b] = original
+        root["bags/label"][b] = label
+
+
 def _instance_arrays(root: zarr.Group) -> tuple[str, ...]:
     """Names of the instance arrays of this store (``instance_id`` where the store keeps it)."""
     return _INSTANCE_ARRAYS + (("instance_id",) if "instance_id" in root["instances"] else ())

@@ -92,6 +92,35 @@ def test_the_staging_path_keeps_original_labels_and_a_rerun_neither_mixes_nor_ov
     assert open_cohort(store).n_bags == 3
 
 
+def test_labels_that_arrive_after_an_unlabelled_ingest_label_those_bags_and_only_those(tmp_path):
+    """A cohort ingested unlabelled to be predicted, then its labels: a rerun with them labelled
+    every bag a LabelChangedError. Now an unlabelled bag takes the label (and original label); a
+    labelled bag still keeps its own."""
+    from flows.cli import summary
+    from tasks.prefect_tasks import StageResult
+
+    spec = CohortSpec("c", n_features=3, coords_dim=1, coords_meaning="instance_index")
+    store = tmp_path / "c.zarr"
+    unlabelled = [IngestItem(f"s{k}", f"/s{k}", -1) for k in range(3)]
+    assert run_ingest(store, spec, unlabelled, _writer).added == ("s0", "s1", "s2")
+    labelled = [IngestItem(f"s{k}", f"/s{k}", int(k > 0), None, encode_original_label(2 * k)) for k in range(3)]
+    report = run_ingest(store, spec, labelled, _writer)
+    assert report.labelled == ("s0", "s1", "s2") and report.already_done == ("s0", "s1", "s2") and not report.skipped
+    cohort = open_cohort(store)
+    assert cohort.bag_labels.tolist() == [0, 1, 1] and cohort.original_labels.tolist() == [0, 2, 4]
+    line = summary("ingest", StageResult("c", str(store), True, report.to_json()))
+    assert "3 already in the store (3 of them labelled now), 0 skipped" in line
+    relabelled = [IngestItem("s1", "/s1", 0, None, encode_original_label(0))]
+    assert [s.error for s in run_ingest(store, spec, relabelled, _writer).skipped] == ["LabelChangedError"]
+    assert open_cohort(store).bag_labels.tolist() == [0, 1, 1]
+    from tasks.ingest.tables import FeatureTable, ingest_table  # a table's -1 bags the same way
+
+    X, ids = np.arange(8, dtype=np.float32).reshape(4, 2), np.array(["a", "a", "b", "b"], dtype=object)
+    ingest_table(tmp_path / "t.zarr", FeatureTable(X=X, bag_ids=ids, labels=np.array([-1, -1, 1, 1]), source="t.npz"))
+    report = ingest_table(tmp_path / "t.zarr", FeatureTable(X=X, bag_ids=ids, labels=np.array([0, 0, 1, 1]), source="t.npz"))
+    assert report.labelled == ("a",) and open_cohort(tmp_path / "t.zarr").bag_labels.tolist() == [0, 1]
+
+
 def test_slides_keep_the_isup_grade_and_a_label_spec_keeps_a_class_name(tmp_path):
     from tasks.ingest.synthetic import make_slide_cohort
     from tasks.ingest.wsi import TilingParams, ingest_slides

@@ -48,6 +48,7 @@ from tasks.store import (
     append_bags,
     committed_bag_count,
     drop_staged,
+    label_unlabelled_bags,
     open_or_create_cohort,
     read_staged,
     repair,
@@ -130,6 +131,7 @@ class IngestReport:
     seconds: float
     report_path: str | None = None
     dropped_nonfinite: dict[str, int] = field(default_factory=dict)  # bag id -> instances left out (NaN/inf)
+    labelled: tuple[str, ...] = ()  # of already_done: bags ingested unlabelled that this run's labels labelled
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -224,6 +226,7 @@ class IngestRun:
         stored_stamp = dict(zip(bags["id"][:n_committed].tolist(), bags["input_stamp"][:n_committed].tolist()))
         self.skipped = list(skipped)
         self.already_done: list[str] = []
+        self.labelled: dict[str, tuple[int, str]] = {}  # committed unlabelled bags the labels now label
         self.pending: list[IngestItem] = []
         first_source: dict[str, str] = {}
         for item in items:
@@ -242,6 +245,9 @@ class IngestRun:
                         f"bag already in the store, and its input changed since it was ingested ({change}). The store "
                         "keeps the features it has: ingest into a new store to use the new input",
                         path=item.source, bag_id=item.bag_id)))
+                elif item.label != UNKNOWN_LABEL and label == UNKNOWN_LABEL:  # labels that arrived after the ingest
+                    self.labelled[item.bag_id] = (item.label, item.original_label)
+                    self.already_done.append(item.bag_id)
                 elif item.label != UNKNOWN_LABEL and (label, original) != (item.label, item.original_label):
                     self.skipped.append(Skipped.from_error(LabelChangedError(
                         f"bag already in the store with label {label} (original {original or 'none'}); the labels "
@@ -295,9 +301,11 @@ class IngestRun:
         self._batch += [self.pending[i].bag_id for i in sorted(self._finished) if i >= self._next and self._finished[i]]
         self._next = len(self.pending)
         self._commit()
+        ensure_still_held(self.store)
+        label_unlabelled_bags(self.root, self.labelled)
         drop_staged(self.root, self.already_done)  # left by a run killed between its commit and this clean-up
         report = IngestReport(store=self.store, added=tuple(self.added), already_done=tuple(self.already_done),
-                              skipped=tuple(self.skipped), n_instances_added=self.n_rows,
+                              labelled=tuple(self.labelled), skipped=tuple(self.skipped), n_instances_added=self.n_rows,
                               seconds=time.perf_counter() - self.started,
                               report_path=str(report_path or default_report_path(self.store)),
                               dropped_nonfinite=dict(self.dropped_nonfinite))

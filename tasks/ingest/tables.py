@@ -23,7 +23,8 @@ from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, L
 from tasks.ingest.stamps import rows_change, rows_stamp
 from tasks.lease import writer_lease
 from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
-                         committed_bag_count, encode_original_label, finite_rows, open_or_create_cohort, repair)
+                         committed_bag_count, encode_original_label, finite_rows, label_unlabelled_bags,
+                         open_or_create_cohort, repair)
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         order = np.argsort(codes, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
         skipped, done, added, rows_added = [], [], [], 0
+        labelled: dict[str, tuple[int, str]] = {}
         dropped: dict[str, int] = {}
 
         def bags() -> Iterator[BagData]:
@@ -394,6 +396,9 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                             f"bag already in the store, and its {change} differ from those ingested (the file changed, "
                             "or the columns it is read from). The store keeps what it has: ingest into a new store to use "
                             "the new rows", path=table.source, bag_id=bag_id)))
+                    elif labels[0] != UNKNOWN_LABEL and stored_labels[bag_id][0] == UNKNOWN_LABEL:  # labelled since
+                        labelled[bag_id] = (int(labels[0]), original)
+                        done.append(bag_id)
                     elif labels[0] != UNKNOWN_LABEL and stored_labels[bag_id] != (int(labels[0]), original):
                         skipped.append(Skipped.from_error(LabelChangedError(
                             f"bag already in the store with label {stored_labels[bag_id][0]} (original "
@@ -431,7 +436,9 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                               input_stamp=stamp)
 
         append_bags(root, bags())
-        report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), skipped=tuple(skipped),
+        label_unlabelled_bags(root, labelled)
+        report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), labelled=tuple(labelled),
+                              skipped=tuple(skipped),
                               n_instances_added=rows_added, seconds=time.perf_counter() - started,
                               report_path=str(report_path or default_report_path(store)), dropped_nonfinite=dropped)
         Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
