@@ -472,18 +472,27 @@ def _slide_background(source: str, bag_id: str, tiling: dict[str, Any] | None, l
         return None, None
 
 
-def _ct_series_by_uid(sources: Any, logger: Any) -> dict[str, Any]:
+def _ct_series_by_uid(sources: Any, logger: Any, moved_to: Path | None = None) -> dict[str, Any]:
     """SeriesInstanceUID → its :class:`tasks.ingest.ct.CTSeries` (files in spatial order, for the
-    slice images of the strips), reading the headers of each source folder once; empty where the
-    folders are gone (findings still name slices by the SOPInstanceUIDs stored at ingest)."""
+    slice images of the strips), reading the headers of each source folder once. Where folders are
+    gone, the run's ``ingest.source`` (``moved_to``: the cohort moved since its ingest) is read
+    instead; a strip takes a series' slices by the SOPInstanceUIDs stored at ingest, so only the
+    same slices are used. Empty where neither is there (findings still name slices by UID)."""
     from tasks.ingest.ct import scan_dicom_dir
 
+    folders = sorted(set(map(str, sources)))
+    gone = [folder for folder in folders if not Path(folder).is_dir()]
+    if gone and moved_to is not None and Path(moved_to).is_dir():
+        logger.info("%d CT folder(s) not found where they were ingested (first: %s): reading the series under %s",
+                    len(gone), gone[0], moved_to)
+        folders = [folder for folder in folders if folder not in gone] + [str(moved_to)]
+    elif gone:
+        logger.warning("CT folder %s not found: no slice images in the strips (findings by SOPInstanceUID come from the store)",
+                       gone[0])
     found: dict[str, Any] = {}
-    for folder in sorted(set(map(str, sources))):
-        if not Path(folder).is_dir():
-            logger.warning("CT folder %s not found: no slice images in the strips (findings by SOPInstanceUID come from the store)", folder)
-            continue
-        found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
+    for folder in folders:
+        if Path(folder).is_dir():
+            found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
     return found
 
 
@@ -600,7 +609,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
 
     scores, kind = report.instance_scores(predictions)
     instances = report.instance_table(store, prediction_key)
-    series = _ct_series_by_uid(table["source"], logger) if cohort.attrs.get("coords_meaning") == "slice_index" else {}
+    series = (_ct_series_by_uid(table["source"], logger, config.ingest.source if config.ingest.kind == "ct" else None)
+              if cohort.attrs.get("coords_meaning") == "slice_index" else {})
     instances.to_parquet(out / "instance_predictions.parquet", index=False)
     if len(instances) <= 1_000_000:
         instances.to_csv(out / "instance_predictions.csv", index=False)

@@ -322,3 +322,23 @@ def test_a_report_draws_a_slide_only_if_it_is_the_one_ingested_also_after_a_move
         cohort.bag_ids[2]: str(tmp_path / "moved" / names[2])}
     shutil.move(tmp_path / "moved", tmp_path / "slides")  # back in place, bag 1's file still replaced
     assert _slides_as_ingested(cohort, [0, 1, 2], tmp_path / "slides") == {cohort.bag_ids[1]: None}
+
+
+def test_a_ct_report_reads_the_series_of_a_moved_cohort_under_the_runs_source(tmp_path):
+    """A CT cohort moved since its ingest is done on rerun; its report's strips read the series
+    under the run's ingest.source (slices are taken by the SOPInstanceUIDs the store keeps)."""
+    import logging
+
+    from tasks.ingest.ct import ingest_ct
+    from tasks.ingest.synthetic import make_ct_cohort
+    from tasks.prefect_tasks import _ct_series_by_uid
+
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=6, size=32, positive_fraction=0.5, seed=5)
+    ingest_ct(tmp_path / "ct.zarr", tmp_path / "dicom", labels_csv=tmp_path / "dicom" / "labels.csv")
+    sources = open_cohort(tmp_path / "ct.zarr").sources
+    shutil.move(tmp_path / "dicom", tmp_path / "moved")
+    logger = logging.getLogger("test")
+    assert _ct_series_by_uid(sources, logger) == {}
+    found = _ct_series_by_uid(sources, logger, tmp_path / "moved")
+    assert sorted(found) == sorted(s.series_uid for s in scans)
+    assert all(Path(f).is_relative_to(tmp_path / "moved") for s in found.values() for f in s.files)
