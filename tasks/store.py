@@ -325,13 +325,16 @@ def label_unlabelled_bags(root: zarr.Group, labels: dict[str, tuple[int, str]]) 
     n_bags = committed_bag_count(root)
     position = {bag_id: b for b, bag_id in enumerate(root["bags/id"][:n_bags].tolist())}
     stored = root["bags/label"][:n_bags]
+    originals = np.asarray(root["bags/original_label"][:n_bags], dtype=object)
     for bag_id, (label, original) in labels.items():
         b = position[bag_id]
         if stored[b] != UNKNOWN_LABEL or label not in (0, 1):
             raise ValueError(f"bag {bag_id!r} has label {stored[b]}: only an unlabelled bag (-1) is given one, here {label}")
         _check_original(original, path=None, bag_id=bag_id)
-        root["bags/original_label"][b] = original
-        root["bags/label"][b] = label
+        stored[b], originals[b] = label, original
+    # whole arrays, once (a write per bag rewrote a chunk of 16,384 bags each time); labels last
+    root["bags/original_label"][:n_bags] = np.asarray(originals.tolist(), dtype=np.dtypes.StringDType())
+    root["bags/label"][:n_bags] = stored
 
 
 def _instance_arrays(root: zarr.Group) -> tuple[str, ...]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tasks.ingest.driver import IngestItem, Skipped
 from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError
 from tasks.store import UNKNOWN_LABEL, encode_original_label
@@ -68,6 +70,19 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
         else:
             items.append(IngestItem(bag_id, source, int(label), payload, encode_original_label(originals.get(bag_id))))
     return items, skipped
+
+
+def check_instance_labels(values: np.ndarray, source: str, what: str) -> None:
+    """Instance labels (``what``: where they come from) are 0, 1 or -1 (unknown); anything else —
+    text, 2, a missing value — would be stored as a wrong label (the store keeps int8): refused
+    naming the first row."""
+    numeric = values.dtype.kind in "biuf"
+    bad = (np.flatnonzero(~np.isin(values, (-1, 0, 1))) if numeric
+           else np.arange(values.shape[0]))
+    if bad.size:
+        value = values[bad[0]].item() if isinstance(values[bad[0]], np.generic) else values[bad[0]]
+        raise MissingLabelError(f"{what} must be 0, 1 or -1 (unknown); row {bad[0]} holds {value!r} "
+                                f"({bad.size} such row(s))", path=source)
 
 
 def read_labels_csv(path: str | Path, **read_csv: Any):

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
-from tasks.ingest.labels import binary, labelled_items
+from tasks.ingest.labels import binary, check_instance_labels, labelled_items
 from tasks.store import CohortSpec
 
 
@@ -39,9 +39,8 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
     for name, array in (("inst_labels", inst), ("coords", coords)):
         if array is not None and (array.ndim == 0 or array.shape[0] != n):
             raise FeatureDimensionError(f"{name} of shape {array.shape} for {n} instances", path=paths[name])
-    if inst is not None and not np.isin(inst, (-1, 0, 1)).all():
-        raise MissingLabelError(f"instance labels must be 0, 1 or -1 (unknown), found {np.unique(inst)[:5].tolist()}",
-                          path=paths["inst_labels"])
+    if inst is not None:
+        check_instance_labels(np.asarray(inst).reshape(n), paths["inst_labels"], "instance labels")
     for start in range(0, n, batch_rows):
         rows = slice(start, min(n, start + batch_rows))
         count = rows.stop - rows.start

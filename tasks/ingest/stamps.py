@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,9 +59,12 @@ def _content_digest(paths: Sequence[str], stats: Sequence[os.stat_result]) -> st
 
 def file_stamp(paths: Sequence[str]) -> str:
     """The stamp of a bag read from ``paths`` (in a fixed order); ``""`` if one is not a regular file."""
-    if not paths or not all(os.path.isfile(p) for p in paths):
+    try:
+        stats = [os.stat(p) for p in paths]
+    except OSError:
         return ""
-    stats = [os.stat(p) for p in paths]
+    if not paths or not all(stat.S_ISREG(s.st_mode) for s in stats):
+        return ""
     return json.dumps({"files": len(paths), "bytes": sum(s.st_size for s in stats),
                        "stat": _stat_digest(paths, stats), "content": _content_digest(paths, stats)})
 

@@ -20,6 +20,7 @@ import numpy as np
 from tasks.ingest.driver import UNSTAMPED, IngestReport, Skipped, default_report_path, same_source
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
+from tasks.ingest.labels import check_instance_labels
 from tasks.ingest.stamps import rows_change, rows_stamp
 from tasks.lease import writer_lease
 from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
@@ -65,20 +66,7 @@ class FeatureTable:
                 raise IngestError(f"{name} has {rows} but the features have {X.shape[0]}: one entry per instance row",
                                   path=self.source)
         if self.instance_labels is not None:
-            _check_instance_labels(np.asarray(self.instance_labels), self.source, "instance labels")
-
-
-def _check_instance_labels(values: np.ndarray, source: str, what: str) -> None:
-    """Instance labels (``what``: where they come from) are 0, 1 or -1 (unknown); anything else —
-    text, 2, a missing value — would be stored as a wrong label (the store keeps int8): refused
-    naming the first row."""
-    numeric = values.dtype.kind in "biuf"
-    bad = (np.flatnonzero(~np.isin(values, (-1, 0, 1))) if numeric
-           else np.arange(values.shape[0]))
-    if bad.size:
-        value = values[bad[0]].item() if isinstance(values[bad[0]], np.generic) else values[bad[0]]
-        raise MissingLabelError(f"{what} must be 0, 1 or -1 (unknown); row {bad[0]} holds {value!r} "
-                                f"({bad.size} such row(s))", path=source)
+            check_instance_labels(np.asarray(self.instance_labels), self.source, "instance labels")
 
 
 def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1,
@@ -195,7 +183,7 @@ def _instance_labels(values: np.ndarray, column: str, path: str) -> np.ndarray:
 
     missing = pd.isna(values)
     values = _numbers_if_all(np.where(missing, -1, values) if missing.any() else values)
-    _check_instance_labels(values, path, f"instance labels (column {column!r})")
+    check_instance_labels(values, path, f"instance labels (column {column!r})")
     return values
 
 
