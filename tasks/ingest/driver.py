@@ -220,10 +220,11 @@ class IngestRun:
         repair(self.root)
         n_committed = committed_bag_count(self.root)
         bags = self.root["bags"]
-        committed = dict(zip(bags["id"][:n_committed].tolist(), bags["source"][:n_committed].tolist()))
-        stored_label = dict(zip(bags["id"][:n_committed].tolist(),
-                                zip(bags["label"][:n_committed].tolist(), bags["original_label"][:n_committed].tolist())))
-        stored_stamp = dict(zip(bags["id"][:n_committed].tolist(), bags["input_stamp"][:n_committed].tolist()))
+        stored_ids = bags["id"][:n_committed].tolist()
+        committed = dict(zip(stored_ids, bags["source"][:n_committed].tolist()))
+        stored_label = dict(zip(stored_ids, zip(bags["label"][:n_committed].tolist(),
+                                                bags["original_label"][:n_committed].tolist())))
+        stored_stamp = dict(zip(stored_ids, bags["input_stamp"][:n_committed].tolist()))
         self.skipped = list(skipped)
         self.already_done: list[str] = []
         self.labelled: dict[str, tuple[int, str]] = {}  # committed unlabelled bags the labels now label

@@ -337,10 +337,11 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
             raise type(error)(f"{error.reason}; store {store}", path=table.source) from error
         repair(root)
         n_committed = committed_bag_count(root)
-        committed = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/source"][:n_committed].tolist()))
-        stored_labels = dict(zip(root["bags/id"][:n_committed].tolist(),
-                                 zip(root["bags/label"][:n_committed].tolist(), root["bags/original_label"][:n_committed].tolist())))
-        stored_stamps = dict(zip(root["bags/id"][:n_committed].tolist(), root["bags/input_stamp"][:n_committed].tolist()))
+        stored_ids = root["bags/id"][:n_committed].tolist()
+        committed = dict(zip(stored_ids, root["bags/source"][:n_committed].tolist()))
+        stored_labels = dict(zip(stored_ids, zip(root["bags/label"][:n_committed].tolist(),
+                                                 root["bags/original_label"][:n_committed].tolist())))
+        stored_stamps = dict(zip(stored_ids, root["bags/input_stamp"][:n_committed].tolist()))
         codes, ids = pd.factorize(np.asarray(table.bag_ids), sort=False)
         order = np.argsort(codes, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(ids)))])
