@@ -146,6 +146,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     update_progress_artifact(progress, 100.0)
     gp = model.gps_[-1] if embedded else model  # an ensemble: its last member's GP (fit_cohort_embedded's summary)
     trace = gp.elbo_ if hasattr(gp, "elbo_") else gp.objective_  # AbSMIL: its loss (Eq. 3) per iteration
+    stored = open_cohort(store).attrs
     info = {
         "model": config.model.name, "params": config.model.params, "store": store, "key": model_key,
         "n_iter": int(gp.n_iter_), "converged": bool(gp.converged_),
@@ -154,8 +155,8 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
         "objective_name": gp.objective_name, "objective": [float(e) for e in trace],  # ELBO, a chain's log joint, a loss
         "mode": summary.mode, "device": summary.device, "n_partitions": summary.n_partitions,
         "n_bags": summary.n_bags, "n_instances": summary.n_instances, "resumed_from": summary.resumed_from,
-        "feature_extractor": open_cohort(store).attrs.get("feature_extractor"),
-        "feature_columns": open_cohort(store).attrs.get("feature_columns"),  # a named table's, else None
+        "feature_extractor": stored.get("feature_extractor"),
+        "feature_columns": stored.get("feature_columns"),  # a named table's, else None
     }
     if hasattr(gp, "rhat_") and not gp.converged_:  # a sampler: its chain, not a tolerance
         warnings.append(f"the chain's largest split-R-hat is {gp.rhat_:.2f} > 1.05 after {gp.n_iter_} sweeps: its samples "
@@ -401,12 +402,13 @@ def _check_same_features(store: str, model_dir: str) -> None:
     trained_on = json.loads((Path(model_dir) / "model.json").read_text())
     if "feature_extractor" not in trained_on:
         return
-    columns, given = trained_on.get("feature_columns"), open_cohort(store).attrs.get("feature_columns")
+    attrs = open_cohort(store).attrs
+    columns, given = trained_on.get("feature_columns"), attrs.get("feature_columns")
     if columns and given and columns != given:  # tables of the same width whose columns differ: features that do not compare
         raise ValueError(f"{store}'s features are other table columns than those the model {model_dir} was trained on "
                          f"({column_difference(given, columns, 'here', 'in ' + trained_on['store'])}): read the table "
                          "with the training table's feature columns (ingest.columns.features)")
-    expected, actual = trained_on["feature_extractor"], open_cohort(store).attrs.get("feature_extractor")
+    expected, actual = trained_on["feature_extractor"], attrs.get("feature_extractor")
     if actual != expected:
         def describe(spec):
             return "no recorded extractor" if spec is None else f"{spec['name']} v{spec['version']}"
