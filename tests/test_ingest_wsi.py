@@ -98,6 +98,28 @@ def test_slide_ingest_reports_bad_inputs_and_ingests_the_others(slides, tmp_path
     assert np.isfinite(block.features).all() and (block.instance_labels == -1).all()
 
 
+def test_an_ingest_that_commits_nothing_leaves_no_store_to_fix_the_next_runs_settings(slides, tmp_path):
+    """A first run whose every slide is left out (here: tiles larger than the slides) used to leave
+    an empty store holding its tiling; the corrected rerun with another tile size was then refused
+    as a settings mismatch of a store without a single bag."""
+    folder = slides[0]
+    report = ingest_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv",
+                           params=TilingParams(tile_size=8192), extractor=_MeanColour())
+    assert report.added == () and {s.error for s in report.skipped} == {"NoTissueError", "UnreadableFileError"}
+    assert not (tmp_path / "s.zarr").exists() and Path(report.report_path).is_file()
+
+    again = ingest_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=128),
+                          extractor=_MeanColour())
+    assert len(again.added) == 4 and open_cohort(tmp_path / "s.zarr").attrs["tiling"]["tile_size"] == 128
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    write_slide(blank / "blank.tiff", np.zeros((32, 48), dtype=np.uint8), seed=1)
+    (blank / "labels.csv").write_text("image_id,data_provider,isup_grade,gleason_score\nblank,x,0,0+0\n")
+    nothing = ingest_slides(tmp_path / "s.zarr", blank, labels_csv=blank / "labels.csv", params=TilingParams(tile_size=128),
+                            extractor=_MeanColour())
+    assert nothing.added == () and open_cohort(tmp_path / "s.zarr").n_bags == 4  # a store with bags stays
+
+
 class Crash(BaseException):
     """Stands for a killed worker process (not an Exception, so nothing catches it)."""
 
@@ -177,9 +199,12 @@ def _single_level_slide(path: Path, side: int = 2048, hole: tuple[int, int] | No
 
 
 class _MeanColour:
-    """Per-tile mean and std of each channel (independent of the batch a tile is in)."""
+    """Per-tile mean and std of each channel (independent of the batch a tile is in; fitted as it is)."""
 
-    n_features = 6
+    name, version, n_features = "mean-colour", "1", 6
+
+    def params(self) -> dict:
+        return {}
 
     def __call__(self, tiles: np.ndarray) -> np.ndarray:
         tiles = tiles.astype(np.float64)

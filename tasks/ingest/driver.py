@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -216,6 +217,7 @@ class IngestRun:
         self.started = time.perf_counter()
         self.store = str(store)
         self.commit_every = commit_every
+        self.created = not (Path(self.store) / "zarr.json").exists()  # removed again if nothing is committed
         self.root = open_or_create_cohort(self.store, spec)
         repair(self.root)
         n_committed = committed_bag_count(self.root)
@@ -311,6 +313,11 @@ class IngestRun:
                               report_path=str(report_path or default_report_path(self.store)),
                               dropped_nonfinite=dict(self.dropped_nonfinite))
         Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
+        if self.created and not committed_bag_count(self.root):
+            # a store this run created and filled with nothing would fix its settings (tiling, extractor, feature
+            # dimension) for the next run, which a corrected config could then not use
+            shutil.rmtree(self.store)
+            return report
         self.root.attrs["last_ingest"] = {"added": len(self.added), "already_done": len(self.already_done),
                                           "skipped": len(self.skipped), "report": report.report_path,
                                           "instances_dropped_nonfinite": sum(self.dropped_nonfinite.values()),
