@@ -216,3 +216,38 @@ def test_a_scout_in_the_series_is_refused_and_a_dose_report_beside_a_scan_does_n
     series, errors = scan_dicom_dir(tmp_path / "dose")
     assert [s.series_uid for s in series] == [uid] and len(series[0].files) == 6
     assert [(Path(e.path).name, "Modality 'SR', not CT" in e.reason) for e in errors] == [("p2", True)]
+
+
+def test_notes_and_dicomdir_beside_the_series_are_not_inputs_and_upper_case_subtypes_label(tmp_path):
+    """A README, a DICOMDIR index and a notes file were listed as unreadable DICOM inputs (and
+    could be the 'first left out' reason of a run); an RSNA row spelled ID_…_ANY left its scan
+    unlabelled."""
+    from tasks.ingest.ct import read_rsna_labels
+
+    uid, sops, paths = write_ct_series(tmp_path / "dicom" / "p1", np.zeros((4, 16, 16)), series_key="notes")
+    (tmp_path / "dicom" / "README").write_text("exported from PACS\n")
+    (tmp_path / "dicom" / "DICOMDIR").write_bytes(pydicom.dcmread(paths[0]).PixelData[:64])
+    (tmp_path / "dicom" / "p1" / "notes.TXT").write_text("scan ok\n")
+    (tmp_path / "dicom" / "p1" / "broken.dcm").write_bytes(b"not a dicom file")
+    series, errors = scan_dicom_dir(tmp_path / "dicom")
+    assert [s.series_uid for s in series] == [uid]
+    assert [Path(e.path).name for e in errors] == ["broken.dcm"]  # a real non-DICOM slice file is still named
+
+    (tmp_path / "labels.csv").write_text("ID,Label\n" + "".join(f"ID_{s}_ANY,{int(k == 2)}\n" for k, s in enumerate(sops)))
+    assert read_rsna_labels(tmp_path / "labels.csv") == {s: int(k == 2) for k, s in enumerate(sops)}
+
+
+def test_a_series_of_two_spacings_is_refused_as_such_and_one_gap_as_a_missing_slice(tmp_path):
+    _, _, paths = write_ct_series(tmp_path / "two" / "p1", np.zeros((10, 16, 16)), series_key="two", slice_thickness=2.5)
+    for k in range(7, 10):  # 2.5 mm up to slice 6, then 5 mm
+        ds = pydicom.dcmread(paths[k])
+        ds.ImagePositionPatient = [-125.0, -125.0, 15.0 + (k - 6) * 5.0]
+        ds.save_as(paths[k])
+    (error,) = scan_dicom_dir(tmp_path / "two")[1]
+    assert (f"slices 2.50 mm apart (6 steps) and 5.00 mm apart (3 steps, the first between slices {paths[6].name} and "
+            f"{paths[7].name}): a series of two spacings") in error.reason
+
+    _, _, paths = write_ct_series(tmp_path / "gap" / "p1", np.zeros((8, 16, 16)), series_key="gap", slice_thickness=2.5)
+    paths[4].unlink()
+    (error,) = scan_dicom_dir(tmp_path / "gap")[1]
+    assert f"gap of 5.00 mm between slices {paths[3].name} and {paths[5].name} (median spacing 2.50 mm): a slice is missing" in error.reason

@@ -165,8 +165,12 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
         median = float(np.median(steps))
         if (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
             k = int(gaps[0])
-            return refuse(f"gap of {steps[k]:.2f} mm between slices {Path(files[k]).name} and {Path(files[k + 1]).name} "
-                          f"(median spacing {median:.2f} mm): a slice is missing or unreadable")
+            where = f"between slices {Path(files[k]).name} and {Path(files[k + 1]).name}"
+            if gaps.size > 1 and np.ptp(steps[gaps]) <= 0.05 * median:  # one other spacing, several times
+                return refuse(f"slices {median:.2f} mm apart ({steps.size - gaps.size} steps) and {steps[k]:.2f} mm apart "
+                              f"({gaps.size} steps, the first {where}): a series of two spacings, or slices missing at "
+                              "regular intervals; evenly spaced slices are expected")
+            return refuse(f"gap of {steps[k]:.2f} mm {where} (median spacing {median:.2f} mm): a slice is missing or unreadable")
     elif len(headers) > 1:
         numbers = sorted(int(h.get("InstanceNumber", 0) or 0) for h in headers)
         if len(set(numbers)) != len(numbers) or numbers[-1] - numbers[0] != len(numbers) - 1:
@@ -201,13 +205,24 @@ def _reject_mixed_folders(series: list[CTSeries], groups: dict[str, list], error
     return kept, errors
 
 
+_NOT_IMAGES = frozenset({".csv", ".json", ".png", ".jpg", ".jpeg", ".txt", ".md", ".pdf", ".xml", ".html", ".yaml",
+                         ".yml", ".xlsx", ".xls", ".log", ".zip", ".gz", ".db", ".ini"})
+"""Suffixes of the files found beside DICOM series (labels, notes, previews, archives) that are not slices."""
+
+
+def _not_an_image(path: Path) -> bool:
+    """A labels/notes/preview file, a README or a DICOMDIR index (a DICOM file without slices): not read."""
+    return path.suffix.lower() in _NOT_IMAGES or path.name.upper() in ("DICOMDIR", "README", "LICENSE")
+
+
 def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]:
-    """:func:`scan_dicom_files` over every file under ``root`` (any extension; CSVs and hidden files skipped)."""
+    """:func:`scan_dicom_files` over every file under ``root`` (any extension; hidden files, DICOMDIR
+    indexes, READMEs and files whose suffix says they are no slice — CSV, text, PDF, JPEG … — skipped)."""
     from tasks.ingest.labels import split_undecodable
 
     files, undecodable = split_undecodable(
         p for p in Path(root).rglob("*")
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() not in (".csv", ".json", ".png"))
+        if p.is_file() and not p.name.startswith(".") and not _not_an_image(p))
     series, errors = scan_dicom_files(files)
     return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
@@ -220,6 +235,7 @@ def read_rsna_subtypes(path: str | Path) -> dict[str, dict[str, int]]:
     if not {"ID", "Label"} <= set(table.columns):
         raise IngestError(f"labels CSV needs columns ID, Label; has {list(table.columns)}", path=str(path))
     parts = table["ID"].str.extract(r"^ID_(?P<uid>.+)_(?P<subtype>[A-Za-z]+)$")
+    parts["subtype"] = parts["subtype"].str.lower()  # ID_…_ANY is ID_…_any
     if parts["uid"].isna().any():
         row = int(np.flatnonzero(parts["uid"].isna().to_numpy())[0])
         raise IngestError(f"row {row + 2}: ID {table['ID'].iat[row]!r} is not ID_<SOPInstanceUID>_<subtype>", path=str(path))
