@@ -104,3 +104,19 @@ def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):
     (tmp_path / "labels.csv").write_text("image_id;isup_grade\nslide_a;3\n")
     with pytest.raises(IngestError, match=r"one column 'image_id;isup_grade': it looks semicolon-separated"):
         read_panda_labels(tmp_path / "labels.csv")
+
+
+def test_an_id_spelled_with_decomposed_accents_finds_its_label_and_original():
+    """macOS writes file names with decomposed accents (e + U+0301), a spreadsheet the composed é:
+    the slide 'café_01' had 'no label in labels.csv' although the file lists it."""
+    import unicodedata
+
+    from tasks.ingest.labels import labelled_items
+    from tasks.store import encode_original_label
+
+    composed, decomposed = "café_01", unicodedata.normalize("NFD", "café_01")
+    assert composed != decomposed
+    items, skipped = labelled_items([(decomposed, f"/slides/{decomposed}.tiff", None), ("other", "/slides/other.tiff", None)],
+                                    {composed: 1}, "labels.csv", {composed: "4+4"})
+    assert [(i.bag_id, i.label, i.original_label) for i in items] == [(decomposed, 1, encode_original_label("4+4"))]
+    assert [s.bag_id for s in skipped] == ["other"]

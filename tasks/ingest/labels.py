@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import operator
 import os
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,18 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     originals = originals or {}
     items, skipped = [], []
     near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, built at the first miss
+    composed: dict[str, Any] | None = None  # labels' ids in Unicode NFC, built at the first miss
     for bag_id, source, payload in candidates:
         if labels is None:
             items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
             continue
-        label = labels.get(bag_id)
+        key = bag_id
+        if key not in labels:  # 'é' as one code point in the CSV, as e + accent in a macOS file name: the same id
+            composed = {unicodedata.normalize("NFC", str(k)): k for k in labels} if composed is None else composed
+            key = composed.get(unicodedata.normalize("NFC", bag_id), bag_id)
+        label = labels.get(key)
         if label is None:
-            near_ids = {Path(str(key).strip()).stem: key for key in labels} if near_ids is None else near_ids
+            near_ids = {Path(str(k).strip()).stem: k for k in labels} if near_ids is None else near_ids
             near = near_ids.get(bag_id)
             hint = (f" (it has {near!r}: ids must equal the file stem, without spaces or suffixes)" if near is not None else
                     f" (its ids look like {', '.join(repr(k) for k in list(labels)[:2])})" if labels else "")
@@ -68,7 +74,7 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
         if isinstance(label, Exception):
             skipped.append(Skipped.from_error(label, IngestItem(bag_id, source, UNKNOWN_LABEL)))
         else:
-            items.append(IngestItem(bag_id, source, int(label), payload, encode_original_label(originals.get(bag_id))))
+            items.append(IngestItem(bag_id, source, int(label), payload, encode_original_label(originals.get(key))))
     return items, skipped
 
 
