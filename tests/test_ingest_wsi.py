@@ -277,3 +277,20 @@ def test_ingesting_a_single_level_slide_stores_what_the_two_pass_path_computes(t
     np.testing.assert_array_equal(stored.coords, grid.coords)
     np.testing.assert_allclose(stored.features, expected, rtol=1e-6, atol=1e-6)
     assert (tmp_path / "qc" / safe_filename("single", ".png")).stat().st_size > 0
+
+
+def test_a_slide_named_with_decomposed_accents_takes_its_composed_labels_row(slides, tmp_path):
+    """A macOS copy names the slide 'café' as c-a-f-e + U+0301; the labels CSV has the composed é.
+    The slide was refused as unlabelled and its row reported as 'no slide file'."""
+    import unicodedata
+
+    folder = tmp_path / "slides"
+    folder.mkdir()
+    decomposed = unicodedata.normalize("NFD", "café")
+    shutil.copy(slides[0] / "slide_00000.tiff", folder / f"{decomposed}.tiff")
+    shutil.copy(slides[0] / "slide_00001.tiff", folder / "plain.tiff")
+    (folder / "labels.csv").write_text("image_id,data_provider,isup_grade,gleason_score\ncafé,x,3,4+3\nplain,x,0,0+0\n",
+                                       encoding="utf-8")
+    plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", extractor=_MeanColour())
+    assert sorted((i.bag_id, i.label) for i in plan.items) == [(decomposed, 1), ("plain", 0)]
+    assert plan.skipped == []

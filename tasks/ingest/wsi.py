@@ -23,6 +23,7 @@ its area is tissue.
 from __future__ import annotations
 
 import functools
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -435,10 +436,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     items = [replace(item, inputs=slide_files(item.source)) for item in items]  # a DICOM-WSI folder, a MIRAX slide's data
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
-        present = {slide_id(p) for p in paths} | {s.bag_id for s in ambiguous}
+        present = {unicodedata.normalize("NFC", i) for i in ({slide_id(p) for p in paths} | {s.bag_id for s in ambiguous})}
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
-                    for bag_id in labels if bag_id not in present]
+                    for bag_id in labels if unicodedata.normalize("NFC", bag_id) not in present]
     if needs_fit(extractor):
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
