@@ -18,9 +18,19 @@ CONSTANT_STD = 1e-12
 
 def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
     """Mean and scale of each column, on the host (``X`` may live on a device); a constant column
-    keeps scale 1, so its z-scores stay finite."""
+    keeps scale 1, so its z-scores stay finite. A column whose squares (or sum) overflow — values
+    beyond ~1e154 — is measured in units of its largest magnitude instead (its std was infinite and
+    every z-score 0: the model saw no feature and predicted one constant)."""
     xp = array_namespace(X)
-    mean, std = to_numpy(xp.mean(X, axis=0)), to_numpy(xp.std(X, axis=0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean, std = to_numpy(xp.mean(X, axis=0)), to_numpy(xp.std(X, axis=0))
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std))):
+        columns = np.flatnonzero(~(np.isfinite(mean) & np.isfinite(std)))
+        overflowing = xp.take(X, like(columns, X, dtype=xp.int64), axis=1)
+        unit = to_numpy(xp.max(xp.abs(overflowing), axis=0))
+        scaled = overflowing / like(unit, X, dtype=X.dtype)
+        mean[columns] = to_numpy(xp.mean(scaled, axis=0)) * unit
+        std[columns] = to_numpy(xp.std(scaled, axis=0)) * unit
     return mean, np.where(std < CONSTANT_STD, 1.0, std)
 
 

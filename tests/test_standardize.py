@@ -118,3 +118,23 @@ def test_standardising_leaves_the_callers_arrays_alone(model):
     fitted = clone(model).fit(X_raw, bags, y)
     fitted.predict_bag_proba(X_raw, bags)
     np.testing.assert_array_equal(X_raw, given)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "emulated device"])
+def test_features_whose_squares_overflow_are_standardised_as_in_smaller_units(namespace):
+    """Columns beyond ~1e154 (squares overflow float64) had an infinite std, every z-score 0, and
+    the default fit predicted one constant for every bag without a word."""
+    from tests.emulated_device import to_emulated
+
+    X, bags, y, _ = make_toy_bags(n_bags=20, n_features=3, seed=2)
+    huge = X * np.array([1.0, 1e200, 1e300]) + np.array([0.0, 5e200, 0.0])
+    convert = (lambda a: a) if namespace == "numpy" else to_emulated
+    mean, scale = standardisation(convert(huge))
+    reference_mean, reference_scale = standardisation(X)
+    np.testing.assert_allclose(mean / [1.0, 1e200, 1e300], reference_mean + [0.0, 5.0, 0.0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(scale / [1.0, 1e200, 1e300], reference_scale, rtol=1e-12)
+
+    fitted = VGPMIL(kernel=RBF(4.0), max_iter=10, random_state=0)
+    scores = clone(fitted).fit(huge, bags, y).predict_bag_proba(huge, bags)[1]
+    np.testing.assert_allclose(scores, clone(fitted).fit(X, bags, y).predict_bag_proba(X, bags)[1], atol=1e-8)
+    assert np.ptp(scores) > 0.1
