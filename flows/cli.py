@@ -56,7 +56,45 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
         paths["source"] = _abs(args.source)
     config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
                          **({"store": _abs(args.store)} if getattr(args, "store", None) and not new_cohort else {}))
+    _input_errors_without_traceback()
     return with_source(config)
+
+
+class _WithoutInputTracebacks(logging.Formatter):
+    """A console formatter that prints an input error (a bad slide, table or labels file, a store
+    another run holds) as its one line: the traceback of Prefect's 'Encountered exception' is of
+    the pipeline's own frames and says nothing the message does not. Other errors keep theirs; the
+    Prefect UI keeps every traceback."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        from tasks.ingest.errors import IngestError
+        from tasks.lease import StoreLockedError
+
+        if not (record.exc_info and isinstance(record.exc_info[1], (IngestError, StoreLockedError))):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def _input_errors_without_traceback() -> None:
+    """Wrap the formatter of Prefect's console handlers (set up here, as Prefect would at its first
+    flow; its later set-ups are incremental and keep them)."""
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    ensure_logging_setup()
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not isinstance(handler.formatter, _WithoutInputTracebacks):
+                handler.setFormatter(_WithoutInputTracebacks(handler.formatter or logging.Formatter()))
 
 
 def summary(stage: str, result: Any) -> str:
@@ -151,6 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from flows.demo import demo
 
+    _input_errors_without_traceback()
     for name, report in demo(str(args.workdir)).items():
         print(f"{name}: report at {report}")
     return 0

@@ -600,6 +600,33 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
         assert f"MODEL_DIR: {damaged / message.split()[0]}" in err and message in err and err.count("\n") == 1, err
 
 
+def test_an_input_error_is_one_line_on_the_console_and_a_bug_keeps_its_traceback(tmp_path):
+    """Prefect logged each input error (here: every bag of a table refused) with a traceback of the
+    pipeline's own frames before the one-line 'gpmil ingest failed'; the line says it all."""
+    import logging
+    import subprocess
+    import sys
+
+    from flows.cli import _WithoutInputTracebacks
+    from tasks.ingest.errors import NothingIngestedError
+
+    (tmp_path / "t.csv").write_text("".join(f"2,bag{b},{b}.0\n" for b in range(6)))
+    table = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "ingest", table], capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).parents[1])
+    assert run.returncode == 1, run.stderr
+    assert "Encountered exception during execution: NothingIngestedError" in run.stderr and "Traceback" not in run.stderr
+
+    formatter = _WithoutInputTracebacks(logging.Formatter("%(message)s"))
+    for error, traceback in ((NothingIngestedError("nothing", path="t.csv"), False), (KeyError("bug"), True)):
+        try:
+            raise error
+        except Exception:
+            record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+        assert ("Traceback" in formatter.format(record)) is traceback
+        assert record.exc_info[1] is error  # the Prefect UI's handler still gets the traceback
+
+
 def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_run, capsys):
     """An empty slide folder and a table whose every bag is refused end with a non-zero exit naming
     the source and the first reason, not 'done' / 'reused' with 0 bags; a new folder predicted into
