@@ -418,15 +418,20 @@ def level0_tiles(coords: np.ndarray, coords_meaning: str, side: float | None = N
 
 
 def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: str) -> float | None:
-    """The tile side of a cohort whose coordinates are level-0 pixels: the smallest grid step of
-    any bag (one patch size per cohort), so that a bag of one tile, or of scattered tiles, gets
-    squares of the patch size rather than of its own spacing; None for other coordinates or when
-    no bag has two tiles in a row or column."""
+    """The tile side of a cohort whose coordinates are level-0 pixels: the grid step most tiles
+    share with their neighbour in a row or column, over all bags (one patch size per cohort), so
+    that a bag of one tile, or of scattered tiles, gets squares of the patch size rather than of
+    its own spacing, and two tissue pieces whose grids CLAM started a few pixels apart do not make
+    every square a few pixels wide; None for other coordinates or when no bag has two tiles in a
+    row or column."""
     xy = _level0_xy(np.asarray(coords), coords_meaning)
     if xy is None:
         return None
-    steps = [step for start, stop in zip(offsets[:-1], offsets[1:]) if (step := _grid_step(xy[start:stop])) is not None]
-    return min(steps) if steps else None
+    support: dict[float, int] = {}
+    for start, stop in zip(offsets[:-1], offsets[1:]):
+        for step, count in zip(*_neighbour_steps(xy[start:stop])):
+            support[float(step)] = support.get(float(step), 0) + int(count)
+    return max(sorted(support), key=support.__getitem__) if support else None  # a tie: the smaller step
 
 
 def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
@@ -437,11 +442,26 @@ def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
     return None
 
 
+def _neighbour_steps(xy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct positive gaps between consecutive tiles of one row (same y) or one column (same
+    x) of a bag, and how many neighbour pairs have each."""
+    gaps = []
+    for axis in (0, 1):
+        line = xy[np.lexsort((xy[:, axis], xy[:, 1 - axis]))]
+        same_line = line[1:, 1 - axis] == line[:-1, 1 - axis]
+        gaps.append(np.diff(line[:, axis])[same_line])
+    gaps = np.concatenate(gaps)
+    return np.unique(gaps[gaps > 0], return_counts=True)
+
+
 def _grid_step(xy: np.ndarray) -> float | None:
-    """The smallest positive spacing of the x or y values of one bag's tiles (None for one tile)."""
-    steps = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
-    positive = steps[steps > 0]
-    return float(positive.min()) if positive.size else None
+    """The gap most neighbouring tiles of one bag have in a row or column (a tie: the smaller gap);
+    without two tiles in a row or column, the smallest spacing of its x or y values (None for one tile)."""
+    steps, counts = _neighbour_steps(xy)
+    if steps.size:
+        return float(steps[np.argmax(counts)])
+    spacings = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
+    return float(spacings[spacings > 0].min()) if (spacings > 0).any() else None
 
 
 def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,

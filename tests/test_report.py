@@ -144,3 +144,19 @@ def test_model_choices_reads_what_each_fit_has():
             assert by_relevance["none"] >= weighed
     ard = report.model_choices(VGPMILPR(n_inducing=8, kernel=RBF(2.0, (3.0, 0.5)), max_iter=5, random_state=0).fit(X, bags, y))
     assert ard["shortest_length_scales"] == {"1": 0.5, "0": 3.0} and "length_scale" not in ard
+
+
+def test_clam_grids_of_two_tissue_pieces_a_few_pixels_apart_keep_the_patch_size():
+    """CLAM starts each tissue piece's patch grid at the piece's own corner, so two pieces' grids
+    are a few pixels apart; the smallest spacing of any coordinates made every GeoJSON square and
+    heatmap tile of the cohort 7 px wide."""
+    meaning = "x,y (level-0 pixels, as in the .h5)"
+    rows, cols = np.meshgrid(np.arange(6), np.arange(5), indexing="ij")
+    piece = np.stack([cols.ravel(), rows.ravel()], axis=1) * 512
+    bag = np.concatenate([piece, piece + [3 + 5 * 512, 7]])  # the second piece beside the first, 3 px / 7 px off its grid
+    lone = np.array([[4000, 4000]])
+    coords, offsets = np.concatenate([bag, lone]), np.array([0, len(bag), len(bag) + 1])
+    assert report.cohort_tile_side(coords, offsets, meaning) == 512
+    assert report.level0_tiles(bag, meaning)[1] == 512
+    canvas, _ = report.heatmap_canvas(*report.level0_tiles(bag, meaning), np.ones(len(bag)), max_side=256)
+    assert np.isfinite(canvas).mean() > 0.9  # the two pieces cover their extent: no scattered dots
