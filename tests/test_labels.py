@@ -120,3 +120,36 @@ def test_an_id_spelled_with_decomposed_accents_finds_its_label_and_original():
                                     {composed: 1}, "labels.csv", {composed: "4+4"})
     assert [(i.bag_id, i.label, i.original_label) for i in items] == [(decomposed, 1, encode_original_label("4+4"))]
     assert [s.bag_id for s in skipped] == ["other"]
+
+
+def test_one_text_cell_leaves_the_other_rows_numbers(tmp_path):
+    """A row 'pending' made pandas read the whole label column as text: each bag's original label
+    '1' then differed from the 1 stored by the previous run (every bag a LabelChangedError on the
+    rerun), and a target 'grade >= 2' failed on every row of a grade column with one text cell."""
+    from tasks.store import encode_original_label
+
+    (tmp_path / "a.csv").write_text("slide_id,label,grade\ns1,1,3\ns2,0,1\n")
+    (tmp_path / "b.csv").write_text("slide_id,label,grade\ns1,1,3\ns2,0,1\ns9,pending,n/a\n")
+    labels_a, originals_a = LabelSpec(str(tmp_path / "a.csv")).read()
+    labels_b, originals_b = LabelSpec(str(tmp_path / "b.csv")).read()
+    assert {k: labels_b[k] for k in ("s1", "s2")} == labels_a == {"s1": 1, "s2": 0}
+    assert isinstance(labels_b["s9"], MissingLabelError)
+    assert [encode_original_label(originals_b[k]) for k in ("s1", "s2")] == [encode_original_label(originals_a[k])
+                                                                             for k in ("s1", "s2")] == ["1", "0"]
+    graded, _ = LabelSpec(str(tmp_path / "b.csv"), label_column="grade", target="grade >= 2").read()
+    assert {k: graded[k] for k in ("s1", "s2")} == {"s1": 1, "s2": 0} and isinstance(graded["s9"], MissingLabelError)
+
+
+def test_positive_values_that_no_row_matches_are_refused_when_they_look_like_a_mistake(tmp_path):
+    """positive: [tumour] against a file of 'tumor', or positive: [tumor] against a 0/1 file, made
+    every bag negative without a word; a cohort whose rows are all of other classes is read."""
+    (tmp_path / "text.csv").write_text("slide_id,label\ns1,tumor\ns2,normal\n")
+    (tmp_path / "binary.csv").write_text("slide_id,label\ns1,1\ns2,0\n")
+    (tmp_path / "benign.csv").write_text("slide_id,label\ns1,normal\ns2,benign\n")
+    with pytest.raises(IngestError, match=r"no row's label is one of positive \['tumour'\]; the column has 'tumor', not 'tumour'"):
+        LabelSpec(str(tmp_path / "text.csv"), positive=["tumour"]).read()
+    with pytest.raises(IngestError, match=r"the column holds 0/1 labels: drop positive"):
+        LabelSpec(str(tmp_path / "binary.csv"), positive=["tumor"]).read()
+    assert LabelSpec(str(tmp_path / "benign.csv"), positive=["tumor"]).read()[0] == {"s1": 0, "s2": 0}
+    assert LabelSpec(str(tmp_path / "text.csv"), positive=["tumor"]).read()[0] == {"s1": 1, "s2": 0}
+    assert LabelSpec(str(tmp_path / "binary.csv"), positive=[1]).read()[0] == {"s1": 1, "s2": 0}

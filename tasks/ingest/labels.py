@@ -17,6 +17,7 @@ The value of the label column itself (an ISUP grade, a class name) goes with eac
 from __future__ import annotations
 
 import ast
+import difflib
 import operator
 import os
 import unicodedata
@@ -113,6 +114,28 @@ def read_labels_csv(path: str | Path, **read_csv: Any):
     return table
 
 
+_NUMBER = r"^\s*[-+]?\d+(?:\.\d*)?\s*$"
+
+
+def numbers_as_numbers(table, id_column: str):
+    """``table`` with each text cell that spells a number (``"3"``, ``" 1.0"``) as that number,
+    outside ``id_column``: one text cell (``pending``) makes pandas read a whole column as text, and
+    its ``1`` then differed from the ``1`` stored by the previous run (every bag a 'label changed'),
+    and ``grade >= 2`` failed on every row."""
+    import pandas as pd
+
+    table = table.copy()
+    for column in table.columns:
+        cells = table[column]
+        if column == id_column or not (pd.api.types.is_object_dtype(cells) or pd.api.types.is_string_dtype(cells)):
+            continue
+        spelled = cells.map(lambda v: isinstance(v, str)) & cells.astype(str).str.match(_NUMBER)
+        if spelled.any():
+            numbers = pd.to_numeric(cells[spelled])
+            table[column] = cells.astype(object).where(~spelled, numbers.map(lambda v: int(v) if float(v).is_integer() else float(v)))
+    return table
+
+
 def split_undecodable(paths: Iterable[Path]) -> tuple[list[Path], list[Skipped]]:
     """Paths whose names are valid UTF-8, and a :class:`Skipped` entry for each other one (its name
     shown with the undecodable bytes escaped): one such file never aborts the run."""
@@ -139,7 +162,7 @@ def binary(value: Any) -> int:
 def read_panda_labels(path: str | Path) -> tuple[dict[str, int | Exception], dict[str, Any]]:
     """image_id → 1 if ``isup_grade > 0`` else 0 (or the row's error), and image_id → its ISUP
     grade (the original label), from a PANDA-style CSV."""
-    table = read_labels_csv(path, dtype={"image_id": str})
+    table = numbers_as_numbers(read_labels_csv(path, dtype={"image_id": str}), "image_id")
     if "isup_grade" not in table.columns:
         raise IngestError(f"labels CSV has no isup_grade column (columns: {list(table.columns)})", path=str(path))
 
@@ -274,6 +297,26 @@ class LabelSpec:
             return in_positives
         return lambda row: binary(row[self.label_column])
 
+    def _check_some_positive(self, column, path: str) -> None:
+        """A ``positive`` list that no row matches because it is spelled otherwise (``tumour`` for
+        ``tumor``) or because the file holds 0/1 made every bag negative without a word; a file
+        whose rows are all of other classes (a cohort without positives) is fine."""
+        values = {str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in column if not _is_missing(v)}
+        positives = [str(v) for v in self.positive]
+        if values & set(positives) or not values:
+            return
+        close = {p: difflib.get_close_matches(p.casefold(), {v.casefold(): v for v in values}, n=1, cutoff=0.75)
+                 for p in positives}
+        if values <= {"0", "1"} and not set(positives) <= {"0", "1"}:
+            reason = "holds 0/1 labels: drop positive (0/1 are read as they are) or give the file's values"
+        elif any(close.values()):
+            p, (v,) = next((p, v) for p, v in close.items() if v)
+            reason = f"has {next(x for x in values if x.casefold() == v)!r}, not {p!r}: correct positive (or the file)"
+        else:
+            return
+        raise IngestError(f"no row's {self.label_column} is one of positive {positives}; the column {reason}. Every bag "
+                          "would have been negative", path=path)
+
     def describe(self) -> dict[str, Any]:
         """Where the labels come from, as the store records it (``labels`` attribute): the original
         labels of two ingests into one store must mean the same (same column, target, positives)."""
@@ -292,11 +335,14 @@ class LabelSpec:
                 raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
         else:
             table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ",")
+        table = numbers_as_numbers(table, self.id_column)
         label_of = self.label_of()
         needed = [self.label_column] if self.target is None else list(getattr(label_of, "columns", []))
         absent = [c for c in needed if c not in table.columns]
         if absent:
             raise IngestError(f"labels file has no column(s) {absent} (columns: {list(table.columns)})", path=path)
+        if self.target is None and self.positive is not None:
+            self._check_some_positive(table[self.label_column], path)
         labels = label_lookup(table, self.id_column, label_of, path)
         original = (dict(zip(table[self.id_column].astype(str), table[self.label_column]))
                     if self.label_column in table.columns else {})
