@@ -270,7 +270,7 @@ def ingest_table(config: PipelineConfig) -> StageResult:
         labels = _label_source(ing.labels)
         spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
         result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
-                                    slides=ing.slides, **({} if spec is None else {
+                                    slides=ing.slides, nonfinite=ing.nonfinite, **({} if spec is None else {
                                         "id_column": spec.id_column, "label_column": spec.label_column,
                                         "positive": spec.positive, "target": spec.target}))
         return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
@@ -279,7 +279,8 @@ def ingest_table(config: PipelineConfig) -> StageResult:
         optional = {name: folder / name for name in ("inst_labels", "coords") if (folder / name).is_dir()}
         result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
                                   labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
-                                  inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"))
+                                  inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"),
+                                  nonfinite=ing.nonfinite)
         return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     suffix = source.suffix.lower()

@@ -413,3 +413,36 @@ def test_the_row_index_pandas_writes_is_no_feature_and_a_plus_minus_one_table_is
     with pytest.raises(ValueError, match=r"bag labels found: \[-1, 1\] \(-1 marks an unlabelled bag in a store: a table "
                                          r"labelled -1/\+1 needs 0 for its negative bags\)"):
         fit_cohort(VGPMIL(), str(tmp_path / "t.zarr"), None)
+
+
+@pytest.mark.parametrize("kind", ["h5", "npy"])
+def test_nonfinite_drop_applies_to_h5_and_torchmil_folders(tmp_path, kind):
+    """ingest.nonfinite: drop was read for tables only: an .h5 or .npy bag with one NaN tile was
+    skipped whole, its message advising the setting that was already set."""
+    from flows.config import load_config
+    from tasks.prefect_tasks import ingest_table as ingest_task
+
+    rng = np.random.default_rng(3)
+    features = {f"s{i}": rng.normal(size=(4, 3)).astype(np.float32) for i in range(3)}
+    features["s1"][2, 1] = np.nan
+    source = tmp_path / "data"
+    if kind == "h5":
+        source.mkdir()
+        for name, X in features.items():
+            write_h5(source / f"{name}.h5", X, np.arange(8).reshape(4, 2) * 256)
+        (tmp_path / "labels.csv").write_text("slide_id,label\ns0,0\ns1,1\ns2,1\n")
+        labels = f", labels: {tmp_path / 'labels.csv'}"
+    else:
+        for folder in ("features", "labels"):
+            (source / folder).mkdir(parents=True)
+        for i, (name, X) in enumerate(features.items()):
+            np.save(source / "features" / f"{name}.npy", X)
+            np.save(source / "labels" / f"{name}.npy", np.array(int(i > 0)))
+        labels = ""
+    for policy, added in (("reject", ["s0", "s2"]), ("drop", ["s0", "s1", "s2"])):
+        config = tmp_path / f"{policy}.yaml"
+        config.write_text(f"name: t\nstore: {tmp_path / policy}.zarr\noutput_dir: {tmp_path / 'out'}\n"
+                          f"ingest: {{kind: {kind}, source: {source}, nonfinite: {policy}{labels}}}\n")
+        info = ingest_task.fn(load_config(config)).info
+        assert sorted(info["added"]) == added and info["dropped_nonfinite"] == ({"s1": 1} if policy == "drop" else {})
+    assert open_cohort(tmp_path / "drop.zarr").n_instances == 11

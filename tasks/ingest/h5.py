@@ -16,7 +16,7 @@ import numpy as np
 from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, labelled_items
-from tasks.store import CohortSpec
+from tasks.store import CohortSpec, NonFinitePolicy
 
 
 def _h5_features(handle, path: str):
@@ -73,7 +73,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
                        *, id_column: str = "slide_id", label_column: str = "label",
                        positive: Sequence[Any] | None = None, target: str | None = None, name: str | None = None,
                        slides: str | Path | None = None, client: Any = None, max_workers: int = 1,
-                       report_path: str | Path | None = None) -> IngestReport:
+                       report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
     """Ingest CLAM/TRIDENT per-slide ``.h5`` feature files (a folder or a list); bag id = file stem.
 
     Labels: ``labels_csv`` with ``id_column`` and ``label_column``; the label is 1 for values in
@@ -106,4 +106,4 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
                       coords_meaning="x,y (level-0 pixels, as in the .h5)",
                       tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())}, labels=described)
     return run_ingest(store, spec, items, h5_bag_writer, skipped=skipped, client=client,
-                      max_workers=max_workers, report_path=report_path)
+                      max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)

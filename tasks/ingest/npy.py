@@ -16,7 +16,7 @@ import numpy as np
 from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
 from tasks.ingest.labels import binary, check_instance_labels, labelled_items
-from tasks.store import CohortSpec
+from tasks.store import CohortSpec, NonFinitePolicy
 
 
 def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
@@ -52,7 +52,7 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
 def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir: str | Path | None = None,
                      inst_labels_dir: str | Path | None = None, coords_dir: str | Path | None = None,
                      name: str | None = None, client: Any = None, max_workers: int = 1,
-                     report_path: str | Path | None = None) -> IngestReport:
+                     report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
     """Ingest torchmil-style per-bag ``.npy`` folders: ``features_dir/<bag>.npy`` (N, D),
     ``labels_dir/<bag>.npy`` (the bag label), optional ``inst_labels_dir`` and ``coords_dir``."""
     feature_files = sorted(Path(features_dir).glob("*.npy"))
@@ -92,4 +92,4 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                       labels=None if labels_dir is None else {"file": str(labels_dir), "column": "labels/<bag>.npy",
                                                               "target": None, "positive": None})
     return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
-                      max_workers=max_workers, report_path=report_path)
+                      max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)
