@@ -96,17 +96,30 @@ def test_clam_and_trident_h5_files_round_trip_and_bad_files_are_reported(tmp_pat
     write_h5(slides / "wide.h5", np.zeros((3, 7), np.float32), np.zeros((3, 2)))
     (slides / "broken.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 40)
     write_h5(slides / "unlabelled.h5", np.zeros((3, 6), np.float32), np.zeros((3, 2)))
-    pd.DataFrame({"slide_id": ["s0", "s1", "s2", "s3", "wide", "broken"],
-                  "label": ["tumor", "normal", "normal", "tumor", "tumor", "normal"]}).to_csv(tmp_path / "labels.csv", index=False)
+    for name, suffix in (("upper", ".H5"), ("long", ".hdf5")):  # the suffix in capitals, HDF5's long one: features too
+        truth[name] = (rng.normal(size=(5, 6)).astype(np.float32), rng.integers(0, 5000, size=(5, 2)))
+        write_h5(slides / f"{name}{suffix}", *truth[name])
+    write_h5(slides / "nancoord.h5", np.zeros((3, 6), np.float32), np.array([[0.0, 0.0], [256.0, np.nan], [512.0, 0.0]]))
+    with h5py.File(slides / "group.h5", "w") as handle:
+        handle["features/uni"] = np.zeros((3, 6), np.float32)
+    pd.DataFrame({"slide_id": ["s0", "s1", "s2", "s3", "wide", "broken", "upper", "long", "nancoord", "group", "gone"],
+                  "label": ["tumor", "normal", "normal", "tumor", "tumor", "normal", "tumor", "normal", "tumor", "tumor",
+                            "normal"]}).to_csv(tmp_path / "labels.csv", index=False)
 
     report = ingest_h5_features(tmp_path / "h5.zarr", slides, tmp_path / "labels.csv", positive=["tumor"])
 
-    assert sorted(report.added) == ["s0", "s1", "s2", "s3"]
+    assert sorted(report.added) == ["long", "s0", "s1", "s2", "s3", "upper"]
     problems = {s.bag_id: (s.error, Path(s.path).name) for s in report.skipped}
     assert problems == {"wide": ("FeatureDimensionError", "wide.h5"), "broken": ("UnreadableFileError", "broken.h5"),
-                        "unlabelled": ("MissingLabelError", "unlabelled.h5")}
+                        "unlabelled": ("MissingLabelError", "unlabelled.h5"),
+                        "nancoord": ("FeatureDimensionError", "nancoord.h5"), "group": ("UnreadableFileError", "group.h5"),
+                        "gone": ("UnreadableFileError", "gone.h5")}  # a labels row without its file is said, not dropped
+    reasons = {s.bag_id: s.reason for s in report.skipped}
+    assert reasons["nancoord"].startswith("'coords' row 1 is [256.0, nan]: patch corners are whole level-0 pixels")
+    assert reasons["group"].startswith("'features' is an h5 group (holding ['uni']), not a dataset")
+    assert reasons["gone"] == f"listed in {tmp_path / 'labels.csv'} but no feature file gone.h5 in {slides}"
     cohort = open_cohort(tmp_path / "h5.zarr")
-    assert dict(zip(cohort.bag_ids, cohort.bag_labels)) == {"s0": 1, "s1": 0, "s2": 0, "s3": 1}
+    assert dict(zip(cohort.bag_ids, cohort.bag_labels)) == {"s0": 1, "s1": 0, "s2": 0, "s3": 1, "upper": 1, "long": 0}
     for b, bag_id in enumerate(cohort.bag_ids):
         block = cohort.read_bags(b, b + 1)
         np.testing.assert_array_equal(block.features, truth[bag_id][0])
@@ -214,11 +227,11 @@ def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_
     for i in range(2):
         with h5py.File(tmp_path / "h5" / f"slide{i}.h5", "w") as handle:
             handle["features"] = np.zeros((3, 4), np.float32)
-    for rows, hint in [("slide0.svs,1\nslide1.svs,0\n", "it has 'slide0.svs': ids must equal the file stem"),
-                       (" slide0 ,1\n slide1 ,0\n", "it has ' slide0 '"),
-                       ("other0,1\nother1,0\n", "its ids look like 'other0', 'other1'")]:
+    for rows, hint, left_out in [("slide0.svs,1\nslide1.svs,0\n", "it has 'slide0.svs': ids must equal the file stem", 2),
+                                 (" slide0 ,1\n slide1 ,0\n", "it has ' slide0 '", 2),
+                                 ("other0,1\nother1,0\n", "its ids look like 'other0', 'other1'", 4)]:  # + 2 rows without a file
         (tmp_path / "clin.csv").write_text("slide_id,label\n" + rows)
-        with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, 2 left out; first left out: "
+        with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, {left_out} left out; first left out: "
                                               rf".*slide0.h5: MissingLabelError: no label in .*clin.csv \({hint}"):
             ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=tmp_path / "clin.csv")
 

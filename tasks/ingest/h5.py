@@ -7,6 +7,7 @@ the store ``batch_rows`` rows at a time through the parallel, resumable ingest d
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,16 +19,32 @@ from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFi
 from tasks.ingest.labels import LabelSpec, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
+H5_SUFFIXES = (".h5", ".hdf5")
+"""Feature files of a folder, in any case (``slide.H5``)."""
+
 
 def _h5_features(handle, path: str):
     if "features" not in handle:
         raise UnreadableFileError("h5 file has no 'features' dataset", path=path)
     features = handle["features"]
+    if not hasattr(features, "shape"):
+        raise UnreadableFileError(f"'features' is an h5 group (holding {sorted(features)[:5]}), not a dataset of "
+                                  "(N, D) features", path=path)
     if features.ndim == 3 and features.shape[0] == 1:  # TRIDENT/CLAM batch dimension
         return features, True
     if features.ndim != 2:
         raise FeatureDimensionError(f"'features' has shape {features.shape}; expected (N, D)", path=path)
     return features, False
+
+
+def _pixel_coords(xy: np.ndarray, first_row: int, path: str) -> np.ndarray:
+    """Patch corners as whole pixels: a NaN was stored as -2147483648 and 255.9 as 255."""
+    if xy.dtype.kind == "f":
+        bad = np.flatnonzero(~np.all(np.isfinite(xy) & (xy == np.round(xy)), axis=1))
+        if bad.size:
+            raise FeatureDimensionError(f"'coords' row {first_row + int(bad[0])} is {xy[bad[0]].tolist()}: patch corners "
+                                        f"are whole level-0 pixels ({bad.size} such row(s))", path=path)
+    return xy
 
 
 def h5_feature_dim(path: str | Path) -> int:
@@ -61,7 +78,8 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
                 rows = slice(start, min(n, start + batch_rows))
                 block = features[0, rows] if batched else features[rows]
                 xy = (np.zeros((len(block), 2), dtype=np.int64) if coords is None else
-                      np.asarray(coords[0, rows] if coords_batched else coords[rows]).reshape(len(block), -1))
+                      _pixel_coords(np.asarray(coords[0, rows] if coords_batched else coords[rows]).reshape(len(block), -1),
+                                    start, item.source))
                 writer.write(np.asarray(block, dtype=np.float32), xy, np.full(len(block), -1, dtype=np.int8))
     except IngestError:
         raise
@@ -82,13 +100,21 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     are unlabelled (-1). ``slides``: the folder of the slides the features came from (optional;
     found by file stem, used for heatmap backgrounds).
     """
-    paths = sorted(Path(files).glob("*.h5")) if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    listed = isinstance(files, (str, Path))
+    paths = (sorted(p for p in Path(files).iterdir() if p.suffix.lower() in H5_SUFFIXES and p.is_file()
+                    and not p.name.startswith(".")) if listed else [Path(f) for f in files])
     labels, originals, described = None, None, None
     if labels_csv is not None:
         label_spec = LabelSpec(str(labels_csv), id_column, label_column, positive, target)
         (labels, originals), described = label_spec.read(), label_spec.describe()
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv), originals)
+    if listed and labels is not None:  # a labelled slide whose features are missing is said, not dropped
+        present = {unicodedata.normalize("NFC", p.stem) for p in paths}
+        skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",
+                            reason=f"listed in {labels_csv} but no feature file {bag_id}.h5 in {files}")
+                    for bag_id in labels if not {unicodedata.normalize("NFC", bag_id),  # a near id is said above
+                                                 unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & present]
     n_features = existing_n_features(store)
     for item in list(items):
         if n_features is not None:
@@ -99,8 +125,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
             skipped.append(Skipped.from_error(error, item))
             items.remove(item)
     if n_features is None:
-        found = f"{len(paths)} .h5 file(s) found" + ("" if paths or not isinstance(files, (str, Path)) else
-                                                     f" ({sum(1 for _ in Path(files).glob('*.hdf5'))} .hdf5: rename to .h5)")
+        found = f"{len(paths)} .h5 file(s) found"
         raise IngestError(f"no .h5 feature file to ingest: {summarise_left_out(found, skipped)}", path=str(files))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
                       coords_meaning="x,y (level-0 pixels, as in the .h5)",
