@@ -160,3 +160,9 @@ def test_clam_grids_of_two_tissue_pieces_a_few_pixels_apart_keep_the_patch_size(
     assert report.level0_tiles(bag, meaning)[1] == 512
     canvas, _ = report.heatmap_canvas(*report.level0_tiles(bag, meaning), np.ones(len(bag)), max_side=256)
     assert np.isfinite(canvas).mean() > 0.9  # the two pieces cover their extent: no scattered dots
+
+    rng = np.random.default_rng(0)  # sparse tiles: gaps of 1, 2, 3 … patches, the most common not always 1
+    sparse = [rng.choice(400, size=12, replace=False) for _ in range(10)]
+    coords = np.concatenate([np.stack([g % 20, g // 20], axis=1) * 512 for g in sparse])
+    assert report.cohort_tile_side(coords, np.arange(0, 121, 12), meaning) == 512
+    assert report.cohort_tile_side(np.array([[0, 0], [1024, 0], [2560, 0]]), np.array([0, 3]), meaning) == 512  # 2 and 3 patches
