@@ -307,6 +307,19 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     return result
 
 
+def _training_bags_in(cohort, training_store: str) -> list[str]:
+    """Ids of ``cohort``'s bags that the training store holds from the same input (same id, same
+    content stamp: the training folder ingested again, or a copy of it), in ``cohort``'s order;
+    none when the training store is gone or has no stamps."""
+    if not (Path(training_store) / "zarr.json").exists():
+        return []
+    trained = open_cohort(training_store)
+    stamps = {bag_id: content for bag_id, stamp in zip(trained.bag_ids, trained.input_stamps)
+              if (content := stamp_content(stamp))}
+    return [bag_id for bag_id, stamp in zip(cohort.bag_ids, cohort.input_stamps)
+            if bag_id in stamps and stamp_content(stamp) == stamps[bag_id]]
+
+
 def _nothing_ingested(config: PipelineConfig, info: dict[str, Any]) -> str:
     """Why an ingest added no bag and found none done before, from its report's ``info``."""
     where = f"ingest.source {config.ingest.source}: no bag ingested into {config.store}"
@@ -573,9 +586,16 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                 f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
     if chosen := report.choices_text(trained_on_info.get("choices", {}), trained_on_info.get("chosen_sweeps")):
         sections += [chosen, ""]
+    shared = [] if in_sample else _training_bags_in(cohort, trained_on)
     if in_sample:
         sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
                      "(optimistic). Predict a held-out cohort (`prediction.store`) for an honest estimate.**", ""]
+    elif shared:
+        logger.warning("%d of the %d bags predicted were in the training cohort %s (same id, same input)",
+                       len(shared), cohort.n_bags, trained_on)
+        sections += [f"**{len(shared)} of these {cohort.n_bags} bags are bags the model was trained on (same id and same "
+                     f"input as in `{trained_on}`, e.g. `{shared[0]}`): the metrics are partly in-sample (optimistic), "
+                     "not held out.**", ""]
     else:
         sections += [f"The model was trained on `{trained_on}`; these predictions and metrics are on a held-out cohort.", ""]
     metrics: dict[str, Any] = {}

@@ -483,6 +483,14 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     assert ring[1][0] - ring[0][0] == 512  # the patch size, from the coordinates' grid step
     assert len(list((out / "heatmaps").glob("*.png"))) == 16
 
+    # The training folder predicted as a 'new' cohort: its report does not call the metrics held out.
+    from flows.cli import main
+
+    assert main(["predict", config, results["train"].path, "--source", str(folder), "--store", str(tmp_path / "again.zarr")]) == 0
+    (again,) = [p for p in (tmp_path / "out" / "predictions").glob("*/report.md") if p.parent != out]
+    assert "**16 of these 16 bags are bags the model was trained on" in again.read_text()
+    assert "held-out cohort" not in again.read_text()
+
 
 def test_a_parquet_table_with_named_columns_runs_end_to_end_with_its_coordinates_as_x_y(tmp_path):
     """A team's Parquet export (slide id, label, x, y, a tile path, feat_*) through ingest.columns:
@@ -521,6 +529,8 @@ def test_a_parquet_table_with_named_columns_runs_end_to_end_with_its_coordinates
     shuffled.assign(slide_id="new_" + shuffled["slide_id"]).to_parquet(tmp_path / "new.parquet")
     assert main(["predict", config, model_dir, "--source", str(tmp_path / "new.parquet"), "--store", str(tmp_path / "new.zarr")]) == 0
     assert open_cohort(tmp_path / "new.zarr").attrs["feature_columns"] == ["feat_0", "feat_1", "feat_2", "feat_3"]
+    (new_report,) = [p for p in (tmp_path / "out" / "predictions").glob("*/report.md") if p.parent != out]
+    assert "these predictions and metrics are on a held-out cohort" in new_report.read_text()  # other bags
     (tmp_path / "labels.csv").write_text("slide_id,label\nnew_case_00,1\n")
     assert main(["predict", config, model_dir, "--source", str(tmp_path / "new.parquet"), "--labels", str(tmp_path / "labels.csv"),
                  "--store", str(tmp_path / "other.zarr")]) == 2
