@@ -187,6 +187,7 @@ class IngestConfig(_Strict):
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
     nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
+    unlabelled: Literal["skip", "keep"] = "skip"  # slides/scans/files the labels do not give: skip, or keep unlabelled
     original_label_column: str | int | None = None  # features tables: the column the 0/1 target came from
     columns: TableColumns | None = None  # Parquet feature tables: bag, label, feature and coordinate columns
 

@@ -85,10 +85,11 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     from ``source``, with the training store's fitted extractor (``trained``: the model's
     ``model.json``), its labels from ``labels`` read as the config's labels section reads its file
     (its id and label columns, target or positive values; else the kind's convention), and a
-    Parquet table's features by the model's column names."""
+    Parquet table's features by the model's column names; bags the labels do not give are predicted,
+    unlabelled (``ingest.unlabelled: keep``), not left out."""
     new_labels = None if labels is None else (ingest.labels.model_copy(update={"file": Path(labels)})
                                               if isinstance(ingest.labels, LabelsConfig) else Path(labels))
-    ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels,
+    ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
                                        "extractor_from": Path(trained["store"]) if trained.get("store") else None})
     if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":
         columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})

@@ -201,9 +201,11 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
                               base_mpp=ing.base_mpp, reader=ing.reader, min_tissue=ing.min_tissue_fraction)
         plan = plan_slides(store, ing.source, labels_csv=_label_source(ing.labels), params=tiling, extractor=extractor,
                            qc_dir=Path(config.output_dir) / "qc", name=config.name, extractor_from=ing.extractor_from,
-                           patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive)
+                           patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive,
+                           keep_unlabelled=ing.unlabelled == "keep")
     elif ing.kind == "ct":
-        plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name)
+        plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name,
+                       keep_unlabelled=ing.unlabelled == "keep")
     else:
         raise ValueError(f"ingest.kind={ing.kind!r} has no per-item inputs")
     run = IngestRun(store, plan.spec, plan.items, skipped=plan.skipped)
@@ -270,7 +272,8 @@ def ingest_table(config: PipelineConfig) -> StageResult:
         labels = _label_source(ing.labels)
         spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
         result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
-                                    slides=ing.slides, nonfinite=ing.nonfinite, **({} if spec is None else {
+                                    slides=ing.slides, nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep",
+                                    **({} if spec is None else {
                                         "id_column": spec.id_column, "label_column": spec.label_column,
                                         "positive": spec.positive, "target": spec.target}))
         return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
@@ -280,7 +283,7 @@ def ingest_table(config: PipelineConfig) -> StageResult:
         result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
                                   labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
                                   inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"),
-                                  nonfinite=ing.nonfinite)
+                                  nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep")
         return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     suffix = source.suffix.lower()

@@ -251,3 +251,18 @@ def test_a_series_of_two_spacings_is_refused_as_such_and_one_gap_as_a_missing_sl
     paths[4].unlink()
     (error,) = scan_dicom_dir(tmp_path / "gap")[1]
     assert f"gap of 5.00 mm between slices {paths[3].name} and {paths[5].name} (median spacing 2.50 mm): a slice is missing" in error.reason
+
+
+def test_a_scan_the_labels_do_not_give_is_kept_unlabelled_for_a_cohort_to_predict(tmp_path):
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=4, size=16, positive_fraction=0.0, seed=5)
+    labels = pd.read_csv(tmp_path / "dicom" / "labels.csv")
+    keep = labels["ID"].str.contains(scans[0].sop_uids[0]) | ~labels["ID"].str.contains("|".join(scans[0].sop_uids))
+    labels[keep].to_csv(tmp_path / "labels.csv", index=False)  # scan 0 keeps one labelled slice of four
+    skipping = ingest_ct(tmp_path / "a.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv")
+    assert [s.bag_id for s in skipping.skipped] == [scans[0].series_uid]
+    from tasks.ingest.ct import plan_ct
+
+    plan = plan_ct(tmp_path / "b.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv", keep_unlabelled=True)
+    kept = {item.bag_id: item for item in plan.items}
+    assert not plan.skipped and kept[scans[0].series_uid].label == -1 and kept[scans[1].series_uid].label == 0
+    assert kept[scans[0].series_uid].payload["instance_labels"] == [0, -1, -1, -1]

@@ -314,8 +314,9 @@ def ingest_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Pa
 
 
 def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path | None = None,
-            extractor=None, batch_size: int = 32, name: str | None = None) -> IngestPlan:
-    """The plan of :func:`ingest_ct` (finds the series, reads the slice labels)."""
+            extractor=None, batch_size: int = 32, name: str | None = None, keep_unlabelled: bool = False) -> IngestPlan:
+    """The plan of :func:`ingest_ct` (finds the series, reads the slice labels); with
+    ``keep_unlabelled`` a series whose label the slices do not give is an unlabelled bag, not skipped."""
     from tasks.ingest.features import HandcraftedCT, extractor_spec
 
     extractor = extractor or HandcraftedCT()
@@ -338,6 +339,10 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
                 f"(slice file {Path(s.files[bad]).name})", path=source, bag_id=s.series_uid)))
             continue
         if not (instance == 1).any() and (instance == UNKNOWN_LABEL).any():
+            if keep_unlabelled:
+                items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL, payload | {"instance_labels": instance.tolist()},
+                                        inputs=tuple(s.files)))
+                continue
             skipped.append(Skipped.from_error(MissingLabelError(
                 f"{int((instance == UNKNOWN_LABEL).sum())} of {len(instance)} slices have no label in "
                 f"{labels_csv} and none is positive", path=source, bag_id=s.series_uid)))

@@ -91,13 +91,14 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
                        *, id_column: str = "slide_id", label_column: str = "label",
                        positive: Sequence[Any] | None = None, target: str | None = None, name: str | None = None,
                        slides: str | Path | None = None, client: Any = None, max_workers: int = 1,
-                       report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
+                       report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject",
+                       keep_unlabelled: bool = False) -> IngestReport:
     """Ingest CLAM/TRIDENT per-slide ``.h5`` feature files (a folder or a list); bag id = file stem.
 
     Labels: ``labels_csv`` with ``id_column`` and ``label_column``; the label is 1 for values in
     ``positive`` (e.g. ``["tumor"]``), or where the ``target`` expression holds (``grade > 2``),
     else the column must hold 0/1 (:class:`tasks.ingest.labels.LabelSpec`). Without a CSV the bags
-    are unlabelled (-1). ``slides``: the folder of the slides the features came from (optional;
+    are unlabelled (-1); files the CSV does not list are skipped, or unlabelled with ``keep_unlabelled``. ``slides``: the folder of the slides the features came from (optional;
     found by file stem, used for heatmap backgrounds).
     """
     listed = isinstance(files, (str, Path))
@@ -108,7 +109,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
         label_spec = LabelSpec(str(labels_csv), id_column, label_column, positive, target)
         (labels, originals), described = label_spec.read(), label_spec.describe()
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
-                                     None if labels_csv is None else str(labels_csv), originals)
+                                     None if labels_csv is None else str(labels_csv), originals, keep_unlabelled)
     if listed and labels is not None:  # a labelled slide whose features are missing is said, not dropped
         present = {unicodedata.normalize("NFC", p.stem) for p in paths}
         skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",

@@ -50,9 +50,11 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
 
 
 def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str, int | Exception] | None,
-                    labels_path: str | None, originals: dict[str, Any] | None = None) -> tuple[list[IngestItem], list[Skipped]]:
+                    labels_path: str | None, originals: dict[str, Any] | None = None,
+                    keep_unlabelled: bool = False) -> tuple[list[IngestItem], list[Skipped]]:
     """Attach bag labels (-1 without a labels table) and original labels (``originals``: bag id →
-    the labels file's value); unlabelled or badly labelled bags are skipped."""
+    the labels file's value); badly labelled bags are skipped, and so are bags the labels do not
+    list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled)."""
     originals = originals or {}
     items, skipped = [], []
     near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, built at the first miss
@@ -66,6 +68,9 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
             composed = {unicodedata.normalize("NFC", str(k)): k for k in labels} if composed is None else composed
             key = composed.get(unicodedata.normalize("NFC", bag_id), bag_id)
         label = labels.get(key)
+        if label is None and keep_unlabelled:
+            items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
+            continue
         if label is None:
             near_ids = {Path(str(k).strip()).stem: k for k in labels} if near_ids is None else near_ids
             near = near_ids.get(bag_id)

@@ -52,7 +52,8 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
 def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir: str | Path | None = None,
                      inst_labels_dir: str | Path | None = None, coords_dir: str | Path | None = None,
                      name: str | None = None, client: Any = None, max_workers: int = 1,
-                     report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject") -> IngestReport:
+                     report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject",
+                     keep_unlabelled: bool = False) -> IngestReport:
     """Ingest torchmil-style per-bag ``.npy`` folders: ``features_dir/<bag>.npy`` (N, D),
     ``labels_dir/<bag>.npy`` (the bag label), optional ``inst_labels_dir`` and ``coords_dir``."""
     feature_files = sorted(Path(features_dir).glob("*.npy"))
@@ -73,7 +74,8 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
 
     candidates = [(p.stem, str(p), {"features": str(p), "inst_labels": optional(inst_labels_dir, p.stem),
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
-    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir), originals)
+    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir), originals,
+                                    keep_unlabelled)
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:

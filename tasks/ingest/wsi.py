@@ -415,9 +415,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                 labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                 qc_dir: str | Path | None = None, name: str | None = None, fit_tiles: int = 512,
                 seed: int = 0, extractor_from: str | Path | None = None,
-                patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestPlan:
+                patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True, keep_unlabelled: bool = False) -> IngestPlan:
     """The plan of :func:`ingest_slides` (finds slides, reads labels, fits the extractor); files of
-    the folder that are not slides are in ``skipped`` with the reason."""
+    the folder that are not slides are in ``skipped`` with the reason; slides the labels do not
+    list are too, unless ``keep_unlabelled`` (then they are unlabelled bags)."""
     from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
 
     params = params or TilingParams()
@@ -432,7 +433,8 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     labels, originals = ((None, None) if labels_csv is None else labels_csv.read() if isinstance(labels_csv, LabelSpec)
                          else read_panda_labels(labels_csv))
     labels_path = None if labels_csv is None else str(getattr(labels_csv, "file", labels_csv))
-    items, unlabelled = labelled_items(((slide_id(p), str(p), None) for p in paths), labels, labels_path, originals)
+    items, unlabelled = labelled_items(((slide_id(p), str(p), None) for p in paths), labels, labels_path, originals,
+                                       keep_unlabelled)
     items = [replace(item, inputs=slide_files(item.source)) for item in items]  # a DICOM-WSI folder, a MIRAX slide's data
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
