@@ -10,10 +10,17 @@ from sklearn.utils.validation import check_array
 from ._backend import array_namespace, is_host_array, like, to_numpy
 from .bags import BagIndex
 
-__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "standardise", "standardisation"]
+__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "constant_columns", "standardise", "standardisation"]
 
 CONSTANT_STD = 1e-12
-"""A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17)."""
+"""A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17),
+and so is one whose std is below this fraction of its mean's magnitude (a constant 1e6 whose float
+rounding varies it by 1e-10 would otherwise be scaled to a unit-variance feature of rounding noise)."""
+
+
+def constant_columns(mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """Which columns are constant, by :data:`CONSTANT_STD`: their std is kept at 1 when scaling."""
+    return (std < CONSTANT_STD) | (std <= CONSTANT_STD * np.abs(mean))
 
 
 def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -31,7 +38,7 @@ def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
         scaled = overflowing / like(unit, X, dtype=X.dtype)
         mean[columns] = to_numpy(xp.mean(scaled, axis=0)) * unit
         std[columns] = to_numpy(xp.std(scaled, axis=0)) * unit
-    return mean, np.where(std < CONSTANT_STD, 1.0, std)
+    return mean, np.where(constant_columns(mean, std), 1.0, std)
 
 
 def standardise(X: Any, mean: np.ndarray, scale: np.ndarray, *, in_place: bool = False) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from mil_core.validation import CONSTANT_STD
+from mil_core.validation import constant_columns
 
 __all__ = ["CONSTANT_PREDICTION_SPREAD", "SCALE_RATIO", "constant_predictions", "feature_scale_spread", "sample_features"]
 
@@ -49,7 +49,7 @@ def feature_scale_spread(X: Any, *, ratio: float = SCALE_RATIO) -> str | None:
     isotropic kernel then sees only the largest ones (use ``training.standardize: true``)."""
     X = np.asarray(X, dtype=np.float64)
     std = X.std(axis=0)
-    varying = np.flatnonzero(std >= CONSTANT_STD)
+    varying = np.flatnonzero(~constant_columns(X.mean(axis=0), std))
     if varying.size < 2:
         return None
     big, small = varying[np.argmax(std[varying])], varying[np.argmin(std[varying])]

@@ -138,3 +138,13 @@ def test_features_whose_squares_overflow_are_standardised_as_in_smaller_units(na
     scores = clone(fitted).fit(huge, bags, y).predict_bag_proba(huge, bags)[1]
     np.testing.assert_allclose(scores, clone(fitted).fit(X, bags, y).predict_bag_proba(X, bags)[1], atol=1e-8)
     assert np.ptp(scores) > 0.1
+
+
+def test_a_constant_column_that_float_rounding_varies_stays_constant():
+    """A constant 1e6 column jittered by one rounding step (std ~1e-10) was scaled to unit variance:
+    the rounding noise became a full feature. Its std is below 1e-12 of its level: constant."""
+    X, _, _, _ = make_toy_bags(n_bags=10, n_features=2, seed=3)
+    level = np.full(X.shape[0], 1e6) + np.where(np.arange(X.shape[0]) % 2, np.spacing(1e6), 0.0)
+    mean, scale = standardisation(np.column_stack([X, level]))
+    assert 0 < level.std() < 1e-9 and scale[-1] == 1.0 and mean[-1] == pytest.approx(1e6)
+    assert np.all(scale[:2] != 1.0)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from distributed import Client
 
-from mil_core.validation import CONSTANT_STD
+from mil_core.validation import constant_columns
 from tasks.store import FEATURE_DTYPE, Partition, open_cohort
 from tasks.training.blocks import FeatureScaling, float64_rows, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
@@ -44,7 +44,7 @@ def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], 
     n, D = sums[0], (sums.shape[0] - 1) // 2
     offset = sums[1 : D + 1] / n
     std = np.sqrt(np.maximum(sums[D + 1 :] / n - offset**2, 0.0))
-    return FeatureScaling(mean=shift + offset, scale=np.where(std < CONSTANT_STD, 1.0, std))
+    return FeatureScaling(mean=shift + offset, scale=np.where(constant_columns(shift + offset, std), 1.0, std))
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
