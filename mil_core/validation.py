@@ -88,6 +88,20 @@ def _check_finite(X: Any, bag_ids: Any | None) -> None:
                      f"({int(xp.sum(xp.astype(bad_rows, xp.int64)))} row(s) with NaN or infinity)")
 
 
+def _is_missing_id(value: Any) -> bool:
+    """None, NaN, pandas' NA or NaT: no bag id."""
+    return value is None or type(value).__name__ in ("NAType", "NaTType") or (
+        isinstance(value, (float, np.floating)) and not np.isfinite(value))
+
+
+def _id_kind(value: Any) -> str:
+    """A bag id's kind, NumPy's scalars counted as the Python type they extend (``np.str_`` is text)."""
+    for kind, types in (("text", (str, bytes)), ("integer", (int, np.integer)), ("float", (float, np.floating))):
+        if isinstance(value, types) and not isinstance(value, (bool, np.bool_)):
+            return kind
+    return type(value).__name__
+
+
 def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *,
                    n_features: int | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
     """Validate instances, bag ids and (optionally) per-instance bag labels.
@@ -105,16 +119,18 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *,
     if bag_ids.dtype.kind == "f" and not np.all(np.isfinite(bag_ids)):
         raise ValueError("bag_ids contains NaN or infinity")
     if bag_ids.dtype.kind == "O":
-        missing = np.flatnonzero([v is None or (isinstance(v, float) and not np.isfinite(v)) for v in bag_ids])
+        missing = np.flatnonzero([_is_missing_id(v) for v in bag_ids])
         if missing.size:
             raise ValueError(f"bag_ids has no bag id at row(s) {missing[:5].tolist()} ({bag_ids[missing[0]]!r})")
-        kinds = sorted({type(v).__name__ for v in bag_ids})
-        if len(kinds) > 1 and not all(isinstance(v, (int, np.integer)) for v in bag_ids):
+        kinds = sorted({_id_kind(v) for v in bag_ids})
+        if len(kinds) > 1:
             raise ValueError(f"bag_ids mixes types ({', '.join(kinds)}); give every bag id the same type")
     bags = BagIndex.from_ids(bag_ids)
     if y is None:
         return X, bags, None
     y = np.asarray(y)
+    if y.dtype.kind == "O" and all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in y.ravel()):
+        y = y.astype(np.float64)  # numbers in an object array (a mixed DataFrame's .values column)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"y must be 1-D with one bag label per instance ({X.shape[0]}), got shape {y.shape}")
     found = np.unique(y)

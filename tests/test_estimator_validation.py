@@ -5,6 +5,7 @@ one bag is the problem), before any work; the constructor stores its parameters 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from test_predict_purity import ESTIMATORS, USES_COORDS, _same, fitted
 
@@ -40,7 +41,9 @@ BAD_FIT_INPUT = {
     "bag-ids-nan": (lambda X, b, y: (X, np.where(np.arange(b.size) == 2, np.nan, b.astype(float)), y), "bag_ids contains NaN"),
     "bag-ids-none": (lambda X, b, y: (X, np.where(np.arange(b.size) == 5, None, b.astype(str).astype(object)), y),
                      r"bag_ids has no bag id at row\(s\) \[5\]"),
-    "bag-ids-mixed-types": (lambda X, b, y: (X, np.where(b == 0, "zero", b.astype(object)), y), "bag_ids mixes types"),
+    "bag-ids-mixed-types": (lambda X, b, y: (X, np.where(b == 0, "zero", b.astype(object)), y), r"bag_ids mixes types \(integer, text\)"),
+    "bag-ids-pandas-na": (lambda X, b, y: (X, np.where(np.arange(b.size) == 5, pd.NA, b.astype(str).astype(object)), y),
+                          r"bag_ids has no bag id at row\(s\) \[5\] \(<NA>\)"),
     "label-not-constant-in-a-bag": (_mixed_labels, "bag 3 has instances with different bag labels"),
     "label-not-constant-in-a-bag-with-text-ids": (_mixed_labels_text_ids, "bag 'slide-3' has instances with different bag labels"),
     "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1 \(or -1 and 1; 1 is positive\), found \[2\]"),
@@ -98,3 +101,38 @@ def test_predict_refuses_wrong_width_nan_and_an_unfitted_model(name):
         estimator.predict_bag_proba(_with_nan(X, BAGS, Y)[0], BAGS, **context)
     with pytest.raises(ValueError, match="bag_ids must be 1-D"):
         estimator.predict_bag_proba(X, BAGS[:-1], **context)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_numbers_in_an_object_array_are_labels_and_numpy_scalar_ids_are_their_python_kind(name):
+    """A mixed DataFrame's .values gives object columns: labels [0, 1] were refused as 'found [0, 1]',
+    ids mixing str and np.str_ as 'mixes types (str, str_)'."""
+    reference = ESTIMATORS[name]().fit(X, BAGS, Y, **_fit_kwargs(name))
+    text_ids = np.array([f"b{b:02d}" if b % 2 else np.str_(f"b{b:02d}") for b in BAGS], dtype=object)  # sorted as BAGS
+    other = ESTIMATORS[name]().fit(X, text_ids, Y.astype(object), **_fit_kwargs(name))
+    np.testing.assert_allclose(other.predict_bag_proba(X, text_ids, **_fit_kwargs(name))[1],
+                               reference.predict_bag_proba(X, BAGS, **_fit_kwargs(name))[1], atol=1e-10)
+
+
+BAD_PARAMS = {
+    "max_iter": (2.5, r"max_iter must be an integer >= 1, got 2.5"),
+    "n_mc_samples": (0, r"n_mc_samples must be an integer >= 1, got 0"),
+    "kernel": ("rbf", r"kernel must be None \(chosen from the training bags\) or a kernel such as RBF\(4.0\), got 'rbf'"),
+}
+
+
+@pytest.mark.parametrize("name, param", [(name, param) for name in sorted(ESTIMATORS) for param in sorted(BAD_PARAMS)
+                                          if {param, "n_mc_samples"} <= set(ESTIMATORS[name]().get_params())])
+def test_a_bad_parameter_is_refused_at_fit_naming_it(name, param):
+    """n_mc_samples=0 fitted and then failed in predict with a ZeroDivisionError (VWSGP: NaN std);
+    kernel='rbf' with "'str' object has no attribute 'resolve'"; max_iter=2.5 ran."""
+    value, message = BAD_PARAMS[param]
+    with pytest.raises(ValueError, match=message):
+        ESTIMATORS[name]().set_params(**{param: value}).fit(X, BAGS, Y, **_fit_kwargs(name))
+    if "early_stopping" in ESTIMATORS[name]().get_params():
+        with pytest.raises(ValueError, match=r"n_iter_no_change must be an integer >= 1, got 0"):
+            ESTIMATORS[name]().set_params(early_stopping=True, n_iter_no_change=0).fit(X, BAGS, Y, **_fit_kwargs(name))
+        few = BAGS < 4
+        with pytest.raises(ValueError, match=r"early_stopping holds out validation_fraction=0.2 of the 4 bags \(\[2, 2\] negative/positive\)"):
+            ESTIMATORS[name]().set_params(early_stopping=True).fit(X[few], BAGS[few], Y[few], **_fit_kwargs(name) and
+                                                                   {"coords": COORDS[few]})

@@ -246,8 +246,14 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             # the user's own n_inducing is worth a word; the default on a small cohort is the documented exact GP
             warnings.warn(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances}): "
                           f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=2)
-        if self.max_iter < 1:
-            raise ValueError(f"max_iter must be >= 1, got {self.max_iter}")
+        counts = {"max_iter": self.max_iter, "n_mc_samples": getattr(self, "n_mc_samples", 1),
+                  "n_iter_no_change": self.n_iter_no_change if self.early_stopping else 1}
+        for name, value in counts.items():
+            if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kernel is not None and not callable(getattr(self.kernel, "resolve", None)):
+            raise ValueError(f"kernel must be None (chosen from the training bags) or a kernel such as RBF(4.0), "
+                             f"got {self.kernel!r}")
         if self.tol is not None and self.tol < 0:  # None: a sampler, which runs all its sweeps
             raise ValueError(f"tol must be >= 0, got {self.tol}")
         if self.early_stopping and not 0 < self.validation_fraction < 1:
@@ -258,9 +264,15 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         if not self.early_stopping:
             return bags, None
         rng = check_random_state(self.random_state)
-        train, val = train_test_split(
-            bags, test_size=self.validation_fraction, stratify=labels, random_state=rng.randint(2**31 - 1)
-        )
+        try:
+            train, val = train_test_split(
+                bags, test_size=self.validation_fraction, stratify=labels, random_state=rng.randint(2**31 - 1)
+            )
+        except ValueError as error:  # too few bags of a class for a stratified hold-out
+            raise ValueError(f"early_stopping holds out validation_fraction={self.validation_fraction} of the "
+                             f"{labels.size} bags ({np.bincount(labels, minlength=2).tolist()} negative/positive), and "
+                             f"each part needs bags of both classes: give more bags, another validation_fraction, or "
+                             f"early_stopping=False ({error})") from None
         return np.sort(train), np.sort(val)
 
     @single_thread_when_small
