@@ -33,6 +33,8 @@ import json
 import math
 import os
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +144,13 @@ def loads(data: bytes, *, source: str = "<bytes>") -> Any:
         with np.load(io.BytesIO(data), allow_pickle=False) as archive:
             meta = json.loads(archive[_META].tobytes().decode())
             arrays = {name: archive[name] for name in archive.files if name != _META}
-    except (ValueError, KeyError, OSError, UnicodeDecodeError) as error:
-        raise UnsafeFileError(f"{source}: not a readable gpmil {FORMAT} file ({error})") from None
+    except (ValueError, KeyError, OSError, UnicodeDecodeError, EOFError, RecursionError, zipfile.BadZipFile,
+            zlib.error) as error:  # truncated, corrupted (CRC), or JSON nested beyond reason
+        raise UnsafeFileError(f"{source}: not a readable gpmil {FORMAT} file ({type(error).__name__}: {error})") from None
+    if not isinstance(meta, dict):
+        raise UnsafeFileError(f"{source}: its {_META} member is a JSON {type(meta).__name__}, not an object")
+    if raw := sorted(name for name, member in arrays.items() if not isinstance(member, np.ndarray)):
+        raise UnsafeFileError(f"{source}: member(s) {raw[:3]} are not .npy arrays")
     if meta.get("format") != FORMAT:
         raise UnsafeFileError(f"{source}: format {meta.get('format')!r}, expected {FORMAT!r}")
     if not isinstance(meta.get("version"), int) or meta["version"] > FORMAT_VERSION:
@@ -153,7 +160,7 @@ def loads(data: bytes, *, source: str = "<bytes>") -> Any:
         return _Decoder(arrays, allowed_types(), source)(meta["root"])
     except UnsafeFileError:
         raise
-    except (TypeError, ValueError, KeyError, RecursionError) as error:  # e.g. a parameter the allowed class does not take
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as error:  # e.g. a parameter the allowed class does not take
         raise UnsafeFileError(f"{source}: malformed gpmil {FORMAT} file ({type(error).__name__}: {error})") from None
 
 
@@ -186,15 +193,25 @@ class _Decoder:
         if "$dict" in node:
             return {self(k): self(v) for k, v in node["$dict"]}
         if "$dataclass" in node:
-            return self._type(node["$dataclass"], "$dataclass")(**{k: self(v) for k, v in node["fields"].items()})
+            return self._type(node["$dataclass"], "$dataclass")(**{k: self(v) for k, v in self._object(node, "fields").items()})
         if "$estimator" in node:
-            estimator = self._type(node["$estimator"], "$estimator")(**{k: self(v) for k, v in node["params"].items()})
-            for key, value in node["state"].items():
+            estimator = self._type(node["$estimator"], "$estimator")(
+                **{k: self(v) for k, v in self._object(node, "params").items()})
+            for key, value in self._object(node, "state").items():
                 if not key.isidentifier() or key.startswith("__"):
                     self._bad(node)
                 vars(estimator)[key] = self(value)
+            if callable(check := getattr(estimator, "_check_restored", None)):
+                try:  # fitted arrays of the wrong shape or type would fail later, or predict other numbers
+                    check()
+                except ValueError as error:
+                    raise UnsafeFileError(f"{self.source}: {type(estimator).__name__}: {error}") from None
             return estimator
         return self._bad(node)
+
+    def _object(self, node: dict, key: str) -> dict:
+        value = node.get(key)
+        return value if isinstance(value, dict) else self._bad(node)
 
     def _bad(self, node: Any):
         raise UnsafeFileError(f"{self.source}: malformed node {str(node)[:80]!r}")

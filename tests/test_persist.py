@@ -267,3 +267,56 @@ def test_a_crafted_pickle_in_a_training_checkpoint_is_refused_and_never_run(tmp_
         with pytest.raises(UnsafeFileError, match=r"checkpoint .*shared\.zarr/training/r.*a pickle"):
             fit_cohort(mil_core.VGPMIL(**params), store, client, run="r", partition_bytes=1_000, checkpoint_every=2)
     assert not marker.exists()
+
+
+def test_a_damaged_or_tampered_model_file_is_refused_as_such(tmp_path):
+    """A truncated or corrupted archive, metadata that is no JSON object or nests beyond reason, a
+    member that is no .npy, and fitted arrays of the wrong shape, type or value all raise
+    UnsafeFileError naming the file; before, some raised BadZipFile / AttributeError / RecursionError,
+    and a string q_.mean loaded and predicted other probabilities."""
+    import dataclasses
+
+    X, bags, y, _ = make_toy_bags(n_bags=12, seed=4)
+    model = mil_core.VGPMIL(kernel=mil_core.RBF(4.0), max_iter=3, random_state=0).fit(X, bags, y)
+    data = persist.dumps(model)
+
+    def with_members(**members: bytes) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(buffer, "w") as dst:
+            for item in src.infolist():
+                dst.writestr(item, members.pop(item.filename, None) or src.read(item))
+            for name, payload in members.items():
+                dst.writestr(name, payload)
+        return buffer.getvalue()
+
+    def meta(text: bytes) -> bytes:
+        member = io.BytesIO()
+        np.save(member, np.frombuffer(text, dtype=np.uint8))
+        return member.getvalue()
+
+    middle = len(data) // 2
+    damaged = {
+        "truncated": (data[:middle], "not a readable"),
+        "corrupted": (data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:], "not a readable"),
+        "metadata a list": (with_members(**{"__gpmil__.npy": meta(b"[1, 2]")}), "is a JSON list, not an object"),
+        "metadata nested": (with_members(**{"__gpmil__.npy": meta(b"[" * 100_000 + b"]" * 100_000)}), "not a readable .*RecursionError"),
+        "raw member": (with_members(junk=b"hello"), r"member\(s\) \['junk'\] are not .npy arrays"),
+    }
+    tampered = {
+        "short q mean": lambda m: setattr(m, "q_", dataclasses.replace(m.q_, mean=m.q_.mean[:-1])),
+        "text q mean": lambda m: setattr(m, "q_", dataclasses.replace(m.q_, mean=m.q_.mean.astype(str))),
+        "zero scale": lambda m: m.feature_scale_.__setitem__(0, 0.0),
+        "text width": lambda m: setattr(m, "n_features_in_", "3"),
+    }
+    messages = {"short q mean": r"q_.mean is float64 \(\d+,\), not floats of shape", "text q mean": r"q_.mean is <U\d+",
+                "zero scale": "feature_scale_ holds a scale <= 0", "text width": "n_features_in_ is '3', not a positive integer"}
+    for what, tamper in tampered.items():
+        copy = persist.loads(data)
+        tamper(copy)
+        damaged[what] = (persist.dumps(copy), messages[what])
+    for what, (payload, message) in damaged.items():
+        path = tmp_path / f"{what.replace(' ', '-')}.npz"
+        path.write_bytes(payload)
+        with pytest.raises(UnsafeFileError, match=f"{path}: .*{message}"):
+            persist.load(path)
+    np.testing.assert_array_equal(persist.loads(data).predict_bag_proba(X, bags)[1], model.predict_bag_proba(X, bags)[1])

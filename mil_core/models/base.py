@@ -203,6 +203,22 @@ class FeatureStandardisation:
         mean, scale = standardisation(X)
         return standardise(X, mean, scale, in_place=True), (mean, scale)
 
+    def _check_restored(self) -> None:
+        """A model read from disk (:mod:`mil_core.persist`): its width and scaling are what a fit
+        writes (a tampered file raises ``ValueError`` here, not a wrong prediction later)."""
+        width = getattr(self, "n_features_in_", None)
+        if width is None:
+            return
+        if not (isinstance(width, (int, np.integer)) and not isinstance(width, bool) and width >= 1):
+            raise ValueError(f"n_features_in_ is {width!r}, not a positive integer")
+        for name in ("feature_mean_", "feature_scale_"):
+            value = getattr(self, name, None)
+            if value is not None and not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.shape == (width,)
+                                          and np.all(np.isfinite(value))):
+                raise ValueError(f"{name} is not {width} finite floats")
+        if (scale := getattr(self, "feature_scale_", None)) is not None and not np.all(scale > 0):
+            raise ValueError("feature_scale_ holds a scale <= 0")
+
     def _standardised_input(self, X: Any) -> Any:
         """Prediction rows in the units the model was fitted in."""
         mean = getattr(self, "feature_mean_", None)  # None also for a model saved before it existed
@@ -567,6 +583,21 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
             return self._standardised_input(check_features(X, n_features=self.n_features_in_)), None
         X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_)
         return self._standardised_input(X), bags
+
+    def _check_restored(self) -> None:
+        """As :meth:`FeatureStandardisation._check_restored`, and q(u) and the inducing points agree:
+        M inducing points of the model's width, an M-vector mean and M × M matrices, all floats."""
+        super()._check_restored()
+        gp, q = getattr(self, "gp_", None), getattr(self, "q_", None)
+        if gp is None or q is None:
+            return
+        M = np.shape(gp.Z)[0]
+        expected = {"gp_.Z": (gp.Z, (M, self.n_features_in_)), "gp_.chol": (gp.chol, (M, M)),
+                    "q_.mean": (q.mean, (M,)), "q_.cov": (q.cov, (M, M))}
+        for name, (value, shape) in expected.items():
+            if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.shape[:len(shape)] == shape):
+                raise ValueError(f"{name} is {getattr(value, 'dtype', type(value).__name__)} {np.shape(value)}, "
+                                 f"not floats of shape {shape}")
 
     def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the latent f* at each row (Eq. 30, FITC diagonal)."""
