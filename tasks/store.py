@@ -30,6 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -183,8 +186,24 @@ class StoredBags:
 
 # -------------------------------------------------------------------------------------- create
 def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False) -> zarr.Group:
-    """Create an empty cohort store at ``path`` (``overwrite`` replaces an existing one)."""
-    root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="w" if overwrite else "w-")
+    """Create an empty cohort store at ``path`` (``overwrite`` replaces an existing one). It is built
+    in a hidden folder beside ``path`` and renamed into place: a run killed while creating it left
+    a ``zarr.json`` without attributes, which every later run refused as schema version None."""
+    target = Path(path)
+    for leftover in target.parent.glob(f".{target.name}.creating-*"):  # of a creator killed before its rename
+        shutil.rmtree(leftover, ignore_errors=True)
+    if target.exists() and (overwrite or not any(target.iterdir())):
+        shutil.rmtree(target)
+    elif target.exists():
+        raise StoreMismatchError("the folder exists and is not a cohort store: give a new or empty folder", path=str(target))
+    building = target.parent / f".{target.name}.creating-{uuid.uuid4().hex[:12]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _build_empty_cohort(zarr.open_group(zarr.storage.LocalStore(str(building)), mode="w-"), spec)
+    os.rename(building, target)
+    return zarr.open_group(zarr.storage.LocalStore(str(target)), mode="r+")
+
+
+def _build_empty_cohort(root: zarr.Group, spec: CohortSpec) -> None:
     chunk_rows = spec.resolved_chunk_rows()
     instances = root.create_group("instances")
     numeric = {"compressors": _NUMERIC_CODEC}
@@ -224,13 +243,15 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
         "chunk_rows": chunk_rows,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
-    return root
 
 
 def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
-    """Open the store at ``path`` for appending (checking it matches ``spec``) or create it."""
+    """Open the store at ``path`` for appending (checking it matches ``spec``) or create it (also
+    over one that a run of an earlier version, killed while creating it, left without attributes)."""
     if not (Path(path) / "zarr.json").exists():
         return create_cohort(path, spec)
+    if _half_created(path):
+        return create_cohort(path, spec, overwrite=True)
     root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+")
     check_compatible(root, spec, path=str(path))
     if spec.labels is not None and root.attrs.get("labels") is None:
@@ -238,6 +259,12 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
     if spec.feature_columns is not None and root.attrs.get("feature_columns") is None:
         root.attrs["feature_columns"] = list(spec.feature_columns)  # a store from unnamed columns learns the names
     return root
+
+
+def _half_created(path: str | Path) -> bool:
+    """A root ``zarr.json`` without the store's attributes and no bag offsets: nothing was ever committed."""
+    root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r")
+    return "schema_version" not in root.attrs and not (Path(path) / "bags" / "offsets").exists()
 
 
 def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import zarr
 
 from tasks.ingest.errors import DuplicateIdError, FeatureDimensionError
 from tasks.ingest.synthetic import make_feature_cohort
@@ -222,3 +223,34 @@ def test_a_store_with_other_settings_names_the_setting_that_differs(tmp_path, sp
         open_or_create_cohort(tmp_path / "s.zarr", dataclasses.replace(spec, tiling={**tiled.tiling, "tile_size": 64}))
     with pytest.raises(StoreMismatchError, match=r"store has coords_dim=2, this ingest has 1; a store holds one kind of cohort"):
         open_or_create_cohort(tmp_path / "s.zarr", dataclasses.replace(tiled, coords_dim=1))
+
+
+def test_a_store_is_renamed_into_place_whole_and_a_half_created_one_is_made_again(tmp_path, spec, monkeypatch):
+    """A run killed while creating a store left zarr.json without attributes; every later run then
+    failed with 'store schema version None'. The store is now built aside and renamed into place;
+    one left half-created by an earlier version is created again; a folder of other files is refused."""
+    import tasks.store as store_module
+    from tasks.ingest.errors import StoreMismatchError
+    from tasks.store import open_or_create_cohort
+
+    def killed(root, spec):
+        root.create_group("instances")
+        raise KeyboardInterrupt  # the run dies half-way through building the store
+
+    monkeypatch.setattr(store_module, "_build_empty_cohort", killed)
+    with pytest.raises(KeyboardInterrupt):
+        open_or_create_cohort(tmp_path / "c.zarr", spec)
+    assert not (tmp_path / "c.zarr").exists()
+    monkeypatch.undo()
+    root = open_or_create_cohort(tmp_path / "c.zarr", spec)
+    assert root.attrs["schema_version"] == store_module.SCHEMA_VERSION and not list(tmp_path.glob(".c.zarr.creating-*"))
+
+    (tmp_path / "old.zarr").mkdir()  # what a kill left before: a root group without attributes or arrays
+    zarr.open_group(zarr.storage.LocalStore(str(tmp_path / "old.zarr")), mode="w")
+    assert open_or_create_cohort(tmp_path / "old.zarr", spec).attrs["n_features"] == spec.n_features
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(StoreMismatchError, match="the folder exists and is not a cohort store"):
+        open_or_create_cohort(tmp_path / "mine", spec)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
