@@ -558,6 +558,37 @@ def _slides_as_ingested(cohort: Any, bags: Any, folder: Path | None) -> dict[str
     return chosen
 
 
+REPORT_MANIFEST = "report-settings.json"
+"""Written last into a report folder: the settings it was written with and every file it wrote."""
+_REPORT_OUTPUTS = ("report.md", "bag_predictions.csv", "bag_predictions.parquet", "instance_predictions.parquet",
+                   "instance_predictions.csv", "metrics.json", "calibration.csv", "roc.png", "uncertain_bags.csv",
+                   "objective.png", "geojson", "heatmaps", "slices", "strips")
+
+
+def _report_complete(out: Path, settings: str) -> bool:
+    """Whether ``out`` holds a report written with ``settings`` and still every file it wrote (a
+    deleted table or figure is written again, not reported as there)."""
+    try:
+        manifest = json.loads((out / REPORT_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(manifest, dict) and manifest.get("settings") == settings
+            and all((out / name).is_file() for name in manifest.get("files", ["report.md"])))
+
+
+def _clear_report(out: Path) -> None:
+    """Remove what an earlier report wrote into ``out`` (its manifest first): figures of bags no
+    longer among the top ones, or metrics of a cohort no longer labelled, are not left beside the
+    new report."""
+    (out / REPORT_MANIFEST).unlink(missing_ok=True)
+    for name in _REPORT_OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
@@ -566,13 +597,13 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     out = Path(config.output_dir) / "predictions" / prediction_key
     settings = json.dumps({"model_dir": str(model_dir), "store": str(Path(store).resolve()), **config.prediction.model_dump(mode="json")},
                           sort_keys=True)
-    if (out / "report.md").exists() and (out / "report-settings.json").exists() and (out / "report-settings.json").read_text() == settings:
+    if _report_complete(out, settings):
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
         create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
                              key=artifact_key("report-file", config.name), description="The report (reused: nothing changed since it was written)")
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
-    (out / "report-settings.json").unlink(missing_ok=True)
+    _clear_report(out)
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
@@ -687,7 +718,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                                                  title=f"{bag_id}: p = {table.at[b, 'probability']:.2f}"))
     sections += ["## Figures", ""]
     (out / "report.md").write_text("\n".join(sections + [f"![{f.stem}]({f.relative_to(out).as_posix()})" for f in figures]))
-    (out / "report-settings.json").write_text(settings)  # last: marks the report complete
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    (out / REPORT_MANIFEST).write_text(json.dumps({"settings": settings, "files": written}))  # last: marks it complete
     create_markdown_artifact("\n".join(sections + _figure_artifacts(config, figures, out / "report.md")),
                              key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),

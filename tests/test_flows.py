@@ -57,6 +57,14 @@ def test_pipeline_writes_model_predictions_and_report_and_a_rerun_repeats_nothin
     assert all(r.reused for r in second.values())
     assert second["report"].info == first["report"].info
 
+    out = Path(first["report"].path).parent  # a table or metrics file deleted since: the report is written again
+    (out / "metrics.json").unlink()
+    (out / "bag_predictions.csv").unlink()
+    third = pipeline(config)
+    assert not third["report"].reused and third["report"].info == first["report"].info
+    assert (out / "metrics.json").is_file() and (out / "bag_predictions.csv").is_file()
+    assert pipeline(config)["report"].reused
+
 
 def test_a_changed_prediction_setting_recomputes_predictions_but_not_the_model(tmp_path, cohort):
     first = pipeline(write_config(tmp_path, cohort))
@@ -482,6 +490,11 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     ring = geojson["features"][0]["geometry"]["coordinates"][0]
     assert ring[1][0] - ring[0][0] == 512  # the patch size, from the coordinates' grid step
     assert len(list((out / "heatmaps").glob("*.png"))) == 16
+    fewer = write_config(tmp_path, tmp_path / "h5.zarr", ingest={
+        "kind": "h5", "source": str(folder), "slides": str(slides),
+        "labels": {"file": str(tmp_path / "clinical.csv"), "target": "grade > 2"}}, prediction={"n_heatmaps": 2})
+    assert Path(pipeline(fewer)["report"].path).parent == out
+    assert len(list((out / "heatmaps").glob("*.png"))) == 2  # not 2 new beside 14 stale ones
 
     # The training folder predicted as a 'new' cohort: its report does not call the metrics held out.
     from flows.cli import main
