@@ -117,8 +117,14 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
     logger = get_run_logger()
     model_dir = Path(config.output_dir) / "models" / model_key
     if (model_dir / MODEL_FILE).exists():
-        logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
-        return StageResult(model_key, str(model_dir), True, json.loads((model_dir / "model.json").read_text()))
+        try:
+            described = json.loads((model_dir / "model.json").read_text())
+            logger.info("model %s already trained on this cohort with this configuration: reusing %s", model_key, model_dir)
+            return StageResult(model_key, str(model_dir), True, described)
+        except (OSError, ValueError) as error:  # its description deleted or damaged since: trained (resumed) again
+            logger.warning("model %s: %s beside %s is unreadable (%s): training it again", model_key, "model.json",
+                           MODEL_FILE, error)
+            (model_dir / MODEL_FILE).unlink()
     model = make_model(config.model)
     embedded = isinstance(model, EmbeddedGPMIL)  # the network trains on the client, its GP on the cluster
     model.set_params(standardize=config.training.standardize)  # the one switch; the saved params then say how it was trained

@@ -65,6 +65,12 @@ def test_pipeline_writes_model_predictions_and_report_and_a_rerun_repeats_nothin
     assert (out / "metrics.json").is_file() and (out / "bag_predictions.csv").is_file()
     assert pipeline(config)["report"].reused
 
+    model_dir = Path(first["train"].path)  # the model's description deleted: trained again, not a FileNotFoundError
+    (model_dir / "model.json").unlink()
+    again = pipeline(config)
+    assert not again["train"].reused and json.loads((model_dir / "model.json").read_text())["n_iter"] >= 1
+    assert again["report"].info == first["report"].info
+
 
 def test_a_changed_prediction_setting_recomputes_predictions_but_not_the_model(tmp_path, cohort):
     first = pipeline(write_config(tmp_path, cohort))
