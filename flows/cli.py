@@ -12,7 +12,9 @@
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,19 @@ def _quiet_libraries(verbose: bool) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request, even with -v
     for chatty in ("prefect.server", "uvicorn"):
         logging.getLogger(chatty).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (a scheduler's timeout, ``kill``) ends the command as Ctrl-C does: the flow is marked
+    crashed and the interpreter exits normally, so the temporary Prefect server is stopped. With the
+    default handler the process died at once and left the server running, one per killed run.
+    Prefect's flow engine puts this handler back and calls it after recording the crash."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_as_exit)
+
+
+def _sigterm_as_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _abs(path: Any) -> str | None:
@@ -293,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     _quiet_libraries(args.verbose)
+    _exit_cleanly_on_sigterm()
     from flows.config import ConfigError
 
     try:

@@ -633,6 +633,42 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
         assert f"MODEL_DIR: {damaged / message.split()[0]}" in err and message in err and err.count("\n") == 1, err
 
 
+def test_sigterm_during_training_stops_the_temporary_prefect_server_too(tmp_path):
+    """A scheduler's timeout (SIGTERM) killed gpmil at once and left its temporary Prefect server
+    running, re-parented to init: one leaked server per killed run. It now exits as Ctrl-C does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    X, bags, y, _ = make_toy_bags(n_bags=40, seed=3)
+    pd.DataFrame(np.column_stack([y, bags, X])).to_csv(tmp_path / "t.csv", header=False, index=False)
+    config = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")},
+                          model={"name": "VGPMIL", "params": {"n_inducing": 8, "max_iter": 100000, "tol": 0.0,
+                                                              "kernel": {"variance": 4.0}, "random_state": 0}},
+                          dask={"n_workers": 1, "processes": False}, training={"checkpoint_every": 1})
+    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=Path(__file__).parents[1])
+    servers = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "t.zarr" / "training").exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        servers = [p for p in psutil.Process(run.pid).children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
+        assert run.poll() is None and len(servers) == 1, run.stdout.read() if run.poll() is not None else servers
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=120)[0]
+        assert run.returncode == 128 + signal.SIGTERM, output
+        psutil.wait_procs(servers, timeout=15)
+        assert not servers[0].is_running(), "the temporary Prefect server outlived the killed run"
+    finally:  # a failing run leaves nothing behind either
+        for process in [run, *servers]:
+            if (process.poll() is None) if process is run else process.is_running():
+                process.kill()
+
+
 def test_an_input_error_is_one_line_on_the_console_and_a_bug_keeps_its_traceback(tmp_path):
     """Prefect logged each input error (here: every bag of a table refused) with a traceback of the
     pipeline's own frames before the one-line 'gpmil ingest failed'; the line says it all."""
