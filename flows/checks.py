@@ -9,6 +9,7 @@ again first thing, so a deployment's run with a missing input fails at once too.
 """
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -76,6 +77,20 @@ def _training_store_problem(store: Path | str | None, model_dir: Path | str | No
         return (f"--store: {store} is the store the model was trained on; a new cohort ingested there would become training "
                 "data of the next run: give --store a new path (or leave it out)")
     return None
+
+
+def _unwritable(field: str, path: str | Path) -> str | None:
+    """Why nothing can be written at ``path`` (or in the folder it would be made in), found by writing
+    a temporary file there: a read-only mount, a system folder, no permission — at once rather than
+    after the ingest and the fit."""
+    folder = Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as error:
+        return f"{field}: {path} cannot be written ({folder}: {error.strerror or error})"
 
 
 def _model_dir_problem(model_dir: Path | str | None) -> str | None:
@@ -158,8 +173,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
     if stage == "predict" and source is not None:
         problems += new_cohort_problems
     written = [("output_dir", config.output_dir)] + ([("--store" if store else "store", store or config.store)] if ingests else [])
-    problems += [f"{field}: {path} is not a folder" for field, path in written if path is not None and Path(path).exists()
-                 and not Path(path).is_dir()]  # folders the stage writes into may be new, never a file
+    problems += [f"{field}: {path} is not a folder" if Path(path).exists() and not Path(path).is_dir() else _unwritable(field, path)
+                 for field, path in written if path is not None]  # folders the stage writes into may be new, never a file
     if stage in ("predict", "evaluate"):
         problems.append(_model_dir_problem(model_dir))
     if stage == "evaluate" and prediction_key is not None and not any(problems):

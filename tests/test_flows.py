@@ -335,10 +335,11 @@ def test_a_bad_config_or_a_missing_input_fails_in_one_line_before_prefect_or_mil
     a_file.write_text("not a folder")
     binary.write_bytes(bytes(range(128, 256)))
     (tmp_path / "t.csv").write_text("0,a,1.0\n1,b,2.0\n")
-    for folder in ("t", "o"):  # one config file per folder
+    for folder in ("t", "o", "p"):  # one config file per folder
         (tmp_path / folder).mkdir()
     table_config = write_config(tmp_path / "t", tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
     file_output = write_config(tmp_path / "o", cohort, output_dir=str(a_file))
+    system_output = write_config(tmp_path / "p", cohort, output_dir="/proc/gpmil-runs")  # no file can be made there, even by root
     probe = ("import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
              "print(rc, sorted(m for m in ('prefect', 'mil_core', 'distributed') if m in sys.modules))")
     for args, message in [(["run", bad], f"gpmil: {bad}: training.mode: Input should be 'auto', 'persist' or 'stream'"),
@@ -348,6 +349,7 @@ def test_a_bad_config_or_a_missing_input_fails_in_one_line_before_prefect_or_mil
                            f"gpmil: {missing}: --store: {tmp_path / 'none.zarr'} does not exist"),
                           (["ingest", table_config, "--store", str(a_file)], f"gpmil: {table_config}: --store: {a_file} is not a folder"),
                           (["run", file_output], f"gpmil: {file_output}: output_dir: {a_file} is not a folder"),
+                          (["run", system_output], f"gpmil: {system_output}: output_dir: /proc/gpmil-runs cannot be written (/proc: "),
                           (["run", str(binary)], f"gpmil: {binary}: not a readable YAML text file (UnicodeDecodeError"),
                           (["run", str(tmp_path)], f"gpmil: {tmp_path}: not a readable YAML text file (IsADirectoryError")]:
         done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
