@@ -136,3 +136,15 @@ def test_a_bad_parameter_is_refused_at_fit_naming_it(name, param):
         with pytest.raises(ValueError, match=r"early_stopping holds out validation_fraction=0.2 of the 4 bags \(\[2, 2\] negative/positive\)"):
             ESTIMATORS[name]().set_params(early_stopping=True).fit(X[few], BAGS[few], Y[few], **_fit_kwargs(name) and
                                                                    {"coords": COORDS[few]})
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_a_refit_keeps_no_fitted_attribute_of_the_earlier_fit(name):
+    """A refit with other settings (early stopping off, no kernel learning …) kept attributes only
+    the first fit set, e.g. best_iteration_ and validation_auc_ beside the new n_iter_."""
+    estimator = ESTIMATORS[name]().fit(X, BAGS, Y, **_fit_kwargs(name))
+    vars(estimator)["stale_"] = "from the first fit"
+    estimator.fit(X, BAGS, Y, **_fit_kwargs(name))
+    assert "stale_" not in vars(estimator)
+    fresh = ESTIMATORS[name]().fit(X, BAGS, Y, **_fit_kwargs(name))
+    assert set(vars(estimator)) == set(vars(fresh))

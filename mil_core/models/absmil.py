@@ -43,7 +43,7 @@ from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
 from ..validation import check_features, check_mil_data
-from .base import FeatureStandardisation, store_params, take_bags
+from .base import FeatureStandardisation, forget_fit, store_params, take_bags
 
 __all__ = [
     "AbSMIL",
@@ -494,6 +494,7 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
         each instance's bag."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_params()
+        forget_fit(self)
         (X_sorted, scaling), offsets = self._standardise_training_rows(take_rows(X, bags.order)), bags.offsets
         rng = check_random_state(self.random_state)
         updates = self._initial_updates(X_sorted, rng)

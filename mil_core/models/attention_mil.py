@@ -23,7 +23,7 @@ from ..attention import (
 from .._backend import to_numpy
 from ..calibration import fit_platt
 from ..validation import check_features, check_mil_data
-from .base import store_params, take_bags
+from .base import forget_fit, store_params, take_bags
 
 __all__ = ["ABMIL", "AttentionNetworkParams"]
 
@@ -169,6 +169,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""
         X, bags, labels = check_mil_data(X, bag_ids, y)
+        forget_fit(self)
         X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
         fit = self._network_fit(X_sorted, bags.offsets, labels, _seed(self.random_state))
         self._store_traces(fit, X.shape[1])

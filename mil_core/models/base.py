@@ -161,6 +161,14 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
             setattr(estimator, name, value)
 
 
+def forget_fit(estimator: BaseEstimator) -> None:
+    """Drop every fitted attribute (``name_``) before a new fit, as scikit-learn's estimators do: a
+    refit without early stopping kept the first fit's ``best_iteration_`` and ``validation_auc_``
+    (and a model saved from it, those numbers)."""
+    for name in [name for name in vars(estimator) if name.endswith("_") and not name.startswith("__")]:
+        delattr(estimator, name)
+
+
 def _setting_kernel(variance: float, setting: dict[str, Any],
                     relevance: Callable[[], dict[str, tuple[float, ...]]]) -> tuple[RBF, dict[str, Any]]:
     """The kernel of a kernel-choice candidate, ``RBF(v, bias=kernel_bias·v)`` (``kernel_bias``:
@@ -299,6 +307,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
+        forget_fit(self)
         X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         train, val = self._split_validation(labels)
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)

@@ -26,7 +26,7 @@ from ..bags import segment_sum
 from ..metrics import binary_auc, chance_auc_std
 from ..validation import check_mil_data, standardisation
 from .attention_mil import AttentionNetworkParams
-from .base import FeatureStandardisation, store_params, take_bags
+from .base import FeatureStandardisation, forget_fit, store_params, take_bags
 from .vgpmil import VGPMIL
 
 __all__ = ["EmbeddedGPMIL", "REPRESENTATIONS", "default_gp"]
@@ -212,6 +212,7 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
         calibration) when they score higher out of fold."""
         self._check_representation()
         X, bags, labels = check_mil_data(X, bag_ids, y)
+        forget_fit(self)
         X_sorted, scaling = self._standardise_training_rows(to_numpy(X).astype(np.float64, copy=False)[bags.order])
         network_seed, gp_seed = self._seeds()
         self.fit_embedding(X_sorted, bags.offsets, labels, seed=network_seed)

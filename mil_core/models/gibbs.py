@@ -57,7 +57,7 @@ from ..kernels import RBF
 from ..threadpools import single_thread_when_small
 from ..truncnorm import log_neg_log_ndtr, upper_truncated_quantile
 from ..validation import check_mil_data
-from .base import store_params
+from .base import forget_fit, store_params
 from .probit import VGPMILPRI
 from .probit_updates import ProbitBags, ProbitMILUpdates
 
@@ -423,6 +423,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
+        forget_fit(self)
         X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         offsets = bags.offsets
         updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)), offsets=offsets, coords=coords_sorted)
