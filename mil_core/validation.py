@@ -10,7 +10,8 @@ from sklearn.utils.validation import check_array
 from ._backend import array_namespace, is_host_array, like, to_numpy
 from .bags import BagIndex
 
-__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "constant_columns", "standardise", "standardisation"]
+__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "constant_columns", "feature_names", "standardise",
+           "standardisation"]
 
 CONSTANT_STD = 1e-12
 """A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17),
@@ -52,10 +53,28 @@ def standardise(X: Any, mean: np.ndarray, scale: np.ndarray, *, in_place: bool =
     return X
 
 
-def check_features(X: Any, *, n_features: int | None = None, bag_ids: Any | None = None) -> Any:
+def feature_names(X: Any) -> np.ndarray | None:
+    """The column names of a DataFrame whose columns are all text (scikit-learn's ``feature_names_in_``), else None."""
+    columns = getattr(X, "columns", None)
+    if columns is None or not len(columns) or not all(isinstance(c, str) for c in columns):
+        return None
+    return np.asarray(list(columns), dtype=str)
+
+
+def check_features(X: Any, *, n_features: int | None = None, bag_ids: Any | None = None,
+                   names: np.ndarray | None = None) -> Any:
     """A finite 2-D float array; host input goes through scikit-learn's ``check_array``, an
     array-API array on a device (CuPy, …) stays there (one scalar comes back: all finite?). A
-    non-finite value is named by row, column and — given ``bag_ids`` (one per row) — bag."""
+    non-finite value is named by row, column and — given ``bag_ids`` (one per row) — bag. With
+    ``names`` (the fit's DataFrame columns), a DataFrame must have those columns in that order:
+    reordered columns were read by position and predicted other numbers without a word."""
+    given = feature_names(X)
+    if names is not None and given is not None and not np.array_equal(given, names):
+        missing, extra = sorted(set(names.tolist()) - set(given.tolist())), sorted(set(given.tolist()) - set(names.tolist()))
+        detail = (f"missing {missing[:5]}, not fitted on {extra[:5]}" if missing or extra else
+                  f"in another order (fitted: {names[:5].tolist()}…, given: {given[:5].tolist()}…)")
+        raise ValueError(f"X's columns differ from those the model was fitted on: {detail}; select them as "
+                         "X[model.feature_names_in_]")
     if not is_host_array(X):
         if X.ndim != 2:
             raise ValueError(f"X must be 2-D (n_instances, n_features), got shape {X.shape}")
@@ -102,8 +121,8 @@ def _id_kind(value: Any) -> str:
     return type(value).__name__
 
 
-def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *,
-                   n_features: int | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
+def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *, n_features: int | None = None,
+                   names: np.ndarray | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
     """Validate instances, bag ids and (optionally) per-instance bag labels.
 
     Returns ``(X, bags, bag_labels)`` where ``bag_labels`` (B,) is in {0, 1}, ordered like
@@ -112,7 +131,7 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *,
     labels, a bag whose instances carry different labels, or a single class.
     """
     bag_ids = np.asarray(bag_ids)
-    X = check_features(X, n_features=n_features,
+    X = check_features(X, n_features=n_features, names=names,
                        bag_ids=bag_ids if bag_ids.ndim == 1 and np.shape(X)[:1] == bag_ids.shape else None)
     if bag_ids.ndim != 1 or bag_ids.shape[0] != X.shape[0]:
         raise ValueError(f"bag_ids must be 1-D with one entry per instance ({X.shape[0]}), got shape {bag_ids.shape}")

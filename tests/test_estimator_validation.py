@@ -148,3 +148,19 @@ def test_a_refit_keeps_no_fitted_attribute_of_the_earlier_fit(name):
     assert "stale_" not in vars(estimator)
     fresh = ESTIMATORS[name]().fit(X, BAGS, Y, **_fit_kwargs(name))
     assert set(vars(estimator)) == set(vars(fresh))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_a_dataframe_fit_predicts_only_frames_with_its_columns_in_order(name):
+    """Reordered DataFrame columns were read by position: other probabilities, no word. As in
+    scikit-learn, a fit on named columns keeps feature_names_in_ and predictions check them."""
+    frame = pd.DataFrame(X, columns=[f"f{j}" for j in range(X.shape[1])])
+    estimator = ESTIMATORS[name]().fit(frame, BAGS, Y, **_fit_kwargs(name))
+    assert estimator.feature_names_in_.tolist() == list(frame.columns)
+    same = estimator.predict_bag_proba(frame, BAGS, **_fit_kwargs(name))[1]
+    np.testing.assert_allclose(same, estimator.predict_bag_proba(X, BAGS, **_fit_kwargs(name))[1])  # arrays: by position
+    with pytest.raises(ValueError, match=r"X's columns differ from those the model was fitted on: in another order"):
+        estimator.predict_bag_proba(frame[frame.columns[::-1]], BAGS, **_fit_kwargs(name))
+    with pytest.raises(ValueError, match=r"missing \['f0'\], not fitted on \['other'\]"):
+        estimator.predict_bag_proba(frame.rename(columns={"f0": "other"}), BAGS, **_fit_kwargs(name))
+    assert not hasattr(ESTIMATORS[name]().fit(X, BAGS, Y, **_fit_kwargs(name)), "feature_names_in_")

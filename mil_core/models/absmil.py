@@ -42,8 +42,8 @@ from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
-from ..validation import check_features, check_mil_data
-from .base import FeatureStandardisation, forget_fit, store_params, take_bags
+from ..validation import check_features, check_mil_data, feature_names
+from .base import FeatureStandardisation, fitted_names, forget_fit, store_params, take_bags
 
 __all__ = [
     "AbSMIL",
@@ -492,9 +492,10 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
     def fit(self, X: Any, bag_ids: Any, y: Any) -> AbSMIL:
         """Fit on instances ``X`` (N, D), their ``bag_ids`` (N,) and ``y`` (N,), the bag label of
         each instance's bag."""
+        names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_params()
-        forget_fit(self)
+        forget_fit(self, names)
         (X_sorted, scaling), offsets = self._standardise_training_rows(take_rows(X, bags.order)), bags.offsets
         rng = check_random_state(self.random_state)
         updates = self._initial_updates(X_sorted, rng)
@@ -601,7 +602,7 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
         """Validated input, bag index, log P(z | x) (bag order) and, per side m ∈ {0, 1}, the
         chain's ``log P(Y = m, T = 1 | X_b)`` and (optionally) instance posteriors."""
         check_is_fitted(self, "weights_")
-        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_)
+        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_, names=fitted_names(self))
         updates = self._updates()
         X_sorted = take_rows(self._standardised_input(X), bags.order)
         log_p = updates.log_attribute_proba(updates.features(X_sorted), self.weights_)
@@ -633,7 +634,7 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
         """
         if bag_ids is None:
             check_is_fitted(self, "weights_")
-            X = self._standardised_input(check_features(X, n_features=self.n_features_in_))
+            X = self._standardised_input(check_features(X, n_features=self.n_features_in_, names=fitted_names(self)))
             updates = self._updates()
             return np.exp(updates.log_attribute_proba(updates.features(X), self.weights_))
         bags, log_p, chains = self._side_chains(X, bag_ids, posteriors=True)

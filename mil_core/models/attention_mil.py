@@ -22,8 +22,8 @@ from ..attention import (
 )
 from .._backend import to_numpy
 from ..calibration import fit_platt
-from ..validation import check_features, check_mil_data
-from .base import forget_fit, store_params, take_bags
+from ..validation import check_features, check_mil_data, feature_names
+from .base import fitted_names, forget_fit, store_params, take_bags
 
 __all__ = ["ABMIL", "AttentionNetworkParams"]
 
@@ -70,12 +70,12 @@ class AttentionNetworkParams:
     def _input_rows(self, X: Any) -> Any:
         """Validated prediction rows in the units the networks were fitted in."""
         check_is_fitted(self, "n_features_in_")
-        return self._standardised_input(check_features(X, n_features=self.n_features_in_))
+        return self._standardised_input(check_features(X, n_features=self.n_features_in_, names=fitted_names(self)))
 
     def _embed(self, X: Any, member: int = 0) -> np.ndarray:
         """Instance embeddings ``h = f_emb(x)`` (float64 NumPy) of validated input rows by network ``member``."""
         check_is_fitted(self, "n_features_in_")
-        X = to_numpy(check_features(X, n_features=self.n_features_in_)).astype(np.float64, copy=False)
+        X = to_numpy(check_features(X, n_features=self.n_features_in_, names=fitted_names(self))).astype(np.float64, copy=False)
         return instance_embedding(network_arrays(self._states()[member]), X)
 
     def predict_attention(self, X: Any, bag_ids: Any) -> np.ndarray:
@@ -168,8 +168,9 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
 
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""
+        names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        forget_fit(self)
+        forget_fit(self, names)
         X_sorted = to_numpy(X).astype(np.float64, copy=False)[bags.order]
         fit = self._network_fit(X_sorted, bags.offsets, labels, _seed(self.random_state))
         self._store_traces(fit, X.shape[1])
@@ -189,7 +190,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         """``keys, p``: ``p(T_b = 1) = σ(a (cᵀ z_b + c₀) + c)`` for each bag (``a = 1, c = 0``
         without calibration: the network's sigmoid), ``keys = np.unique(bag_ids)``."""
         check_is_fitted(self, "network_state_")
-        X, bags, _ = check_mil_data(X, bag_ids)
+        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_, names=fitted_names(self))
         logits = self._bag_logits(to_numpy(X)[bags.order], bags.offsets)
         return bags.keys, _sigmoid(np, self.calibration_slope_ * logits + self.calibration_intercept_)
 

@@ -25,7 +25,7 @@ from ..kernels import RBF
 from ..metrics import binary_auc
 from ..relevance import relevance_weightings
 from ..threadpools import concurrent_parts, single_thread_when_small
-from ..validation import check_features, check_mil_data, standardisation, standardise
+from ..validation import check_features, check_mil_data, feature_names, standardisation, standardise
 from .hyper import HYPER_PARAMETER_FLAGS
 
 __all__ = ["AUTO_BAG_RULES", "BagRuleChoice", "SparseGPMILBase", "best_candidate", "choice_bags", "store_params", "sweep_budget", "take_bags", "uses_coords", "AUTO_VARIANCES"]
@@ -161,12 +161,20 @@ def store_params(estimator: BaseEstimator, init_locals: dict[str, Any]) -> None:
             setattr(estimator, name, value)
 
 
-def forget_fit(estimator: BaseEstimator) -> None:
+def fitted_names(estimator: BaseEstimator) -> np.ndarray | None:
+    """The DataFrame columns ``estimator`` was fitted on (``feature_names_in_``), or None."""
+    return getattr(estimator, "feature_names_in_", None)
+
+
+def forget_fit(estimator: BaseEstimator, names: np.ndarray | None) -> None:
     """Drop every fitted attribute (``name_``) before a new fit, as scikit-learn's estimators do: a
     refit without early stopping kept the first fit's ``best_iteration_`` and ``validation_auc_``
-    (and a model saved from it, those numbers)."""
+    (and a model saved from it, those numbers). ``names``: the DataFrame columns the fit is given
+    (:func:`~mil_core.validation.feature_names`), kept as ``feature_names_in_``; predictions check them."""
     for name in [name for name in vars(estimator) if name.endswith("_") and not name.startswith("__")]:
         delattr(estimator, name)
+    if names is not None:
+        estimator.feature_names_in_ = names
 
 
 def _setting_kernel(variance: float, setting: dict[str, Any],
@@ -304,10 +312,11 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         """Fit on instances ``X`` (N, D), their ``bag_ids`` (N,) and ``y`` (N,), the bag label of
         each instance's bag (constant within a bag). ``coords`` (instance grid positions) only
         for models that use them (see :meth:`_check_coords`)."""
+        names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        forget_fit(self)
+        forget_fit(self, names)
         X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         train, val = self._split_validation(labels)
         X_train, offsets = take_bags(X_sorted, bags.offsets, train)
@@ -589,8 +598,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
     def _check_predict_input(self, X: Any, bag_ids: Any | None = None) -> tuple[Any, BagIndex | None]:
         check_is_fitted(self, "q_")
         if bag_ids is None:
-            return self._standardised_input(check_features(X, n_features=self.n_features_in_)), None
-        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_)
+            return self._standardised_input(check_features(X, n_features=self.n_features_in_, names=fitted_names(self))), None
+        X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_, names=fitted_names(self))
         return self._standardised_input(X), bags
 
     def _check_restored(self) -> None:

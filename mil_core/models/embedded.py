@@ -24,7 +24,7 @@ from .._backend import to_numpy
 from ..attention import attention_weights, bag_logits, instance_logits, network_arrays
 from ..bags import segment_sum
 from ..metrics import binary_auc, chance_auc_std
-from ..validation import check_mil_data, standardisation
+from ..validation import check_mil_data, feature_names, standardisation
 from .attention_mil import AttentionNetworkParams
 from .base import FeatureStandardisation, forget_fit, store_params, take_bags
 from .vgpmil import VGPMIL
@@ -211,8 +211,9 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
         member's GP on the input features of its training bags, kept instead (with their own
         calibration) when they score higher out of fold."""
         self._check_representation()
+        names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
-        forget_fit(self)
+        forget_fit(self, names)
         X_sorted, scaling = self._standardise_training_rows(to_numpy(X).astype(np.float64, copy=False)[bags.order])
         network_seed, gp_seed = self._seeds()
         self.fit_embedding(X_sorted, bags.offsets, labels, seed=network_seed)

@@ -56,7 +56,7 @@ from ..ising import Neighbourhood
 from ..kernels import RBF
 from ..threadpools import single_thread_when_small
 from ..truncnorm import log_neg_log_ndtr, upper_truncated_quantile
-from ..validation import check_mil_data
+from ..validation import check_mil_data, feature_names
 from .base import forget_fit, store_params
 from .probit import VGPMILPRI
 from .probit_updates import ProbitBags, ProbitMILUpdates
@@ -420,10 +420,11 @@ class VGPMILPRGibbs(VGPMILPRI):
     @single_thread_when_small
     def fit(self, X: Any, bag_ids: Any, y: Any, coords: Any | None = None) -> VGPMILPRGibbs:
         """Sample the posterior given instances, bag ids, per-instance bag labels (and coords)."""
+        names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
         self._check_common_params(X.shape[0])
         coords_sorted = self._check_coords(coords, bags)
-        forget_fit(self)
+        forget_fit(self, names)
         X_sorted, scaling = self._standardise_training_rows(take_rows(X, bags.order))
         offsets = bags.offsets
         updates = self._start_fit(X_sorted, np.repeat(labels, np.diff(offsets)), offsets=offsets, coords=coords_sorted)
