@@ -10,9 +10,12 @@
 """
 
 import argparse
+import ctypes
+import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -52,6 +55,32 @@ def _sigterm_as_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _temporary_prefect_server_of_its_own() -> None:
+    """Start the temporary Prefect server (no ``PREFECT_API_URL``) as Prefect would, but in a session
+    of its own and, on Linux, stopped by the kernel when gpmil dies. In gpmil's process group it
+    took Ctrl-C from the terminal too, died first, and the run spent minutes retrying to report its
+    crash; a gpmil killed by SIGKILL (the OOM killer) left it running. Prefect's client then finds
+    it started (one server per port, as Prefect keeps them)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    server = SubprocessASGIServer()
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value() or server.running:
+        return
+    popen = subprocess.Popen
+    subprocess.Popen = functools.partial(popen, start_new_session=True,  # Prefect's own Popen call, this once
+                                         preexec_fn=_stopped_with_parent if sys.platform == "linux" else None)
+    try:
+        server.start()
+    finally:
+        subprocess.Popen = popen
+
+
+def _stopped_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM when its parent, gpmil, dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def _abs(path: Any) -> str | None:
     return None if path is None else str(Path(path).resolve())
 
@@ -72,6 +101,7 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
     config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
                          **({"store": _abs(args.store)} if getattr(args, "store", None) and not new_cohort else {}))
     _input_errors_without_traceback()
+    _temporary_prefect_server_of_its_own()
     return with_source(config)
 
 
@@ -205,6 +235,7 @@ def _demo(args: argparse.Namespace) -> int:
     from flows.demo import demo
 
     _input_errors_without_traceback()
+    _temporary_prefect_server_of_its_own()
     for name, report in demo(str(args.workdir)).items():
         print(f"{name}: report at {report}")
     return 0

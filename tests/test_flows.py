@@ -635,9 +635,14 @@ def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo
         assert f"MODEL_DIR: {damaged / message.split()[0]}" in err and message in err and err.count("\n") == 1, err
 
 
-def test_sigterm_during_training_stops_the_temporary_prefect_server_too(tmp_path):
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C in the terminal", "SIGKILL"])
+def test_a_killed_run_leaves_no_temporary_prefect_server_behind(tmp_path, how):
     """A scheduler's timeout (SIGTERM) killed gpmil at once and left its temporary Prefect server
-    running, re-parented to init: one leaked server per killed run. It now exits as Ctrl-C does."""
+    running, re-parented to init: one leaked server per killed run; so did SIGKILL (the OOM killer).
+    Ctrl-C in the terminal reached the server too (one process group): it died first and the run
+    spent minutes retrying to report its crash. The server now runs in its own session, stopped
+    with gpmil whatever ends it."""
+    import os
     import signal
     import subprocess
     import sys
@@ -652,7 +657,7 @@ def test_sigterm_during_training_stops_the_temporary_prefect_server_too(tmp_path
                                                               "kernel": {"variance": 4.0}, "random_state": 0}},
                           dask={"n_workers": 1, "processes": False}, training={"checkpoint_every": 1})
     run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, cwd=Path(__file__).parents[1])
+                           text=True, cwd=Path(__file__).parents[1], start_new_session=True)  # a terminal's process group
     servers = []
     try:
         deadline = time.monotonic() + 300
@@ -660,9 +665,14 @@ def test_sigterm_during_training_stops_the_temporary_prefect_server_too(tmp_path
             time.sleep(0.5)
         servers = [p for p in psutil.Process(run.pid).children(recursive=True) if "uvicorn" in " ".join(p.cmdline())]
         assert run.poll() is None and len(servers) == 1, run.stdout.read() if run.poll() is not None else servers
-        run.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        if how == "Ctrl-C in the terminal":
+            os.killpg(run.pid, signal.SIGINT)
+        else:
+            run.send_signal(getattr(signal, how))
         output = run.communicate(timeout=120)[0]
-        assert run.returncode == 128 + signal.SIGTERM, output
+        expected = {"SIGTERM": 128 + signal.SIGTERM, "Ctrl-C in the terminal": 130, "SIGKILL": -signal.SIGKILL}[how]
+        assert run.returncode == expected and time.monotonic() - started < 60, output
         psutil.wait_procs(servers, timeout=15)
         assert not servers[0].is_running(), "the temporary Prefect server outlived the killed run"
     finally:  # a failing run leaves nothing behind either
