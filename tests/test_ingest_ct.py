@@ -12,6 +12,7 @@ import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 
+from tasks.ingest.errors import IngestError
 from tasks.ingest.ct import ingest_ct, load_windowed_slices, order_slices, scan_dicom_dir, to_hu, windowed_channels
 from tasks.ingest.features import HandcraftedCT, extractor_spec, make_extractor, register_extractor
 from tasks.ingest.synthetic import make_ct_cohort, write_ct_series
@@ -266,3 +267,76 @@ def test_a_scan_the_labels_do_not_give_is_kept_unlabelled_for_a_cohort_to_predic
     kept = {item.bag_id: item for item in plan.items}
     assert not plan.skipped and kept[scans[0].series_uid].label == -1 and kept[scans[1].series_uid].label == 0
     assert kept[scans[0].series_uid].payload["instance_labels"] == [0, -1, -1, -1]
+
+
+def test_rsna_uids_that_carry_id_prefixes_are_labelled_and_read_quietly(tmp_path):
+    """In the RSNA data the headers' SOPInstanceUIDs are 'ID_00e680819' themselves and the rows
+    'ID_00e680819_any': every scan was skipped as unlabelled (and pydicom warned once per file)."""
+    import warnings
+
+    from tasks.ingest.ct import plan_ct
+
+    _, sops, paths = write_ct_series(tmp_path / "stage_2_train", np.zeros((4, 16, 16)), series_key="rsna")
+    rsna_uids = [f"ID_{k:09x}" for k in range(4)]
+    for path, uid in zip(paths, rsna_uids):
+        ds = pydicom.dcmread(path)
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = uid
+        ds.save_as(path)
+    (tmp_path / "labels.csv").write_text("ID,Label\n" + "".join(f"{uid}_any,{int(k == 1)}\n{uid}_subdural,0\n"
+                                                                for k, uid in enumerate(rsna_uids)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_ct(tmp_path / "c.zarr", tmp_path / "stage_2_train", labels_csv=tmp_path / "labels.csv")
+    assert not plan.skipped and [i.label for i in plan.items] == [1]
+    assert plan.items[0].payload["instance_labels"] == [0, 1, 0, 0]
+    assert not [w for w in caught if "pydicom" in str(w.filename)], [str(w.message) for w in caught][:3]
+
+
+def test_conflicting_label_rows_and_subtypes_without_any_are_named(tmp_path):
+    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=4, size=16, positive_fraction=0.5, seed=6)
+    labels = pd.read_csv(tmp_path / "dicom" / "labels.csv")
+    row = labels[labels["ID"].str.endswith("_any")].iloc[0]
+    pd.concat([labels, pd.DataFrame([{"ID": row["ID"], "Label": 1 - row["Label"]}])]).to_csv(tmp_path / "dup.csv", index=False)
+    with pytest.raises(IngestError, match=rf"row {len(labels) + 2}: {row['ID']} = {1 - row['Label']}, but an earlier row gives it"):
+        ingest_ct(tmp_path / "a.zarr", tmp_path / "dicom", labels_csv=tmp_path / "dup.csv")
+    labels[~labels["ID"].str.endswith("_any")].to_csv(tmp_path / "no_any.csv", index=False)
+    report = ingest_ct(tmp_path / "b.zarr", tmp_path / "dicom", labels_csv=tmp_path / "no_any.csv")
+    assert len(report.skipped) == 2 and all("only: a scan's label comes from its _any rows" in s.reason for s in report.skipped)
+
+
+def test_copied_multi_frame_mixed_size_and_preambleless_series(tmp_path):
+    """A series copied into two folders was 'slices X.dcm and X.dcm are at the same position'; a
+    multi-frame file 'no usable RescaleSlope'; sizes that differ after the first 32 slices were
+    ingested and failed in the report; a file without the DICOM preamble was unreadable."""
+    import shutil
+
+    from pydicom.filewriter import dcmwrite
+
+    _, _, paths = write_ct_series(tmp_path / "copied" / "export_1" / "SER1", np.zeros((4, 16, 16)), series_key="copy")
+    shutil.copytree(tmp_path / "copied" / "export_1", tmp_path / "copied" / "export_2")
+    (error,) = scan_dicom_dir(tmp_path / "copied")[1]
+    assert f"is in two files, {paths[0]} and {tmp_path / 'copied' / 'export_2' / 'SER1' / paths[0].name}" in error.reason
+
+    _, _, paths = write_ct_series(tmp_path / "multi" / "s", np.zeros((3, 16, 16)), series_key="multi")
+    ds = pydicom.dcmread(paths[0])
+    ds.NumberOfFrames = 8
+    ds.save_as(paths[0])
+    (error,) = scan_dicom_dir(tmp_path / "multi")[1]
+    assert f"{paths[0].name} holds 8 frames (an enhanced, multi-frame CT)" in error.reason
+
+    hu = np.zeros((36, 16, 16))
+    _, _, paths = write_ct_series(tmp_path / "sizes" / "s", hu, series_key="sizes")
+    write_ct_series(tmp_path / "bigger", np.zeros((36, 24, 24)), series_key="sizes")  # same UIDs, other size
+    for k in range(32, 36):
+        shutil.copy(tmp_path / "bigger" / paths[k].name, paths[k])
+    (error,) = scan_dicom_dir(tmp_path / "sizes")[1]
+    assert f"slice {paths[32].name} is 24×24 pixels, {paths[0].name} 16×16: one size per series" in error.reason
+
+    _, sops, paths = write_ct_series(tmp_path / "bare" / "s", np.zeros((3, 16, 16)), series_key="bare")
+    ds = pydicom.dcmread(paths[1])
+    ds.preamble = None
+    dcmwrite(paths[1], ds, enforce_file_format=False)
+    assert paths[1].read_bytes()[128:132] != b"DICM"
+    series, errors = scan_dicom_dir(tmp_path / "bare")
+    assert not errors and list(series[0].sop_uids) == sops
+    assert load_windowed_slices(series[0].files).shape == (3, 16, 16, 3)

@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
-                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept"]
+                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -98,13 +100,16 @@ def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[
     image with a SeriesInstanceUID and for every series :func:`check_series` refuses (or that
     shares its folder with another series of its study).
     """
-    import pydicom
+    with quiet_pydicom():  # values are converted, and warned about, when first read
+        return _scan_dicom_files(paths)
 
+
+def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError]]:
     groups: dict[str, list] = defaultdict(list)
     errors: list[IngestError] = []
     for path in sorted(str(p) for p in paths):
         try:
-            header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS)
+            header = read_header(path)
             series_uid, sop_uid = str(header.SeriesInstanceUID), str(header.SOPInstanceUID)
         except Exception as error:  # pydicom raises InvalidDicomError, EOFError, AttributeError, ...
             errors.append(UnreadableFileError(f"not a readable DICOM image: {type(error).__name__}: {error}",
@@ -124,6 +129,31 @@ def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[
     return _reject_mixed_folders(series, groups, errors)
 
 
+def read_header(path: str):
+    """The header tags the scan needs; a file without DICOM's 128-byte preamble (some exports) is read
+    as pydicom reads it with ``force`` when it still has a SOPInstanceUID."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    with quiet_pydicom():
+        try:
+            return pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS)
+        except InvalidDicomError:
+            header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS, force=True)
+            if "SOPInstanceUID" not in header:
+                raise
+            return header
+
+
+@contextmanager
+def quiet_pydicom():
+    """pydicom's per-file warnings (e.g. 'Invalid value for VR UI' for the RSNA data's ``ID_…`` UIDs)
+    off the console: one line per file, millions at RSNA scale, about values gpmil reads as text."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="pydicom")
+        yield
+
+
 def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSeriesError | None:
     """Why a series (files and headers in spatial order) cannot be one CT bag, or None.
 
@@ -139,6 +169,18 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     def refuse(reason: str) -> InvalidSeriesError:
         return InvalidSeriesError(f"series of {len(files)} slices: {reason}", path=folder, bag_id=series_uid)
 
+    seen: dict[str, str] = {}
+    for path, header in zip(files, headers):
+        if (first := seen.setdefault(str(header.SOPInstanceUID), path)) != path:
+            return refuse(f"slice {header.SOPInstanceUID} is in two files, {first} and {path}: the series was copied "
+                          "into two folders; keep one copy")
+        if int(header.get("NumberOfFrames", 1) or 1) > 1:
+            return refuse(f"{Path(path).name} holds {header.NumberOfFrames} frames (an enhanced, multi-frame CT): "
+                          "one file per slice is read; export the series as single-frame CT images")
+    sizes = [(h.get("Rows"), h.get("Columns")) for h in headers]
+    if odd := next((k for k, size in enumerate(sizes) if size != sizes[0]), None):
+        return refuse(f"slice {Path(files[odd]).name} is {sizes[odd][0]}×{sizes[odd][1]} pixels, {Path(files[0]).name} "
+                      f"{sizes[0][0]}×{sizes[0][1]}: one size per series")
     for path, header in zip(files, headers):
         modality = header.get("Modality")
         if modality is not None and str(modality).upper() != "CT":
@@ -245,9 +287,17 @@ def read_rsna_subtypes(path: str | Path) -> dict[str, dict[str, int]]:
         raise IngestError(f"row {row + 2}: Label {table['Label'].iat[row]!r} of {table['ID'].iat[row]} is not an integer "
                           "(0 or 1)", path=str(path))
     subtypes: dict[str, dict[str, int]] = defaultdict(dict)  # values other than 0/1 are refused per scan
-    for uid, subtype, value in zip(parts["uid"], parts["subtype"], values.astype(int).tolist()):
-        subtypes[uid][subtype] = value
+    for row, (uid, subtype, value) in enumerate(zip(parts["uid"], parts["subtype"], values.astype(int).tolist())):
+        if subtypes[uid].setdefault(subtype, value) != value:
+            raise IngestError(f"row {row + 2}: {table['ID'].iat[row]} = {value}, but an earlier row gives it "
+                              f"{subtypes[uid][subtype]}: which label holds?", path=str(path))
     return dict(subtypes)
+
+
+def label_key(sop_uid: str) -> str:
+    """A slice's key in the labels: its SOPInstanceUID, without the ``ID_`` the RSNA data's own UIDs
+    carry (header ``ID_00e680819``, row ``ID_00e680819_any``)."""
+    return sop_uid[3:] if sop_uid.startswith("ID_") else sop_uid
 
 
 def pd_numeric(column) -> np.ndarray:
@@ -266,7 +316,7 @@ def scan_subtypes(sop_uids: Iterable[str], subtypes: dict[str, dict[str, int]]) 
     """A scan's original label: each subtype the labels give its slices, 1 if any slice has it."""
     out: dict[str, int] = {}
     for uid in sop_uids:
-        for subtype, value in subtypes.get(uid, {}).items():
+        for subtype, value in subtypes.get(label_key(uid), {}).items():
             out[subtype] = max(out.get(subtype, 0), value)
     return out
 
@@ -278,7 +328,8 @@ def load_windowed_slices(files: Iterable[str]) -> np.ndarray:
     images = []
     for path in files:
         try:
-            hu = to_hu(pydicom.dcmread(path))
+            with quiet_pydicom():
+                hu = to_hu(pydicom.dcmread(path, force=True))  # read once by read_header: a DICOM, preamble or not
         except Exception as error:
             raise UnreadableFileError(f"cannot decode DICOM pixel data: {type(error).__name__}: {error}",
                                       path=path) from error
@@ -331,7 +382,7 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
             items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
                                     payload | {"instance_labels": [UNKNOWN_LABEL] * len(s.files)}, inputs=tuple(s.files)))
             continue
-        instance = np.array([subtypes.get(uid, {}).get("any", UNKNOWN_LABEL) for uid in s.sop_uids])
+        instance = np.array([subtypes.get(label_key(uid), {}).get("any", UNKNOWN_LABEL) for uid in s.sop_uids])
         if not np.isin(instance, (UNKNOWN_LABEL, 0, 1)).all():
             bad = int(np.flatnonzero(~np.isin(instance, (UNKNOWN_LABEL, 0, 1)))[0])
             skipped.append(Skipped.from_error(MissingLabelError(
@@ -343,9 +394,11 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
                 items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL, payload | {"instance_labels": instance.tolist()},
                                         inputs=tuple(s.files)))
                 continue
+            given = sorted({k for uid in s.sop_uids for k in subtypes.get(label_key(uid), {})})
+            hint = f" (it gives them {', '.join(given)} only: a scan's label comes from its _any rows)" if given else ""
             skipped.append(Skipped.from_error(MissingLabelError(
                 f"{int((instance == UNKNOWN_LABEL).sum())} of {len(instance)} slices have no label in "
-                f"{labels_csv} and none is positive", path=source, bag_id=s.series_uid)))
+                f"{labels_csv}{hint} and none is positive", path=source, bag_id=s.series_uid)))
             continue
         items.append(IngestItem(s.series_uid, source, int((instance == 1).any()),
                                 payload | {"instance_labels": instance.tolist()},
