@@ -115,7 +115,7 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
     meaning = str(cohort.attrs.get("coords_meaning", ""))
     columns: dict[str, Any] = {"bag_id": pd.Categorical.from_codes(bag_of_row, np.asarray(cohort.bag_ids, dtype=str)),
                                "instance": np.arange(n) - offsets[bag_of_row]}
-    if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
+    if meaning.startswith((SLIDE_TILES, "x,y")):
         xy = coords[:, 2:4] if meaning.startswith("tile_row") else coords[:, :2]
         columns |= {"x": xy[:, 0], "y": xy[:, 1]}
     elif meaning == "slice_index":
@@ -415,7 +415,26 @@ def level0_tiles(coords: np.ndarray, coords_meaning: str, side: float | None = N
     xy = _level0_xy(np.asarray(coords), coords_meaning)
     if xy is None:
         return np.asarray(coords)[:, 1::-1][:, :2].astype(np.float64), 1.0
-    return xy.astype(np.float64), side or _grid_step(xy) or 1.0
+    own = _slide_tile_side(np.asarray(coords)) if coords_meaning.startswith(SLIDE_TILES) else None
+    return xy.astype(np.float64), own or side or _grid_step(xy) or 1.0
+
+
+SLIDE_TILES = "tile_row,tile_col,x,y"
+"""How a slide store's coordinates start: the tile's grid row and column, then its level-0 corner."""
+
+
+def _slide_tile_side(coords: np.ndarray) -> float | None:
+    """A slide's own tile side in level-0 pixels, from its tiles' grid columns and corners: the
+    median over rows of Δx / Δcol between a row's first and last tile (None without two tiles in a row). Exact where the
+    level-0 footprint is fractional (``target_mpp``: corners 256 and 257 px apart alternately) and per
+    slide in a cohort of several magnifications."""
+    line = coords[np.lexsort((coords[:, 1], coords[:, 0]))].astype(np.float64)  # by row, then column
+    rows, first = np.unique(line[:, 0], return_index=True)
+    last = np.append(first[1:], len(line)) - 1
+    spans = line[last, 1] - line[first, 1]  # the columns between a row's first and last tile
+    if not (spans > 0).any():
+        return None
+    return float(np.median(((line[last, 2] - line[first, 2]) / np.where(spans > 0, spans, 1))[spans > 0]))
 
 
 def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: str) -> float | None:
@@ -428,12 +447,16 @@ def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: st
     xy = _level0_xy(np.asarray(coords), coords_meaning)
     if xy is None:
         return None
+    if coords_meaning.startswith(SLIDE_TILES):  # each slide knows its own: the median slide's, for one-tile slides
+        sides = [side for start, stop in zip(offsets[:-1], offsets[1:])
+                 if (side := _slide_tile_side(np.asarray(coords[start:stop]))) is not None]
+        return float(np.median(sides)) if sides else None
     found = [_neighbour_gaps(xy[start:stop]) for start, stop in zip(offsets[:-1], offsets[1:])]
     return _fundamental_step(np.concatenate(found) if found else np.zeros(0))
 
 
 def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
-    if coords_meaning.startswith("tile_row,tile_col,x,y"):
+    if coords_meaning.startswith(SLIDE_TILES):
         return coords[:, 2:4]
     if coords_meaning.startswith("x,y"):
         return coords[:, :2]
@@ -451,11 +474,13 @@ def _neighbour_gaps(xy: np.ndarray) -> np.ndarray:
     return gaps[gaps > 0]
 
 
-def _fundamental_step(gaps: np.ndarray, share: float = 0.75) -> float | None:
-    """The largest step of which at least ``share`` of the gaps are whole multiples: tiles sampled
-    sparsely leave gaps of 1, 2, 3 … patches (step: the patch), a few gaps off the grid (two tissue
-    pieces) do not count. Candidates are the gaps and, for whole-pixel gaps, the greatest common
-    divisors of the commonest ones; None without gaps."""
+def _fundamental_step(gaps: np.ndarray, share: float = 0.75, tolerance: float = 0.02) -> float | None:
+    """The largest step of which at least ``share`` of the gaps are whole multiples (within
+    ``tolerance`` of one: corners rounded to pixels): tiles sampled sparsely leave gaps of 1, 2, 3 …
+    patches (step: the patch), a few gaps off the grid (two tissue pieces) do not count. Candidates
+    are the gaps and, for whole-pixel gaps, the greatest common divisors of the commonest ones, at
+    least half the smallest gap that ≥ 5 % of the gaps have (256 and 257 px are no grid of 1 px);
+    None without gaps."""
     if not gaps.size:
         return None
     values, counts = np.unique(gaps, return_counts=True)
@@ -463,12 +488,13 @@ def _fundamental_step(gaps: np.ndarray, share: float = 0.75) -> float | None:
     if np.all(values == np.round(values)):
         common = values[np.argsort(-counts)[:8]].astype(np.int64)
         candidates |= {float(math.gcd(int(a), int(b))) for a in common for b in common}
+    floor = 0.5 * values[counts >= 0.05 * counts.sum()].min()
 
     def multiples(step: float) -> float:
         ratio = values / step
-        return counts[(np.abs(ratio - np.round(ratio)) < 1e-6) & (ratio > 0.5)].sum() / counts.sum()
+        return counts[(np.abs(ratio - np.round(ratio)) <= tolerance * np.round(ratio)) & (ratio > 0.5)].sum() / counts.sum()
 
-    held = [step for step in candidates if step > 0 and multiples(step) >= share]
+    held = [step for step in candidates if step >= floor and multiples(step) >= share]
     return float(max(held)) if held else float(values[np.argmax(counts)])
 
 

@@ -166,3 +166,21 @@ def test_clam_grids_of_two_tissue_pieces_a_few_pixels_apart_keep_the_patch_size(
     coords = np.concatenate([np.stack([g % 20, g // 20], axis=1) * 512 for g in sparse])
     assert report.cohort_tile_side(coords, np.arange(0, 121, 12), meaning) == 512
     assert report.cohort_tile_side(np.array([[0, 0], [1024, 0], [2560, 0]]), np.array([0, 3]), meaning) == 512  # 2 and 3 patches
+
+
+def test_a_fractional_footprint_and_slides_of_two_magnifications_keep_their_own_tile_sides():
+    """target_mpp 0.5 on a 0.499 µm/px scanner puts corners 256 and 257 px apart alternately: the
+    cohort's side came out as 1 px (a grid of their common divisor) and the heatmap was empty; a
+    40x slide beside 20x ones was drawn with the 20x side."""
+    meaning = "tile_row,tile_col,x,y (x, y: level-0 pixels of the tile's top-left corner)"
+    rows, cols = np.meshgrid(np.arange(4), np.arange(6), indexing="ij")
+    fractional = np.stack([rows.ravel(), cols.ravel(), np.floor(cols.ravel() * 256.5), np.floor(rows.ravel() * 256.5)], axis=1)
+    double = np.stack([rows.ravel(), cols.ravel(), cols.ravel() * 512, rows.ravel() * 512], axis=1)
+    lone = np.array([[0, 0, 0, 0]])
+    coords, offsets = np.concatenate([fractional, double, fractional, lone]), np.array([0, 24, 48, 72, 73])
+    assert report.cohort_tile_side(coords, offsets, meaning) == pytest.approx(256.5, abs=0.2)
+    assert report.level0_tiles(fractional, meaning, 256.5)[1] == pytest.approx(256.5, abs=0.2)
+    assert report.level0_tiles(double, meaning, 256.5)[1] == 512  # its own, not the cohort's
+    assert report.level0_tiles(lone, meaning, 256.5)[1] == 256.5  # one tile: the cohort's
+    table = np.stack([np.floor(cols.ravel() * 256.5), np.floor(rows.ravel() * 256.5)], axis=1)  # the same corners as x, y columns
+    assert report.cohort_tile_side(table, np.array([0, 24]), "x,y (table columns x, y)") == 257
