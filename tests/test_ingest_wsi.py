@@ -12,9 +12,11 @@ import pytest
 import tifffile
 
 from tasks.ingest.driver import run_ingest
+from tasks.ingest.errors import IngestError
 from tasks.ingest.synthetic import BACKGROUND, MAP_DOWNSAMPLE, TISSUE, TUMOUR, make_slide_cohort, write_slide
 from tasks.ingest.slide_io import open_slide
-from tasks.ingest.wsi import TilingParams, choose_level, heatmap_background, ingest_slides, plan_slides, tile_grid
+from tasks.ingest.wsi import (TileGeometry, TilingParams, choose_level, heatmap_background, ingest_slides, plan_slides,
+                              tile_geometry, tile_grid)
 from tasks.paths import safe_filename
 from tasks.store import open_cohort
 
@@ -47,8 +49,11 @@ def test_magnification_picks_the_matching_pyramid_level(slides):
     with open_slide(generated[0].path) as slide:
         assert slide.magnification == 20.0 and slide.downsamples == [1.0, 4.0]
         assert slide.reader == "tifffile"  # a SubIFD pyramid: OpenSlide would see its base level only
-        assert choose_level(slide, TilingParams(magnification=5.0)) == 1
-        assert choose_level(slide, TilingParams(magnification=20.0)) == 0
+        assert tile_geometry(slide, TilingParams(tile_size=64, magnification=5.0)) == TileGeometry(1, 64, 256.0)
+        assert tile_geometry(slide, TilingParams(tile_size=64, magnification=20.0)) == TileGeometry(0, 64, 64.0)
+        # 10x between the 20x and 5x levels: read at 20x and halved (the nearest level, 20x, was read as it is)
+        assert tile_geometry(slide, TilingParams(tile_size=64, magnification=10.0)) == TileGeometry(0, 128, 128.0)
+        assert choose_level(slide, TilingParams(level=1)) == 1
         grid = tile_grid(slide, TilingParams(tile_size=64, magnification=5.0, min_tissue=0.5))
     assert grid.geometry.level == 1 and grid.shape == (4, 6)
     np.testing.assert_array_equal(grid.coords[:, 2:], grid.coords[:, 1::-1] * 256)  # level-0 x, y
@@ -294,3 +299,14 @@ def test_a_slide_named_with_decomposed_accents_takes_its_composed_labels_row(sli
     plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", extractor=_MeanColour())
     assert sorted((i.bag_id, i.label) for i in plan.items) == [(decomposed, 1), ("plain", 0)]
     assert plan.skipped == []
+
+
+def test_a_resolution_no_scanner_gives_is_refused_not_tiled_into_a_billion_cells(tmp_path, slides):
+    """A TIFF's default 72-dpi tag reads as 352.8 µm/px: target_mpp 0.5 made 1-px reads of a
+    2822 × 4233 grid per small slide, for minutes, without a word."""
+    write_slide(tmp_path / "dpi72.tiff", slides[1][0].label_map, seed=1, mpp=352.8)
+    with open_slide(tmp_path / "dpi72.tiff") as slide:
+        assert slide.mpp == pytest.approx(352.8)
+        with pytest.raises(IngestError, match=r"slide metadata gives 352.8 µm/px, which no scanner gives .*set ingest.base_mpp"):
+            tile_geometry(slide, TilingParams(tile_size=64, target_mpp=0.5))
+        assert tile_geometry(slide, TilingParams(tile_size=64, target_mpp=0.5, base_mpp=0.25)).side0 == 128.0

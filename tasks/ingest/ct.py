@@ -174,9 +174,6 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
         if (first := seen.setdefault(str(header.SOPInstanceUID), path)) != path:
             return refuse(f"slice {header.SOPInstanceUID} is in two files, {first} and {path}: the series was copied "
                           "into two folders; keep one copy")
-        if int(header.get("NumberOfFrames", 1) or 1) > 1:
-            return refuse(f"{Path(path).name} holds {header.NumberOfFrames} frames (an enhanced, multi-frame CT): "
-                          "one file per slice is read; export the series as single-frame CT images")
     sizes = [(h.get("Rows"), h.get("Columns")) for h in headers]
     if odd := next((k for k, size in enumerate(sizes) if size != sizes[0]), None):
         return refuse(f"slice {Path(files[odd]).name} is {sizes[odd][0]}×{sizes[odd][1]} pixels, {Path(files[0]).name} "
@@ -186,6 +183,9 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
         if modality is not None and str(modality).upper() != "CT":
             hint = "; a DICOM whole-slide image is ingested with ingest.kind wsi" if str(modality).upper() == "SM" else ""
             return refuse(f"Modality {str(modality)!r}, not CT ({Path(path).name}){hint}")
+        if int(header.get("NumberOfFrames", 1) or 1) > 1:
+            return refuse(f"{Path(path).name} holds {header.NumberOfFrames} frames (an enhanced, multi-frame CT): "
+                          "one file per slice is read; export the series as single-frame CT images")
         for tag in ("RescaleSlope", "RescaleIntercept"):
             try:
                 float(header[tag].value)

@@ -8,8 +8,9 @@ of the lowest level while the thumbnail is read, never a whole level.
 Scale: with ``target_mpp`` a tile covers ``tile_size × target_mpp`` µm (e.g. 256 px at 0.5 µm/px =
 128 µm), whatever the scanner: the slide's level-0 µm/px (metadata, or ``base_mpp`` to override it)
 gives the level-0 footprint ``tile_size × target_mpp / mpp``; the finest level at least that coarse
-is read and resized to ``tile_size``. Without it, ``magnification`` or ``level`` picks a pyramid level
-read at ``tile_size`` pixels. The grid is laid on level 0; each kept tile is stored as
+is read and resized to ``tile_size``. ``magnification`` does the same at ``base magnification /
+magnification`` level-0 pixels per tile pixel; ``level`` reads that pyramid level at ``tile_size``
+pixels. The grid is laid on level 0; each kept tile is stored as
 ``(tile_row, tile_col, x, y)``: its grid index and the level-0 pixel of its top-left corner (the
 CLAM/TRIDENT convention).
 
@@ -46,9 +47,9 @@ class TilingParams:
     """How slides are tiled; recorded in the store's ``tiling`` attribute.
 
     ``target_mpp`` (µm per pixel of the tiles, e.g. 0.5) tiles at a physical scale, from the
-    slide's level-0 µm/px (``base_mpp`` overrides the metadata). Otherwise ``magnification`` picks
-    the pyramid level whose magnification is closest to it (it needs the base magnification in the
-    metadata), else ``level``. ``reader``: ``auto``, ``openslide`` or ``tifffile``.
+    slide's level-0 µm/px (``base_mpp`` overrides the metadata). Otherwise ``magnification`` tiles
+    at that objective power from the base magnification in the metadata (read at the finest level
+    at least as coarse, resized), else ``level`` reads that level as it is. ``reader``: ``auto``, ``openslide`` or ``tifffile``.
     """
 
     tile_size: int = 256
@@ -92,29 +93,43 @@ class TileGrid:
 
 
 def choose_level(slide: SlideReader, params: TilingParams) -> int:
-    """The level read without ``target_mpp``: ``params.level``, or the level closest in
-    magnification to ``params.magnification``."""
-    if params.magnification is None:
-        if not 0 <= params.level < len(slide.level_shapes):
-            raise IngestError(f"slide has {len(slide.level_shapes)} levels, level {params.level} requested",
-                              path=slide.path)
-        return params.level
-    if slide.magnification is None:
-        raise IngestError("slide metadata gives no base magnification; tile by target_mpp or level instead",
-                          path=slide.path)
-    magnifications = slide.magnification / np.asarray(slide.downsamples)
-    return int(np.argmin(np.abs(np.log(magnifications / params.magnification))))
+    """The level read without ``target_mpp`` or ``magnification``: ``params.level``, if the slide has it."""
+    if not 0 <= params.level < len(slide.level_shapes):
+        raise IngestError(f"slide has {len(slide.level_shapes)} levels, level {params.level} requested", path=slide.path)
+    return params.level
+
+
+PLAUSIBLE_MPP = (0.05, 20.0)
+"""µm/px a slide scanner's level 0 can have; a value outside (a TIFF's default 72 dpi reads as 352.8)
+is metadata that does not describe the scan."""
 
 
 def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
-    """The level, read size and level-0 footprint of a tile of ``slide`` under ``params``."""
-    if params.target_mpp is None:
+    """The level, read size and level-0 footprint of a tile of ``slide`` under ``params``:
+    ``target_mpp`` and ``magnification`` read the finest level at least as coarse as asked and
+    resize (a 20x tile of a 40x slide whose pyramid has downsamples 1, 4, 16 is read at level 0 and
+    halved; the nearest level, 40x, was taken before), ``level`` reads that level as it is."""
+    if params.target_mpp is None and params.magnification is None:
         level = choose_level(slide, params)
         return TileGeometry(level, params.tile_size, params.tile_size * slide.downsamples[level])
+    if params.target_mpp is None:
+        if slide.magnification is None:
+            raise IngestError("slide metadata gives no base magnification; tile by target_mpp or level instead",
+                              path=slide.path)
+        scale = slide.magnification / params.magnification  # level-0 pixels per tile pixel
+        return _resampled_geometry(slide, params, scale)
     mpp = params.base_mpp or slide.mpp
     if mpp is None:
         raise IngestError("slide metadata gives no µm/px (set base_mpp, or tile by level)", path=slide.path)
-    scale = params.target_mpp / mpp  # level-0 pixels per tile pixel
+    if params.base_mpp is None and not PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1]:
+        raise IngestError(f"slide metadata gives {mpp:g} µm/px, which no scanner gives (a default 72-dpi resolution "
+                          "tag?): set ingest.base_mpp to the scan's µm/px, or tile by level", path=slide.path)
+    return _resampled_geometry(slide, params, params.target_mpp / mpp)
+
+
+def _resampled_geometry(slide: SlideReader, params: TilingParams, scale: float) -> TileGeometry:
+    """Tiles of ``scale`` level-0 pixels per tile pixel: read at the finest level at least that
+    coarse (level 0 if none), resized to the tile size."""
     finer = [i for i, d in enumerate(slide.downsamples) if d <= scale * 1.01]
     level = max(finer, key=lambda i: slide.downsamples[i]) if finer else 0
     side0 = params.tile_size * scale
