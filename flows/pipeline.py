@@ -26,6 +26,7 @@ from flows.config import IngestConfig, LabelsConfig, PipelineConfig, TableColumn
 from tasks import prefect_tasks as t
 from tasks.cluster import start_cluster
 from tasks.paths import safe_filename
+from tasks.store import open_cohort
 
 __all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
 
@@ -86,11 +87,23 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     ``model.json``), its labels from ``labels`` read as the config's labels section reads its file
     (its id and label columns, target or positive values; else the kind's convention), and a
     Parquet table's features by the model's column names; bags the labels do not give are predicted,
-    unlabelled (``ingest.unlabelled: keep``), not left out."""
+    unlabelled (``ingest.unlabelled: keep``), not left out. Slides are tiled and featurised as the
+    training store records (its tiling and its extractor, whatever the config says now: a config
+    edited since trained on 128-px tiles and predicted 256-px ones, or featurised with new weights
+    and failed only after the whole ingest)."""
     new_labels = None if labels is None else (ingest.labels.model_copy(update={"file": Path(labels)})
                                               if isinstance(ingest.labels, LabelsConfig) else Path(labels))
+    training_store = Path(trained["store"]) if trained.get("store") else None
     ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
-                                       "extractor_from": Path(trained["store"]) if trained.get("store") else None})
+                                       "extractor_from": training_store})
+    if training_store is not None and (training_store / "zarr.json").is_file() and ingest.kind in ("wsi", "ct"):
+        ingest = ingest.model_copy(update={"extractor": None, "extractor_params": {}})  # the store's, by extractor_from
+        tiling = open_cohort(training_store).attrs.get("tiling") or {}
+        if ingest.kind == "wsi" and "tile_size" in tiling:
+            ingest = ingest.model_copy(update={
+                "tile_size": tiling["tile_size"], "level": tiling["level"], "magnification": tiling.get("magnification"),
+                "target_mpp": tiling.get("target_mpp"), "base_mpp": tiling.get("base_mpp"),
+                "min_tissue_fraction": tiling.get("min_tissue", ingest.min_tissue_fraction)})
     if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":
         columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
         ingest = ingest.model_copy(update={"columns": columns})

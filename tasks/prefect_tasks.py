@@ -196,7 +196,7 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
     from tasks.ingest.ct import plan_ct
-    from tasks.ingest.features import make_extractor
+    from tasks.ingest.features import extractor_from_spec, make_extractor
     from tasks.ingest.slide_io import SLIDE_PATTERNS
     from tasks.ingest.wsi import TilingParams, plan_slides
 
@@ -210,6 +210,8 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
                            patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive,
                            keep_unlabelled=ing.unlabelled == "keep")
     elif ing.kind == "ct":
+        if extractor is None and ing.extractor_from is not None and not (Path(store) / "zarr.json").exists():
+            extractor = extractor_from_spec(open_cohort(ing.extractor_from).attrs["feature_extractor"])  # a cohort to predict
         plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name,
                        keep_unlabelled=ing.unlabelled == "keep")
     else:

@@ -153,3 +153,25 @@ def test_positive_values_that_no_row_matches_are_refused_when_they_look_like_a_m
     assert LabelSpec(str(tmp_path / "benign.csv"), positive=["tumor"]).read()[0] == {"s1": 0, "s2": 0}
     assert LabelSpec(str(tmp_path / "text.csv"), positive=["tumor"]).read()[0] == {"s1": 1, "s2": 0}
     assert LabelSpec(str(tmp_path / "binary.csv"), positive=[1]).read()[0] == {"s1": 1, "s2": 0}
+
+
+def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_path):
+    """A config edited since training (tile_size 256, another extractor's weights) tiled the new
+    cohort otherwise and exited 0, or featurised all of it before failing: the training store's
+    recorded tiling and extractor are used."""
+    from dataclasses import asdict
+
+    from flows.config import IngestConfig
+    from flows.pipeline import new_cohort_ingest
+    from tasks.ingest.wsi import TilingParams
+    from tasks.store import CohortSpec, create_cohort
+
+    recorded = asdict(TilingParams(tile_size=128, target_mpp=0.5, min_tissue=0.3))
+    create_cohort(tmp_path / "train.zarr", CohortSpec(name="t", n_features=6, coords_dim=4, coords_meaning="tile_row,tile_col,x,y",
+                                                      tiling=recorded, feature_extractor={"name": "mean-colour"}))
+    (tmp_path / "slides").mkdir()
+    edited = IngestConfig(kind="wsi", source=tmp_path / "slides", tile_size=256, magnification=20, min_tissue_fraction=0.5,
+                          extractor="he-handcrafted", extractor_params={"hog_components": 4})
+    new = new_cohort_ingest(edited, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")})
+    assert (new.tile_size, new.target_mpp, new.magnification, new.min_tissue_fraction) == (128, 0.5, None, 0.3)
+    assert (new.extractor, new.extractor_params, new.extractor_from) == (None, {}, tmp_path / "train.zarr")
