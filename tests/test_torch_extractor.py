@@ -119,3 +119,25 @@ def test_the_config_accepts_import_paths_and_names_the_field_for_unknown_ones(us
     bad.write_text(f"name: t\nstore: {folder}/s.zarr\noutput_dir: {folder}/out\ningest: {{kind: wsi, source: {folder}, extractor: my-rp}}\n")
     with pytest.raises(ConfigError, match="ingest.extractor.*my-rp"):
         load_config(bad)
+
+
+def test_random_weights_are_refused_and_a_wrapped_checkpoint_loads_under_its_module_names(user_package):
+    """Without weights each process built a freshly initialised module (features differed between
+    two runs with one recorded spec); strict: false with a checkpoint saved from a wrapper
+    ('model.conv.weight') loaded nothing and recorded the file's SHA-256 all the same."""
+    folder, model = user_package
+    tiles = np.random.default_rng(1).integers(0, 256, size=(3, 32, 32, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"without weights starts from random numbers: two builds differ"):
+        make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4}, device="cpu")
+    reference = make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4},
+                               weights=str(folder / "tiny.pt"), device="cpu")(tiles)
+    for prefix in ("model.", "module.backbone."):
+        torch.save({prefix + k: v for k, v in model.state_dict().items()}, folder / "wrapped.pt")
+        for strict in (True, False):
+            wrapped = make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4},
+                                     weights=str(folder / "wrapped.pt"), device="cpu", strict=strict)
+            np.testing.assert_array_equal(wrapped(tiles), reference)
+    torch.save({"head.weight": torch.zeros(2, 2)}, folder / "other.pt")
+    with pytest.raises(ValueError, match=r"other.pt: none of its 1 tensor names is one of the module's"):
+        make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4}, weights=str(folder / "other.pt"),
+                       device="cpu", strict=False)

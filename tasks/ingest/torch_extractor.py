@@ -104,7 +104,11 @@ class TorchExtractor:
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(f"torch extractor model {self.model!r} built a {type(module).__name__}, not a torch.nn.Module")
             if self.weights is not None:
-                module.load_state_dict(_read_state_dict(self.weights), strict=self.strict)
+                module.load_state_dict(_matching_state(module, _read_state_dict(self.weights), self.weights), strict=self.strict)
+            elif not _same_parameters(module, factory(**self.model_kwargs)):
+                raise ValueError(f"torch extractor model {self.model!r} without weights starts from random numbers: two "
+                                 "builds differ, so every worker would compute other features. Give extractor_params."
+                                 "weights (a state dict file), or a factory that loads its own")
             wanted = self.device
             if wanted == "auto":
                 wanted = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,6 +143,34 @@ class TorchExtractor:
         if _check and features.shape[1] != self.n_features:
             raise ValueError(f"torch extractor {self.model!r} gave {features.shape[1]} features, expected {self.n_features}")
         return features
+
+
+def _same_parameters(a: Any, b: Any) -> bool:
+    """Whether two built modules hold equal parameters and buffers (a factory that loads weights
+    builds the same module twice; a freshly initialised one does not)."""
+    import torch
+
+    left, right = a.state_dict(), b.state_dict()
+    return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
+def _matching_state(module: Any, state: dict[str, Any], path: str) -> dict[str, Any]:
+    """``state`` with the prefix every key shares removed (``module.`` of DataParallel, ``model.`` of a
+    training wrapper) when that is what makes its names the module's; refused when no name matches
+    (with ``strict: false`` nothing was loaded, and the features came from random numbers)."""
+    wanted = set(module.state_dict())
+    if wanted & set(state):
+        return state
+    keys = list(state)
+    prefix = keys[0][: keys[0].index(".") + 1] if keys and "." in keys[0] else ""
+    while prefix and all(k.startswith(prefix) for k in keys):
+        stripped = {k[len(prefix):]: v for k, v in state.items()}
+        if wanted & set(stripped):
+            return stripped
+        state, keys = stripped, list(stripped)
+        prefix = keys[0][: keys[0].index(".") + 1] if "." in keys[0] else ""
+    raise ValueError(f"torch extractor weights {path}: none of its {len(state)} tensor names is one of the module's "
+                     f"(file: {sorted(state)[:2]}, module: {sorted(wanted)[:2]})")
 
 
 def _read_state_dict(path: str) -> dict[str, Any]:
