@@ -517,9 +517,13 @@ def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
         labels = labels.model_copy(update={"file": resolve(labels.file) or labels.file})
     else:
         labels = resolve(labels) or labels
+    extractor_params = dict(config.ingest.extractor_params)
+    if config.ingest.extractor == "torch" and isinstance(extractor_params.get("weights"), str):  # a file, like the others
+        extractor_params["weights"] = str(resolve(Path(extractor_params["weights"])) or extractor_params["weights"])
     ingest = config.ingest.model_copy(update={"source": resolve(config.ingest.source) or config.ingest.source,
                                               "labels": labels, "slides": resolve(config.ingest.slides) or config.ingest.slides,
-                                              "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from})
+                                              "extractor_from": resolve(config.ingest.extractor_from) or config.ingest.extractor_from,
+                                              "extractor_params": extractor_params})
     prediction = config.prediction.model_copy(update={"store": resolve(config.prediction.store) or config.prediction.store})
     dask = config.dask.model_copy(update={"config_file": resolve(config.dask.config_file) or config.dask.config_file})
     return config.model_copy(update={"store": resolve(config.store) or config.store, "output_dir": resolve(config.output_dir) or config.output_dir,

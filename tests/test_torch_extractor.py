@@ -115,6 +115,11 @@ def test_the_config_accepts_import_paths_and_names_the_field_for_unknown_ones(us
     good = folder / "good.yaml"
     good.write_text(f"name: t\nstore: {folder}/s.zarr\noutput_dir: {folder}/out\ningest: {{kind: wsi, source: {folder}, extractor: 'lab_models:ColourMeans'}}\n")
     assert load_config(good).ingest.extractor == "lab_models:ColourMeans"
+    (folder / "cfg").mkdir()
+    relative = folder / "cfg" / "torch.yaml"  # weights beside the config, named relative to it like every other file
+    relative.write_text("name: t\nstore: s.zarr\noutput_dir: out\ningest: {kind: wsi, source: ../, extractor: torch, "
+                        "extractor_params: {model: 'lab_models:TinyCNN', weights: ../tiny.pt}}\n")
+    assert load_config(relative).ingest.extractor_params["weights"] == str(folder / "tiny.pt")
     bad = folder / "bad.yaml"
     bad.write_text(f"name: t\nstore: {folder}/s.zarr\noutput_dir: {folder}/out\ningest: {{kind: wsi, source: {folder}, extractor: my-rp}}\n")
     with pytest.raises(ConfigError, match="ingest.extractor.*my-rp"):

@@ -235,7 +235,8 @@ def test_slides_missing_on_disk_ambiguous_stems_and_undecodable_names_are_report
     plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=64))
     assert [i.bag_id for i in plan.items] == ["a"]
     by_id = {s.bag_id: s for s in plan.skipped}
-    assert by_id["b"].error == "DuplicateIdError" and by_id["b"].reason == "2 files for one slide id: b.tif, b.tiff; keep one"
+    assert by_id["b"].error == "DuplicateIdError"  # each file by its path (two sites' sub-folders: the same name twice)
+    assert by_id["b"].reason == f"2 files for one slide id: {folder / 'b.tif'}, {folder / 'b.tiff'}; keep one"
     assert by_id["gone"].reason.startswith("listed in") and "no slide file gone.*" in by_id["gone"].reason
     (undecodable,) = [s for s in plan.skipped if s.bag_id is None]
     assert "not valid UTF-8" in undecodable.reason and undecodable.path.endswith("caf\\xe9.tiff")

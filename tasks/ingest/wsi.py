@@ -482,7 +482,7 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
         by_stem.setdefault(slide_id(path), []).append(path)
     unique = [p for p in paths if len(by_stem[slide_id(p)]) == 1]
     ambiguous = [Skipped(path=str(group[0].parent), bag_id=stem, error="DuplicateIdError",
-                         reason=f"{len(group)} files for one slide id: {', '.join(p.name for p in group)}; keep one")
+                         reason=f"{len(group)} files for one slide id: {', '.join(str(p) for p in group)}; keep one")
                  for stem, group in by_stem.items() if len(group) > 1]
     return unique, ambiguous
 
