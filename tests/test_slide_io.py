@@ -190,3 +190,16 @@ def test_dicom_wsi_folders_are_discovered_and_tiled_like_the_same_pixels_in_a_ti
     series, errors = scan_dicom_dir(root / "site_a")
     assert series == [] and "Modality 'SM', not CT (level0.dcm); a DICOM whole-slide image is ingested with " \
         "ingest.kind wsi" in errors[0].reason
+
+
+def test_transparent_pixels_are_white_in_both_readers(tissue, tmp_path):
+    """An RGBA slide whose unscanned area is transparent (alpha 0, colour 0) was black through
+    tifffile (the auto choice for it) and white through OpenSlide: its edge tiles differed."""
+    rgba = np.concatenate([tissue, np.full(tissue.shape[:2] + (1,), 255, np.uint8)], axis=2)
+    rgba[:, :512] = 0  # a transparent band
+    path = tmp_path / "rgba.tiff"
+    tifffile.imwrite(path, rgba, photometric="rgb", extrasamples=["unassalpha"], tile=(256, 256), metadata=None)
+    with open_slide(path, reader="tifffile") as slide:
+        pixels = slide.read(0, slice(0, 1024), slice(0, 1536))
+    assert (pixels[:, :512] == 255).all()
+    np.testing.assert_array_equal(pixels[:, 512:], tissue[:, 512:])

@@ -133,15 +133,19 @@ class TiffSlide(SlideReader):
 
     def read(self, level: int, rows: slice, cols: slice) -> np.ndarray:
         try:
-            pixels = np.asarray(self._level(level)[max(rows.start, 0):rows.stop, max(cols.start, 0):cols.stop, :3])
+            pixels = np.asarray(self._level(level)[max(rows.start, 0):rows.stop, max(cols.start, 0):cols.stop, :])
         except Exception as error:
             raise UnreadableFileError(f"cannot decode slide data: {type(error).__name__}: {error}",
                                       path=self.path) from error
-        return _white_pad(pixels, rows.stop - rows.start, cols.stop - cols.start)
+        rgb = pixels[..., :3].copy()
+        if pixels.shape[-1] == 4:  # transparent pixels (outside the scanned area) are white, as OpenSlide gives them
+            rgb[pixels[..., 3] == 0] = 255
+        return _white_pad(rgb, rows.stop - rows.start, cols.stop - cols.start)
 
 
 class OpenSlideSlide(SlideReader):
-    """A slide read with OpenSlide; transparent pixels (outside scanned areas) come back white."""
+    """A slide read with OpenSlide; transparent pixels (outside scanned areas) come back white (as
+    from :class:`TiffSlide`)."""
 
     reader = "openslide"
 
