@@ -143,7 +143,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
     that ``predict`` ingests first, whose store need not exist yet; ``prediction_key``:
     ``evaluate``'s, which must name a complete prediction of that store by that model)."""
     ing = config.ingest
-    checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = []
+    checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = [
+        ("dask.config_file", config.dask.config_file, "file")]  # every stage starts or joins a cluster
     ingests = stage == "ingest" or (stage == "run" and ing.kind != "none")
     if ingests:
         if ing.kind == "none":

@@ -371,6 +371,9 @@ class DaskConfig(_Strict):
     def _one_source(self) -> DaskConfig:
         if self.scheduler_address and (self.cluster_class or self.cluster_kwargs or self.adapt_kwargs):
             raise ValueError("give either scheduler_address (a running cluster) or cluster_class/cluster_kwargs/adapt_kwargs, not both")
+        if self.scheduler_address and (given := [k for k in ("n_workers", "threads_per_worker", "processes") if getattr(self, k) is not None]):
+            raise ValueError(f"{', '.join(given)} size a cluster gpmil starts; with scheduler_address the running cluster "
+                             "has its own workers: remove them")
         local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
         if self.cluster_class and any(v is not None for v in local.values()):
             from distributed import LocalCluster

@@ -17,6 +17,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import dask
 from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
@@ -24,7 +25,7 @@ from prefect.artifacts import create_link_artifact
 from flows.checks import check_inputs
 from flows.config import IngestConfig, LabelsConfig, PipelineConfig, TableColumns, load_config
 from tasks import prefect_tasks as t
-from tasks.cluster import start_cluster
+from tasks.cluster import check_scheduler_answers, dotted, start_cluster
 from tasks.paths import safe_filename
 from tasks.store import open_cohort
 
@@ -42,6 +43,9 @@ def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) ->
         return
     d = config.dask
     with ExitStack() as stack:
+        if d.scheduler_address:  # the file's settings (timeouts, TLS) hold for the client too
+            stack.enter_context(dask.config.set(dotted(d.cluster_spec()["dask_config"] or {})))
+            check_scheduler_answers(d.scheduler_address, min(d.worker_timeout_s, 30.0))
         cluster = None if d.scheduler_address else stack.enter_context(start_cluster(**d.cluster_spec()))
         client = stack.enter_context(Client(d.scheduler_address or cluster))
         client.wait_for_workers(1, timeout=d.worker_timeout_s)

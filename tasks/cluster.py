@@ -60,6 +60,44 @@ def read_dask_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def dotted(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested Dask configuration as dotted keys (``distributed.worker.resources.GPU``), as
+    ``dask.config.set`` takes them without replacing the rest of each section: a file holding
+    ``distributed: {worker: …}`` set as a mapping replaced all of ``distributed`` (its comm
+    timeouts too: ``KeyError: 'comm'`` when the cluster started)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            flat |= dotted(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_scheduler_answers(address: str, timeout_s: float) -> None:
+    """Raise unless a Dask scheduler answers at ``address`` (``tcp://`` or ``tls://``) within
+    ``timeout_s``: a scheduler sends its handshake as soon as it accepts a connection, while a
+    dashboard or another server on the port waits for a request, and Dask's client then waited
+    for its handshake forever."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    if parts.scheme not in ("tcp", "tls") or parts.hostname is None:
+        return
+    try:
+        with socket.create_connection((parts.hostname, parts.port or 8786), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            if not sock.recv(1):
+                raise OSError("it closed the connection")
+    except TimeoutError:
+        raise TimeoutError(f"dask.scheduler_address {address}: something accepts connections there but sent no Dask "
+                           f"handshake within {timeout_s:g} s (a dashboard or another server? a scheduler listens on "
+                           "8786 unless told otherwise)") from None
+    except OSError as error:
+        raise OSError(f"dask.scheduler_address {address}: no Dask scheduler answers ({error})") from None
+
+
 @contextmanager
 def start_cluster(
     cluster_class: str | None = None,
@@ -86,7 +124,7 @@ def start_cluster(
         if kwargs.get("processes", True):
             defaults["env"] = SINGLE_THREADED_BLAS
         kwargs = defaults | kwargs
-    with dask.config.set(dict(dask_config or {})):
+    with dask.config.set(dotted(dask_config or {})):
         cluster = cls(**kwargs)
         try:
             if adapt_kwargs:

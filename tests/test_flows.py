@@ -789,3 +789,27 @@ def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_pat
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
     assert result["report"].info["bag_auc"] > 0.8
 
+
+
+def test_a_running_scheduler_is_joined_with_the_config_files_settings_and_a_silent_port_fails_fast(tmp_path, cohort):
+    """No pipeline test used dask.scheduler_address: a port where no scheduler answers (a dashboard)
+    hung the run, and the config_file was not applied to the client."""
+    import socket
+    import time
+
+    from distributed import LocalCluster
+
+    (tmp_path / "dask.yaml").write_text("distributed: {comm: {timeouts: {connect: 7s}}}\n")
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=":0") as cluster:
+        config = write_config(tmp_path, cohort, dask={"scheduler_address": cluster.scheduler_address,
+                                                      "config_file": str(tmp_path / "dask.yaml")})
+        assert train_model(config).path
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        config = write_config(tmp_path, cohort, dask={"scheduler_address": f"tcp://127.0.0.1:{silent.getsockname()[1]}",
+                                                      "worker_timeout_s": 2})
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="sent no Dask handshake within 2 s"):
+            train_model(config)
+        assert time.monotonic() - started < 60

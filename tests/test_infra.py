@@ -127,3 +127,51 @@ def test_the_image_that_kubernetes_runs_is_built_from_files_that_exist_with_the_
     assert home == workdir  # prefect.yaml's pull step runs the entrypoints from $GPMIL_HOME
     for deployment in yaml.safe_load((INFRA / "prefect.yaml").read_text())["deployments"]:
         assert (root / deployment["entrypoint"].split(":")[0]).is_file()
+
+
+def test_a_config_file_sets_its_keys_without_dropping_the_rest_of_their_section():
+    """A file holding distributed: {worker: {resources: {GPU: 1}}} replaced all of 'distributed'
+    while the cluster started: KeyError: 'comm'."""
+    import dask
+    from distributed import Client
+
+    resources = {"distributed": {"worker": {"resources": {"GPU": 1}}}}
+    with start_cluster(None, {"n_workers": 1, "processes": False}, dask_config=resources) as cluster, Client(cluster) as client:
+        assert dask.config.get("distributed.comm.timeouts.connect")  # the rest of the section is still there
+        assert [w["resources"] for w in client.scheduler_info()["workers"].values()] == [{"GPU": 1}]
+
+
+def test_a_scheduler_address_where_no_dask_scheduler_answers_fails_in_seconds():
+    """A dashboard port (or any server that waits for a request) made Client() wait forever."""
+    import socket
+
+    from distributed import LocalCluster
+
+    from tasks.cluster import check_scheduler_answers
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"accepts connections there but sent no Dask handshake within 1 s"):
+            check_scheduler_answers(f"tcp://127.0.0.1:{silent.getsockname()[1]}", 1.0)
+        assert time.monotonic() - started < 5
+        port = silent.getsockname()[1]
+    with pytest.raises(OSError, match=rf"tcp://127.0.0.1:{port}: no Dask scheduler answers"):
+        check_scheduler_answers(f"tcp://127.0.0.1:{port}", 1.0)
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        check_scheduler_answers(cluster.scheduler_address, 5.0)
+
+
+def test_cluster_sizes_beside_a_scheduler_address_and_a_missing_config_file_are_refused_up_front(tmp_path):
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, load_config
+
+    base = {"name": "t", "store": str(tmp_path / "s.zarr"), "output_dir": str(tmp_path / "out")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base | {"dask": {"scheduler_address": "tcp://127.0.0.1:8786", "n_workers": 8}}))
+    with pytest.raises(ConfigError, match=r"n_workers size a cluster gpmil starts; with scheduler_address"):
+        load_config(path)
+    path.write_text(yaml.safe_dump(base | {"dask": {"config_file": "missing.yaml"}}))
+    with pytest.raises(ConfigError, match=rf"dask.config_file: {tmp_path / 'missing.yaml'} does not exist"):
+        load_config(path, preflight=lambda config: check_inputs(config, "train"))
