@@ -7,7 +7,6 @@ tasks in :mod:`tasks.prefect_tasks` wrap them and publish the results as UI arti
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
+
+from tasks.grid import fundamental_step, neighbour_gaps  # noqa: E402
 from sklearn.metrics import (  # noqa: E402
     accuracy_score,
     brier_score_loss,
@@ -440,7 +441,7 @@ def _slide_tile_side(coords: np.ndarray) -> float | None:
 def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: str) -> float | None:
     """The tile side of a cohort whose coordinates are level-0 pixels: the grid step of the gaps
     between neighbouring tiles in a row or column, over all bags (one patch size per cohort,
-    :func:`_fundamental_step`), so that a bag of one tile, or of scattered tiles, gets squares of
+    :func:`tasks.grid.fundamental_step`), so that a bag of one tile, or of scattered tiles, gets squares of
     the patch size rather than of its own spacing, and two tissue pieces whose grids CLAM started a
     few pixels apart do not make every square a few pixels wide; None for other coordinates or when
     no bag has two tiles in a row or column."""
@@ -451,8 +452,8 @@ def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: st
         sides = [side for start, stop in zip(offsets[:-1], offsets[1:])
                  if (side := _slide_tile_side(np.asarray(coords[start:stop]))) is not None]
         return float(np.median(sides)) if sides else None
-    found = [_neighbour_gaps(xy[start:stop]) for start, stop in zip(offsets[:-1], offsets[1:])]
-    return _fundamental_step(np.concatenate(found) if found else np.zeros(0))
+    found = [neighbour_gaps(xy[start:stop]) for start, stop in zip(offsets[:-1], offsets[1:])]
+    return fundamental_step(np.concatenate(found) if found else np.zeros(0))
 
 
 def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
@@ -463,45 +464,10 @@ def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
     return None
 
 
-def _neighbour_gaps(xy: np.ndarray) -> np.ndarray:
-    """The positive gaps between consecutive tiles of one row (same y) or one column (same x) of a bag."""
-    gaps = []
-    for axis in (0, 1):
-        line = xy[np.lexsort((xy[:, axis], xy[:, 1 - axis]))].astype(np.float64)
-        same_line = line[1:, 1 - axis] == line[:-1, 1 - axis]
-        gaps.append(np.diff(line[:, axis])[same_line])
-    gaps = np.concatenate(gaps)
-    return gaps[gaps > 0]
-
-
-def _fundamental_step(gaps: np.ndarray, share: float = 0.75, tolerance: float = 0.02) -> float | None:
-    """The largest step of which at least ``share`` of the gaps are whole multiples (within
-    ``tolerance`` of one: corners rounded to pixels): tiles sampled sparsely leave gaps of 1, 2, 3 …
-    patches (step: the patch), a few gaps off the grid (two tissue pieces) do not count. Candidates
-    are the gaps and, for whole-pixel gaps, the greatest common divisors of the commonest ones, at
-    least half the smallest gap that ≥ 5 % of the gaps have (256 and 257 px are no grid of 1 px);
-    None without gaps."""
-    if not gaps.size:
-        return None
-    values, counts = np.unique(gaps, return_counts=True)
-    candidates = set(values.tolist())
-    if np.all(values == np.round(values)):
-        common = values[np.argsort(-counts)[:8]].astype(np.int64)
-        candidates |= {float(math.gcd(int(a), int(b))) for a in common for b in common}
-    floor = 0.5 * values[counts >= 0.05 * counts.sum()].min()
-
-    def multiples(step: float) -> float:
-        ratio = values / step
-        return counts[(np.abs(ratio - np.round(ratio)) <= tolerance * np.round(ratio)) & (ratio > 0.5)].sum() / counts.sum()
-
-    held = [step for step in candidates if step >= floor and multiples(step) >= share]
-    return float(max(held)) if held else float(values[np.argmax(counts)])
-
-
 def _grid_step(xy: np.ndarray) -> float | None:
-    """One bag's grid step (:func:`_fundamental_step` of its neighbour gaps); without two tiles in a
+    """One bag's grid step (:func:`tasks.grid.fundamental_step` of its neighbour gaps); without two tiles in a
     row or column, the smallest spacing of its x or y values (None for one tile)."""
-    if (step := _fundamental_step(_neighbour_gaps(xy))) is not None:
+    if (step := fundamental_step(neighbour_gaps(xy))) is not None:
         return step
     spacings = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
     return float(spacings[spacings > 0].min()) if (spacings > 0).any() else None

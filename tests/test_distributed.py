@@ -485,3 +485,28 @@ def test_kernel_choice_is_the_serial_one_when_the_kmeans_sample_leaves_bags_out(
     np.testing.assert_array_equal(model.kernel_selection_, serial.kernel_selection_)
     assert model.kernel_.variance == serial.kernel_.variance and model.auto_max_iter_ == serial.auto_max_iter_
     assert model.H_ == serial.H_ and model.setting_selection_ == serial.setting_selection_  # H="auto": chosen with it
+
+
+def test_pixel_coordinates_become_grid_positions_and_a_store_without_positions_is_refused_for_pr_i(tmp_path, client, toy_bags):
+    """VGPMIL-PR-I's neighbour graph links grid positions one step apart: the level-0 pixels of .h5
+    and x, y tables (256 px apart) gave no neighbour at all, and a table without coordinates was
+    coupled along its rows' order, both without a word."""
+    from types import SimpleNamespace
+
+    from mil_core import VGPMILPRI
+    from tasks.training.blocks import grid_coords
+
+    rows, cols = np.meshgrid(np.arange(3), np.arange(4), indexing="ij")
+    grid = np.stack([cols.ravel(), rows.ravel()], axis=1)
+    block = SimpleNamespace(coords=np.concatenate([grid * 256, grid[:5] * 512 + 3]), offsets=np.array([40, 52, 57]))
+    np.testing.assert_array_equal(grid_coords(block, "x,y (level-0 pixels, as in the .h5)"), np.concatenate([grid, grid[:5]]))
+    np.testing.assert_array_equal(grid_coords(block, "given"), block.coords)  # grid positions as the user gave them
+
+    X, bags, y, _ = toy_bags
+    path = tmp_path / "rows.zarr"
+    create_cohort(path, CohortSpec(name="t", n_features=X.shape[1], coords_dim=1, coords_meaning="instance_index"))
+    append_bags(path, [BagData(bag_id=f"b{b}", label=int(y[bags == b][0]), source="memory", features=X[bags == b],
+                               coords=np.arange((bags == b).sum())[:, None], instance_labels=np.full((bags == b).sum(), -1))
+                       for b in np.unique(bags)])
+    with pytest.raises(ValueError, match=r"VGPMILPRI couples neighbouring instances, and the instances of .* have no positions"):
+        fit_cohort(VGPMILPRI(lam=1.0, **PARAMS), str(path), client)

@@ -13,6 +13,7 @@ from mil_core import persist
 from mil_core.engine import BagBlock
 from mil_core.models.base import take_bags
 from mil_core.validation import standardise
+from tasks.grid import grid_positions
 from tasks.store import Partition, open_cohort
 from tasks.training.placement import ArrayPlacement
 
@@ -83,13 +84,19 @@ def load_block(path: str, partition: Partition, placement: ArrayPlacement, exclu
     labels = np.asarray(stored.bag_labels)
     offsets = np.asarray(stored.offsets)
     X, new_offsets = take_bags(read_features(stored, scaling, placement.dtype), offsets, kept)
-    coords = take_bags(grid_coords(stored.coords), offsets, kept)[0] if with_coords else None
+    coords = take_bags(grid_coords(stored, cohort.attrs.get("coords_meaning", "")), offsets, kept)[0] if with_coords else None
     bag_index = np.cumsum(training)[partition.bag_start + kept] - 1
     return BagBlock(X=placement.to_device(X), offsets=new_offsets, labels=labels[kept].astype(np.int8), coords=coords,
                     bag_index=bag_index)
 
 
-def grid_coords(coords) -> np.ndarray:
-    """The neighbour-graph positions of stored instance coordinates: at most the first two columns
-    (slide stores keep (tile_row, tile_col) there, the level-0 x, y beside them)."""
-    return np.asarray(coords)[:, :2]
+def grid_coords(stored, coords_meaning: str) -> np.ndarray:
+    """The neighbour-graph positions of a block's stored instance coordinates: at most the first two
+    columns (slide stores keep (tile_row, tile_col) there, the level-0 x, y beside them); level-0
+    pixels (``x,y`` of ``.h5`` files and tables) divided by each bag's grid step, so that adjacent
+    patches are neighbours (VGPMIL-PR-I had no neighbour at all on them: the plain VGPMIL-PR)."""
+    coords = np.asarray(stored.coords)[:, :2]
+    if not coords_meaning.startswith("x,y"):
+        return coords
+    offsets = np.asarray(stored.offsets) - stored.offsets[0]
+    return np.concatenate([grid_positions(coords[a:b]) for a, b in zip(offsets[:-1], offsets[1:])] or [coords[:0]])

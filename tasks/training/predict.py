@@ -35,7 +35,8 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     """One partition's predictions. Bags with NaN/inf features (a store written by another tool)
     are left out — NaN in every output, listed in ``bad`` with the reason — so that they do not
     fail the prediction of the good bags."""
-    stored = open_cohort(store).read_partition(partition)
+    cohort = open_cohort(store)
+    stored = cohort.read_partition(partition)
     X = read_features(stored, scaling)
     bag_of_row = np.repeat(np.arange(partition.bag_start, partition.bag_stop), np.diff(np.asarray(stored.offsets)))
     finite = np.isfinite(X).all(axis=1)
@@ -47,7 +48,7 @@ def _predict_partition(model: SparseGPMILBase, store: str, partition: Partition,
     p_inst, sd_inst, p_bag, sd_bag = (np.full(n, np.nan) for n in (n_rows, n_rows, n_bags, n_bags))
     if good.any():
         Xg = placement.to_device(X[good])
-        coords = {"coords": grid_coords(stored.coords)[good]} if uses_coords(model) else {}
+        coords = {"coords": grid_coords(stored, cohort.attrs.get("coords_meaning", ""))[good]} if uses_coords(model) else {}
         instance_scores = getattr(model, "predict_instance_proba", None) or model.predict_instance_evidence
         if is_point_estimate(model):  # no predictive std: it stays NaN
             p_inst[good] = instance_scores(Xg, **instance_kwargs)

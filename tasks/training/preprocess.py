@@ -76,6 +76,6 @@ def read_bags(cohort, labels: np.ndarray, chosen: np.ndarray, scaling: FeatureSc
             y.append(np.repeat(labels[run], np.diff(stored.offsets)))
             sizes_taken.append(np.diff(stored.offsets))
             if with_coords:
-                coords.append(grid_coords(stored.coords))
+                coords.append(grid_coords(stored, cohort.attrs.get("coords_meaning", "")))
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(sizes_taken))]).astype(np.int64)
     return np.concatenate(X), np.concatenate(y), offsets, np.concatenate(coords) if with_coords else None
