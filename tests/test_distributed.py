@@ -213,6 +213,9 @@ def test_resuming_with_another_configuration_is_refused(client, toy_store):
     fit_cohort(VGPMIL(**PARAMS), path, client, run="r", partition_bytes=2_000)
     with pytest.raises(ValueError, match="n_inducing"):
         fit_cohort(VGPMIL(**{**PARAMS, "n_inducing": 8}), path, client, run="r", partition_bytes=2_000)
+    with pytest.raises(ValueError, match=rf"other partitions .*: resume with the partition size it was written with "
+                                         rf"\(training.partition_mib, .*\), or delete {path}/training/r to train this model afresh"):
+        fit_cohort(VGPMIL(**PARAMS), path, client, run="r", partition_bytes=1_000)
 
 
 def test_distributed_predictions_equal_the_model_predictions(client, toy_store):

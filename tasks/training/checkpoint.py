@@ -48,8 +48,9 @@ class Checkpoint:
         saved = [tuple(b) for b in group.attrs["partitions"]]
         if saved != [(p.bag_start, p.bag_stop) for p in partitions]:
             raise ValueError(
-                f"checkpoint {self.store}/training/{self.run} was written with other partitions; "
-                "resume with the same partition_bytes or start a new run"
+                f"checkpoint {self.store}/training/{self.run} was written with other partitions ({len(saved)} of them, "
+                f"{len(partitions)} now): resume with the partition size it was written with (training.partition_mib, "
+                f"fit_cohort's partition_bytes), or delete {self.store}/training/{self.run} to train this model afresh"
             )
         return _read(group, "model")
 
