@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +44,21 @@ def _quiet_libraries(verbose: bool) -> None:
         logging.getLogger(chatty).setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-def _exit_cleanly_on_sigterm() -> None:
+@contextmanager
+def _sigterm_as_exit_while_running() -> Iterator[None]:
     """SIGTERM (a scheduler's timeout, ``kill``) ends the command as Ctrl-C does: the flow is marked
     crashed and the interpreter exits normally, so the temporary Prefect server is stopped. With the
     default handler the process died at once and left the server running, one per killed run.
-    Prefect's flow engine puts this handler back and calls it after recording the crash."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm_as_exit)
+    Prefect's flow engine puts this handler back and calls it after recording the crash; the one
+    before is back when the command returns (``main`` called in-process, by a test)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _sigterm_as_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _sigterm_as_exit(signum: int, frame: Any) -> None:
@@ -339,12 +349,18 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     _quiet_libraries(args.verbose)
-    _exit_cleanly_on_sigterm()
     from flows.config import ConfigError
 
+    with _sigterm_as_exit_while_running():
+        return _handled(args, ConfigError)
+
+
+def _handled(args: argparse.Namespace, config_error: type[Exception]) -> int:
+    """The command's exit code: 2 for a bad configuration or input (one line), 130 for Ctrl-C,
+    1 for a failure (one line; ``-v`` re-raises it)."""
     try:
         return args.handler(args)
-    except ConfigError as error:
+    except config_error as error:
         print(f"gpmil: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
