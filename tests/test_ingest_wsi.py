@@ -310,3 +310,14 @@ def test_a_resolution_no_scanner_gives_is_refused_not_tiled_into_a_billion_cells
         with pytest.raises(IngestError, match=r"slide metadata gives 352.8 µm/px, which no scanner gives .*set ingest.base_mpp"):
             tile_geometry(slide, TilingParams(tile_size=64, target_mpp=0.5))
         assert tile_geometry(slide, TilingParams(tile_size=64, target_mpp=0.5, base_mpp=0.25)).side0 == 128.0
+
+
+def test_a_grayscale_slide_is_named_as_such_not_only_as_without_tissue(tmp_path):
+    """A grayscale TIFF was reported as 'no tile has >= 50% tissue' only."""
+    gray = np.tile(np.linspace(60, 240, 512, dtype=np.uint8)[None, :], (512, 1))
+    tifffile.imwrite(tmp_path / "gray.tiff", np.repeat(gray[..., None], 3, axis=2), photometric="rgb", tile=(256, 256))
+    (tmp_path / "labels.csv").write_text("image_id,data_provider,isup_grade,gleason_score\ngray,x,0,0+0\n")
+    report = ingest_slides(tmp_path / "s.zarr", [tmp_path / "gray.tiff"], labels_csv=tmp_path / "labels.csv",
+                           params=TilingParams(tile_size=128), extractor=_MeanColour())
+    (skipped,) = report.skipped
+    assert skipped.error == "NoTissueError" and "the slide has no colour (grayscale" in skipped.reason

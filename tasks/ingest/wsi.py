@@ -136,6 +136,14 @@ def _resampled_geometry(slide: SlideReader, params: TilingParams, scale: float) 
     return TileGeometry(level, max(1, int(round(side0 / slide.downsamples[level]))), side0)
 
 
+def _colourless_hint(slide: SlideReader) -> str:
+    """Why a slide without tissue may be no H&E slide: a grayscale image (all channels equal) has no
+    saturation, which the tissue mask reads."""
+    thumb, _ = slide.thumbnail(256)
+    return ("; the slide has no colour (grayscale, or fluorescence in one channel): the tissue mask finds H&E "
+            "tissue by its saturation" if int(np.ptp(thumb[..., :3].astype(np.int16), axis=-1).max()) <= 2 else "")
+
+
 def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.ndarray:
     """Boolean tissue mask of a low-resolution RGB image (CLAM-style saturation + Otsu + morphology)."""
     from scipy import ndimage
@@ -394,7 +402,7 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
             rows, cols = grid.shape
             why = (f"the slide ({slide.level_shapes[0][1]} × {slide.level_shapes[0][0]} px at level 0) is smaller than one "
                    f"tile ({grid.geometry.side0:g} level-0 px); lower ingest.tile_size" if rows * cols == 0 else
-                   f"no tile has >= {params.min_tissue:.0%} tissue")
+                   f"no tile has >= {params.min_tissue:.0%} tissue" + _colourless_hint(slide))
             raise NoTissueError(why, path=item.source, bag_id=item.bag_id)
         if qc_dir is not None:
             write_qc_thumbnail(bag_file(qc_dir, item.bag_id, ".png"), slide, grid, thumbnail=thumbnail)
