@@ -33,6 +33,19 @@ def _problem(field: str, path: Path | str | None, kind: Literal["file", "dir", "
     return None
 
 
+def _extractor_problem(ing: IngestConfig) -> str | None:
+    """Why the configured feature extractor cannot be built (a misspelt parameter, a missing module
+    or weights file, weights of another shape): at once, not after Prefect and the cluster started
+    and the first slide's task failed with a traceback."""
+    from tasks.ingest.features import make_extractor
+
+    try:
+        make_extractor(ing.extractor, **ing.extractor_params)
+    except Exception as error:  # whatever the user's module raises
+        return f"ingest.extractor_params: {ing.extractor} cannot be built: {type(error).__name__}: {error}"
+    return None
+
+
 def _table_columns_problem(path: Path | str | None, ing: IngestConfig) -> str | None:
     """The feature table at ``path`` lacks a column the config names (``ingest.original_label_column``,
     ``ingest.columns``): read from its header only (a Parquet schema, a CSV's first row)."""
@@ -182,6 +195,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
         problems.append(_table_columns_problem(source if stage == "predict" else ing.source, ing))
+    if ingests and ing.kind in ("wsi", "ct") and ing.extractor and not any(problems):
+        problems.append(_extractor_problem(ing))
     problems = [p for p in problems if p]
     if problems:
         raise ConfigError("; ".join(problems))

@@ -146,3 +146,23 @@ def test_random_weights_are_refused_and_a_wrapped_checkpoint_loads_under_its_mod
     with pytest.raises(ValueError, match=r"other.pt: none of its 1 tensor names is one of the module's"):
         make_extractor("torch", model="lab_models:TinyCNN", model_kwargs={"width": 4}, weights=str(folder / "other.pt"),
                        device="cpu", strict=False)
+
+
+def test_an_extractor_that_cannot_be_built_is_refused_before_the_run_starts(user_package):
+    """A misspelt parameter, a missing module or weights of another shape failed inside the flow,
+    after Prefect and the cluster started, with 50–75 lines of traceback."""
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, load_config
+
+    folder, _ = user_package
+    torch.save({"conv.weight": torch.zeros(2, 3, 3, 3), "conv.bias": torch.zeros(2)}, folder / "narrow.pt")
+    for params, message in [
+        ("{model: 'lab_models:TinyCNN', weights: tiny.pt, widht: 4}", r"unexpected keyword argument 'widht'"),
+        ("{model: 'lab_models:NoSuchNet', weights: tiny.pt}", r"NoSuchNet"),
+        ("{model: 'lab_models:TinyCNN', weights: narrow.pt}", r"weights .*narrow.pt do not fit lab_models:TinyCNN: .*size mismatch"),
+    ]:
+        path = folder / "c.yaml"
+        path.write_text(f"name: t\nstore: s.zarr\noutput_dir: out\ningest: {{kind: wsi, source: ., extractor: torch, "
+                        f"extractor_params: {params}}}\n")
+        with pytest.raises(ConfigError, match=rf"ingest.extractor_params: torch cannot be built: .*{message}"):
+            load_config(path, preflight=lambda config: check_inputs(config, "ingest"))

@@ -104,7 +104,12 @@ class TorchExtractor:
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(f"torch extractor model {self.model!r} built a {type(module).__name__}, not a torch.nn.Module")
             if self.weights is not None:
-                module.load_state_dict(_matching_state(module, _read_state_dict(self.weights), self.weights), strict=self.strict)
+                try:
+                    module.load_state_dict(_matching_state(module, _read_state_dict(self.weights), self.weights),
+                                           strict=self.strict)
+                except RuntimeError as error:  # torch's missing/unexpected keys, size mismatches: one line, naming the file
+                    raise ValueError(f"torch extractor weights {self.weights} do not fit {self.model}: "
+                                     f"{' '.join(str(error).split())}") from None
             elif not _same_parameters(module, factory(**self.model_kwargs)):
                 raise ValueError(f"torch extractor model {self.model!r} without weights starts from random numbers: two "
                                  "builds differ, so every worker would compute other features. Give extractor_params."
