@@ -321,3 +321,15 @@ def test_a_grayscale_slide_is_named_as_such_not_only_as_without_tissue(tmp_path)
                            params=TilingParams(tile_size=128), extractor=_MeanColour())
     (skipped,) = report.skipped
     assert skipped.error == "NoTissueError" and "the slide has no colour (grayscale" in skipped.reason
+
+
+def test_a_noisy_black_background_is_not_tissue():
+    """A slide scanned on a dark background (noise around 8 of 255) had its mask inverted: the
+    background's random channels are fully saturated, the stained tissue less so."""
+    from tasks.ingest.wsi import tissue_mask
+
+    rng = np.random.default_rng(0)
+    rgb = np.clip(rng.normal(8, 4, size=(256, 256, 3)), 0, 255).astype(np.uint8)
+    rgb[64:192, 64:192] = np.clip(rng.normal((200, 130, 185), 12, size=(128, 128, 3)), 0, 255).astype(np.uint8)
+    mask = tissue_mask(rgb)
+    assert mask[70:186, 70:186].mean() > 0.95 and mask[:48].mean() < 0.01 and mask[208:].mean() < 0.01

@@ -144,8 +144,13 @@ def _colourless_hint(slide: SlideReader) -> str:
             "tissue by its saturation" if int(np.ptp(thumb[..., :3].astype(np.int16), axis=-1).max()) <= 2 else "")
 
 
+DARKEST_TISSUE = 32
+"""A pixel whose brightest channel is below this (of 255) is background or ink, never stained tissue."""
+
+
 def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.ndarray:
-    """Boolean tissue mask of a low-resolution RGB image (CLAM-style saturation + Otsu + morphology)."""
+    """Boolean tissue mask of a low-resolution RGB image (CLAM-style saturation + Otsu + morphology;
+    near-black pixels, :data:`DARKEST_TISSUE`, are not tissue)."""
     from scipy import ndimage
     from skimage.filters import rank, threshold_otsu
     from skimage.morphology import footprint_rectangle, remove_small_holes, remove_small_objects
@@ -153,6 +158,7 @@ def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.nd
     brightest, darkest = rgb[..., :3].max(axis=-1), rgb[..., :3].min(axis=-1)
     # HSV saturation (max - min) / max on the 0..255 scale, as OpenCV's cvtColor for uint8 images
     saturation = ((brightest.astype(np.uint16) - darkest) * 255 // np.maximum(brightest, 1)).astype(np.uint8)
+    saturation[brightest < DARKEST_TISSUE] = 0  # near-black noise is fully saturated: a dark background became "tissue"
     saturation = rank.median(saturation, footprint_rectangle((params.median_kernel, params.median_kernel)))
     threshold = max(float(threshold_otsu(saturation)) if saturation.min() < saturation.max() else np.inf,
                     params.min_saturation)
