@@ -65,6 +65,13 @@ def _sigterm_as_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _prefect_for_the_command() -> None:
+    """Prefect set up for a command that runs flows, once its inputs are checked: input errors as one
+    console line, and the temporary server in a session of its own."""
+    _input_errors_without_traceback()
+    _temporary_prefect_server_of_its_own()
+
+
 def _temporary_prefect_server_of_its_own() -> None:
     """Start the temporary Prefect server (no ``PREFECT_API_URL``) as Prefect would, but in a session
     of its own and, on Linux, stopped by the kernel when gpmil dies. In gpmil's process group it
@@ -110,8 +117,7 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
         paths["source"] = _abs(args.source)
     config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
                          **({"store": _abs(args.store)} if getattr(args, "store", None) and not new_cohort else {}))
-    _input_errors_without_traceback()
-    _temporary_prefect_server_of_its_own()
+    _prefect_for_the_command()
     return with_source(config)
 
 
@@ -244,8 +250,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from flows.demo import demo
 
-    _input_errors_without_traceback()
-    _temporary_prefect_server_of_its_own()
+    _prefect_for_the_command()
     for name, report in demo(str(args.workdir)).items():
         print(f"{name}: report at {report}")
     return 0

@@ -43,8 +43,17 @@ def fundamental_step(gaps: np.ndarray, share: float = 0.75, tolerance: float = 0
     return float(max(held)) if held else float(values[np.argmax(counts)])
 
 
+def grid_step(xy: np.ndarray) -> float | None:
+    """One bag's grid step (:func:`fundamental_step` of its neighbour gaps); without two tiles in a
+    row or column, the smallest spacing of its x or y values (None for one tile)."""
+    if (step := fundamental_step(neighbour_gaps(xy))) is not None:
+        return step
+    spacings = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
+    return float(spacings[spacings > 0].min()) if (spacings > 0).any() else None
+
+
 def grid_positions(xy: np.ndarray) -> np.ndarray:
     """One bag's level-0 corners as integer grid positions (corner / the bag's grid step): the
     neighbour graph links positions one step apart, and corners 256 px apart were never neighbours."""
-    step = fundamental_step(neighbour_gaps(xy)) or 1.0
+    step = grid_step(xy) or 1.0
     return np.round(np.asarray(xy, dtype=np.float64) / step).astype(np.int64)

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
 
-from tasks.grid import fundamental_step, neighbour_gaps  # noqa: E402
+from tasks.grid import fundamental_step, grid_step, neighbour_gaps  # noqa: E402
 from sklearn.metrics import (  # noqa: E402
     accuracy_score,
     brier_score_loss,
@@ -417,7 +417,7 @@ def level0_tiles(coords: np.ndarray, coords_meaning: str, side: float | None = N
     if xy is None:
         return np.asarray(coords)[:, 1::-1][:, :2].astype(np.float64), 1.0
     own = _slide_tile_side(np.asarray(coords)) if coords_meaning.startswith(SLIDE_TILES) else None
-    return xy.astype(np.float64), own or side or _grid_step(xy) or 1.0
+    return xy.astype(np.float64), own or side or grid_step(xy) or 1.0
 
 
 SLIDE_TILES = "tile_row,tile_col,x,y"
@@ -462,15 +462,6 @@ def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
     if coords_meaning.startswith("x,y"):
         return coords[:, :2]
     return None
-
-
-def _grid_step(xy: np.ndarray) -> float | None:
-    """One bag's grid step (:func:`tasks.grid.fundamental_step` of its neighbour gaps); without two tiles in a
-    row or column, the smallest spacing of its x or y values (None for one tile)."""
-    if (step := fundamental_step(neighbour_gaps(xy))) is not None:
-        return step
-    spacings = np.concatenate([np.diff(np.unique(xy[:, axis])) for axis in (0, 1)])
-    return float(spacings[spacings > 0].min()) if (spacings > 0).any() else None
 
 
 def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,

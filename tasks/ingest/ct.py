@@ -131,18 +131,18 @@ def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list
 
 def read_header(path: str):
     """The header tags the scan needs; a file without DICOM's 128-byte preamble (some exports) is read
-    as pydicom reads it with ``force`` when it still has a SOPInstanceUID."""
+    as pydicom reads it with ``force`` when it still has a SOPInstanceUID. Called under
+    :func:`quiet_pydicom` (values are converted, and warned about, when first read)."""
     import pydicom
     from pydicom.errors import InvalidDicomError
 
-    with quiet_pydicom():
-        try:
-            return pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS)
-        except InvalidDicomError:
-            header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS, force=True)
-            if "SOPInstanceUID" not in header:
-                raise
-            return header
+    try:
+        return pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS)
+    except InvalidDicomError:
+        header = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS, force=True)
+        if "SOPInstanceUID" not in header:
+            raise
+        return header
 
 
 @contextmanager

@@ -7,7 +7,6 @@ the store ``batch_rows`` rows at a time through the parallel, resumable ingest d
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
-from tasks.ingest.labels import LabelSpec, labelled_items
+from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
 H5_SUFFIXES = (".h5", ".hdf5")
@@ -111,11 +110,9 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv), originals, keep_unlabelled)
     if listed and labels is not None:  # a labelled slide whose features are missing is said, not dropped
-        present = {unicodedata.normalize("NFC", p.stem) for p in paths}
         skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_csv} but no feature file {bag_id}.h5 in {files}")
-                    for bag_id in labels if not {unicodedata.normalize("NFC", bag_id),  # a near id is said above
-                                                 unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & present]
+                    for bag_id in ids_without_input(labels, (p.stem for p in paths))]
     n_features = existing_n_features(store)
     for item in list(items):
         if n_features is not None:

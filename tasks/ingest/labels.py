@@ -84,6 +84,15 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     return items, skipped
 
 
+def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[str]:
+    """The labels' ids that name no input of ``present`` (a folder's slide or file ids), compared in
+    Unicode NFC; an id that is a present one but for spaces or a suffix is said by
+    :func:`labelled_items` already (its near-id hint), not again."""
+    found = {unicodedata.normalize("NFC", i) for i in present}
+    return [bag_id for bag_id in labels
+            if not {unicodedata.normalize("NFC", bag_id), unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & found]
+
+
 def check_instance_labels(values: np.ndarray, source: str, what: str) -> None:
     """Instance labels (``what``: where they come from) are 0, 1 or -1 (unknown); anything else —
     text, 2, a missing value — would be stored as a wrong label (the store keeps int8): refused

@@ -24,7 +24,6 @@ its area is tissue.
 from __future__ import annotations
 
 import functools
-import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,7 +33,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
-from tasks.ingest.labels import LabelSpec, labelled_items, read_panda_labels, split_undecodable
+from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_files, slide_id
 from tasks.paths import bag_file
 from tasks.store import CohortSpec, _open_root
@@ -467,10 +466,10 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     items = [replace(item, inputs=slide_files(item.source)) for item in items]  # a DICOM-WSI folder, a MIRAX slide's data
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
-        present = {unicodedata.normalize("NFC", i) for i in ({slide_id(p) for p in paths} | {s.bag_id for s in ambiguous})}
+        present = [slide_id(p) for p in paths] + [s.bag_id for s in ambiguous]
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
-                    for bag_id in labels if unicodedata.normalize("NFC", bag_id) not in present]
+                    for bag_id in ids_without_input(labels, present)]
     if needs_fit(extractor):
         if recorded is not None and recorded.get("name") == extractor.name:
             extractor = extractor_from_spec(recorded)
