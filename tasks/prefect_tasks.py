@@ -31,6 +31,7 @@ from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
+from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
 from tasks.lease import writer_lease
@@ -603,8 +604,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     Markdown report, and the matching Prefect artifacts."""
     logger = get_run_logger()
     out = Path(config.output_dir) / "predictions" / prediction_key
-    settings = json.dumps({"model_dir": str(model_dir), "store": str(Path(store).resolve()), **config.prediction.model_dump(mode="json")},
-                          sort_keys=True)
+    settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve())},
+                          sort_keys=True)  # the store predicted, not the configured prediction.store (often unset)
     if _report_complete(out, settings):
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
         create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
@@ -642,7 +643,7 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
         sections += [f"The model was trained on `{trained_on}`; these predictions and metrics are on a held-out cohort.", ""]
     metrics: dict[str, Any] = {}
     figures: list[Path] = []
-    if (table["label"] >= 0).any() and table.loc[table["label"] >= 0, "label"].nunique() == 2:
+    if report.can_evaluate(table):
         evaluation = report.evaluate(table, threshold=config.prediction.threshold, instance_labels=instance_labels,
                                      instance_proba=predictions.get("instances/proba"))
         metrics = evaluation.metrics
@@ -667,10 +668,14 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
             logger.warning(message)
         sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
 
-    uncertain = table.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
-    review = ["bag_id", "probability", "std", "label"] + (["original_label"] if (table["original_label"] != "").any() else [])
-    uncertain[review].to_csv(out / "uncertain_bags.csv", index=False)
-    sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[review]), ""]
+    with_std = table[table["std"].notna()]
+    if len(with_std):
+        uncertain = with_std.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
+        review = ["bag_id", "probability", "std", "label"] + (["original_label"] if (table["original_label"] != "").any() else [])
+        uncertain[review].to_csv(out / "uncertain_bags.csv", index=False)
+        sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[review]), ""]
+    else:
+        sections += ["## Bags to review", "", f"{trained_on_info['model']} gives no predictive std: no bags to review by it.", ""]
 
     scores, kind = report.instance_scores(predictions)
     instances = report.instance_table(store, prediction_key)
@@ -683,11 +688,16 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                  f"{', '.join(c for c in instances.columns if c not in ('bag_id', 'instance', kind, 'std'))}, {kind}, std).", ""]
     meaning = str(cohort.attrs.get("coords_meaning", ""))
     cohort_side = report.cohort_tile_side(coords, np.asarray(cohort.offsets), meaning)  # one patch size per cohort
+
+    def patch_side(b: int) -> float | None:  # a .h5 file that says its patch size (TRIDENT, CLAM), else the cohort's
+        return (h5_patch_side(table.at[b, "source"]) if meaning == H5_COORDS_MEANING else None) or cohort_side
+
     if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
         for b in range(cohort.n_bags):  # one QuPath-importable GeoJSON per slide, tiles in level-0 pixels
             rows = cohort.bag_slice(b)
-            xy, side = report.level0_tiles(coords[rows], meaning, cohort_side)
-            report.write_geojson(report.tile_geojson(xy, side, scores[rows], predictions["instances/std"][rows], kind=kind),
+            xy, side = report.level0_tiles(coords[rows], meaning, patch_side(b))
+            report.write_geojson(report.tile_geojson(xy, side, scores[rows], predictions["instances/std"][rows], kind=kind,
+                                                     bag_id=table.at[b, "bag_id"]),
                                  bag_file(out / "geojson", table.at[b, "bag_id"], ".geojson"))
         sections += ["Tiles per slide for QuPath (File → Import objects): `geojson/<slide>.geojson`, level-0 pixels, "
                      f"with {kind} and std as measurements.", ""]
@@ -699,8 +709,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     for b in top.index:
         rows = cohort.bag_slice(int(b))
         bag_id = table.at[b, "bag_id"]
-        if coords.shape[1] >= 2:
-            xy, side = report.level0_tiles(coords[rows], meaning, cohort_side)
+        if meaning != "slice_index" and coords.shape[1] < 2:  # rows without a position (a table or .h5 without them): no figure
+            continue
+        if meaning != "slice_index":
+            xy, side = report.level0_tiles(coords[rows], meaning, patch_side(int(b)))
             source = as_ingested.get(bag_id, table.at[b, "source"])
             if source is None:
                 logger.warning("slide %s changed or is gone since its ingest: heatmap without the slide thumbnail",

@@ -37,6 +37,7 @@ ScoreKind = Literal["probability", "evidence"]
 
 __all__ = [
     "bag_table",
+    "can_evaluate",
     "choices_text",
     "evaluate",
     "model_choices",
@@ -44,6 +45,8 @@ __all__ = [
     "plot_objective",
     "plot_roc",
     "plot_wsi_heatmap",
+    "predicted",
+    "predicted_labels",
     "level0_tiles",
     "cohort_tile_side",
     "heatmap_canvas",
@@ -85,8 +88,8 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
         suspicious.append(json.dumps([
             {"row": int(r), "instance": int(r - rows.start), "coords": coords[r].tolist(),
              **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
-             kind: round(float(p_inst[r]), 6)} for r in top
-        ]))
+             kind: _finite_or_none(p_inst[r])} for r in top if np.isfinite(p_inst[r])
+        ], allow_nan=False))
     table = pd.DataFrame({
         "bag_id": np.asarray(cohort.bag_ids, dtype=str),
         "source": np.asarray(cohort.sources, dtype=str),
@@ -95,9 +98,33 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
         "probability": pred["bags/proba"],
         "std": pred["bags/std"],
     })
-    table["predicted_label"] = (table["probability"] >= threshold).astype(int)
+    table["predicted_label"] = predicted_labels(table["probability"], threshold)
     table["most_suspicious"] = suspicious
     return table
+
+
+def predicted_labels(probability: pd.Series, threshold: float) -> pd.Series:
+    """1 where ``probability ≥ threshold``, 0 below, empty (``<NA>``) for a bag not predicted (NaN):
+    such a bag is neither positive nor negative."""
+    return (probability >= threshold).astype("Int64").mask(probability.isna())
+
+
+def predicted(table: pd.DataFrame) -> pd.DataFrame:
+    """The bags of ``table`` that were predicted (a bag whose features gave NaN was not)."""
+    return table[table["probability"].notna()]
+
+
+def can_evaluate(table: pd.DataFrame) -> bool:
+    """Whether the predicted bags of ``table`` include labelled bags of both classes (what
+    :func:`evaluate` needs)."""
+    labelled = predicted(table)
+    return labelled.loc[labelled["label"] >= 0, "label"].nunique() == 2
+
+
+def _finite_or_none(value: Any, digits: int = 6) -> float | None:
+    """A number for JSON: rounded, or ``None`` (``null``) where it is NaN/inf, which JSON has not."""
+    value = float(value)
+    return round(value, digits) if np.isfinite(value) else None
 
 
 def instance_table(store: str | Path, run: str) -> pd.DataFrame:
@@ -130,23 +157,27 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
 
 
 def tile_geojson(xy: np.ndarray, side: float, scores: np.ndarray, std: np.ndarray, *,
-                 kind: ScoreKind = "probability") -> dict[str, Any]:
+                 kind: ScoreKind = "probability", bag_id: str | None = None) -> dict[str, Any]:
     """A GeoJSON FeatureCollection QuPath imports: one square tile per instance in level-0 pixels,
-    with its score and std as measurements."""
+    with its score and std as measurements (a value a model does not give — AbSMIL's std — is left
+    out: JSON has no NaN). ``bag_id`` is kept as the collection's ``bag_id`` member (RFC 7946 §6.1),
+    since the file name is a filesystem-safe form of it."""
     features = []
     for (x, y), score, sd in zip(np.asarray(xy, dtype=float), scores, std):
         ring = [[x, y], [x + side, y], [x + side, y + side], [x, y + side], [x, y]]
+        measurements = {name: float(v) for name, v in ((kind, score), ("std", sd)) if np.isfinite(v)}
         features.append({"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [ring]},
                          "properties": {"objectType": "tile", "isLocked": True,
-                                        "classification": {"name": "gpmil tile"},
-                                        "measurements": {kind: float(score), "std": float(sd)}}})
-    return {"type": "FeatureCollection", "features": features}
+                                        "classification": {"name": "gpmil tile"}, "measurements": measurements}})
+    return {"type": "FeatureCollection", **({} if bag_id is None else {"bag_id": str(bag_id)}), "features": features}
 
 
 def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
+    """Write ``collection`` as strict JSON (a NaN is refused, not written as the bare ``NaN`` that
+    JSON parsers reject)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(collection, separators=(",", ":")))
+    path.write_text(json.dumps(collection, separators=(",", ":"), allow_nan=False))
     return path
 
 
@@ -274,8 +305,10 @@ def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, m
                  where: dict[str, str] | None = None) -> str:
     """A few lines for a terminal: counts, the most likely positive bags, the least certain ones,
     metrics where labels exist and where the outputs are."""
-    n_pos = int((table["probability"] >= threshold).sum())
-    lines = [f"{len(table)} bags predicted: {n_pos} positive, {len(table) - n_pos} negative (threshold {threshold:g})"]
+    scored = predicted(table)
+    n_pos = int((scored["probability"] >= threshold).sum())
+    missing = f"; {len(table) - len(scored)} not predicted" if len(scored) < len(table) else ""
+    lines = [f"{len(scored)} bags predicted: {n_pos} positive, {len(scored) - n_pos} negative (threshold {threshold:g}){missing}"]
 
     def rows(frame: pd.DataFrame) -> list[str]:
         width = max([len(str(b)) for b in frame["bag_id"]] + [6])
@@ -286,8 +319,9 @@ def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, m
 
         return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}{label(r)}" for r in frame.itertuples()]
 
-    lines += ["most likely positive:"] + rows(table.sort_values("probability", ascending=False).head(top))
-    lines += ["least certain (highest std):"] + rows(table.sort_values("std", ascending=False).head(min(top, 3)))
+    lines += ["most likely positive:"] + rows(scored.sort_values("probability", ascending=False).head(top))
+    if (with_std := scored[scored["std"].notna()]).size:  # AbSMIL gives no std
+        lines += ["least certain (highest std):"] + rows(with_std.sort_values("std", ascending=False).head(min(top, 3)))
     if metrics:
         shown = {k: metrics[k] for k in ("bag_auc", "bag_accuracy", "bag_f1", "bag_brier", "instance_auc") if k in metrics}
         lines.append("metrics: " + ", ".join(f"{k} {v:.3f}" for k, v in shown.items()))
@@ -318,17 +352,18 @@ def evaluate(table: pd.DataFrame, *, threshold: float = 0.5, instance_labels: np
              instance_proba: np.ndarray | None = None, n_bins: int = 10) -> Evaluation:
     """AUC, accuracy, F1, Brier score and expected calibration error on the labelled, predicted
     bags; the same for instances whose label is known (``instance_labels`` ≥ 0) and predicted."""
-    labelled = table[(table["label"] >= 0) & table["probability"].notna()]  # a bag not predicted (NaN) is not scored
-    if labelled["label"].nunique() < 2:
+    labelled = predicted(table)
+    labelled = labelled[labelled["label"] >= 0]
+    if not can_evaluate(table):
         raise ValueError(f"evaluation needs labelled bags of both classes; found labels {sorted(labelled['label'].unique())}")
     y, p = labelled["label"].to_numpy(), labelled["probability"].to_numpy()
-    predicted = (p >= threshold).astype(int)
+    hard = (p >= threshold).astype(int)
     calibration = calibration_table(y, p, n_bins)
     metrics = {
         "n_bags": int(len(labelled)),
         "bag_auc": float(roc_auc_score(y, p)),
-        "bag_accuracy": float(accuracy_score(y, predicted)),
-        "bag_f1": float(f1_score(y, predicted, zero_division=0.0)),
+        "bag_accuracy": float(accuracy_score(y, hard)),
+        "bag_f1": float(f1_score(y, hard, zero_division=0.0)),
         "bag_brier": float(brier_score_loss(y, p)),
         "bag_ece": float(np.sum(calibration["count"] * np.abs(calibration["mean_predicted"] - calibration["fraction_positive"])) / len(y)),
     }
@@ -343,7 +378,7 @@ def evaluate(table: pd.DataFrame, *, threshold: float = 0.5, instance_labels: np
                 "instance_f1": float(f1_score(yi, pi >= threshold, zero_division=0.0)),
             }
     fpr, tpr, _ = roc_curve(y, p)
-    return Evaluation(metrics=metrics, confusion=confusion_matrix(y, predicted, labels=[0, 1]), calibration=calibration, roc=(fpr, tpr))
+    return Evaluation(metrics=metrics, confusion=confusion_matrix(y, hard, labels=[0, 1]), calibration=calibration, roc=(fpr, tpr))
 
 
 def calibration_table(y: np.ndarray, p: np.ndarray, n_bins: int = 10) -> pd.DataFrame:
@@ -560,9 +595,10 @@ def strip_slices(scores: np.ndarray, n: int = 8) -> np.ndarray:
 def markdown_table(frame: pd.DataFrame, float_format: str = "{:.3f}") -> str:
     """A small DataFrame as a Markdown table (no tabulate dependency)."""
     def cell(v: Any) -> str:
-        return float_format.format(v) if isinstance(v, (float, np.floating)) else str(v)
+        text = float_format.format(v) if isinstance(v, (float, np.floating)) else str(v)
+        return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())  # an id with | or a newline stays one cell
 
-    header = "| " + " | ".join(map(str, frame.columns)) + " |"
+    header = "| " + " | ".join(cell(c) for c in frame.columns) + " |"
     rule = "|" + "---|" * len(frame.columns)
     body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
     return "\n".join([header, rule, *body])

@@ -481,6 +481,8 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
         with h5py.File(folder / f"case_{i:02d}.h5", "w") as handle:
             handle["features"] = X
             handle["coords"] = np.stack([grid % 20, grid // 20], axis=1) * 512  # level-0 pixels, 512-px patches
+            if i == 5:  # a file that says its patch size (TRIDENT): its own, though its grid is the cohort's
+                handle["coords"].attrs["patch_size_level0"] = 1024
         rows.append({"slide_id": f"case_{i:02d}", "grade": 3 * positive})
     pd.DataFrame(rows).to_csv(tmp_path / "clinical.csv", index=False)
     write_pyramid(slides / "case_01.svs", np.full((1024, 1024, 3), 230, dtype=np.uint8), mpp=10.0, flavour="aperio", levels=1)
@@ -497,6 +499,8 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     geojson = json.loads((out / "geojson" / safe_filename("case_03", ".geojson")).read_text())
     ring = geojson["features"][0]["geometry"]["coordinates"][0]
     assert ring[1][0] - ring[0][0] == 512  # the patch size, from the coordinates' grid step
+    own = json.loads((out / "geojson" / safe_filename("case_05", ".geojson")).read_text())
+    assert own["bag_id"] == "case_05" and own["features"][0]["geometry"]["coordinates"][0][1][0] - own["features"][0]["geometry"]["coordinates"][0][0][0] == 1024
     assert len(list((out / "heatmaps").glob("*.png"))) == 16
     fewer = write_config(tmp_path, tmp_path / "h5.zarr", ingest={
         "kind": "h5", "source": str(folder), "slides": str(slides),
@@ -788,6 +792,13 @@ def test_absmil_trains_and_predicts_through_the_pipeline_from_the_config(tmp_pat
     serial = AbSMIL(**params, standardize=False).fit(X.astype(np.float32).astype(np.float64), bags, y)  # the store keeps float32
     np.testing.assert_allclose(table["probability"], serial.predict_bag_proba(X.astype(np.float32).astype(np.float64), bags)[1], rtol=1e-8)
     assert result["report"].info["bag_auc"] > 0.8
+    # A point estimate has no std to review by (the list was the first bags in cohort order, std nan),
+    # and bags without positions get no figure (they were drawn as CT slices).
+    out = Path(result["report"].path).parent
+    assert "AbSMIL gives no predictive std: no bags to review by it." in (out / "report.md").read_text()
+    assert not (out / "uncertain_bags.csv").exists() and not (out / "slices").exists() and not (out / "heatmaps").exists()
+    settings = json.loads(json.loads((out / "report-settings.json").read_text())["settings"])
+    assert settings["store"] == str(Path(cohort).resolve())  # the store predicted (prediction.store, unset, overwrote it)
 
 
 

@@ -459,3 +459,47 @@ def test_nonfinite_drop_applies_to_h5_and_torchmil_folders(tmp_path, kind):
         info = ingest_task.fn(load_config(config)).info
         assert sorted(info["added"]) == added and info["dropped_nonfinite"] == ({"s1": 1} if policy == "drop" else {})
     assert open_cohort(tmp_path / "drop.zarr").n_instances == 11
+
+
+def test_h5_files_without_coords_make_a_cohort_without_positions_and_one_cohort_does_not_mix_the_two(tmp_path):
+    """An .h5 file without ``coords`` was stored with every patch at (0, 0) and reported as level-0
+    pixels: its GeoJSON stacked all tiles on one square and its heatmap showed one tile."""
+    rng = np.random.default_rng(3)
+    plain, mixed = tmp_path / "plain", tmp_path / "mixed"
+    plain.mkdir()
+    mixed.mkdir()
+    for i in range(2):
+        with h5py.File(plain / f"p{i}.h5", "w") as handle:
+            handle["features"] = rng.normal(size=(4, 3)).astype(np.float32)
+    write_h5(mixed / "m0.h5", np.zeros((3, 3), np.float32), np.arange(6).reshape(3, 2) * 256)
+    (tmp_path / "labels.csv").write_text("slide_id,label\np0,1\np1,0\nm0,1\n")
+
+    report = ingest_h5_features(tmp_path / "plain.zarr", plain, tmp_path / "labels.csv")
+    cohort = open_cohort(tmp_path / "plain.zarr")
+    assert sorted(report.added) == ["p0", "p1"] and cohort.attrs["coords_meaning"] == "instance_index"
+    np.testing.assert_array_equal(cohort.read_bags(0, 1).coords[:, 0], np.arange(4))  # the patch's index in its bag
+
+    again = ingest_h5_features(tmp_path / "plain.zarr", mixed, tmp_path / "labels.csv")
+    (refused,) = [s for s in again.skipped if s.bag_id == "m0"]  # (p0, p1: listed, their files in the other folder)
+    assert again.added == () and refused.error == "FeatureDimensionError"
+    assert "a 'coords' dataset, but this cohort was made from files without patch positions" in refused.reason
+    with h5py.File(mixed / "m1.h5", "w") as handle:
+        handle["features"] = np.zeros((2, 3), np.float32)
+    (tmp_path / "labels.csv").write_text("slide_id,label\nm0,1\nm1,0\n")
+    positioned = ingest_h5_features(tmp_path / "mixed.zarr", mixed, tmp_path / "labels.csv")
+    assert positioned.added == ("m0",) and positioned.skipped[0].bag_id == "m1"
+    assert "no 'coords' dataset, but this cohort's files have patch positions" in positioned.skipped[0].reason
+
+
+def test_an_h5_files_patch_size_is_read_from_trident_and_clam_attributes(tmp_path):
+    from tasks.ingest.h5 import h5_patch_side
+
+    cases = {"trident": {"patch_size": 256, "patch_size_level0": 512}, "clam": {"patch_size": 256, "patch_level": 1, "downsample": [4.0, 4.0]},
+             "level0": {"patch_size": 224, "patch_level": 0}, "unknown_level": {"patch_size": 256}, "none": {}}
+    for name, attrs in cases.items():
+        write_h5(tmp_path / f"{name}.h5", np.zeros((2, 3), np.float32), np.zeros((2, 2)))
+        with h5py.File(tmp_path / f"{name}.h5", "a") as handle:
+            handle["coords"].attrs.update(attrs)
+    assert {name: h5_patch_side(tmp_path / f"{name}.h5") for name in cases} == {
+        "trident": 512.0, "clam": 1024.0, "level0": 224.0, "unknown_level": None, "none": None}
+    assert h5_patch_side(tmp_path / "gone.h5") is None

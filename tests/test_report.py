@@ -184,3 +184,49 @@ def test_a_fractional_footprint_and_slides_of_two_magnifications_keep_their_own_
     assert report.level0_tiles(lone, meaning, 256.5)[1] == 256.5  # one tile: the cohort's
     table = np.stack([np.floor(cols.ravel() * 256.5), np.floor(rows.ravel() * 256.5)], axis=1)  # the same corners as x, y columns
     assert report.cohort_tile_side(table, np.array([0, 24]), "x,y (table columns x, y)") == 257
+
+
+def test_geojson_is_strict_json_without_the_values_a_model_does_not_give_and_names_its_bag(tmp_path):
+    """AbSMIL's std is NaN: the GeoJSON held a bare ``NaN``, which JSON parsers (QuPath's, browsers')
+    reject; nor did a file say which bag it was (its name is a filesystem-safe form of the id)."""
+    import json
+
+    collection = report.tile_geojson(np.array([[0, 0], [256, 0]]), 256.0, np.array([0.2, 0.9]), np.array([np.nan, 0.1]),
+                                     bag_id="ünï|ß 007")
+    path = report.write_geojson(collection, tmp_path / "g.geojson")
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in the GeoJSON")
+
+    read = json.loads(path.read_text(), parse_constant=no_constants)
+    assert read["bag_id"] == "ünï|ß 007"
+    assert [f["properties"]["measurements"] for f in read["features"]] == [{"probability": 0.2}, {"probability": 0.9, "std": 0.1}]
+    with pytest.raises(ValueError):
+        report.write_geojson({"type": "FeatureCollection", "features": [], "x": float("nan")}, tmp_path / "nan.geojson")
+
+
+def test_a_bag_not_predicted_is_neither_positive_nor_negative_and_is_not_evaluated():
+    """A bag whose features gave NaN had ``predicted_label`` 0 and was counted as a negative; when
+    it was a class's only labelled bag the report crashed instead of saying it cannot evaluate."""
+    import pandas as pd
+
+    table = pd.DataFrame({"bag_id": ["a", "b", "c", "d"], "label": [1, 0, 0, -1], "original_label": ["", "", "", ""],
+                          "probability": [np.nan, 0.2, 0.7, 0.9], "std": [np.nan, 0.1, 0.2, 0.3]})
+    assert report.predicted_labels(table["probability"], 0.5).tolist() == [pd.NA, 0, 1, 1]
+    assert not report.can_evaluate(table)
+    with pytest.raises(ValueError, match="both classes"):
+        report.evaluate(table)
+    text = report.summary_text(table)
+    assert text.splitlines()[0] == "3 bags predicted: 2 positive, 1 negative (threshold 0.5); 1 not predicted"
+    assert " a " not in text.replace("(", " ")  # the bag not predicted is in neither list
+    assert report.can_evaluate(table.assign(label=[1, 0, 1, -1]))
+    no_std = report.summary_text(table.assign(std=np.nan))
+    assert "least certain" not in no_std  # AbSMIL gives none
+
+
+def test_markdown_cells_keep_an_id_with_a_pipe_or_a_newline_in_one_column():
+    import pandas as pd
+
+    text = report.markdown_table(pd.DataFrame({"bag_id": ["pipe|id", "two\nlines"], "p": [0.5, 0.25]}))
+    rows = text.splitlines()
+    assert rows[2] == "| pipe\\|id | 0.500 |" and rows[3] == "| two lines | 0.250 |"

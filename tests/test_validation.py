@@ -148,6 +148,15 @@ def test_a_store_with_a_nan_row_predicts_every_good_bag_and_names_the_bad_one(tm
     reason = zarr.open_group(store, mode="r")["predictions/p"].attrs["not_predicted"]
     assert list(reason) == [str(cohort.bag_ids[3])] and f"store row {bad_row}" in reason[str(cohort.bag_ids[3])]
 
+    # Its table row: no predicted label (it was 0, a negative) and no NaN in the JSON of its instances.
+    import json
+
+    from tasks.report import bag_table
+
+    table = bag_table(store, "p")
+    assert table["predicted_label"].isna().tolist() == [b == 3 for b in range(10)]
+    assert json.loads(table["most_suspicious"][3]) == [] and all(json.loads(t) for t in table["most_suspicious"][good])
+
 
 def _edit(paths, **tags):
     import pydicom

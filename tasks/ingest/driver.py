@@ -363,7 +363,13 @@ class IngestPlan:
 
 def existing_n_features(store: str | Path) -> int | None:
     """The feature dimension of the store at ``store``, or None if there is no store yet."""
+    attrs = existing_attrs(store)
+    return None if attrs is None else int(attrs["n_features"])
+
+
+def existing_attrs(store: str | Path) -> dict[str, Any] | None:
+    """The cohort attributes of the store at ``store``, or None if there is no store yet."""
     if not (Path(store) / "zarr.json").exists():
         return None
-    return int(_open_root(store, "r").attrs["n_features"])
+    return dict(_open_root(store, "r").attrs)
 

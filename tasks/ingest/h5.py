@@ -1,5 +1,7 @@
 """CLAM/TRIDENT per-slide feature files: ``<slide_id>.h5`` with datasets ``features`` (N, D) or
-(1, N, D) and ``coords`` (N, 2), the level-0 pixel (x, y) of each patch's top-left corner.
+(1, N, D) and ``coords`` (N, 2), the level-0 pixel (x, y) of each patch's top-left corner. Files
+without ``coords`` make a cohort without positions (``coords_meaning`` ``instance_index``: no
+heatmaps, no GeoJSON); one cohort does not mix the two.
 
 Each file is one bag (bag id = file stem), labelled from a labels CSV; the workers copy a file into
 the store ``batch_rows`` rows at a time through the parallel, resumable ingest driver.
@@ -8,18 +10,22 @@ the store ``batch_rows`` rows at a time through the parallel, resumable ingest d
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, Skipped, existing_n_features, run_ingest, summarise_left_out
+from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
 H5_SUFFIXES = (".h5", ".hdf5")
 """Feature files of a folder, in any case (``slide.H5``)."""
+
+H5_COORDS_MEANING = "x,y (level-0 pixels, as in the .h5)"
+"""``coords_meaning`` of a cohort of ``.h5`` files with ``coords``."""
 
 
 def _h5_features(handle, path: str):
@@ -48,19 +54,47 @@ def _pixel_coords(xy: np.ndarray, first_row: int, path: str) -> np.ndarray:
 
 def h5_feature_dim(path: str | Path) -> int:
     """Feature dimension D of a CLAM/TRIDENT ``.h5`` file."""
+    return h5_layout(path)[0]
+
+
+def h5_layout(path: str | Path) -> tuple[int, bool]:
+    """Feature dimension D of a CLAM/TRIDENT ``.h5`` file and whether it has patch ``coords``."""
     import h5py
 
     try:
         with h5py.File(path, "r") as handle:
-            return int(_h5_features(handle, str(path))[0].shape[-1])
+            return int(_h5_features(handle, str(path))[0].shape[-1]), "coords" in handle
     except IngestError:
         raise
     except Exception as error:
         raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=str(path)) from error
 
 
-def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
-    """Ingest worker: copy ``features`` and ``coords`` (zeros if absent) of one ``.h5`` file."""
+def h5_patch_side(path: str | Path) -> float | None:
+    """A file's patch side in level-0 pixels from its ``coords`` attributes, where they say it:
+    TRIDENT's ``patch_size_level0``, or CLAM's ``patch_size`` times its level's ``downsample`` (or
+    at ``patch_level`` 0); None for a file without them, or no longer readable."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as handle:
+            attrs = dict(handle["coords"].attrs) if "coords" in handle else {}
+    except Exception:  # moved or gone since the ingest: the report infers the side from the coordinates
+        return None
+    if "patch_size_level0" in attrs:
+        side = float(np.ravel(attrs["patch_size_level0"])[0])
+    elif "patch_size" in attrs and "downsample" in attrs:
+        side = float(np.ravel(attrs["patch_size"])[0]) * float(np.ravel(attrs["downsample"])[0])
+    elif "patch_size" in attrs and int(np.ravel(attrs.get("patch_level", [-1]))[0]) == 0:
+        side = float(np.ravel(attrs["patch_size"])[0])
+    else:
+        return None
+    return side if np.isfinite(side) and side > 0 else None
+
+
+def h5_bag_writer(item, writer, *, batch_rows: int = 65536, with_coords: bool = True) -> None:
+    """Ingest worker: copy ``features`` and ``coords`` of one ``.h5`` file (``with_coords=False``:
+    a cohort without positions, whose instances keep their index in the bag)."""
     import h5py
 
     try:
@@ -69,14 +103,19 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
             n = features.shape[-2]
             if n == 0:
                 raise FeatureDimensionError(f"'features' has shape {features.shape}: no patch", path=item.source)
-            coords = handle["coords"] if "coords" in handle else None
+            if ("coords" in handle) != with_coords:
+                raise FeatureDimensionError(
+                    "no 'coords' dataset, but this cohort's files have patch positions" if with_coords else
+                    "a 'coords' dataset, but this cohort was made from files without patch positions (no heatmaps "
+                    "or GeoJSON); ingest files of one kind into one store", path=item.source)
+            coords = handle["coords"] if with_coords else None
             coords_batched = coords is not None and coords.ndim == 3 and coords.shape[0] == 1  # (1, N, 2), like features
             if coords is not None and coords.shape[int(coords_batched)] != n:
                 raise FeatureDimensionError(f"'coords' of shape {coords.shape} for {n} feature rows", path=item.source)
             for start in range(0, n, batch_rows):
                 rows = slice(start, min(n, start + batch_rows))
                 block = features[0, rows] if batched else features[rows]
-                xy = (np.zeros((len(block), 2), dtype=np.int64) if coords is None else
+                xy = (np.arange(rows.start, rows.stop)[:, None] if coords is None else
                       _pixel_coords(np.asarray(coords[0, rows] if coords_batched else coords[rows]).reshape(len(block), -1),
                                     start, item.source))
                 writer.write(np.asarray(block, dtype=np.float32), xy, np.full(len(block), -1, dtype=np.int8))
@@ -113,20 +152,22 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
         skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_csv} but no feature file {bag_id}.h5 in {files}")
                     for bag_id in ids_without_input(labels, (p.stem for p in paths))]
-    n_features = existing_n_features(store)
-    for item in list(items):
+    existing = existing_attrs(store)
+    n_features, with_coords = (None, None) if existing is None else (int(existing["n_features"]),
+                                                                     existing["coords_meaning"] != "instance_index")
+    for item in list(items):  # the first readable file sets a new store's features and whether it has positions
         if n_features is not None:
             break
         try:
-            n_features = h5_feature_dim(item.source)
+            n_features, with_coords = h5_layout(item.source)
         except IngestError as error:
             skipped.append(Skipped.from_error(error, item))
             items.remove(item)
     if n_features is None:
         found = f"{len(paths)} .h5 file(s) found"
         raise IngestError(f"no .h5 feature file to ingest: {summarise_left_out(found, skipped)}", path=str(files))
-    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2,
-                      coords_meaning="x,y (level-0 pixels, as in the .h5)",
+    spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2 if with_coords else 1,
+                      coords_meaning=H5_COORDS_MEANING if with_coords else "instance_index",
                       tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())}, labels=described)
-    return run_ingest(store, spec, items, h5_bag_writer, skipped=skipped, client=client,
+    return run_ingest(store, spec, items, partial(h5_bag_writer, with_coords=bool(with_coords)), skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)
