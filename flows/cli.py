@@ -115,7 +115,16 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
     new_cohort = stage == "predict" and getattr(args, "source", None)  # --store is then where the new store goes
     if new_cohort:
         paths["source"] = _abs(args.source)
-    config = load_config(args.config, preflight=lambda config: check_inputs(with_source(config), stage, **paths),
+
+    def as_the_flow_sees_it(config):  # a new cohort's store and labels, as predict_cohort sets them: refused here, not in the flow
+        config = with_source(config)
+        if not new_cohort:
+            return config
+        ingest = config.ingest.model_copy(update={"labels": Path(_abs(args.labels))}) if args.labels else config.ingest
+        prediction = config.prediction.model_copy(update={"store": Path(_abs(args.store))}) if args.store else config.prediction
+        return config.model_copy(update={"ingest": ingest, "prediction": prediction})
+
+    config = load_config(args.config, preflight=lambda config: check_inputs(as_the_flow_sees_it(config), stage, **paths),
                          **({"store": _abs(args.store)} if getattr(args, "store", None) and not new_cohort else {}))
     _prefect_for_the_command()
     return with_source(config)

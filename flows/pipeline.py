@@ -117,13 +117,13 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
 @flow(name="predict-cohort", log_prints=True)
 def predict_cohort(config: str, model_dir: str, store: str | None = None, source: str | None = None,
                    labels: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
-    """Predict every bag of a cohort (``prediction.store``, else the training store) with a saved model.
+    """Predict every bag of a cohort (``store``, else ``prediction.store``, else the training store)
+    with a saved model and write its report and tables; the result's ``info`` says where.
 
     With ``source`` (a folder of new slides, scans or feature files, read like ``ingest.source``)
     the new cohort is first ingested into its own store (``store``, else
     ``<output_dir>/stores/<folder>-<hash>.zarr``) with the feature extractor of the store the model
-    was trained on (``labels``: optional, for metrics), then predicted, and the report and tables
-    are written; the result's ``info`` says where."""
+    was trained on (``labels``: optional, for metrics)."""
     cfg = _config(config)
     trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
     if source is not None:
@@ -138,8 +138,6 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
         ingested = t.ingest_cohort_items(cfg.model_copy(update={"store": Path(target)}), address) if source is not None else None
         key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
         predicted = t.predict(cfg, target, model_dir, key, address)
-    if source is None:
-        return predicted
     reported = t.write_report(cfg, target, model_dir, key)
     info = {"store": target, "report": reported.path, "metrics": reported.info,
             "skipped": [] if ingested is None else ingested.info.get("skipped", [])}

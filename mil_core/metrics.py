@@ -21,6 +21,26 @@ def column_aucs(labels: np.ndarray, scores: np.ndarray) -> np.ndarray:
     return ranked_aucs(rankdata(np.asarray(scores, dtype=np.float64), axis=0), labels[:, None])[0]
 
 
+TIE_TOLERANCE = 1e-9
+"""Values of a column closer than this fraction of its largest magnitude (or range) are ties."""
+
+
+def tie_aware_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks of each column of ``values`` (B, C), ties averaged, where values that differ by rounding
+    alone — less than :data:`TIE_TOLERANCE` of the column's scale, from gaps between neighbours in
+    sorted order — are ties. ``rankdata`` breaks such near-ties by their last bits: the means of
+    integer features in two bags, equal in exact arithmetic, ranked one way after one
+    standardisation and the other way after an equivalent one."""
+    values = np.asarray(values, dtype=np.float64)
+    order = np.argsort(values, axis=0, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=0)
+    scale = np.maximum(ordered[-1] - ordered[0], np.abs(ordered).max(axis=0)) * TIE_TOLERANCE
+    groups = np.concatenate([np.zeros((1,) + ordered.shape[1:]), np.cumsum(np.diff(ordered, axis=0) > scale, axis=0)])
+    tied = np.empty_like(groups)
+    np.put_along_axis(tied, order, groups, axis=0)
+    return rankdata(tied, axis=0)
+
+
 def both_classes(labels: np.ndarray) -> np.ndarray:
     """0/1 ``labels`` as booleans, refused unless both classes occur (an AUC needs both)."""
     labels = np.asarray(labels).astype(bool)

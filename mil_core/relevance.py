@@ -4,10 +4,8 @@ length scales that weigh the features by it (a candidate of the automatic kernel
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import rankdata
-
 from ._backend import to_numpy
-from .metrics import both_classes, chance_auc_std, ranked_aucs
+from .metrics import both_classes, chance_auc_std, ranked_aucs, tie_aware_ranks
 
 __all__ = ["RELEVANCE_FORMS", "feature_evidence", "relevance_length_scales", "relevance_weightings"]
 
@@ -30,7 +28,9 @@ at which the top feature counts as standing out."""
 
 def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray) -> np.ndarray:
     """``z`` of :func:`feature_evidence` under each 0/1 column of ``labellings`` (B, P): (P, D).
-    Each bag summary is ranked once for all P (:func:`~mil_core.metrics.ranked_aucs`)."""
+    Each bag summary is ranked once for all P (:func:`~mil_core.metrics.ranked_aucs`), summaries
+    equal but for rounding as ties (:func:`~mil_core.metrics.tie_aware_ranks`): the weights are
+    the same whichever way the features were standardised."""
     X_sorted, labellings = np.asarray(X_sorted), np.asarray(labellings, dtype=np.float64)
     starts, sizes = offsets[:-1], np.diff(offsets)[:, None]
     spread = chance_auc_std(labellings[:, 0])
@@ -38,7 +38,7 @@ def _evidence(X_sorted: np.ndarray, offsets: np.ndarray, labellings: np.ndarray)
     # the (B, D) summaries in float64; the (N, D) rows stay in their own dtype (no float64 copy of them)
     for summary in (np.maximum.reduceat(X_sorted, starts, axis=0), np.minimum.reduceat(X_sorted, starts, axis=0),
                     np.add.reduceat(X_sorted, starts, axis=0, dtype=np.float64) / sizes):
-        np.maximum(z, np.abs(ranked_aucs(rankdata(summary, axis=0), labellings) - 0.5) / spread, out=z)
+        np.maximum(z, np.abs(ranked_aucs(tie_aware_ranks(summary), labellings) - 0.5) / spread, out=z)
     return z
 
 

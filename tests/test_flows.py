@@ -90,6 +90,8 @@ def test_a_new_cohort_is_predicted_with_the_stored_model_on_clusters_named_by_cl
         "workers": {"w": {"cls": "distributed.Worker", "options": {"nthreads": 1}}}}}
     result = predict_cohort(write_config(tmp_path, cohort, dask=spec), trained.path, store=new)
     assert not result.reused and result.path.startswith(new)
+    table = pd.read_csv(Path(result.info["report"]).parent / "bag_predictions.csv")  # a store predicted gets its report too
+    assert len(table) == 10 and result.info["store"] == new
 
 
 def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
@@ -712,7 +714,7 @@ def test_an_input_error_is_one_line_on_the_console_and_a_bug_keeps_its_traceback
         assert record.exc_info[1] is error  # the Prefect UI's handler still gets the traceback
 
 
-def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_run, capsys):
+def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_run, capsys, monkeypatch):
     """An empty slide folder and a table whose every bag is refused end with a non-zero exit naming
     the source and the first reason, not 'done' / 'reused' with 0 bags; a new folder predicted into
     the model's training store is refused before anything runs (its bags would have joined the
@@ -741,9 +743,16 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
 
     before = predictions_in(training_store)
     n_bags = open_cohort(training_store).n_bags
+
+    def prefect_started():
+        raise AssertionError("Prefect was set up for a command refused by its inputs")
+
+    monkeypatch.setattr("flows.cli._prefect_for_the_command", prefect_started)
     assert main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir / "raw" / "wsi-heldout"),
                  "--store", str(training_store)]) == 2
-    assert f"--store: {training_store} is the store the model was trained on" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--store: {training_store} is the store the model was trained on" in err
+    assert err.count("\n") == 1, err  # refused before Prefect starts
     assert open_cohort(training_store).n_bags == n_bags
     assert predictions_in(training_store) == before
 
