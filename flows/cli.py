@@ -249,6 +249,14 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect's runner only warns, and no scheduled run ever comes
+        print("gpmil serve: no Prefect server to serve on (PREFECT_API_URL is not set): a deployment on gpmil's temporary "
+              "server goes with it, and Prefect schedules no run there. Start one (`prefect server start`) and set "
+              "PREFECT_API_URL (`prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api`): docs/PIPELINE.md, "
+              "'Watching it in the Prefect UI'", file=sys.stderr)
+        return 2
     config = _checked(args, "run")  # fail now, not at the first scheduled run
     from flows.pipeline import pipeline
 

@@ -59,8 +59,18 @@ def _config(config: str, store: str | None = None, source: str | None = None) ->
     """The validated configuration with the command line's store / ingest source overrides."""
     cfg = load_config(config, **({"store": store} if store is not None else {}))
     if source is not None:
-        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(source).resolve()})})
+        cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(_beside(config, source))})})
     return cfg
+
+
+def _beside(config: str, path: str | None) -> str | None:
+    """A flow parameter's path as the configuration's own paths are read: relative to the config
+    file's folder (a deployment's run parameters, typed in the UI, would otherwise be read from
+    the working directory of whichever process serves it). The command line passes absolute paths."""
+    if path is None:
+        return None
+    path = Path(path).expanduser()
+    return str(path if path.is_absolute() else (Path(config).resolve().parent / path).resolve())
 
 
 @flow(name="ingest-cohort", log_prints=True)
@@ -125,6 +135,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     ``<output_dir>/stores/<folder>-<hash>.zarr``) with the feature extractor of the store the model
     was trained on (``labels``: optional, for metrics)."""
     cfg = _config(config)
+    model_dir, store, source, labels = (_beside(config, path) for path in (model_dir, store, source, labels))
     trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
     if source is not None:
         new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
@@ -148,6 +159,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
 def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | None = None) -> t.StageResult:
     """Tables, metrics, figures and the report of one prediction run."""
     cfg = _config(config)
+    model_dir, store = _beside(config, model_dir), _beside(config, store)
     check_inputs(cfg, "evaluate", store=store, model_dir=model_dir, prediction_key=prediction_key)
     target = str(store or cfg.prediction.store or cfg.store)
     return t.write_report(cfg, target, model_dir, prediction_key)

@@ -82,7 +82,7 @@ def server(tmp_path_factory):
     inherited = {k: v for k, v in os.environ.items() if k not in ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "DASK_LOGGING__DISTRIBUTED")}
     env = {**inherited, "PREFECT_HOME": str(folder / "home"), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder / 'prefect.db'}",
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "GPMIL_HOME": str(ROOT)}
     processes = Processes(folder, env)
     processes.start("server", sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui")
@@ -159,11 +159,31 @@ def assert_pipeline_outputs(config: Path, artifacts) -> Path:
     return report
 
 
+def wait_for_scheduled_runs(deployment_id, processes: Processes, timeout: float = 60) -> list:
+    """The flow runs the server's scheduler service has put on a deployment's schedule."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                         flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+            if runs:
+                return runs
+            assert time.monotonic() < deadline, f"the scheduler put no run on the schedule\n{processes.logs()}"
+            time.sleep(1)
+
+
 def test_gpmil_serve_registers_a_scheduled_deployment_whose_runs_complete(server, config):
     server.start("serve", sys.executable, "-m", "flows.cli", "serve", str(config), "--cron", "0 2 * * *")
     deployment = wait_for_deployment("gpmil-pipeline/gpmil-toy", server)
     assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
     assert deployment.parameters == {"config": str(config.resolve())}
+    # The cron puts runs on the schedule (with SQLAlchemy 2.1 the server's scheduler failed every loop and no run ever came).
+    scheduled = wait_for_scheduled_runs(deployment.id, server)
+    assert all(run.expected_start_time.hour == 2 and run.expected_start_time.minute == 0 for run in scheduled)
     try:
         flow_run, artifacts = run_and_check("gpmil-pipeline/gpmil-toy", server)
         assert_pipeline_outputs(config, artifacts)

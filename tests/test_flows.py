@@ -442,6 +442,32 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
+@pytest.mark.timeout(120)  # without the refusal it serves until stopped
+def test_serve_without_a_prefect_server_is_refused_naming_how_to_start_one(tmp_path, cohort, capsys):
+    """On gpmil's temporary server Prefect only warned "Cannot schedule flows on an ephemeral
+    server" and the cron never fired."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import main
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["serve", write_config(tmp_path, cohort), "--cron", "0 2 * * *"]) == 2
+    err = capsys.readouterr().err
+    assert "no Prefect server to serve on (PREFECT_API_URL is not set)" in err and "prefect server start" in err
+
+
+def test_a_deployment_runs_paths_are_read_beside_the_configuration(tmp_path, cohort, monkeypatch):
+    """A served deployment's run parameters typed in the UI: ``source`` was read from the serving
+    process's working directory, ``store`` from the config's folder."""
+    from flows.pipeline import _beside, _config
+
+    config = write_config(tmp_path, cohort)
+    monkeypatch.chdir(tmp_path.parent)
+    assert _config(config, source="raw/new").ingest.source == tmp_path / "raw" / "new"
+    assert _beside(config, "stores/new.zarr") == str(tmp_path / "stores" / "new.zarr")
+    assert _beside(config, str(tmp_path.parent / "x")) == str(tmp_path.parent / "x") and _beside(config, None) is None
+
+
 def test_the_cli_summarises_each_stage_in_one_line():
     from flows.cli import summary
     from tasks.prefect_tasks import StageResult
