@@ -76,6 +76,55 @@ def _table_columns_problem(path: Path | str | None, ing: IngestConfig) -> str | 
     return None
 
 
+def _trained_on(model_dir: Path | str | None) -> str | None:
+    """The training store a model folder's ``model.json`` names (None where unreadable: reported
+    by :func:`_model_dir_problem`)."""
+    meta_path = None if model_dir is None else Path(model_dir) / "model.json"
+    if meta_path is None or not meta_path.is_file():
+        return None
+    try:
+        store = json.loads(meta_path.read_text()).get("store")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return str(store) if store else None
+
+
+def _new_cohort_problem(ing: IngestConfig, source: str, model_dir: Path | str | None) -> str | None:
+    """A new cohort (``predict --source``) the model cannot predict, found before its ingest: slides
+    or scans whose features would come from a training store that is gone, or feature files
+    (``.h5``, ``.npy``) of another width than the training store's (found after a whole ingest)."""
+    trained_on = _trained_on(model_dir)
+    if trained_on is None:
+        return None
+    if not (Path(trained_on) / "zarr.json").is_file():
+        if ing.kind in ("wsi", "ct"):
+            return (f"MODEL_DIR: the model was trained on {trained_on}, which is gone; a new cohort's "
+                    f"{'slides' if ing.kind == 'wsi' else 'scans'} are featurised with that store's extractor: restore "
+                    "it, or ingest the cohort with ingest.extractor_from and predict it with --store")
+        return None
+    import zarr
+
+    width = int(zarr.open_group(trained_on, mode="r").attrs["n_features"])
+    first, found = None, None
+    try:
+        if ing.kind == "h5":
+            from tasks.ingest.h5 import H5_SUFFIXES, h5_feature_dim
+
+            first = next(iter(sorted(f for f in Path(source).iterdir() if f.suffix.lower() in H5_SUFFIXES)), None)
+            found = None if first is None else h5_feature_dim(first)
+        elif ing.kind == "npy":
+            import numpy as np
+
+            first = next(iter(sorted((Path(source) / "features").glob("*.npy"))), None)
+            found = None if first is None else int(np.load(first, mmap_mode="r", allow_pickle=False).shape[-1])
+    except Exception:  # an unreadable file is the ingest's to name, with the others
+        return None
+    if found is not None and found != width:
+        return (f"--source: {first} has {found} features per instance, but the model was trained on {width} "
+                f"({trained_on}): features of another extractor")
+    return None
+
+
 def _training_store_problem(store: Path | str | None, model_dir: Path | str | None) -> str | None:
     """A new cohort (``predict --source``) would be ingested into the store the model was trained
     on: its bags would join the training data of the next run."""
@@ -173,7 +222,9 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         checks += [("--source", source, "file" if ing.kind == "features" else "dir"), ("MODEL_DIR", model_dir, "dir")]
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
-        new_cohort_problems = [_training_store_problem(config.prediction.store, model_dir)]
+        new_cohort_problems = [_training_store_problem(config.prediction.store, model_dir), _new_cohort_problem(ing, source, model_dir)]
+        if ing.kind != "features":
+            checks.append(("--labels", getattr(ing.labels, "file", ing.labels), "file"))
         if ing.kind == "features" and ing.labels is not None:
             new_cohort_problems.append("--labels: a feature table carries each bag's label in its label column (-1: unlabelled); "
                                        "--labels applies to slide, CT, h5 and npy folders")

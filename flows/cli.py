@@ -120,7 +120,7 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
         config = with_source(config)
         if not new_cohort:
             return config
-        ingest = config.ingest.model_copy(update={"labels": Path(_abs(args.labels))}) if args.labels else config.ingest
+        ingest = config.ingest.model_copy(update={"labels": Path(_abs(args.labels)) if args.labels else None})
         prediction = config.prediction.model_copy(update={"store": Path(_abs(args.store))}) if args.store else config.prediction
         return config.model_copy(update={"ingest": ingest, "prediction": prediction})
 

@@ -488,7 +488,7 @@ def test_progress_bars_say_how_far_a_stage_is():
     assert progress_bar(0, 0, width=4) == "[....] 0/0"
 
 
-def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heatmaps(tmp_path):
+def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heatmaps(tmp_path, capsys):
     """A CLAM/TRIDENT feature folder is a config source; labels come from a target expression; the
     report paints level-0 coordinates at thumbnail size (over the slide when its folder is given)
     and writes per-instance tables and QuPath GeoJSON."""
@@ -543,6 +543,18 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     (again,) = [p for p in (tmp_path / "out" / "predictions").glob("*/report.md") if p.parent != out]
     assert "**16 of these 16 bags are bags the model was trained on" in again.read_text()
     assert "held-out cohort" not in again.read_text()
+
+    # Features of another extractor, or a labels file that is not there: refused before the ingest
+    # (a whole cohort was ingested into a new store, left behind, before the width was compared).
+    (tmp_path / "wide").mkdir()
+    with h5py.File(tmp_path / "wide" / "w0.h5", "w") as handle:
+        handle["features"], handle["coords"] = np.zeros((3, 7), np.float32), np.zeros((3, 2), np.int64)
+    assert main(["predict", config, results["train"].path, "--source", str(tmp_path / "wide"), "--store", str(tmp_path / "wide.zarr")]) == 2
+    assert f"--source: {tmp_path / 'wide' / 'w0.h5'} has 7 features per instance, but the model was trained on 6" in capsys.readouterr().err
+    assert main(["predict", config, results["train"].path, "--source", str(folder), "--labels", str(tmp_path / "none.csv"),
+                 "--store", str(tmp_path / "n.zarr")]) == 2
+    assert f"--labels: {tmp_path / 'none.csv'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "wide.zarr").exists() and not (tmp_path / "n.zarr").exists()
 
 
 def test_a_parquet_table_with_named_columns_runs_end_to_end_with_its_coordinates_as_x_y(tmp_path):
@@ -779,6 +791,13 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
     err = capsys.readouterr().err
     assert f"--store: {training_store} is the store the model was trained on" in err
     assert err.count("\n") == 1, err  # refused before Prefect starts
+    moved = tmp_path / "moved-model"
+    shutil.copytree(model_dir, moved)
+    meta = json.loads((moved / "model.json").read_text())
+    (moved / "model.json").write_text(json.dumps({**meta, "store": str(tmp_path / "gone.zarr")}))
+    assert main(["predict", str(configs["wsi"]), str(moved), "--source", str(workdir / "raw" / "wsi-heldout"),
+                 "--store", str(tmp_path / "new.zarr")]) == 2  # its slides need the training store's extractor
+    assert f"MODEL_DIR: the model was trained on {tmp_path / 'gone.zarr'}, which is gone" in capsys.readouterr().err
     assert open_cohort(training_store).n_bags == n_bags
     assert predictions_in(training_store) == before
 
