@@ -76,6 +76,21 @@ def _table_columns_problem(path: Path | str | None, ing: IngestConfig) -> str | 
     return None
 
 
+def _dask_config_problem(path: Path | None) -> str | None:
+    """A ``dask.config_file`` that is no Dask configuration (YAML that is not a mapping, or not
+    YAML): read now, not as the cluster starts."""
+    if path is None or not Path(path).is_file():
+        return None  # a missing file is reported with the paths
+    from tasks.cluster import read_dask_config
+
+    try:
+        read_dask_config(path)
+    except Exception as error:
+        return f"dask.config_file: {error}" if isinstance(error, ValueError) and str(path) in str(error) else (
+            f"dask.config_file: {path} is not a Dask configuration: {type(error).__name__}: {error}")
+    return None
+
+
 def _trained_on(model_dir: Path | str | None) -> str | None:
     """The training store a model folder's ``model.json`` names (None where unreadable: reported
     by :func:`_model_dir_problem`)."""
@@ -235,6 +250,7 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
+    problems.append(_dask_config_problem(config.dask.config_file))
     if stage == "predict" and source is not None:
         problems += new_cohort_problems
     written = [("output_dir", config.output_dir)] + ([("--store" if store else "store", store or config.store)] if ingests else [])

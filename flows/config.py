@@ -328,6 +328,31 @@ class PredictionConfig(_Strict):
     n_heatmaps: int = Field(4, ge=0)
 
 
+def _local_cluster_parameters() -> set[str]:
+    """What ``distributed.LocalCluster(**kwargs)`` accepts: its own parameters and, passed on, its
+    workers' (``Nanny``, ``Worker`` and the server under them)."""
+    import inspect
+
+    from distributed import LocalCluster, Nanny, Worker
+    from distributed.core import Server
+
+    return {name for cls in (LocalCluster, Nanny, Worker, Server) for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name != "self"}
+
+
+def _not_local_cluster_parameters(cluster_class: str | None, kwargs: dict[str, Any]) -> list[str]:
+    """The keys of ``kwargs`` a LocalCluster (the default, or named as ``cluster_class``) would pass
+    down until a worker refuses them; other cluster classes, subclasses too (``LocalCUDACluster``),
+    have parameters of their own and check them."""
+    from distributed import LocalCluster
+
+    from tasks.cluster import import_cluster_class
+
+    if (LocalCluster if cluster_class is None else import_cluster_class(cluster_class)) is not LocalCluster:
+        return []
+    return sorted(set(kwargs) - _local_cluster_parameters())
+
+
 class DaskConfig(_Strict):
     """Where a run's Dask workers come from (one cluster per flow run), the way prefect-dask names it:
     ``cluster_class`` (import path; default ``distributed.LocalCluster`` sized to the machine) built
@@ -374,6 +399,13 @@ class DaskConfig(_Strict):
         if self.scheduler_address and (given := [k for k in ("n_workers", "threads_per_worker", "processes") if getattr(self, k) is not None]):
             raise ValueError(f"{', '.join(given)} size a cluster gpmil starts; with scheduler_address the running cluster "
                              "has its own workers: remove them")
+        if self.cluster_kwargs and (unknown := _not_local_cluster_parameters(self.cluster_class, self.cluster_kwargs)):
+            from difflib import get_close_matches
+
+            hints = [f"{name} (did you mean {near[0]}?)" if (near := get_close_matches(name, _local_cluster_parameters(), 1)) else name
+                     for name in unknown]
+            raise ValueError(f"cluster_kwargs: {', '.join(hints)} is no parameter of a LocalCluster or its workers "
+                             "(it failed only as the workers started: 'Nanny failed to start')")
         local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
         if self.cluster_class and any(v is not None for v in local.values()):
             from distributed import LocalCluster

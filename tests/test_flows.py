@@ -14,6 +14,7 @@ import pytest
 import yaml
 import zarr
 
+from flows.checks import check_inputs
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.pipeline import pipeline, predict_cohort, train_model
 from tasks.paths import safe_filename
@@ -116,6 +117,13 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
             load_config(write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": {"kernel": kernel}}))
     with pytest.raises(ConfigError, match=r"dask.cluster_class: .*cannot import dask_jobqeue"):
         load_config(write_config(tmp_path, cohort, dask={"cluster_class": "dask_jobqeue.SLURMCluster"}))
+    with pytest.raises(ConfigError, match=r"dask: .*cluster_kwargs: n_wrokers \(did you mean n_workers\?\) is no parameter of a LocalCluster"):
+        load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"n_wrokers": 2}}))  # was 'Nanny failed to start'
+    assert load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"memory_limit": "2GB", "nthreads": 1, "resources": {"GPU": 1}}}))
+    (tmp_path / "list.yaml").write_text("- distributed\n")
+    with pytest.raises(ConfigError, match=r"dask.config_file: .*list.yaml: a Dask configuration file holds a mapping, not list"):
+        load_config(write_config(tmp_path, cohort, dask={"config_file": str(tmp_path / "list.yaml")}),
+                    preflight=lambda c: check_inputs(c, "train"))
     with pytest.raises(ConfigError, match=r"dask.adapt_kwargs: .*1 <= minimum <= maximum \(got minimum=0"):
         load_config(write_config(tmp_path, cohort, dask={"adapt_kwargs": {"minimum": 0, "maximum": 4}}))
     with pytest.raises(ConfigError, match=r"dask: .*either scheduler_address .* or cluster_class"):
