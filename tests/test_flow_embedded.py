@@ -49,6 +49,7 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
                                serial.predict_instance_proba(X[order], method="probit"), rtol=1e-6)
 
     model_dir = Path(result["train"].path)
+    assert (result["train"].info["n_bags"], result["train"].info["n_instances"]) == (30, len(X))  # not a member's share
     saved = sorted(p.name for p in model_dir.iterdir() if p.is_file())
     assert not any(p.endswith((".pkl", ".pickle", ".pt", ".pth", ".joblib", ".safetensors")) for p in saved), saved
     with np.load(model_dir / "model.npz", allow_pickle=False) as stored:  # readable without running anything

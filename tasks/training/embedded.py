@@ -108,4 +108,6 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     kept = model.choose_representation(features_gps, held_out_inputs, embedding_auc, bag_labels)
     if scaling is not None:  # in model.fit's units: its predict_* standardise as after model.fit
         model.feature_mean_, model.feature_scale_ = scaling.mean, scaling.scale
-    return dataclasses.replace(summaries[kept], scaling=scaling)
+    # the ensemble's training bags: each member's fit held some out, and the summary counts all it trained on
+    return dataclasses.replace(summaries[kept], scaling=scaling, n_bags=int(labelled.size),
+                               n_instances=int(np.diff(np.asarray(cohort.offsets))[labelled].sum()))
