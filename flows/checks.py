@@ -40,7 +40,9 @@ def _extractor_problem(ing: IngestConfig) -> str | None:
     from tasks.ingest.features import make_extractor
 
     try:
-        make_extractor(ing.extractor, **ing.extractor_params)
+        extractor = make_extractor(ing.extractor, **ing.extractor_params)
+        if callable(check := getattr(extractor, "check", None)):  # a lazily built module (torch): built now
+            check()
     except Exception as error:  # whatever the user's module raises
         return f"ingest.extractor_params: {ing.extractor} cannot be built: {type(error).__name__}: {error}"
     return None

@@ -160,6 +160,9 @@ def test_an_extractor_that_cannot_be_built_is_refused_before_the_run_starts(user
         ("{model: 'lab_models:TinyCNN', weights: tiny.pt, widht: 4}", r"unexpected keyword argument 'widht'"),
         ("{model: 'lab_models:NoSuchNet', weights: tiny.pt}", r"NoSuchNet"),
         ("{model: 'lab_models:TinyCNN', weights: narrow.pt}", r"weights .*narrow.pt do not fit lab_models:TinyCNN: .*size mismatch"),
+        # with n_features given the module was built only on the workers: every slide's task failed
+        ("{model: 'not_installed.models:Net', weights: tiny.pt, n_features: 8}", r"cannot import it \(ModuleNotFoundError"),
+        ("{model: 'lab_models:TinyCNN', weights: narrow.pt, n_features: 4}", r"narrow.pt do not fit lab_models:TinyCNN"),
     ]:
         path = folder / "c.yaml"
         path.write_text(f"name: t\nstore: s.zarr\noutput_dir: out\ningest: {{kind: wsi, source: ., extractor: torch, "

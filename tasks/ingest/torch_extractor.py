@@ -122,6 +122,12 @@ class TorchExtractor:
             _MODULES[key] = (self._module, self._torch_device)
         return self._module
 
+    def check(self) -> None:
+        """Build the module as a worker will (import its factory, load the weights): a missing module
+        or weights of another shape are found now, not by every slide's task. ``n_features`` given
+        skips the forward pass that would otherwise build it."""
+        self._build()
+
     def _infer_n_features(self) -> int:
         size = self.input_size or 224
         return int(self(np.zeros((1, size, size, 3), dtype=np.uint8), _check=False).shape[1])
