@@ -688,6 +688,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                  f"{', '.join(c for c in instances.columns if c not in ('bag_id', 'instance', kind, 'std'))}, {kind}, std).", ""]
     meaning = str(cohort.attrs.get("coords_meaning", ""))
     cohort_side = report.cohort_tile_side(coords, np.asarray(cohort.offsets), meaning)  # one patch size per cohort
+    if cohort_side is None and not in_sample and _same_coordinates(trained_on, meaning):  # bags of one tile: the training cohort's
+        training = open_cohort(trained_on)
+        cohort_side = report.cohort_tile_side(zarr.open_group(str(trained_on), mode="r")["instances/coords"][: training.n_instances],
+                                              np.asarray(training.offsets), meaning)
 
     def patch_side(b: int) -> float | None:  # a .h5 file that says its patch size (TRIDENT, CLAM), else the cohort's
         return (h5_patch_side(table.at[b, "source"]) if meaning == H5_COORDS_MEANING else None) or cohort_side
@@ -746,6 +750,15 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
                           key=artifact_key("bag-predictions", config.name), description="Per-bag predictions (first 200 bags)")
     logger.info("report written to %s", out / "report.md")
     return StageResult(prediction_key, str(out / "report.md"), False, metrics)
+
+
+def _same_coordinates(store: str, meaning: str) -> bool:
+    """Whether ``store`` exists and holds coordinates of the kind ``meaning`` names (level-0 pixels
+    or slide tiles), so that its patch size is this cohort's (a new cohort of the same pipeline)."""
+    try:
+        return meaning.startswith(("tile_row,tile_col,x,y", "x,y")) and open_cohort(store).attrs.get("coords_meaning") == meaning
+    except Exception:  # moved or gone since training
+        return False
 
 
 def _metrics_frame(metrics: dict[str, Any]):

@@ -552,6 +552,16 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     assert "**16 of these 16 bags are bags the model was trained on" in again.read_text()
     assert "held-out cohort" not in again.read_text()
 
+    # A new cohort whose slides have one patch each: its squares are the training cohort's patch size (they were 1 px).
+    (tmp_path / "single").mkdir()
+    for i in range(2):
+        with h5py.File(tmp_path / "single" / f"one_{i}.h5", "w") as handle:
+            handle["features"], handle["coords"] = rng.normal(size=(1, 6)).astype(np.float32), np.array([[1024 * i, 512]])
+    assert main(["predict", config, results["train"].path, "--source", str(tmp_path / "single"), "--store", str(tmp_path / "single.zarr")]) == 0
+    (single,) = [p.parent for p in (tmp_path / "out" / "predictions").glob("*/report.md") if p.parent not in (out, again.parent)]
+    ring = json.loads((single / "geojson" / safe_filename("one_1", ".geojson")).read_text())["features"][0]["geometry"]["coordinates"][0]
+    assert ring[0] == [1024, 512] and ring[2] == [1536, 1024]
+
     # Features of another extractor, or a labels file that is not there: refused before the ingest
     # (a whole cohort was ingested into a new store, left behind, before the width was compared).
     (tmp_path / "wide").mkdir()
