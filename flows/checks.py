@@ -189,7 +189,13 @@ def _model_dir_problem(model_dir: Path | str | None) -> str | None:
     return None
 
 
-def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None) -> str | None:
+def _stores_with_prediction(output_dir: Path | str, key: str) -> list[str]:
+    """The new cohorts' stores ``gpmil predict --source`` made under ``output_dir/stores`` that hold
+    ``predictions/<key>``."""
+    return sorted(str(store) for store in Path(output_dir, "stores").glob("*.zarr") if (store / "predictions" / key).is_dir())
+
+
+def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None, output_dir: Path | str | None = None) -> str | None:
     """``evaluate``'s PREDICTION_KEY: a complete ``predictions/<key>`` of ``store``, made with
     ``model_dir`` where the prediction recorded its model (``model_key``; an older prediction
     without it is not checked for its model)."""
@@ -203,8 +209,10 @@ def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | Non
         return f"store: cannot open {store} as a cohort store: {type(error).__name__}: {error}"
     if predictions is None or key not in predictions:
         known = sorted(predictions.group_keys()) if predictions is not None else []
+        elsewhere = [] if output_dir is None else _stores_with_prediction(output_dir, key)
+        hint = f"; it is in {elsewhere[0]}: give --store {elsewhere[0]}" if elsewhere else ""
         return (f"PREDICTION_KEY: no prediction {key} in {store} (its predictions: {', '.join(known) or 'none'}); "
-                "the key is printed by gpmil predict")
+                f"the key is printed by gpmil predict{hint}")
     attrs = predictions[key].attrs
     if not attrs.get("complete"):
         return f"PREDICTION_KEY: predictions/{key} in {store} is incomplete (the prediction was interrupted); predict again"
@@ -261,7 +269,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
     if stage in ("predict", "evaluate"):
         problems.append(_model_dir_problem(model_dir))
     if stage == "evaluate" and prediction_key is not None and not any(problems):
-        problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir))
+        problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir,
+                                            config.output_dir))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
         problems.append(_table_columns_problem(source if stage == "predict" else ing.source, ing))
     if ingests and ing.kind in ("wsi", "ct") and ing.extractor and not any(problems):

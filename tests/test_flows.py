@@ -561,6 +561,12 @@ def test_a_clam_h5_folder_with_a_labels_section_runs_end_to_end_with_level0_heat
     (single,) = [p.parent for p in (tmp_path / "out" / "predictions").glob("*/report.md") if p.parent not in (out, again.parent)]
     ring = json.loads((single / "geojson" / safe_filename("one_1", ".geojson")).read_text())["features"][0]["geometry"]["coordinates"][0]
     assert ring[0] == [1024, 512] and ring[2] == [1536, 1024]
+    # Its store left to gpmil (under output_dir/stores): evaluate without --store says where the key is.
+    assert main(["predict", config, results["train"].path, "--source", str(tmp_path / "single")]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", config, results["train"].path, single.name]) == 2
+    (made,) = (tmp_path / "out" / "stores").glob("*.zarr")
+    assert f"it is in {made}: give --store {made}" in capsys.readouterr().err
 
     # Features of another extractor, or a labels file that is not there: refused before the ingest
     # (a whole cohort was ingested into a new store, left behind, before the width was compared).
