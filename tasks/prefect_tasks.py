@@ -601,9 +601,16 @@ def _clear_report(out: Path) -> None:
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
 def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str) -> StageResult:
     """Per-bag tables (CSV, Parquet), evaluation where labels exist, heatmaps / slice plots, a
-    Markdown report, and the matching Prefect artifacts."""
-    logger = get_run_logger()
+    Markdown report, and the matching Prefect artifacts. Holds the report folder's writer lease
+    (:mod:`tasks.lease`): a second run of the same configuration, past the stages the store's
+    lease guards, is refused here (it deleted the first run's files as that one wrote them)."""
     out = Path(config.output_dir) / "predictions" / prediction_key
+    with writer_lease(out, f"report {prediction_key}"):
+        return _write_report(config, store, model_dir, prediction_key, out)
+
+
+def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path) -> StageResult:
+    logger = get_run_logger()
     settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve())},
                           sort_keys=True)  # the store predicted, not the configured prediction.store (often unset)
     if _report_complete(out, settings):

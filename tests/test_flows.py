@@ -450,6 +450,27 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
+def test_a_second_run_is_refused_while_the_first_writes_its_report(tmp_path, cohort):
+    """The store's lease ends with the predictions: a second run of the configuration reached the
+    report stage, cleared the first run's report as it was written, and the first one failed."""
+    from tasks.lease import StoreLockedError
+    from tests.test_lease import _start_holder
+
+    config = write_config(tmp_path, cohort)
+    out = Path(pipeline(config)["report"].path).parent
+    (out / "metrics.json").unlink()  # the next run writes the report again
+    before = (out / "report.md").read_text()
+    holder = _start_holder(out, tmp_path / "release")  # another process writing this report
+    try:
+        with pytest.raises(StoreLockedError, match=rf"{out} is being written by another run: test holder"):
+            pipeline(config)
+        assert (out / "report.md").read_text() == before  # nothing of it cleared
+    finally:
+        (tmp_path / "release").touch()
+        assert holder.wait(timeout=30) == 0
+    assert pipeline(config)["report"].reused is False and (out / "metrics.json").is_file()
+
+
 @pytest.mark.timeout(120)  # without the refusal it serves until stopped
 def test_serve_without_a_prefect_server_is_refused_naming_how_to_start_one(tmp_path, cohort, capsys):
     """On gpmil's temporary server Prefect only warned "Cannot schedule flows on an ephemeral
