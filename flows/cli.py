@@ -174,7 +174,8 @@ def summary(stage: str, result: Any) -> str:
         what = (f"{len(info.get('added', []))} bags added ({info.get('n_instances_added', 0)} instances), "
                 f"{len(info.get('already_done', []))} already in the store"
                 + (f" ({len(info['labelled'])} of them labelled now)" if info.get("labelled") else "")
-                + f", {len(info.get('skipped', []))} skipped")
+                + f", {len(info.get('skipped', []))} skipped"
+                + (f"; {len(info['unconfirmed'])} in the store not confirmed, still used" if info.get("unconfirmed") else ""))
     elif stage == "train":
         stop = ("" if info.get("converged") else " (the sweeps chosen with the kernel)"
                 if info.get("n_iter") == info.get("chosen_sweeps") else " (not converged)")

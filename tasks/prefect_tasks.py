@@ -314,9 +314,36 @@ def ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stage
     run on the same store fails at once with :class:`tasks.lease.StoreLockedError`)."""
     with writer_lease(str(config.store), f"gpmil ingest {config.name!r} ({config.ingest.kind} from {config.ingest.source})"):
         result = _ingest_cohort_items(config, scheduler_address)
+        if (Path(config.store) / "zarr.json").is_file():
+            result.info["unconfirmed"] = _record_unconfirmed(str(config.store), result.info, config.ingest.source)
     if not result.info.get("added") and not result.info.get("already_done"):
         raise NothingIngestedError(_nothing_ingested(config, result.info))
     return result
+
+
+UNCONFIRMED_SHOWN = 5
+"""Bags named where a report or log lists the bags an ingest did not confirm (the rest counted)."""
+
+
+def _record_unconfirmed(store: str, info: dict[str, Any], source: Any) -> dict[str, str]:
+    """The store's bags this ingest did not confirm — gone from ``ingest.source``, or skipped there
+    (a changed label or input, a file now unreadable) — with why, kept in the store's attribute
+    ``unconfirmed_bags`` for the report: the store keeps them as first ingested, and the training
+    and the report still use them."""
+    confirmed = set(info.get("added", [])) | set(info.get("already_done", []))
+    reasons = {s["bag_id"]: f"{s['error']}: {s['reason']}" for s in info.get("skipped", []) if s.get("bag_id")}
+    unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id in open_cohort(store).bag_ids if bag_id not in confirmed}
+    zarr.open_group(store, mode="a").attrs["unconfirmed_bags"] = unconfirmed
+    if unconfirmed:
+        get_run_logger().warning("%d bag(s) of %s were not confirmed by this ingest and are still used as first ingested: %s",
+                                 len(unconfirmed), store, _unconfirmed_text(unconfirmed))
+    return unconfirmed
+
+
+def _unconfirmed_text(unconfirmed: dict[str, str]) -> str:
+    shown = "; ".join(f"{bag_id} ({reason[:160]})" for bag_id, reason in list(unconfirmed.items())[:UNCONFIRMED_SHOWN])
+    more = f"; and {len(unconfirmed) - UNCONFIRMED_SHOWN} more" if len(unconfirmed) > UNCONFIRMED_SHOWN else ""
+    return f"{shown}{more}. To drop or update them, ingest the cohort into a new store"
 
 
 def _training_bags_in(cohort, training_store: str) -> list[str]:
@@ -611,7 +638,8 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
 
 def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path) -> StageResult:
     logger = get_run_logger()
-    settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve())},
+    settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve()),
+                           "unconfirmed_bags": open_cohort(store).attrs.get("unconfirmed_bags") or {}},  # its warnings follow the last ingest
                           sort_keys=True)  # the store predicted, not the configured prediction.store (often unset)
     if _report_complete(out, settings):
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
@@ -670,6 +698,9 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
     warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
+    if unconfirmed := dict(cohort.attrs.get("unconfirmed_bags") or {}):
+        warnings.append(f"{len(unconfirmed)} bag(s) of this cohort were not confirmed by its last ingest and are kept, and "
+                        f"reported{', and trained on' if in_sample else ''}, as first ingested: {_unconfirmed_text(unconfirmed)}")
     if warnings:
         for message in warnings:
             logger.warning(message)

@@ -450,6 +450,38 @@ def test_a_cohort_featurised_with_another_fitted_extractor_is_refused(demo_run, 
         predict_cohort(str(configs["wsi"]), str(next(model_dir.iterdir())), store=str(tmp_path / "refitted.zarr"))
 
 
+def test_a_nightly_rerun_says_which_bags_of_the_store_its_source_no_longer_confirms(tmp_path, capsys):
+    """A slide deleted from the folder, or whose label was corrected, stayed in the store, the
+    training and the report with no word (the corrected one as a 'skipped' line only)."""
+    import h5py
+
+    from flows.cli import main
+
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "h5"
+    folder.mkdir()
+    for i in range(12):
+        with h5py.File(folder / f"s{i:02d}.h5", "w") as handle:
+            X = rng.normal(size=(6, 4)).astype(np.float32)
+            X[: 2 * (i % 2), 0] += 4.0
+            handle["features"], handle["coords"] = X, np.arange(12).reshape(6, 2) * 256
+    labels = pd.DataFrame({"slide_id": [f"s{i:02d}" for i in range(12)], "label": [i % 2 for i in range(12)]})
+    labels.to_csv(tmp_path / "labels.csv", index=False)
+    config = write_config(tmp_path, tmp_path / "c.zarr", ingest={"kind": "h5", "source": str(folder), "labels": str(tmp_path / "labels.csv")})
+    assert main(["run", config]) == 0
+    assert "not confirmed" not in capsys.readouterr().out
+    (folder / "s03.h5").unlink()
+    labels[labels["slide_id"] != "s03"].assign(label=lambda t: np.where(t["slide_id"] == "s04", 1, t["label"])).to_csv(
+        tmp_path / "labels.csv", index=False)
+    assert main(["run", config]) == 0
+    out = capsys.readouterr().out
+    assert "; 2 in the store not confirmed, still used" in out, out
+    report = next((tmp_path / "out" / "predictions").glob("*/report.md")).read_text()
+    warning = next(line for line in report.splitlines() if "not confirmed by its last ingest" in line)
+    assert warning.startswith("- 2 bag(s) of this cohort were not confirmed by its last ingest and are kept, and reported, and trained on")
+    assert f"s03 (not in {folder})" in warning and "s04 (LabelChangedError:" in warning
+
+
 def test_a_second_run_is_refused_while_the_first_writes_its_report(tmp_path, cohort):
     """The store's lease ends with the predictions: a second run of the configuration reached the
     report stage, cleared the first run's report as it was written, and the first one failed."""
