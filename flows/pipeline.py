@@ -12,6 +12,8 @@ could not resolve a string annotation such as ``"PipelineConfig"``.
 """
 
 import json
+import os
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -186,4 +188,20 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
         results["predict"] = t.predict(cfg, target, trained.path, key, address)
     results["report"] = t.write_report(cfg, target, trained.path, key)
     logger.info("report: %s", results["report"].path)
+    _write_latest(cfg, results)
     return results
+
+
+LATEST_RUN = "latest-run.json"
+"""Written into ``output_dir`` by each completed pipeline run: which model and report are the newest
+(their folders are named by content keys, and an older one's files can be newer)."""
+
+
+def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> None:
+    latest = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.name, "store": str(cfg.store),
+              "model_dir": results["train"].path, "predicted_store": str(cfg.prediction.store or cfg.store),
+              "prediction_key": results["report"].key, "report": results["report"].path}
+    path = Path(cfg.output_dir) / LATEST_RUN
+    staged = path.with_name(f".{LATEST_RUN}.{os.getpid()}")
+    staged.write_text(json.dumps(latest, indent=1))
+    staged.replace(path)  # whole or not at all

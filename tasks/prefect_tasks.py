@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -659,8 +660,9 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     trained_on = trained_on_info["store"]
     in_sample = Path(trained_on).resolve() == Path(store).resolve()
     objective = trained_on_info.get("objective_name", "ELBO")  # model.json written before the name was kept: a variational fit
-    sections = [f"# gpmil report: {config.name}", "", f"Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} instances); "
-                f"model `{model_dir}` ({trained_on_info['model']}, {trained_on_info['n_iter']} iterations; training objective: "
+    written = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    sections = [f"# gpmil report: {config.name}", "", f"Written {written}. Cohort `{store}` ({cohort.n_bags} bags, {cohort.n_instances} "
+                f"instances); model `{model_dir}` ({trained_on_info['model']}, {trained_on_info['n_iter']} iterations; training objective: "
                 f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
     if chosen := report.choices_text(trained_on_info.get("choices", {}), trained_on_info.get("chosen_sweeps")):
         sections += [chosen, ""]
@@ -682,10 +684,12 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         evaluation = report.evaluate(table, threshold=config.prediction.threshold, instance_labels=instance_labels,
                                      instance_proba=predictions.get("instances/proba"))
         metrics = evaluation.metrics
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        (out / "metrics.json").write_text(json.dumps({**metrics, "threshold": config.prediction.threshold}, indent=1))
         evaluation.calibration.to_csv(out / "calibration.csv", index=False)
         figures.append(report.plot_roc(evaluation, out / "roc.png"))
-        sections += ["## Metrics", "", report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
+        sections += ["## Metrics", "", f"Accuracy, F1 and the confusion matrix at threshold {config.prediction.threshold:g} "
+                     "(`prediction.threshold`); AUC, Brier score and ECE do not depend on it.", "",
+                     report.markdown_table(_metrics_frame(metrics)), "", "Confusion matrix (rows: true 0/1; columns: predicted 0/1): "
                      f"`{evaluation.confusion.tolist()}`", "", "## Calibration", "", report.markdown_table(evaluation.calibration), ""]
         create_table_artifact([{"metric": k, "value": v} for k, v in metrics.items()], key=artifact_key("metrics", config.name),
                               description="Bag (and instance) metrics")

@@ -476,7 +476,11 @@ def test_a_nightly_rerun_says_which_bags_of_the_store_its_source_no_longer_confi
     assert main(["run", config]) == 0
     out = capsys.readouterr().out
     assert "; 2 in the store not confirmed, still used" in out, out
-    report = next((tmp_path / "out" / "predictions").glob("*/report.md")).read_text()
+    latest = json.loads((tmp_path / "out" / "latest-run.json").read_text())  # which of the hash-named folders is the newest
+    report = Path(latest["report"]).read_text()
+    assert Path(latest["model_dir"]).parent == tmp_path / "out" / "models" and latest["prediction_key"] == Path(latest["report"]).parent.name
+    assert "Accuracy, F1 and the confusion matrix at threshold 0.5" in report
+    assert json.loads((Path(latest["report"]).parent / "metrics.json").read_text())["threshold"] == 0.5
     warning = next(line for line in report.splitlines() if "not confirmed by its last ingest" in line)
     assert warning.startswith("- 2 bag(s) of this cohort were not confirmed by its last ingest and are kept, and reported, and trained on")
     assert f"s03 (not in {folder})" in warning and "s04 (LabelChangedError:" in warning
