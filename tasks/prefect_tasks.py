@@ -333,12 +333,23 @@ def _record_unconfirmed(store: str, info: dict[str, Any], source: Any) -> dict[s
     and the report still use them."""
     confirmed = set(info.get("added", [])) | set(info.get("already_done", []))
     reasons = {s["bag_id"]: f"{s['error']}: {s['reason']}" for s in info.get("skipped", []) if s.get("bag_id")}
-    unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id in open_cohort(store).bag_ids if bag_id not in confirmed}
+    cohort = open_cohort(store)
+    unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id, origin in zip(cohort.bag_ids, cohort.sources)
+                   if bag_id not in confirmed and (bag_id in reasons or _within(origin, source))}  # another folder's bags: not this one's
     zarr.open_group(store, mode="a").attrs["unconfirmed_bags"] = unconfirmed
     if unconfirmed:
         get_run_logger().warning("%d bag(s) of %s were not confirmed by this ingest and are still used as first ingested: %s",
                                  len(unconfirmed), store, _unconfirmed_text(unconfirmed))
     return unconfirmed
+
+
+def _within(path: str, source: Any) -> bool:
+    """Whether a bag's recorded input ``path`` is ``source`` or lies in it (a store that takes
+    several folders, one ``--source`` a night, holds bags of other folders)."""
+    try:
+        return source is not None and Path(path).resolve().is_relative_to(Path(source).resolve())
+    except (OSError, ValueError):
+        return False
 
 
 def _unconfirmed_text(unconfirmed: dict[str, str]) -> str:

@@ -484,6 +484,12 @@ def test_a_nightly_rerun_says_which_bags_of_the_store_its_source_no_longer_confi
     warning = next(line for line in report.splitlines() if "not confirmed by its last ingest" in line)
     assert warning.startswith("- 2 bag(s) of this cohort were not confirmed by its last ingest and are kept, and reported, and trained on")
     assert f"s03 (not in {folder})" in warning and "s04 (LabelChangedError:" in warning
+    # New slides from a folder of their own (one --source a night): the store's other bags are not that folder's to confirm.
+    (tmp_path / "night2").mkdir()
+    shutil.copy(folder / "s05.h5", tmp_path / "night2" / "t00.h5")
+    pd.concat([pd.read_csv(tmp_path / "labels.csv"), pd.DataFrame({"slide_id": ["t00"], "label": [1]})]).to_csv(tmp_path / "labels.csv", index=False)
+    assert main(["ingest", config, "--source", str(tmp_path / "night2")]) == 0
+    assert "1 bags added" in (night := capsys.readouterr().out) and "not confirmed" not in night, night
 
 
 def test_a_second_run_is_refused_while_the_first_writes_its_report(tmp_path, cohort):

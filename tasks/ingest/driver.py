@@ -50,6 +50,7 @@ from tasks.store import (
     committed_bag_count,
     drop_staged,
     label_unlabelled_bags,
+    open_cohort,
     open_or_create_cohort,
     read_staged,
     repair,
@@ -365,6 +366,17 @@ def existing_n_features(store: str | Path) -> int | None:
     """The feature dimension of the store at ``store``, or None if there is no store yet."""
     attrs = existing_attrs(store)
     return None if attrs is None else int(attrs["n_features"])
+
+
+def ingested_from_elsewhere(store: str | Path, folder: str | Path) -> list[str]:
+    """Ids of the bags of the store at ``store`` (none if there is no store yet) whose input lay
+    outside ``folder``: a store fed one folder a night holds them, and a labels file that lists the
+    whole cohort names them without their file being missing from ``folder``."""
+    if not (Path(store) / "zarr.json").exists():
+        return []
+    cohort = open_cohort(store)
+    inside = Path(folder).resolve()
+    return [bag_id for bag_id, source in zip(cohort.bag_ids, cohort.sources) if not Path(source).resolve().is_relative_to(inside)]
 
 
 def existing_attrs(store: str | Path) -> dict[str, Any] | None:

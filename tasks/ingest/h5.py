@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, run_ingest, summarise_left_out
+from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
@@ -151,7 +151,7 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
     if listed and labels is not None:  # a labelled slide whose features are missing is said, not dropped
         skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_csv} but no feature file {bag_id}.h5 in {files}")
-                    for bag_id in ids_without_input(labels, (p.stem for p in paths))]
+                    for bag_id in ids_without_input(labels, [p.stem for p in paths] + ingested_from_elsewhere(store, files))]
     existing = existing_attrs(store)
     n_features, with_coords = (None, None) if existing is None else (int(existing["n_features"]),
                                                                      existing["coords_meaning"] != "instance_index")

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest, summarise_left_out
+from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_files, slide_id
@@ -466,7 +466,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     items = [replace(item, inputs=slide_files(item.source)) for item in items]  # a DICOM-WSI folder, a MIRAX slide's data
     skipped = [Skipped.from_error(error) for error in left_out] + undecodable + ambiguous + unlabelled
     if listed and labels is not None:  # listed in the labels file, absent from the folder: say so
-        present = [slide_id(p) for p in paths] + [s.bag_id for s in ambiguous]
+        present = [slide_id(p) for p in paths] + [s.bag_id for s in ambiguous] + ingested_from_elsewhere(store, slides)
         skipped += [Skipped(path=str(Path(slides) / bag_id), bag_id=bag_id, error="UnreadableFileError",
                             reason=f"listed in {labels_path} but no slide file {bag_id}.* under {slides}")
                     for bag_id in ids_without_input(labels, present)]
