@@ -658,6 +658,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
                              key=artifact_key("report-file", config.name), description="The report (reused: nothing changed since it was written)")
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+        metrics.pop("threshold", None)  # the file says it beside the metrics; the stage's result holds the metrics
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
     _clear_report(out)
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
