@@ -259,10 +259,21 @@ def _serve(args: argparse.Namespace) -> int:
               "'Watching it in the Prefect UI'", file=sys.stderr)
         return 2
     config = _checked(args, "run")  # fail now, not at the first scheduled run
+    from prefect.runner import Runner
+
     from flows.pipeline import pipeline
+
+    Runner.handle_sigterm = _sigterm_as_ctrl_c  # this process only serves
 
     pipeline.serve(name=f"gpmil-{config.name}", cron=args.cron, parameters={"config": str(Path(args.config).resolve())})
     return 0
+
+
+def _sigterm_as_ctrl_c(runner: Any, *args: Any) -> None:
+    """SIGTERM (systemd, a scheduler, ``kill``) stops ``gpmil serve`` as Ctrl-C does: the deployment's
+    schedule is paused. Prefect's own SIGTERM handler, during a run, left it active (``Runner.astop``
+    never awaited), and runs piled up as Late with nothing to serve them."""
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _demo(args: argparse.Namespace) -> int:

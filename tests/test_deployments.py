@@ -193,6 +193,27 @@ def test_gpmil_serve_registers_a_scheduled_deployment_whose_runs_complete(server
     assert "is being served" in console and "| INFO" not in console and "distributed." not in console  # chatter only with -v
 
 
+def test_sigterm_during_a_run_stops_gpmil_serve_with_its_schedule_paused(server, config):
+    """systemd or a batch scheduler stops a service with SIGTERM: Prefect's handler left the schedule
+    active when a run was under way, and its runs piled up as Late with nothing serving them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+
+    serve = server.start("serve2", sys.executable, "-m", "flows.cli", "serve", str(config), "--cron", "0 3 * * *")
+    deployment = wait_for_deployment("gpmil-pipeline/gpmil-toy", server)
+    flow_run = run_deployment("gpmil-pipeline/gpmil-toy", timeout=0)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    with get_client(sync_client=True) as client:
+        while client.read_flow_run(flow_run.id).state_type != StateType.RUNNING:
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.5)
+        serve.send_signal(signal.SIGTERM)  # the serving process alone, as systemd's default KillMode sends it first
+        assert serve.wait(RUN_TIMEOUT_S) is not None
+        assert client.read_deployment(deployment.id).paused, server.logs()
+    server.stop("serve2")
+
+
 def test_prefect_yaml_deployments_run_on_a_process_work_pool(server, config, tmp_path):
     server.run(sys.executable, "-m", "prefect", "work-pool", "create", "gpmil-pool", "--type", "process")
     output = server.run(sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml", timeout=180)
