@@ -29,7 +29,7 @@ def kmeans_inducing_points(
     tiles) gives each distinct row once: fewer inducing points, never two equal ones (they would
     make ``Kzz`` singular).
     """
-    X = np.asarray(X, dtype=np.float64)
+    X = np.asarray(X)  # each class's rows in float64 below, one class at a time: no float64 copy of all rows
     positive = np.asarray(instance_bag_label) == 1
     if n_inducing > X.shape[0]:
         raise ValueError(f"n_inducing={n_inducing} exceeds the {X.shape[0]} instances to place them among")
@@ -39,10 +39,10 @@ def kmeans_inducing_points(
     rng = np.random.RandomState(random_state) if not isinstance(random_state, np.random.RandomState) else random_state
     centres = []
     for label in (True, False):
-        rows = X[positive == label]
         k = wanted[label]
         if k == 0:
             continue
+        rows = np.asarray(X[positive == label], dtype=np.float64)
         seed = rng.randint(np.iinfo(np.int32).max)
         if rows.shape[0] > minibatch_above:
             km = MiniBatchKMeans(n_clusters=k, random_state=seed, n_init=3, batch_size=4096)
