@@ -656,3 +656,23 @@ def test_half_precision_features_are_read_as_float32():
     checked, _, _ = check_mil_data(X, np.repeat(np.arange(4), 3), np.repeat([0, 1, 0, 1], 3))
     assert checked.dtype == np.float32 and np.array_equal(checked, X.astype(np.float32))
     assert check_mil_data(X.astype(np.float64), np.repeat(np.arange(4), 3))[0].dtype == np.float64  # others as they were
+
+
+def test_a_float32_column_that_varies_by_rounding_alone_is_constant():
+    """3.0 ± 1 ulp in float32 was scaled by its rounding noise (std 2·10⁻⁸ of its level, above the
+    float64 rule's 10⁻¹²): a shift of 10⁻⁴ at prediction time moved every row thousands of stds
+    and every probability to ½."""
+    from mil_core.validation import standardisation
+
+    rng = np.random.default_rng(3)
+    bags = np.repeat(np.arange(20), 8)
+    y = np.repeat(np.arange(20) % 2, 8)
+    X = rng.normal(size=(160, 3)).astype(np.float32)
+    X[y == 1, 0] += 3.0 * (rng.random(int((y == 1).sum())) < 0.3)
+    jitter = np.float32(3.0) + rng.integers(-1, 2, size=160).astype(np.float32) * np.spacing(np.float32(3.0))
+    X = np.column_stack([X, jitter]).astype(np.float32)
+    assert standardisation(X)[1][3] == 1.0 and standardisation(X.astype(np.float64))[1][3] != 1.0  # float64 data: as before
+    model = VGPMIL(kernel=RBF(4.0), n_inducing=10, max_iter=10, H=100, bag_rule="max", random_state=0).fit(X, bags, y)
+    shifted = X.copy()
+    shifted[:, 3] += 1e-4  # another site's extractor
+    np.testing.assert_allclose(model.predict_bag_proba(shifted, bags)[1], model.predict_bag_proba(X, bags)[1], atol=1e-3)
