@@ -145,14 +145,8 @@ def _new_cohort_problem(ing: IngestConfig, source: str, model_dir: Path | str | 
 def _training_store_problem(store: Path | str | None, model_dir: Path | str | None) -> str | None:
     """A new cohort (``predict --source``) would be ingested into the store the model was trained
     on: its bags would join the training data of the next run."""
-    meta_path = None if model_dir is None else Path(model_dir) / "model.json"
-    if store is None or meta_path is None or not meta_path.is_file():
-        return None
-    try:
-        trained_on = json.loads(meta_path.read_text()).get("store")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None  # _model_dir_problem names the unreadable file
-    if trained_on and Path(store).resolve() == Path(trained_on).resolve():
+    trained_on = _trained_on(model_dir)
+    if store is not None and trained_on and Path(store).resolve() == Path(trained_on).resolve():
         return (f"--store: {store} is the store the model was trained on; a new cohort ingested there would become training "
                 "data of the next run: give --store a new path (or leave it out)")
     return None
