@@ -88,7 +88,7 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
         suspicious.append(json.dumps([
             {"row": int(r), "instance": int(r - rows.start), "coords": coords[r].tolist(),
              **({} if ids is None else {cohort.instance_id_kind: str(ids[r])}),
-             kind: _finite_or_none(p_inst[r])} for r in top if np.isfinite(p_inst[r])
+             kind: round(float(p_inst[r]), 6)} for r in top if np.isfinite(p_inst[r])  # a bag not predicted: none
         ], allow_nan=False))
     table = pd.DataFrame({
         "bag_id": np.asarray(cohort.bag_ids, dtype=str),
@@ -119,12 +119,6 @@ def can_evaluate(table: pd.DataFrame) -> bool:
     :func:`evaluate` needs)."""
     labelled = predicted(table)
     return labelled.loc[labelled["label"] >= 0, "label"].nunique() == 2
-
-
-def _finite_or_none(value: Any, digits: int = 6) -> float | None:
-    """A number for JSON: rounded, or ``None`` (``null``) where it is NaN/inf, which JSON has not."""
-    value = float(value)
-    return round(value, digits) if np.isfinite(value) else None
 
 
 def instance_table(store: str | Path, run: str) -> pd.DataFrame:
