@@ -19,13 +19,13 @@ and so is one whose std is below this fraction of its mean's magnitude (a consta
 rounding varies it by 1e-10 would otherwise be scaled to a unit-variance feature of rounding noise)."""
 
 
-def constant_columns(mean: np.ndarray, std: np.ndarray, dtype: Any = np.float64) -> np.ndarray:
+def constant_columns(mean: np.ndarray, std: np.ndarray, eps: float = float(np.finfo(np.float64).eps)) -> np.ndarray:
     """Which columns are constant: their std is kept at 1 when scaling. Constant is a std below
-    :data:`CONSTANT_STD`, or one that rounding in the features' ``dtype`` alone gives — at most
-    ``max(CONSTANT_STD, 8·eps(dtype))`` of the column's level: a float32 column of 3.0 ± 1 ulp
+    :data:`CONSTANT_STD`, or one that rounding in the features' precision (machine ``eps``) alone
+    gives — at most ``max(CONSTANT_STD, 8·eps)`` of the column's level: a float32 column of 3.0 ± 1 ulp
     (2·10⁻⁸ of its level) was scaled by its rounding noise, and a shift of 10⁻⁵ at prediction time
     put every row thousands of stds from the data (every probability ½)."""
-    relative = max(CONSTANT_STD, 8 * float(np.finfo(dtype).eps)) if np.issubdtype(np.dtype(dtype), np.floating) else CONSTANT_STD
+    relative = max(CONSTANT_STD, 8 * eps)
     return (std < CONSTANT_STD) | (std <= relative * np.abs(mean))
 
 
@@ -44,7 +44,7 @@ def standardisation(X: Any) -> tuple[np.ndarray, np.ndarray]:
         scaled = overflowing / like(unit, X, dtype=X.dtype)
         mean[columns] = to_numpy(xp.mean(scaled, axis=0)) * unit
         std[columns] = to_numpy(xp.std(scaled, axis=0)) * unit
-    return mean, np.where(constant_columns(mean, std, X.dtype), 1.0, std)
+    return mean, np.where(constant_columns(mean, std, float(xp.finfo(X.dtype).eps)), 1.0, std)
 
 
 def standardise(X: Any, mean: np.ndarray, scale: np.ndarray, *, in_place: bool = False) -> Any:

@@ -47,10 +47,11 @@ def sample_features(store: str, max_rows: int = 65536) -> np.ndarray:
 def feature_scale_spread(X: Any, *, ratio: float = SCALE_RATIO) -> str | None:
     """Non-constant feature columns whose standard deviations differ by more than ``ratio``: an
     isotropic kernel then sees only the largest ones (use ``training.standardize: true``)."""
-    dtype = getattr(X, "dtype", np.float64)  # the features' own precision says what rounding alone gives
+    dtype = np.dtype(getattr(X, "dtype", np.float64))  # the features' own precision says what rounding alone gives
+    eps = float(np.finfo(dtype if dtype.kind == "f" else np.float64).eps)
     X = np.asarray(X, dtype=np.float64)
     std = X.std(axis=0)
-    varying = np.flatnonzero(~constant_columns(X.mean(axis=0), std, dtype))
+    varying = np.flatnonzero(~constant_columns(X.mean(axis=0), std, eps))
     if varying.size < 2:
         return None
     big, small = varying[np.argmax(std[varying])], varying[np.argmin(std[varying])]

@@ -44,7 +44,7 @@ def feature_scaling(client: Client, path: str, partitions: Sequence[Partition], 
     n, D = sums[0], (sums.shape[0] - 1) // 2
     offset = sums[1 : D + 1] / n
     std = np.sqrt(np.maximum(sums[D + 1 :] / n - offset**2, 0.0))
-    return FeatureScaling(mean=shift + offset, scale=np.where(constant_columns(shift + offset, std, FEATURE_DTYPE), 1.0, std))
+    return FeatureScaling(mean=shift + offset, scale=np.where(constant_columns(shift + offset, std, float(np.finfo(FEATURE_DTYPE).eps)), 1.0, std))
 
 
 def kmeans_sample(cohort, labels: np.ndarray, training: np.ndarray, cap: int, random_state,
