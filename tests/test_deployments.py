@@ -205,10 +205,10 @@ def test_sigterm_during_a_run_stops_gpmil_serve_with_its_schedule_paused(server,
     flow_run = run_deployment("gpmil-pipeline/gpmil-toy", timeout=0)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     with get_client(sync_client=True) as client:
-        while client.read_flow_run(flow_run.id).state_type != StateType.RUNNING:
-            assert time.monotonic() < deadline, server.logs()
-            time.sleep(0.5)
-        serve.send_signal(signal.SIGTERM)  # the serving process alone, as systemd's default KillMode sends it first
+        while (state := client.read_flow_run(flow_run.id).state_type) not in (StateType.PENDING, StateType.RUNNING):
+            assert state == StateType.SCHEDULED and time.monotonic() < deadline, f"{state}\n{server.logs()}"  # not yet taken up
+            time.sleep(0.2)
+        serve.send_signal(signal.SIGTERM)  # to the serving process alone (systemd sends it first), the run in its hands
         assert serve.wait(RUN_TIMEOUT_S) is not None
         assert client.read_deployment(deployment.id).paused, server.logs()
     server.stop("serve2")
