@@ -8,6 +8,7 @@ result caching is therefore off. I/O tasks retry with back-off on transient erro
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from mil_core import EmbeddedGPMIL, persist
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report
-from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, stage_item, summarise_left_out
+from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, stage_item, summarise_left_out
 from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
@@ -333,23 +334,14 @@ def _record_unconfirmed(store: str, info: dict[str, Any], source: Any) -> dict[s
     and the report still use them."""
     confirmed = set(info.get("added", [])) | set(info.get("already_done", []))
     reasons = {s["bag_id"]: f"{s['error']}: {s['reason']}" for s in info.get("skipped", []) if s.get("bag_id")}
-    cohort = open_cohort(store)
-    unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id, origin in zip(cohort.bag_ids, cohort.sources)
-                   if bag_id not in confirmed and (bag_id in reasons or _within(origin, source))}  # another folder's bags: not this one's
+    elsewhere = set(ingested_from_elsewhere(store, source))  # another folder's bags: not this ingest's to confirm
+    unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id in open_cohort(store).bag_ids
+                   if bag_id not in confirmed and (bag_id in reasons or bag_id not in elsewhere)}
     zarr.open_group(store, mode="a").attrs["unconfirmed_bags"] = unconfirmed
     if unconfirmed:
         get_run_logger().warning("%d bag(s) of %s were not confirmed by this ingest and are still used as first ingested: %s",
                                  len(unconfirmed), store, _unconfirmed_text(unconfirmed))
     return unconfirmed
-
-
-def _within(path: str, source: Any) -> bool:
-    """Whether a bag's recorded input ``path`` is ``source`` or lies in it (a store that takes
-    several folders, one ``--source`` a night, holds bags of other folders)."""
-    try:
-        return source is not None and Path(path).resolve().is_relative_to(Path(source).resolve())
-    except (OSError, ValueError):
-        return False
 
 
 def _unconfirmed_text(unconfirmed: dict[str, str]) -> str:
@@ -747,6 +739,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         cohort_side = report.cohort_tile_side(zarr.open_group(str(trained_on), mode="r")["instances/coords"][: training.n_instances],
                                               np.asarray(training.offsets), meaning)
 
+    @functools.cache  # the GeoJSON and the heatmap of a bag: its file read once
     def patch_side(b: int) -> float | None:  # a .h5 file that says its patch size (TRIDENT, CLAM), else the cohort's
         return (h5_patch_side(table.at[b, "source"]) if meaning == H5_COORDS_MEANING else None) or cohort_side
 

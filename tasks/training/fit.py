@@ -97,8 +97,8 @@ def fit_cohort(
     cohort = open_cohort(store)
     if uses_coords(model) and cohort.attrs.get("coords_meaning") == "instance_index":
         raise ValueError(f"{type(model).__name__} couples neighbouring instances, and the instances of {store} have no "
-                         "positions (a table without coordinates: their order in a bag is no neighbourhood); use "
-                         "VGPMILPR, or ingest the table with its coordinate columns (ingest.columns.coords)")
+                         "positions (a table or .h5 files without coordinates: their order in a bag is no neighbourhood); use "
+                         "VGPMILPR, or ingest them with their coordinates (a table's ingest.columns.coords, the .h5 'coords')")
     if standardize is None:
         standardize = transform is None and bool(getattr(model, "standardize", False))
     elif standardize and transform is not None:
