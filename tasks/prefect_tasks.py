@@ -743,7 +743,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     def patch_side(b: int) -> float | None:  # a .h5 file that says its patch size (TRIDENT, CLAM), else the cohort's
         return (h5_patch_side(table.at[b, "source"]) if meaning == H5_COORDS_MEANING else None) or cohort_side
 
-    if meaning.startswith(("tile_row,tile_col,x,y", "x,y")):
+    if report.in_level0_pixels(meaning):
         for b in range(cohort.n_bags):  # one QuPath-importable GeoJSON per slide, tiles in level-0 pixels
             rows = cohort.bag_slice(b)
             xy, side = report.level0_tiles(coords[rows], meaning, patch_side(b))
@@ -803,7 +803,7 @@ def _same_coordinates(store: str, meaning: str) -> bool:
     """Whether ``store`` exists and holds coordinates of the kind ``meaning`` names (level-0 pixels
     or slide tiles), so that its patch size is this cohort's (a new cohort of the same pipeline)."""
     try:
-        return meaning.startswith(("tile_row,tile_col,x,y", "x,y")) and open_cohort(store).attrs.get("coords_meaning") == meaning
+        return report.in_level0_pixels(meaning) and open_cohort(store).attrs.get("coords_meaning") == meaning
     except Exception:  # moved or gone since training
         return False
 

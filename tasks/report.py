@@ -50,6 +50,7 @@ __all__ = [
     "level0_tiles",
     "cohort_tile_side",
     "heatmap_canvas",
+    "in_level0_pixels",
     "plot_ct_slices",
     "plot_ct_strip",
     "instance_scores",
@@ -137,8 +138,7 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
     meaning = str(cohort.attrs.get("coords_meaning", ""))
     columns: dict[str, Any] = {"bag_id": pd.Categorical.from_codes(bag_of_row, np.asarray(cohort.bag_ids, dtype=str)),
                                "instance": np.arange(n) - offsets[bag_of_row]}
-    if meaning.startswith((SLIDE_TILES, "x,y")):
-        xy = coords[:, 2:4] if meaning.startswith("tile_row") else coords[:, :2]
+    if (xy := _level0_xy(coords, meaning)) is not None:
         columns |= {"x": xy[:, 0], "y": xy[:, 1]}
     elif meaning == "slice_index":
         columns["slice_index"] = coords[:, 0]
@@ -485,12 +485,15 @@ def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: st
     return fundamental_step(np.concatenate(found) if found else np.zeros(0))
 
 
+def in_level0_pixels(coords_meaning: str) -> bool:
+    """Whether a store's coordinates hold each tile's level-0 corner (slides, ``.h5``, a table's x, y)."""
+    return coords_meaning.startswith((SLIDE_TILES, "x,y"))
+
+
 def _level0_xy(coords: np.ndarray, coords_meaning: str) -> np.ndarray | None:
-    if coords_meaning.startswith(SLIDE_TILES):
-        return coords[:, 2:4]
-    if coords_meaning.startswith("x,y"):
-        return coords[:, :2]
-    return None
+    if not in_level0_pixels(coords_meaning):
+        return None
+    return coords[:, 2:4] if coords_meaning.startswith(SLIDE_TILES) else coords[:, :2]
 
 
 def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple[int, int] | None = None,
