@@ -168,6 +168,8 @@ def _probing_bound(K: float, q: float, period: int, dim: int) -> float:
 
 def probing_period(lam: float, max_degree: int, dim: int, tol: float) -> tuple[int, float]:
     """Smallest colouring period ``s`` whose probing error bound is ≤ ``tol``; returns ``(s, bound)``."""
+    if not tol > 0:
+        raise ValueError(f"the probing tolerance must be > 0 (no period's bound falls below {tol!r})")
     K, q = _decay_constants(lam, max_degree)
     if q == 0.0:
         return 1, 0.0

@@ -162,6 +162,13 @@ def test_validation_and_scikit_learn_conventions(toy_bags):
         VGPMILPRI(lam=-1.0, n_inducing=5).fit(X, bags, y, coords=chain_coords(bags))
     with pytest.raises(ValueError, match="moments"):
         VGPMILPRI(moments="ep", n_inducing=5).fit(X, bags, y, coords=chain_coords(bags))
+    # a tolerance no probing period reaches fitted forever; negative sizes were accepted silently
+    for bad in ({"diag_tol": -1.0, "exact_diag_max": 2}, {"diag_tol": 0.0}, {"exact_diag_max": -1},
+                {"exact_orthant_max": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            VGPMILPRI(n_inducing=5, **bad).fit(X, bags, y, coords=chain_coords(bags))
+    with pytest.raises(ValueError, match="prior_mean"):
+        VGPMILPR(prior_mean="x", n_inducing=5).fit(X, bags, y)
     model = VGPMILPRI(lam=2.0, neighbourhood=8, n_inducing=7)
     assert clone(model).get_params() == model.get_params()
 

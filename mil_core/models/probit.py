@@ -57,7 +57,8 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         """``prior_mean=None``: ``b`` learnt from 0 (empirical Bayes); a number: ``b`` fixed there."""
         if self.prior_mean is None:
             return {"learn_prior_mean": True}
-        if not np.isfinite(self.prior_mean):
+        if isinstance(self.prior_mean, (bool, np.bool_)) or not isinstance(self.prior_mean, (int, float, np.number)) \
+                or not np.isfinite(self.prior_mean):
             raise ValueError(f"prior_mean must be None (learnt) or a finite number, got {self.prior_mean!r}")
         return {"prior_mean": float(self.prior_mean)}
 
@@ -434,6 +435,16 @@ class VGPMILPRI(_ProbitGPMIL):
     def _finish_fit(self, trace: Any, monitor: Any = None) -> None:
         super()._finish_fit(trace, monitor)
         unwrap_lam_state(self)
+
+    def _check_common_params(self, n_instances: int) -> None:
+        for name in ("exact_diag_max", "exact_orthant_max"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, np.integer)) and value >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not (isinstance(self.diag_tol, (int, float, np.number)) and np.isfinite(self.diag_tol) and self.diag_tol > 0):
+            # the probing period grows until its error bound is below diag_tol: a bound ≤ 0 is never reached
+            raise ValueError(f"diag_tol must be a finite number > 0, got {self.diag_tol!r}")
+        super()._check_common_params(n_instances)
 
     def _lam(self) -> float:
         if not (np.isfinite(self.lam) and self.lam >= 0):
