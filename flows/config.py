@@ -168,7 +168,10 @@ class IngestConfig(_Strict):
     physical scale (``tile_size`` pixels of ``target_mpp`` µm each; ``base_mpp`` overrides the
     slides' metadata), else ``magnification`` or ``level`` picks the pyramid level. ``extractor``: a
     registered name, a ``gpmil.extractors`` entry point or an import path ``package.module:Class``
-    (``torch`` with ``extractor_params`` model/weights for a local PyTorch model)."""
+    (``torch`` with ``extractor_params`` model/weights for a local PyTorch model). An extractor a
+    store records (resuming an ingest, ``extractor_from``) is rebuilt from installed code (registered
+    names, entry points) and from the import paths ``extractor`` names or ``trusted_imports`` lists,
+    never from another path the store names: a store is data that others may write."""
 
     kind: Literal["wsi", "ct", "features", "h5", "npy", "none"] = "none"
     source: Path | None = None
@@ -186,6 +189,7 @@ class IngestConfig(_Strict):
     extractor: str | None = None
     extractor_params: dict[str, Any] = Field(default_factory=dict)
     extractor_from: Path | None = None
+    trusted_imports: list[str] = Field(default_factory=list)  # import paths a store's recorded extractor may name
     nonfinite: Literal["reject", "drop"] = "reject"  # NaN/inf features: skip the bag, or drop those instances (counted)
     unlabelled: Literal["skip", "keep"] = "skip"  # slides/scans/files the labels do not give: skip, or keep unlabelled
     original_label_column: str | int | None = None  # features tables: the column the 0/1 target came from

@@ -113,7 +113,11 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
                                        "extractor_from": training_store})
     if training_store is not None and (training_store / "zarr.json").is_file() and ingest.kind in ("wsi", "ct"):
-        ingest = ingest.model_copy(update={"extractor": None, "extractor_params": {}})  # the store's, by extractor_from
+        from tasks.ingest.features import import_paths
+
+        named = import_paths(ingest.extractor, ingest.extractor_params) if ingest.extractor else frozenset()
+        ingest = ingest.model_copy(update={"extractor": None, "extractor_params": {},  # the store's, by extractor_from,
+                                           "trusted_imports": sorted({*ingest.trusted_imports, *named})})  # built from code the config names
         tiling = open_cohort(training_store).attrs.get("tiling") or {}
         if ingest.kind == "wsi" and "tile_size" in tiling:
             ingest = ingest.model_copy(update={

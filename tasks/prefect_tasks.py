@@ -199,22 +199,24 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
     """List and validate the slides/scans (labels, duplicates, the store's settings; fit the
     extractor once) and open the store: items already in it are not run again."""
     from tasks.ingest.ct import plan_ct
-    from tasks.ingest.features import extractor_from_spec, make_extractor
+    from tasks.ingest.features import extractor_from_spec, make_extractor, trusted_imports
     from tasks.ingest.slide_io import SLIDE_PATTERNS
     from tasks.ingest.wsi import TilingParams, plan_slides
 
     ing, store = config.ingest, str(config.store)
     extractor = make_extractor(ing.extractor, **ing.extractor_params) if ing.extractor else None
+    trusted = {*ing.trusted_imports, *trusted_imports(extractor)}  # the import paths a store's extractor may name
     if ing.kind == "wsi":
         tiling = TilingParams(tile_size=ing.tile_size, level=ing.level, magnification=ing.magnification, target_mpp=ing.target_mpp,
                               base_mpp=ing.base_mpp, reader=ing.reader, min_tissue=ing.min_tissue_fraction)
         plan = plan_slides(store, ing.source, labels_csv=_label_source(ing.labels), params=tiling, extractor=extractor,
                            qc_dir=Path(config.output_dir) / "qc", name=config.name, extractor_from=ing.extractor_from,
                            patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive,
-                           keep_unlabelled=ing.unlabelled == "keep")
+                           keep_unlabelled=ing.unlabelled == "keep", trusted=trusted)
     elif ing.kind == "ct":
         if extractor is None and ing.extractor_from is not None and not (Path(store) / "zarr.json").exists():
-            extractor = extractor_from_spec(open_cohort(ing.extractor_from).attrs["feature_extractor"])  # a cohort to predict
+            extractor = extractor_from_spec(open_cohort(ing.extractor_from).attrs["feature_extractor"],  # a cohort to predict
+                                            source=ing.extractor_from, trusted=trusted)
         plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name,
                        keep_unlabelled=ing.unlabelled == "keep")
     else:

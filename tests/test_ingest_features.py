@@ -52,7 +52,7 @@ def test_he_features_need_the_hog_pca_and_rebuild_from_the_recorded_spec():
     features = fitted(tiles[:5])
     assert features.shape == (5, fitted.n_features) == (5, sum(w for _, w in fitted.blocks()))
     assert features.dtype == np.float32 and np.isfinite(features).all()
-    rebuilt = extractor_from_spec(extractor_spec(fitted))
+    rebuilt = extractor_from_spec(extractor_spec(fitted), source="a store")
     np.testing.assert_array_equal(rebuilt(tiles[:5]), features)
     hed = rgb2hed(tiles[:5] / 255.0).clip(0).reshape(5, -1, 3)  # tiles are 2x2 blocks: downscaling is exact
     np.testing.assert_allclose(features[:, :3], hed.mean(1), rtol=1e-4)

@@ -275,7 +275,7 @@ def test_ingesting_a_single_level_slide_stores_what_the_two_pass_path_computes(t
                   qc_dir=tmp_path / "qc")
     cohort = open_cohort(tmp_path / "s.zarr")
     stored = cohort.read_bags(0, 1)
-    extractor = extractor_from_spec(cohort.attrs["feature_extractor"])
+    extractor = extractor_from_spec(cohort.attrs["feature_extractor"], source=tmp_path / "s.zarr")
     with open_slide(path) as slide:
         grid = tile_grid(slide, params)
         expected = np.concatenate([extractor(t) for t, _ in iter_tile_batches(slide, grid, 64)])

@@ -175,3 +175,9 @@ def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_
     new = new_cohort_ingest(edited, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")})
     assert (new.tile_size, new.target_mpp, new.magnification, new.min_tissue_fraction) == (128, 0.5, None, 0.3)
     assert (new.extractor, new.extractor_params, new.extractor_from) == (None, {}, tmp_path / "train.zarr")
+    assert new.trusted_imports == []  # a registered extractor: no import path to trust
+    own = edited.model_copy(update={"extractor": "torch", "extractor_params": {"model": "lab_models:TinyCNN"},
+                                    "trusted_imports": ["lab_models:Other"]})
+    # the config's own torch model stays trusted: the training store's extractor may be rebuilt from it, not from any path
+    assert new_cohort_ingest(own, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")}).trusted_imports == [
+        "lab_models:Other", "lab_models:TinyCNN"]

@@ -122,3 +122,64 @@ def test_a_store_whose_array_claims_a_pickle_codec_is_refused_without_running_it
     with pytest.raises(Exception, match="codec"):
         open_cohort(store).read_bags(0, 6)
     assert not marker.exists()
+
+
+def _store_naming(path: Path, spec: dict) -> Path:
+    """A cohort store's root whose recorded ``feature_extractor`` is ``spec`` (what anyone who can
+    write the shared store can set)."""
+    from tasks.store import CohortSpec, create_cohort
+
+    create_cohort(path, CohortSpec(name="shared", n_features=3, coords_dim=1, coords_meaning="slice_index",
+                                   feature_extractor=spec))
+    return path
+
+
+def _runs_touch(marker: Path) -> list[dict]:
+    """Recorded extractors that, rebuilt, would create ``marker``: a factory import path, and the
+    torch extractor's ``model`` import path."""
+    return [{"name": "he-handcrafted", "version": "1", "factory": "subprocess:run", "params": {"args": ["touch", str(marker)]}},
+            {"name": "torch", "version": "1", "factory": "torch", "n_features": 3,
+             "params": {"model": "subprocess:run", "model_kwargs": {"args": ["touch", str(marker)]}, "n_features": 3}}]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["factory", "torch-model"])
+def test_code_a_store_names_is_not_run_when_an_ingest_resumes_or_takes_its_extractor(tmp_path, which):
+    """A store's zarr.json named ``subprocess:run`` as its extractor's factory: resuming an ingest into
+    it, or taking a new cohort's extractor from it (``extractor_from``, the model folder's training
+    store for ``predict --source``), imported and called it with the store's params."""
+    from tasks.ingest.features import UntrustedExtractorError
+    from tasks.ingest.wsi import plan_slides
+
+    marker = tmp_path / "ran"
+    spec = _runs_touch(marker)[which]
+    store = _store_naming(tmp_path / "shared.zarr", spec)
+    (tmp_path / "slides").mkdir()
+    with pytest.raises(UntrustedExtractorError, match=rf"shared.zarr: its feature_extractor names 'subprocess:run'"):
+        plan_slides(store, tmp_path / "slides")  # resuming: the store's own extractor
+    with pytest.raises(UntrustedExtractorError, match="subprocess:run"):
+        plan_slides(tmp_path / "new.zarr", tmp_path / "slides", extractor_from=store)
+    if which == 0:  # the configured he-handcrafted needs fitting: the store's fitted one of that name is taken
+        from tasks.ingest.features import HandcraftedHE
+
+        with pytest.raises(UntrustedExtractorError, match="subprocess:run"):
+            plan_slides(store, tmp_path / "slides", extractor=HandcraftedHE())
+    assert not marker.exists()
+
+
+def test_a_ct_cohort_to_predict_does_not_run_code_its_training_store_names(tmp_path):
+    from flows.config import PipelineConfig
+    from tasks.ingest.features import UntrustedExtractorError
+    from tasks.prefect_tasks import list_inputs
+
+    marker = tmp_path / "ran"
+    store = _store_naming(tmp_path / "training.zarr", _runs_touch(marker)[0])
+    (tmp_path / "dicom").mkdir()
+    config = PipelineConfig.model_validate({"name": "ct", "store": str(tmp_path / "new.zarr"), "output_dir": str(tmp_path / "out"),
+                                            "ingest": {"kind": "ct", "source": str(tmp_path / "dicom"), "extractor_from": str(store)}})
+    with pytest.raises(UntrustedExtractorError, match="training.zarr: its feature_extractor names 'subprocess:run'"):
+        list_inputs.fn(config)
+    assert not marker.exists()
+    trusted = config.model_copy(update={"ingest": config.ingest.model_copy(update={"trusted_imports": ["subprocess:run"]})})
+    with pytest.raises(TypeError, match="lacks"):  # listed as trusted by the user's own config: built (and found no extractor)
+        list_inputs.fn(trusted)
+    assert marker.exists()

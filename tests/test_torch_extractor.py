@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tasks.ingest.features import extractor_from_spec, extractor_spec, make_extractor, resolve_extractor
+from tasks.ingest.features import UntrustedExtractorError, extractor_from_spec, extractor_spec, make_extractor, resolve_extractor
 
 torch = pytest.importorskip("torch")
 
@@ -74,7 +74,10 @@ def test_torch_extractor_matches_the_model_it_loads_and_records_its_weights(user
 
     spec = extractor_spec(extractor)
     assert spec["factory"] == "torch" and len(spec["params"]["weights_sha256"]) == 64
-    np.testing.assert_array_equal(extractor_from_spec(spec)(tiles), extractor(tiles))
+    with pytest.raises(UntrustedExtractorError, match="'lab_models:TinyCNN' to import and run"):
+        extractor_from_spec(spec, source="s.zarr")  # a store alone may not name code to run
+    np.testing.assert_array_equal(extractor_from_spec(spec, source="s.zarr", trusted={"lab_models:TinyCNN"})(tiles),
+                                  extractor(tiles))
 
     import pickle  # how Dask sends the extractor to a worker: its parameters only, rebuilt there
 
@@ -83,7 +86,7 @@ def test_torch_extractor_matches_the_model_it_loads_and_records_its_weights(user
 
     torch.save({k: v + 1 for k, v in model.state_dict().items()}, folder / "tiny.pt")  # retrained weights
     with pytest.raises(ValueError, match="not the .* recorded with the store"):
-        extractor_from_spec(spec)
+        extractor_from_spec(spec, source="s.zarr", trusted={"lab_models:TinyCNN"})
 
 
 def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package):
@@ -91,7 +94,8 @@ def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package
     spec = extractor_spec(plug)
     assert spec["factory"] == "lab_models:ColourMeans" and spec["params"] == {"scale": 2.0}
     tiles = np.full((2, 8, 8, 3), 10, dtype=np.uint8)
-    np.testing.assert_array_equal(extractor_from_spec(spec)(tiles), np.full((2, 3), 20.0))
+    np.testing.assert_array_equal(extractor_from_spec(spec, source="s.zarr", trusted={"lab_models:ColourMeans"})(tiles),
+                                  np.full((2, 3), 20.0))
     with pytest.raises(KeyError, match="no feature extractor registered as 'my-rp'.*package.module:Class"):
         resolve_extractor("my-rp")
     folder = user_package[0]  # an installed distribution declaring the entry point (its metadata on sys.path)
@@ -102,6 +106,8 @@ def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package
     from tasks.ingest.features import known_extractors
 
     assert "my-rp" in known_extractors()
+    installed = dict(spec, factory="my-rp", params={"scale": 3.0})  # an entry point is installed code: no trust asked
+    assert extractor_from_spec(installed, source="s.zarr")(tiles)[0, 0] == 30.0
     with pytest.raises(KeyError, match="cannot import it"):
         resolve_extractor("lab_models:Missing")
     with pytest.raises(TypeError, match="lacks"):

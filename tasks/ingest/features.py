@@ -12,7 +12,8 @@ All texture statistics are computed for the whole batch at once with NumPy (no p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -113,6 +114,11 @@ def _factory_name(extractor: FeatureExtractor) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def trusted_imports(extractor: FeatureExtractor | None) -> frozenset[str]:
+    """The import paths a configured ``extractor`` was built from (what a store may name again)."""
+    return frozenset() if extractor is None else import_paths(_factory_name(extractor), extractor.params())
+
+
 def extractor_spec(extractor: FeatureExtractor) -> dict[str, Any]:
     """The store attribute describing ``extractor``: name, version, n_features, params and the
     factory that rebuilds it."""
@@ -120,10 +126,42 @@ def extractor_spec(extractor: FeatureExtractor) -> dict[str, Any]:
             "n_features": int(extractor.n_features), "params": extractor.params()}
 
 
-def extractor_from_spec(spec: dict[str, Any]) -> FeatureExtractor:
-    """Rebuild the extractor a store was written with (same name, version and params); the torch
-    extractor also checks its weights file against the recorded SHA-256."""
-    extractor = make_extractor(spec.get("factory", spec["name"]), **spec["params"])
+class UntrustedExtractorError(ValueError):
+    """A store names code to import and run that the user's configuration does not name."""
+
+
+def import_paths(name: str, params: dict[str, Any]) -> frozenset[str]:
+    """The import paths that building extractor ``name`` with ``params`` imports and calls: ``name``
+    itself unless it is registered or a ``gpmil.extractors`` entry point (installed code), and the
+    torch extractor's ``model``."""
+    from importlib.metadata import entry_points
+
+    installed = name in _REGISTRY or any(ep.name == name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    paths = set() if installed or ":" not in name else {name}
+    if name == "torch" and isinstance(params.get("model"), str):
+        paths.add(params["model"])
+    return frozenset(paths)
+
+
+def extractor_from_spec(spec: dict[str, Any], *, source: str | Path, trusted: Collection[str] = ()) -> FeatureExtractor:
+    """Rebuild the extractor the store at ``source`` was written with (same name, version and
+    params); the torch extractor also checks its weights file against the recorded SHA-256.
+
+    A store is data that others may write: it may name registered extractors and installed entry
+    points, but an import path (``package.module:Factory``, the torch extractor's ``model``) only
+    where ``trusted`` — the import paths the user's own configuration names — holds it. Anything else
+    is refused before it is imported (a store naming ``subprocess:run`` would otherwise run it)."""
+    factory = spec.get("factory", spec["name"])
+    params = spec.get("params")
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: feature_extractor.params is a {type(params).__name__}, not a mapping")
+    untrusted = sorted(import_paths(factory, params) - set(trusted))
+    if untrusted:
+        raise UntrustedExtractorError(
+            f"{source}: its feature_extractor names {', '.join(map(repr, untrusted))} to import and run; gpmil builds "
+            "an extractor from a store only by a registered name or an installed gpmil.extractors entry point. If you "
+            "trust that code, name it in your configuration (ingest.extractor, or extractor_params.model for torch)")
+    extractor = make_extractor(factory, **params)
     if extractor.name != spec["name"] or extractor.version != spec["version"]:
         raise ValueError(f"extractor {spec.get('factory', spec['name'])!r} is now {extractor.name} v{extractor.version}; "
                          f"the store used {spec['name']} v{spec['version']}")

@@ -24,7 +24,7 @@ its area is tissue.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -443,16 +443,19 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                 labels_csv: str | Path | None = None, params=None, extractor=None, batch_size: int = 64,
                 qc_dir: str | Path | None = None, name: str | None = None, fit_tiles: int = 512,
                 seed: int = 0, extractor_from: str | Path | None = None,
-                patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True, keep_unlabelled: bool = False) -> IngestPlan:
+                patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True, keep_unlabelled: bool = False,
+                trusted: Collection[str] = ()) -> IngestPlan:
     """The plan of :func:`ingest_slides` (finds slides, reads labels, fits the extractor); files of
     the folder that are not slides are in ``skipped`` with the reason; slides the labels do not
-    list are too, unless ``keep_unlabelled`` (then they are unlabelled bags)."""
-    from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit
+    list are too, unless ``keep_unlabelled`` (then they are unlabelled bags). An extractor the store
+    records is rebuilt only from installed code and the import paths in ``trusted`` or of the
+    configured ``extractor`` (:func:`~tasks.ingest.features.extractor_from_spec`)."""
+    from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit, trusted_imports
 
     params = params or TilingParams()
-    recorded = _recorded_extractor(store, extractor_from)
+    recorded, recorded_in = _recorded_extractor(store, extractor_from)
     if extractor is None and recorded is not None:  # the store's (or the training store's) extractor
-        extractor = extractor_from_spec(recorded)
+        extractor = extractor_from_spec(recorded, source=recorded_in, trusted=trusted)
     extractor = extractor or HandcraftedHE()
     listed = isinstance(slides, (str, Path))
     paths, left_out = find_slides(slides, patterns, recursive)
@@ -472,7 +475,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
                     for bag_id in ids_without_input(labels, present)]
     if needs_fit(extractor):
         if recorded is not None and recorded.get("name") == extractor.name:
-            extractor = extractor_from_spec(recorded)
+            extractor = extractor_from_spec(recorded, source=recorded_in, trusted={*trusted, *trusted_imports(extractor)})
         elif not items:
             raise IngestError(f"no slide to ingest: {summarise_left_out(f'{len(paths)} slide file(s) found', skipped)}",
                               path=str(slides) if listed else None)
@@ -500,15 +503,16 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
     return unique, ambiguous
 
 
-def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> dict[str, Any] | None:
-    """The extractor spec recorded in ``store`` if it exists, else in ``extractor_from`` if given."""
+def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> tuple[dict[str, Any] | None, str]:
+    """The extractor spec recorded in ``store`` if it exists, else in ``extractor_from`` if given,
+    and the store it was read from."""
     if (Path(store) / "zarr.json").exists():
-        return _open_root(store, "r").attrs["feature_extractor"]
+        return _open_root(store, "r").attrs["feature_extractor"], str(store)
     if extractor_from is None:
-        return None
+        return None, ""
     if not (Path(extractor_from) / "zarr.json").exists():
         raise IngestError("no cohort store to take the feature extractor from", path=str(extractor_from))
-    return _open_root(extractor_from, "r").attrs["feature_extractor"]
+    return _open_root(extractor_from, "r").attrs["feature_extractor"], str(extractor_from)
 
 
 def _fit_sample(items: Sequence[IngestItem], params: TilingParams, n_tiles: int, seed: int) -> np.ndarray:
