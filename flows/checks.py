@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from flows.config import ConfigError, IngestConfig, PipelineConfig
+from flows.config import ConfigError, IngestConfig, LabelsConfig, PipelineConfig
 
 __all__ = ["check_inputs", "Stage"]
 
@@ -217,6 +217,29 @@ def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | Non
     return None
 
 
+def _labels_problem(ing: IngestConfig, field: str) -> str | None:
+    """The labels file of slides or ``.h5`` files read as their ingest reads it (slides: PANDA's
+    layout unless a labels section names the columns; ``.h5``: ``slide_id,label``): a file that
+    gives no labels — a workbook, grades read as 0/1, lines without an id — fails now (exit 2), not
+    once Prefect and the cluster have started."""
+    path = getattr(ing.labels, "file", ing.labels)
+    if path is None or ing.kind not in ("wsi", "h5") or not Path(path).is_file():
+        return None
+    from tasks.ingest.errors import IngestError
+    from tasks.ingest.labels import LabelSpec, read_panda_labels
+
+    try:
+        if isinstance(ing.labels, LabelsConfig):
+            ing.labels.spec().read()
+        elif ing.kind == "h5":
+            LabelSpec(str(path)).read()
+        else:
+            read_panda_labels(path)
+    except IngestError as error:
+        return f"{field}: {path}: {error.reason}"
+    return None
+
+
 def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None,
                  source: str | None = None, prediction_key: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every missing input of ``stage`` (``store`` and
@@ -267,6 +290,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
                                             config.output_dir))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
         problems.append(_table_columns_problem(source if stage == "predict" else ing.source, ing))
+    if (ingests or stage == "predict" and source is not None) and not any(problems):
+        problems.append(_labels_problem(ing, "--labels" if stage == "predict" else "ingest.labels"))
     if ingests and ing.kind in ("wsi", "ct") and ing.extractor and not any(problems):
         problems.append(_extractor_problem(ing))
     problems = [p for p in problems if p]

@@ -181,3 +181,56 @@ def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_
     # the config's own torch model stays trusted: the training store's extractor may be rebuilt from it, not from any path
     assert new_cohort_ingest(own, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")}).trusted_imports == [
         "lab_models:Other", "lab_models:TinyCNN"]
+
+
+def test_labels_files_as_spreadsheets_export_them_read_or_are_refused_with_what_to_do(tmp_path):
+    """From a probe of real teams' files: Excel's blank trailing rows crashed the ingest with a raw
+    TypeError; grades or -1/+1 in a 0/1 column skipped bag after bag and trained on the rest with
+    exit 0; a workbook, a Windows-encoded or UTF-16 file, a tab-separated .csv got the decoder's
+    error or none."""
+    from tasks.ingest.labels import read_panda_labels
+
+    def write(name: str, content: str | bytes) -> Path:
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    labels, _ = LabelSpec(str(write("blank.csv", "slide_id,label,note\na,1,\nb,0,x\n,,\n , ,\n"))).read()
+    assert labels == {"a": 1, "b": 0}  # the blank rows are no bag
+    assert read_panda_labels(write("panda.csv", "image_id,isup_grade\na,3\nb,0\n,\n"))[0] == {"a": 1, "b": 0}
+    with pytest.raises(IngestError, match=r"line\(s\) \[3\] of the labels file have no slide_id \(line 3: \{'label': 0\}\)"):
+        LabelSpec(str(write("noid.csv", "slide_id,label\na,1\n,0\n"))).read()
+    refused = {"isup.csv": ("slide_id,label\na,0\nb,1\nc,3\nd,5\n", r"grades \[0, 1, 3, 5\].*\"label > 0\""),
+               "pm1.csv": ("slide_id,label\na,1\nb,-1\n", r"-1/\+1 labels: give target: \"label == 1\""),
+               "words.csv": ("slide_id,label\na,positive\nb,negative\n", r"text \['negative', 'positive'\]: give positive"),
+               "scores.csv": ("slide_id,label\na,0.2\nb,0.9\n", r"values \[0.2, 0.9\]")}
+    for name, (text, message) in refused.items():
+        with pytest.raises(IngestError, match=message):
+            LabelSpec(str(write(name, text))).read()
+    assert LabelSpec(str(tmp_path / "isup.csv"), target="label > 0").read()[0] == {"a": 0, "b": 1, "c": 1, "d": 1}
+    assert LabelSpec(str(tmp_path / "words.csv"), positive=["positive"]).read()[0] == {"a": 1, "b": 0}
+    pending, _ = LabelSpec(str(write("pending.csv", "slide_id,label\na,1\nb,0\nc,pending\nd,\n"))).read()
+    assert (pending["a"], pending["b"]) == (1, 0)  # one odd cell among 0/1 skips its bag only
+    assert isinstance(pending["c"], MissingLabelError) and "empty label" in pending["d"].reason
+    for name, content, message in (("book.csv", b"PK\x03\x04\x14\x00rest", "spreadsheet workbook, not text"),
+                                   ("win.csv", "slide_id,label\nM\u00fcller,1\n".encode("cp1252"), "not UTF-8 text"),
+                                   ("u16.csv", "slide_id,label\na,1\n".encode("utf-16"), "UTF-16 text"),
+                                   ("tabs.csv", "slide_id\tlabel\na\t1\n", "tab-separated; save it comma-separated, or name it .tsv")):
+        with pytest.raises(IngestError, match=message):
+            LabelSpec(str(write(name, content))).read()
+    with pytest.raises(IngestError, match="read as PANDA's .* unless ingest.labels is a section"):
+        read_panda_labels(tmp_path / "isup.csv")
+
+
+def test_a_labels_file_that_gives_no_labels_fails_the_preflight_not_the_run(tmp_path):
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, PipelineConfig
+
+    (tmp_path / "h5").mkdir()
+    (tmp_path / "labels.csv").write_text("slide_id,label\na,0\nb,3\n")
+    config = PipelineConfig.model_validate({"name": "c", "store": str(tmp_path / "s.zarr"), "output_dir": str(tmp_path / "out"),
+                                            "ingest": {"kind": "h5", "source": str(tmp_path / "h5"), "labels": str(tmp_path / "labels.csv")}})
+    with pytest.raises(ConfigError, match=r"ingest.labels: .*labels.csv: the label column 'label' must hold 0/1.*grades \[0, 3\]"):
+        check_inputs(config, "run")
+    (tmp_path / "labels.csv").write_text("slide_id,label\na,0\nb,1\n")
+    check_inputs(config, "run")

@@ -271,11 +271,12 @@ def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]
 
 def read_rsna_subtypes(path: str | Path) -> dict[str, dict[str, int]]:
     """SOPInstanceUID → {subtype: 0/1} from an RSNA-style CSV (``ID_<SOPInstanceUID>_<subtype>, Label``)."""
-    from tasks.ingest.labels import read_labels_csv
+    from tasks.ingest.labels import read_labels_csv, without_blank_rows
 
     table = read_labels_csv(path, dtype={"ID": str})
     if not {"ID", "Label"} <= set(table.columns):
         raise IngestError(f"labels CSV needs columns ID, Label; has {list(table.columns)}", path=str(path))
+    table = without_blank_rows(table, "ID", str(path))
     parts = table["ID"].str.extract(r"^ID_(?P<uid>.+)_(?P<subtype>[A-Za-z]+)$")
     parts["subtype"] = parts["subtype"].str.lower()  # ID_…_ANY is ID_…_any
     if parts["uid"].isna().any():

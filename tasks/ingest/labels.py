@@ -49,6 +49,24 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
     return labels
 
 
+def _empty(cells: Any) -> Any:
+    """Which cells of a column are empty: missing, or text of spaces only."""
+    return cells.isna() | cells.map(lambda v: isinstance(v, str) and not v.strip())
+
+
+def without_blank_rows(table: Any, id_column: str, path: str) -> Any:
+    """``table`` without its blank rows (a spreadsheet's export ends with some); a row that has
+    values but no ``id_column`` belongs to no bag: an :class:`IngestError` naming its line."""
+    empty = table.apply(_empty)
+    no_id = empty[id_column] & ~empty.all(axis=1)
+    if no_id.any():
+        lines = [int(i) + 2 for i in np.flatnonzero(no_id.to_numpy())]  # the header is line 1
+        first = {k: v.item() if isinstance(v, np.generic) else v for k, v in table[no_id].iloc[0].items() if not _is_missing(v)}
+        raise IngestError(f"line(s) {lines[:5]}{' …' if len(lines) > 5 else ''} of the labels file have no {id_column} "
+                          f"(line {lines[0]}: {first}): give each row its bag id, or delete the row", path=path)
+    return table[~empty.all(axis=1)]
+
+
 def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str, int | Exception] | None,
                     labels_path: str | None, originals: dict[str, Any] | None = None,
                     keep_unlabelled: bool = False) -> tuple[list[IngestItem], list[Skipped]]:
@@ -113,18 +131,32 @@ def read_labels_csv(path: str | Path, **read_csv: Any):
 
     path = Path(path)
     try:
-        if not path.read_bytes().strip():
+        head = path.read_bytes()
+        if not head.strip():
             raise IngestError("the labels file is empty", path=str(path))
+        if head.startswith((b"PK\x03\x04", b"\xd0\xcf\x11\xe0")):  # a zip (.xlsx, .ods) or an old .xls
+            raise IngestError("the labels file is a spreadsheet workbook, not text: save it as CSV UTF-8 (comma "
+                              "separated), or give a Parquet file", path=str(path))
+        if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise IngestError("the labels file is UTF-16 text (a spreadsheet's 'Unicode text'): save it as CSV UTF-8",
+                              path=str(path))
         table = pd.read_csv(path, **read_csv)
     except IngestError:
         raise
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as error:
+    except UnicodeDecodeError as error:
+        raise IngestError(f"the labels file is not UTF-8 text (byte {error.object[error.start:error.start + 1]!r} at "
+                          f"{error.start}; a spreadsheet saved in a Windows encoding?): save it as CSV UTF-8",
+                          path=str(path)) from None
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as error:
         raise IngestError(f"cannot read the labels CSV: {type(error).__name__}: {error}", path=str(path)) from None
     if table.empty:
         raise IngestError(f"the labels file has a header ({', '.join(map(str, table.columns))}) but no rows", path=str(path))
-    if len(table.columns) == 1 and ";" in str(table.columns[0]) and read_csv.get("sep", ",") == ",":
-        raise IngestError(f"the labels file has one column {table.columns[0]!r}: it looks semicolon-separated (as a "
-                          "spreadsheet in some locales saves it); save it comma-separated", path=str(path))
+    if len(table.columns) == 1 and read_csv.get("sep", ",") == ",":
+        for separator, looks in ((";", "semicolon-separated (as a spreadsheet in some locales saves it)"),
+                                 ("\t", "tab-separated")):
+            if separator in str(table.columns[0]):
+                raise IngestError(f"the labels file has one column {table.columns[0]!r}: it looks {looks}; save it "
+                                  "comma-separated" + (", or name it .tsv" if separator == "\t" else ""), path=str(path))
     return table
 
 
@@ -177,8 +209,12 @@ def read_panda_labels(path: str | Path) -> tuple[dict[str, int | Exception], dic
     """image_id → 1 if ``isup_grade > 0`` else 0 (or the row's error), and image_id → its ISUP
     grade (the original label), from a PANDA-style CSV."""
     table = numbers_as_numbers(read_labels_csv(path, dtype={"image_id": str}), "image_id")
+    if "image_id" in table.columns:
+        table = without_blank_rows(table, "image_id", str(path))
     if "isup_grade" not in table.columns:
-        raise IngestError(f"labels CSV has no isup_grade column (columns: {list(table.columns)})", path=str(path))
+        raise IngestError(f"labels CSV has no isup_grade column (columns: {list(table.columns)}): a slides labels file "
+                          "is read as PANDA's (image_id, isup_grade) unless ingest.labels is a section naming its columns, "
+                          "e.g. {file: …, id_column: slide_id, label_column: label}", path=str(path))
 
     def label_of(row: dict) -> int:
         grade = float(row["isup_grade"])
@@ -309,7 +345,13 @@ class LabelSpec:
                                      "only in case or spaces: correct it, or list it under positive")
                 return int(text in positives)
             return in_positives
-        return lambda row: binary(row[self.label_column])
+        column = self.label_column
+
+        def zero_or_one(row: dict[str, Any]) -> int:
+            if _is_missing(row[column]) or isinstance(row[column], str) and not row[column].strip():
+                raise ValueError(f"empty {column}")
+            return binary(row[column])
+        return zero_or_one
 
     def _check_some_positive(self, column, path: str) -> None:
         """A ``positive`` list that no row matches because it is spelled otherwise (``tumour`` for
@@ -331,6 +373,29 @@ class LabelSpec:
         raise IngestError(f"no row's {self.label_column} is one of positive {positives}; the column {reason}. Every bag "
                           "would have been negative", path=path)
 
+    def _check_binary(self, column: Any, path: str) -> None:
+        """A label column read as 0/1 that holds another labelling as a whole — grades 0–5, −1/+1,
+        class names — is refused with the ``target``/``positive`` that reads it, before any bag is
+        ingested (bag by bag, the bags of every other value were skipped and the run trained on the
+        rest); an odd cell among 0/1 (``pending``) leaves its bag skipped as before."""
+        values = [v for v in column if not _is_missing(v)]
+        numbers = {float(v) for v in values if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+        texts = sorted({str(v) for v in values if isinstance(v, str)})
+        name, hint = self.label_column, None
+        if numbers and not texts and not numbers <= {0.0, 1.0}:
+            if numbers <= {-1.0, 1.0}:
+                hint = f"-1/+1 labels: give target: \"{name} == 1\""
+            elif all(v.is_integer() and v >= 0 for v in numbers):
+                hint = (f"grades {sorted(int(v) for v in numbers)} (ISUP, Gleason, a class index): give target, e.g. "
+                        f"\"{name} > 0\" (any grade positive) or \"{name} >= 2\"")
+            else:
+                hint = f"values {sorted(numbers)[:6]}: give target, e.g. \"{name} > 0.5\""
+        elif texts and not numbers:
+            hint = f"text {texts[:6]}: give positive, the positive class's value(s) (positive: [{texts[0]!r}, …]), or a target"
+        if hint is not None:
+            raise IngestError(f"the label column {name!r} must hold 0/1 when labels gives neither target nor positive; "
+                              f"it holds {hint} in the labels section (ingest.labels: {{file: …, target: …}})", path=path)
+
     def describe(self) -> dict[str, Any]:
         """Where the labels come from, as the store records it (``labels`` attribute): the original
         labels of two ingests into one store must mean the same (same column, target, positives)."""
@@ -350,6 +415,8 @@ class LabelSpec:
         else:
             table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ",")
         table = numbers_as_numbers(table, self.id_column)
+        if self.id_column in table.columns:
+            table = without_blank_rows(table, self.id_column, path)
         label_of = self.label_of()
         needed = [self.label_column] if self.target is None else list(getattr(label_of, "columns", []))
         absent = [c for c in needed if c not in table.columns]
@@ -357,6 +424,8 @@ class LabelSpec:
             raise IngestError(f"labels file has no column(s) {absent} (columns: {list(table.columns)})", path=path)
         if self.target is None and self.positive is not None:
             self._check_some_positive(table[self.label_column], path)
+        if self.target is None and self.positive is None:
+            self._check_binary(table[self.label_column], path)
         labels = label_lookup(table, self.id_column, label_of, path)
         original = (dict(zip(table[self.id_column].astype(str), table[self.label_column]))
                     if self.label_column in table.columns else {})
