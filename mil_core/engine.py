@@ -289,13 +289,16 @@ class GaussianQ:
     mean: np.ndarray
     cov: np.ndarray
 
+    def __post_init__(self) -> None:
+        self.cov_factor  # noqa: B018 — factored with q, so a prediction reads a fitted q and never adds to it
+
     @classmethod
     def prior(cls, n_inducing: int) -> GaussianQ:
         return cls(mean=np.zeros(n_inducing), cov=np.eye(n_inducing))
 
     @cached_property
     def cov_factor(self) -> np.ndarray:
-        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64), computed once per q. A jitter of
+        """Lower Cholesky factor R of ``S' = RRᵀ`` (host float64), computed once per q, when q is. A jitter of
         at least 1e-12 of the mean variance is added only where S' is singular (a sample covariance
         of fewer draws than M) or rounding left it indefinite."""
         return cholesky_with_jitter(self.cov, initial_relative_jitter=0.0)[0]

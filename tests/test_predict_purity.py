@@ -86,8 +86,9 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if dataclasses.is_dataclass(a):  # its fields, and what a cached property stored beside them
+        return (all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+                and _same(getattr(a, "__dict__", {}), getattr(b, "__dict__", {})))
     if hasattr(a, "__dict__") and not callable(a):
         return _same(vars(a), vars(b))
     return bool(a == b) or a is b
@@ -122,6 +123,7 @@ def test_same_sees_every_kind_of_change():
         lambda s: s.__setitem__("orthant_std_error_", np.zeros(2)),  # an attribute added
         lambda s: s["q_"].__setitem__(0, 1.0),  # an array changed in place
         lambda s: setattr(s["gp_"], "Z", np.zeros(2)),  # a field of a nested dataclass
+        lambda s: s["gp_"].__dict__.__setitem__("cached", 1),  # a cached property of a nested dataclass
         lambda s: s.__setitem__("n_iter_", 5),
     ):
         changed = copy.deepcopy(state)

@@ -42,6 +42,7 @@ from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import segment_logsumexp, segment_sum, split_into_blocks
 from ..engine import BagBlock, FitTrace, SerialExecutor, Summable, optimise
 from ..random_features import RandomFourierFeatures
+from ..truncnorm import log1mexp
 from ..validation import check_features, check_mil_data, feature_names
 from .base import FeatureStandardisation, fitted_names, forget_fit, store_params, take_bags
 
@@ -62,7 +63,9 @@ _MEMORY_BUDGET = 1 << 22  # float64 elements of forward messages held at once (3
 
 # ------------------------------------------------------------------------- the E-step chain
 def _logsumexp(a: np.ndarray, axis: int) -> np.ndarray:
-    """log Σ exp along ``axis``; a slice of only −inf (an impossible event) gives −inf."""
+    """log Σ exp along ``axis``; a slice of only −inf (an impossible event) gives −inf. The chain
+    calls it per position on small arrays, where ``scipy.special.logsumexp`` (the other modules')
+    took 5–7× as long (200 × 30 and 8 × 6 arrays, session 45)."""
     top = np.max(a, axis=axis, keepdims=True)
     top = np.where(np.isfinite(top), top, 0.0)
     with np.errstate(divide="ignore"):
@@ -70,10 +73,9 @@ def _logsumexp(a: np.ndarray, axis: int) -> np.ndarray:
 
 
 def _log1mexp(x: np.ndarray) -> np.ndarray:
-    """``log(1 − eˣ)`` for x ≤ 0, accurate at both ends; −inf at x = 0."""
-    x = np.minimum(x, 0.0)
+    """``log(1 − eˣ)`` for x ≤ 0 (−inf at x = 0): :func:`mil_core.truncnorm.log1mexp` of ``log(−x)``."""
     with np.errstate(divide="ignore"):
-        return np.where(x > -np.log(2.0), np.log(-np.expm1(x)), np.log1p(-np.exp(x)))
+        return log1mexp(np.log(-np.minimum(x, 0.0)))
 
 
 def relevance_caps(sizes: np.ndarray, n_max: CapSpec) -> np.ndarray | None:

@@ -21,7 +21,7 @@ from ..attention import (
     network_arrays,
 )
 from .._backend import to_numpy
-from ..calibration import fit_platt
+from ..calibration import fit_platt, platt_proba
 from ..validation import check_features, check_mil_data, feature_names
 from .base import fitted_names, forget_fit, store_params, take_bags
 
@@ -192,7 +192,7 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         check_is_fitted(self, "network_state_")
         X, bags, _ = check_mil_data(X, bag_ids, n_features=self.n_features_in_, names=fitted_names(self))
         logits = self._bag_logits(to_numpy(X)[bags.order], bags.offsets)
-        return bags.keys, _sigmoid(np, self.calibration_slope_ * logits + self.calibration_intercept_)
+        return bags.keys, platt_proba(logits, self.calibration_slope_, self.calibration_intercept_)
 
     def predict_instance_proba(self, X: Any) -> np.ndarray:
         """``σ(cᵀ h_n + c₀)``: the probability the network gives a bag made of instance n alone."""

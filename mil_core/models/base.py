@@ -564,7 +564,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
                 executor = SerialExecutor(updates, [BagBlock(X=X_tr, offsets=tr_offsets, labels=labels[train], **part)])
                 curve: dict[str | None, list[float]] = {r: [] for r in rules}
 
-                def score(iteration: int, glob: Any, model=model, curve=curve) -> bool:
+                def score(iteration: int, glob: Any, model: SparseGPMILBase = model, curve: dict[str | None, list[float]] = curve) -> bool:
                     if iteration in checkpoints:  # one fit, scored by every candidate rule
                         for rule, p in model._bag_probas_from_state(model.gp_, glob, held_out, val_offsets, rules, **val_context).items():
                             degenerate = not np.all(np.isfinite(p)) or np.ptp(p) == 0.0
@@ -652,7 +652,7 @@ class _EarlyStopping:
     """Monitor for :func:`~mil_core.engine.optimise`: validation bag AUC with patience; keeps the
     best global state."""
 
-    def __init__(self, score, patience: int):
+    def __init__(self, score: Callable[[Any], float], patience: int):
         self.score, self.patience = score, patience
         self.scores: list[float] = []
         self.best_state, self.best_iteration = None, 0

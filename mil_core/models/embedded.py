@@ -23,6 +23,7 @@ from sklearn.utils.validation import check_is_fitted
 from .._backend import to_numpy
 from ..attention import attention_weights, bag_logits, instance_logits, network_arrays
 from ..bags import segment_sum
+from ..calibration import platt_proba
 from ..metrics import binary_auc, chance_auc_std
 from ..validation import check_mil_data, feature_names, standardisation
 from .attention_mil import AttentionNetworkParams
@@ -518,7 +519,7 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
                 mean = np.mean([p for p, _ in pooled], axis=0)
                 return (bags.keys, mean, np.mean([sd for _, sd in pooled], axis=0)) if return_std else (bags.keys, mean)
             score, weight = np.mean([self._member_score(k, H[k], bags.offsets, pooled[k][0]) for k in members], axis=0), 0.5
-        p = expit(self.calibration_slope_ * score + self.calibration_intercept_)
+        p = platt_proba(score, self.calibration_slope_, self.calibration_intercept_)
         if not return_std:
             return bags.keys, p
         sensitivity = np.mean([sd / (q * (1.0 - q)) for q, sd in ((np.clip(q, _PROBA_FLOOR, 1.0 - _PROBA_FLOOR), sd)

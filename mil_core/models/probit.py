@@ -133,7 +133,7 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
     def predict_bag_proba(
         self, X: Any, bag_ids: Any, *, return_std: bool = False, coords: Any | None = None, return_orthant_error: bool = False,
         rule: str | None = None,
-    ):
+    ) -> tuple[np.ndarray, ...]:
         """Bag score by the bag ``rule`` (default: the fitted ``bag_rule_``): ``keys, p``, then
         ``std`` when ``return_std`` and ``orthant_error`` when ``return_orthant_error``.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -241,7 +241,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     def _instance_moments(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.gp_.whiten(X).latent_moments(self.q_)
 
-    def _sample_latent(self, mean: np.ndarray, var: np.ndarray, rng: np.random.RandomState):
+    def _sample_latent(self, mean: np.ndarray, var: np.ndarray, rng: np.random.RandomState) -> Iterator[tuple[slice, np.ndarray]]:
         """Yield (row slice, samples (rows, L)) of f* ~ N(mean, var), in chunks of ≤ 2²² draws."""
         L = self.n_mc_samples
         chunk = max(1, (1 << 22) // L)
@@ -287,7 +287,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return_std: bool = False,
         method: Literal["mc", "probit"] = "probit",
         rule: BagRule | None = None,
-    ):
+    ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bag probability by a MIL rule: ``keys, p`` or ``keys, p, std``; ``keys = np.unique(bag_ids)``.
 
         ``method`` as in :meth:`predict_instance_proba` (default the closed form, as the pipeline).
@@ -315,7 +315,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         return bags.keys, p, sd
 
 
-def _rule_draws(rule: str, chunks, n: int) -> np.ndarray:
+def _rule_draws(rule: str, chunks: Iterable[tuple[slice, np.ndarray]], n: int) -> np.ndarray:
     """Monte Carlo draws (L,) of one bag's ``rule`` score from chunks of latent draws f (rows, L),
     accumulated chunk by chunk, so a bag of 10⁵ instances never holds all its draws at once."""
     acc = None

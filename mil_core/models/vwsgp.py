@@ -214,7 +214,7 @@ class VWSGP(SparseGPMILBase):
 
     def predict_bag_proba(
         self, X: Any, bag_ids: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "probit"
-    ):
+    ) -> tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bag probability ``p(T* = 1) = E[σ(Σₙ f*ₙ)]``: ``keys, p`` or ``keys, p, std``, with
         ``keys = np.unique(bag_ids)``.
 
