@@ -618,17 +618,31 @@ def _report_complete(out: Path, settings: str) -> bool:
             and all((out / name).is_file() for name in manifest.get("files", ["report.md"])))
 
 
-def _clear_report(out: Path) -> None:
-    """Remove what an earlier report wrote into ``out`` (its manifest first): figures of bags no
-    longer among the top ones, or metrics of a cohort no longer labelled, are not left beside the
-    new report."""
-    (out / REPORT_MANIFEST).unlink(missing_ok=True)
-    for name in _REPORT_OUTPUTS:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+def _staged_report_folder(out: Path) -> Path:
+    """An empty folder beside ``out`` to write a new report into (a killed run's is removed: the
+    report folder's writer lease makes this run the only writer)."""
+    staging = out.with_name(f".{out.name}.writing")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _replace_report(staging: Path, out: Path) -> None:
+    """Put the report written in ``staging`` in place of ``out``'s: the earlier report stays whole
+    until the new one is (a run killed while it wrote left neither); files in ``out`` that no report
+    writes (a user's notes) move over. Of the earlier report's files none is kept beside the new one
+    (figures of bags no longer at the top, metrics of a cohort no longer labelled)."""
+    if out.is_dir():
+        for entry in out.iterdir():
+            if entry.name not in _REPORT_OUTPUTS and entry.name != REPORT_MANIFEST and not (staging / entry.name).exists():
+                entry.rename(staging / entry.name)
+        retired = out.with_name(f".{out.name}.replaced")
+        shutil.rmtree(retired, ignore_errors=True)
+        out.rename(retired)
+        staging.rename(out)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(out)
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
@@ -654,7 +668,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         metrics.pop("threshold", None)  # the file says it beside the metrics; the stage's result holds the metrics
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
-    _clear_report(out)
+    final, out = out, _staged_report_folder(out)  # written beside, then put in place whole
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
@@ -793,6 +807,8 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     (out / "report.md").write_text("\n".join(sections + [f"![{f.stem}]({f.relative_to(out).as_posix()})" for f in figures]))
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     (out / REPORT_MANIFEST).write_text(json.dumps({"settings": settings, "files": written}))  # last: marks it complete
+    _replace_report(out, final)
+    figures, out = [final / f.relative_to(out) for f in figures], final
     create_markdown_artifact("\n".join(sections + _figure_artifacts(config, figures, out / "report.md")),
                              key=artifact_key("report", config.name), description="Evaluation report with figures")
     create_table_artifact(table.drop(columns=["most_suspicious"]).head(200).to_dict(orient="records"),

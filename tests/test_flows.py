@@ -513,6 +513,32 @@ def test_a_second_run_is_refused_while_the_first_writes_its_report(tmp_path, coh
     assert pipeline(config)["report"].reused is False and (out / "metrics.json").is_file()
 
 
+def test_a_report_that_fails_while_it_is_rewritten_leaves_the_earlier_one_whole(tmp_path, cohort, monkeypatch):
+    """A new threshold keeps the prediction key, so its report is written into the same folder: the
+    earlier report was deleted first, and a run killed while writing left half a report (and
+    latest-run.json naming a report.md that was gone)."""
+    from tasks import report
+
+    out = Path(pipeline(write_config(tmp_path, cohort))["report"].path).parent
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (out / "notes.txt").write_text("reviewed by JD")  # a file no report writes
+    changed = write_config(tmp_path, cohort, prediction={"threshold": 0.3})
+
+    def fails(*args, **kwargs):
+        raise ValueError("the run dies here")
+
+    monkeypatch.setattr(report, "instance_table", fails)  # after the tables and metrics, before figures and report.md
+    with pytest.raises(Exception, match="the run dies here"):
+        pipeline(changed)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before | {Path("notes.txt"): b"reviewed by JD"}
+    monkeypatch.undo()
+    result = pipeline(changed)["report"]
+    assert not result.reused and Path(result.path).parent == out
+    assert json.loads((out / "metrics.json").read_text())["threshold"] == 0.3 and (out / "notes.txt").is_file()
+    assert sorted(p.name for p in out.parent.iterdir() if p.is_dir()) == [out.name]  # no staging folder left
+
+
 @pytest.mark.timeout(120)  # without the refusal it serves until stopped
 def test_serve_without_a_prefect_server_is_refused_naming_how_to_start_one(tmp_path, cohort, capsys):
     """On gpmil's temporary server Prefect only warned "Cannot schedule flows on an ephemeral
