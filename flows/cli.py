@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# the temporary server's first start takes 10–60 s on a loaded node; Prefect waits 20 s and fails the run
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 CV_MODELS: tuple[str, ...] = ("VGPMIL", "GVGPMIL", "VGPMILPR")
 """The automatic defaults ``gpmil cv`` scores, after the pipeline's default model."""

@@ -1,6 +1,7 @@
 """The shipped cluster configurations: clusters start by class path from the pipeline config, the
 jobqueue profiles build job scripts, the deployment and image files point at what exists."""
 
+import os
 import time
 from pathlib import Path
 
@@ -175,3 +176,16 @@ def test_cluster_sizes_beside_a_scheduler_address_and_a_missing_config_file_are_
     path.write_text(yaml.safe_dump(base | {"dask": {"config_file": "missing.yaml"}}))
     with pytest.raises(ConfigError, match=rf"dask.config_file: {tmp_path / 'missing.yaml'} does not exist"):
         load_config(path, preflight=lambda config: check_inputs(config, "train"))
+
+
+def test_the_command_line_gives_the_temporary_prefect_server_time_to_start():
+    """Prefect waits 20 s for its temporary server, whose first start takes 10–60 s on a loaded
+    node: `gpmil run` failed with a raw 'Timed out while attempting to connect' traceback."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    code = ("import flows.cli; from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as s; "
+            "print(s.value())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert int(out.split()[-1]) >= 120
