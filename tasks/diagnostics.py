@@ -30,6 +30,24 @@ def constant_predictions(bag_proba: np.ndarray, *, spread: float = CONSTANT_PRED
             "and the fit's convergence.")
 
 
+def one_sided_predictions(bag_proba: np.ndarray, labels: np.ndarray, threshold: float) -> str | None:
+    """Labelled bags of both classes, every predicted one on one side of ``threshold``: accuracy and
+    F1 at it count one class only, whatever the ranking (a model whose probabilities all lie below ½
+    — VGPMIL-PR on wide features — reported F1 0 beside a bag AUC of 1)."""
+    p, y = np.asarray(bag_proba, dtype=np.float64), np.asarray(labels)
+    known = np.isfinite(p) & np.isin(y, (0, 1))
+    if not (np.any(y[known] == 0) and np.any(y[known] == 1)):
+        return None
+    above = p[known] >= threshold
+    if above.any() and not above.all():
+        return None
+    side = "positive (at or above" if above.all() else "negative (below"
+    medians = ", ".join(f"{name} bags' median {np.median(p[known][y[known] == c]):.3g}" for c, name in ((1, "positive"), (0, "negative")))
+    return (f"every labelled bag is predicted {side} the threshold {threshold:g}): accuracy and F1 count one class only. "
+            f"Probabilities lie in [{p[known].min():.3g}, {p[known].max():.3g}] ({medians}); the ranking (bag AUC) does not "
+            "depend on the threshold. Set prediction.threshold from held-out bags of the training cohort, not from this one.")
+
+
 def sample_features(store: str, max_rows: int = 65536) -> np.ndarray:
     """Up to ``max_rows`` instance rows of a store, from evenly spaced chunks (cheap on any size)."""
     from tasks.store import open_cohort

@@ -720,7 +720,9 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         figures.insert(0, out / OBJECTIVE_FIGURE)
 
     not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
-    warnings = trained_on_info.get("warnings", []) + [m for m in [diagnostics.constant_predictions(table["probability"])] if m]
+    spread = diagnostics.constant_predictions(table["probability"]) or diagnostics.one_sided_predictions(
+        table["probability"], table["label"], config.prediction.threshold)
+    warnings = trained_on_info.get("warnings", []) + [m for m in [spread] if m]
     warnings += [f"bag {bag_id!r} not predicted: {reason}" for bag_id, reason in not_predicted.items()]
     if unconfirmed := dict(cohort.attrs.get("unconfirmed_bags") or {}):
         warnings.append(f"{len(unconfirmed)} bag(s) of this cohort were not confirmed by its last ingest and are kept, and "

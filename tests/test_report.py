@@ -230,3 +230,16 @@ def test_markdown_cells_keep_an_id_with_a_pipe_or_a_newline_in_one_column():
     text = report.markdown_table(pd.DataFrame({"bag_id": ["pipe|id", "two\nlines"], "p": [0.5, 0.25]}))
     rows = text.splitlines()
     assert rows[2] == "| pipe\\|id | 0.500 |" and rows[3] == "| two lines | 0.250 |"
+
+
+def test_a_threshold_that_puts_every_labelled_bag_on_one_side_is_said_in_the_warnings():
+    """A probe's 200-slide cohort: bag AUC 1.000, every probability 0.08–0.28, F1 0 and nothing said."""
+    from tasks.diagnostics import one_sided_predictions
+
+    p, y = np.array([0.08, 0.09, 0.15, 0.28, np.nan, 0.7]), np.array([0, 0, 1, 1, 1, -1])
+    message = one_sided_predictions(p, y, 0.5)  # the unlabelled 0.7 and the bag not predicted count for nothing
+    assert message.startswith("every labelled bag is predicted negative (below the threshold 0.5)")
+    assert "[0.08, 0.28]" in message and "positive bags' median 0.215, negative bags' median 0.085" in message
+    assert one_sided_predictions(p, y, 0.1) is None  # both sides: accuracy and F1 mean something
+    assert one_sided_predictions(p, y, 0.05).startswith("every labelled bag is predicted positive (at or above")
+    assert one_sided_predictions(p, np.array([0, 0, 0, 0, 0, 1]), 0.5) is None  # the 0.7 bag labelled positive: both sides
