@@ -193,6 +193,31 @@ class IngestWork:
     bag_writer: BagWriter
 
 
+def _ingest_files(config: PipelineConfig, client: Any) -> StageResult:
+    """:func:`ingest_table` of a ``.h5`` or ``.npy`` folder, each file staged by a task of ``client``."""
+    from tasks.ingest.h5 import ingest_h5_features
+    from tasks.ingest.labels import LabelSpec
+    from tasks.ingest.npy import ingest_bag_files
+
+    source, ing = config.ingest.source, config.ingest
+    if ing.kind == "h5":
+        labels = _label_source(ing.labels)
+        spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
+        result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
+                                    slides=ing.slides, nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep",
+                                    client=client, **({} if spec is None else {
+                                        "id_column": spec.id_column, "label_column": spec.label_column,
+                                        "positive": spec.positive, "target": spec.target}))
+    else:
+        folder = Path(source)
+        optional = {name: folder / name for name in ("inst_labels", "coords") if (folder / name).is_dir()}
+        result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
+                                  labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
+                                  inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"),
+                                  nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep", client=client)
+    return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+
+
 @task(name="list-inputs", task_run_name="list {config.ingest.kind} inputs in {config.ingest.source}", cache_policy=NO_CACHE,
       **RETRY_IF_TRANSIENT)
 def list_inputs(config: PipelineConfig) -> IngestWork:
@@ -271,33 +296,20 @@ def _label_source(labels: Any) -> Any:
 
 @task(name="ingest-table", task_run_name="ingest {config.ingest.kind} {config.ingest.source}", cache_policy=NO_CACHE,
       **RETRY_IF_TRANSIENT)
-def ingest_table(config: PipelineConfig) -> StageResult:
+def ingest_table(config: PipelineConfig, scheduler_address: str | None = None) -> StageResult:
     """Load feature files into the store: a MIL feature table (CSV, Parquet, ``.npz``), a CLAM/TRIDENT
-    ``.h5`` folder or a torchmil ``.npy`` folder; bags already there are skipped."""
-    from tasks.ingest.h5 import ingest_h5_features
-    from tasks.ingest.labels import LabelSpec
-    from tasks.ingest.npy import ingest_bag_files
+    ``.h5`` folder or a torchmil ``.npy`` folder; bags already there are skipped. The files of a
+    folder are staged on the cluster at ``scheduler_address`` (one Dask task per file; in this
+    process without one), a table here."""
     from tasks.ingest.tables import ingest_table as ingest_feature_table
     from tasks.ingest.tables import read_mil_csv, read_npz_table, read_parquet_table
 
     source, ing = config.ingest.source, config.ingest
-    if ing.kind == "h5":
-        labels = _label_source(ing.labels)
-        spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
-        result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
-                                    slides=ing.slides, nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep",
-                                    **({} if spec is None else {
-                                        "id_column": spec.id_column, "label_column": spec.label_column,
-                                        "positive": spec.positive, "target": spec.target}))
-        return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
-    if ing.kind == "npy":
-        folder = Path(source)
-        optional = {name: folder / name for name in ("inst_labels", "coords") if (folder / name).is_dir()}
-        result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
-                                  labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
-                                  inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"),
-                                  nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep")
-        return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())
+    if ing.kind in ("h5", "npy"):
+        if scheduler_address is None:
+            return _ingest_files(config, None)
+        with Client(scheduler_address) as client:
+            return _ingest_files(config, client)
     readers = {".csv": read_mil_csv, ".parquet": read_parquet_table, ".npz": read_npz_table}
     suffix = source.suffix.lower()
     if suffix not in readers:
@@ -378,7 +390,7 @@ def _ingest_cohort_items(config: PipelineConfig, scheduler_address: str) -> Stag
     from prefect.futures import as_completed
 
     if config.ingest.kind in ("features", "h5", "npy"):
-        result = ingest_table(config)
+        result = ingest_table(config, scheduler_address)
         _report_left_out(config, result.info)
         return result
     logger = get_run_logger()
