@@ -508,7 +508,7 @@ def test_an_h5_files_patch_size_is_read_from_trident_and_clam_attributes(tmp_pat
 @pytest.mark.parametrize("kind", ["h5", "npy"])
 def test_a_feature_folder_is_staged_by_the_clusters_workers_one_task_per_file(tmp_path, kind):
     """The pipeline's .h5/.npy ingest ran every file in the flow's process while the cluster's
-    workers sat idle (a probe's 200 slides × 768 features: 120 s on one core)."""
+    workers sat idle (a probe's 200 slides × 768 features: 48 CPU-s in the flow's process, the workers idle)."""
     from distributed import Client, LocalCluster, get_task_stream
 
     from flows.config import PipelineConfig
