@@ -6,6 +6,7 @@ tasks in :mod:`tasks.prefect_tasks` wrap them and publish the results as UI arti
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -590,10 +591,13 @@ def strip_slices(scores: np.ndarray, n: int = 8) -> np.ndarray:
 
 
 def markdown_table(frame: pd.DataFrame, float_format: str = "{:.3f}") -> str:
-    """A small DataFrame as a Markdown table (no tabulate dependency)."""
+    """A small DataFrame as a Markdown table (no tabulate dependency). Cells are text: an id with
+    ``|`` or a newline stays one cell, and HTML in one (``<img onerror=…>`` as a bag id) is shown,
+    not rendered, in the report and the Prefect UI's artifact."""
     def cell(v: Any) -> str:
         text = float_format.format(v) if isinstance(v, (float, np.floating)) else str(v)
-        return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())  # an id with | or a newline stays one cell
+        text = html.escape(text.replace("\\", "\\\\").replace("|", "\\|"), quote=False)
+        return " ".join(text.split())
 
     header = "| " + " | ".join(cell(c) for c in frame.columns) + " |"
     rule = "|" + "---|" * len(frame.columns)

@@ -537,3 +537,17 @@ def test_a_feature_folder_is_staged_by_the_clusters_workers_one_task_per_file(tm
     staged = [task for task in stream.data if str(task["key"]).startswith("_stage_one")]
     assert len(staged) == 4
     assert open_cohort(config.store).n_bags == 4
+
+
+def test_a_mil_csv_as_a_spreadsheet_exports_it_reads_or_is_named(tmp_path):
+    """Rows and columns of empty cells at the end (a spreadsheet's export) refused the whole table
+    ("no bag id at row(s) [3, 4]") or made every bag "NaN in feature columns [3, 4]"; a semicolon
+    file with decimal commas was read into bag ids such as '1;a;0'."""
+    from tasks.ingest.errors import IngestError
+
+    (tmp_path / "tail.csv").write_text("1,a,0.1,0.2,,\n1,a,0.3,0.4,,\n0,b,0.5,0.6,,\n,,,,,\n,,,,,\n")
+    table = read_mil_csv(tmp_path / "tail.csv")
+    assert table.X.shape == (3, 2) and list(table.bag_ids) == ["a", "a", "b"] and not table.row_problems
+    (tmp_path / "semi.csv").write_text("1;a;0,1;0,2\n0;b;0,5;0,6\n")
+    with pytest.raises(IngestError, match="looks semicolon-separated"):
+        read_mil_csv(tmp_path / "semi.csv")

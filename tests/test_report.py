@@ -227,9 +227,11 @@ def test_a_bag_not_predicted_is_neither_positive_nor_negative_and_is_not_evaluat
 def test_markdown_cells_keep_an_id_with_a_pipe_or_a_newline_in_one_column():
     import pandas as pd
 
-    text = report.markdown_table(pd.DataFrame({"bag_id": ["pipe|id", "two\nlines"], "p": [0.5, 0.25]}))
+    text = report.markdown_table(pd.DataFrame({"bag_id": ["pipe|id", "two\nlines", "<img src=x onerror=alert(1)>"],
+                                               "p": [0.5, 0.25, 1.0]}))
     rows = text.splitlines()
     assert rows[2] == "| pipe\\|id | 0.500 |" and rows[3] == "| two lines | 0.250 |"
+    assert rows[4] == "| &lt;img src=x onerror=alert(1)&gt; | 1.000 |"  # shown as text, not run by a Markdown viewer
 
 
 def test_a_threshold_that_puts_every_labelled_bag_on_one_side_is_said_in_the_warnings():

@@ -82,9 +82,16 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
         table = pd.read_csv(path, header=None, dtype={bag_column: str})  # '00123' and '0123' are two bags
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
+    table = table[~table.isna().all(axis=1)]  # a spreadsheet's export ends with rows of empty cells: no instance
+    while len(table.columns) > 2 and table[table.columns[-1]].isna().all():  # and with columns of them: no feature
+        table = table.drop(columns=[table.columns[-1]])
+    table = table.reset_index(drop=True)
     if bag_column not in table.columns or label_column not in table.columns:
         raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
                           "(comma-separated, no header)", path=str(path))
+    if table[[label_column, bag_column]].astype(str).apply(lambda c: c.str.contains(";")).to_numpy().any():
+        raise IngestError("the table looks semicolon-separated (as a spreadsheet in some locales saves it, with decimal "
+                          "commas): save it comma-separated with decimal points", path=str(path))
     labels = pd.to_numeric(table[label_column], errors="coerce")
     if len(table) > 1 and np.isnan(labels.iloc[0]) and labels.iloc[1:].notna().all():
         raise IngestError(f"row 0 ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
