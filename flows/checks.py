@@ -8,10 +8,11 @@ again first thing, so a deployment's run with a missing input fails at once too.
 :class:`~flows.config.ConfigError` naming the field and the path.
 """
 
+import difflib
 import json
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from flows.config import ConfigError, IngestConfig, LabelsConfig, PipelineConfig
 
@@ -91,6 +92,28 @@ def _dask_config_problem(path: Path | None) -> str | None:
         return f"dask.config_file: {error}" if isinstance(error, ValueError) and str(path) in str(error) else (
             f"dask.config_file: {path} is not a Dask configuration: {type(error).__name__}: {error}")
     return None
+
+
+def _jobqueue_profile_problem(dask_section: Any) -> str | None:
+    """``cluster_kwargs.config_name`` of a dask-jobqueue cluster names a profile under ``jobqueue``
+    in ``dask.config_file`` or dask-jobqueue's own: a misspelt one started the cluster, and then
+    failed with a bare ``KeyError``."""
+    name = dask_section.cluster_kwargs.get("config_name")
+    if name is None or not str(dask_section.cluster_class or "").startswith("dask_jobqueue"):
+        return None
+    import dask
+
+    from tasks.cluster import dotted, import_cluster_class, read_dask_config
+
+    import_cluster_class(dask_section.cluster_class)  # dask-jobqueue's own profiles join the configuration
+    file = dask_section.config_file
+    with dask.config.set(dotted(read_dask_config(file) if file is not None and Path(file).is_file() else {})):
+        profiles = sorted(dask.config.get("jobqueue", default={}) or {})
+    if name in profiles:
+        return None
+    near = difflib.get_close_matches(str(name), profiles, n=1)
+    return (f"dask.cluster_kwargs.config_name: no profile {name!r} under jobqueue in {file or 'the Dask configuration'}"
+            f"{f'; did you mean {near[0]!r}?' if near else ''} (profiles: {', '.join(profiles)})")
 
 
 def _trained_on(model_dir: Path | str | None) -> str | None:
@@ -278,6 +301,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
     problems = [p for p in (_problem(*check) for check in checks) if p]
     problems.append(_dask_config_problem(config.dask.config_file))
+    if not any(problems):
+        problems.append(_jobqueue_profile_problem(config.dask))
     if stage == "predict" and source is not None:
         problems += new_cohort_problems
     written = [("output_dir", config.output_dir)] + ([("--store" if store else "store", store or config.store)] if ingests else [])

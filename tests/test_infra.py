@@ -189,3 +189,23 @@ def test_the_command_line_gives_the_temporary_prefect_server_time_to_start():
             "print(s.value())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert int(out.split()[-1]) >= 120
+
+
+def test_a_misspelt_jobqueue_profile_is_refused_before_the_cluster_starts(tmp_path):
+    """``config_name: slurm-gpus`` loaded fine and failed at cluster start with a bare KeyError."""
+    from flows.checks import check_inputs
+    from flows.config import ConfigError, load_config
+
+    infra = Path(__file__).resolve().parents[1] / "infra"
+    base = {"name": "t", "store": str(tmp_path / "s.zarr"), "output_dir": str(tmp_path / "out")}
+    (tmp_path / "s.zarr").mkdir()
+    path = tmp_path / "c.yaml"
+    for name, error in (("slurm-gpus", r"no profile 'slurm-gpus' under jobqueue in .*slurm.yaml; did you mean 'slurm-gpu'\?"),
+                        ("slurm-gpu", None), ("slurm", None)):  # the file's profile, dask-jobqueue's own
+        path.write_text(yaml.safe_dump(base | {"dask": {"cluster_class": "dask_jobqueue.SLURMCluster", "config_file": str(infra / "slurm.yaml"),
+                                                        "cluster_kwargs": {"config_name": name}}}))
+        if error is None:
+            load_config(path, preflight=lambda config: check_inputs(config, "train"))
+        else:
+            with pytest.raises(ConfigError, match=error):
+                load_config(path, preflight=lambda config: check_inputs(config, "train"))
