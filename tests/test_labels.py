@@ -31,12 +31,12 @@ def test_anything_but_comparisons_of_columns_and_constants_is_refused(text):
 
 def test_a_labels_file_gives_targets_originals_and_per_row_errors(tmp_path):
     path = tmp_path / "labels.csv"
-    pd.DataFrame({"case": ["a", "b", "c", "d", "d", "e"], "grade": [0, 2, None, 4, 4, 1],
+    pd.DataFrame({"case": ["a", "b", "c", "d", "d", "e"], "grade": [0, 2, None, 4, 3, 1],
                   "dx": ["normal", "tumor", "tumor", "tumor", "tumor", "Tumor"]}).to_csv(path, index=False)
     labels, original = LabelSpec(str(path), id_column="case", label_column="grade", target="grade > 1").read()
     assert (labels["a"], labels["b"], labels["e"]) == (0, 1, 0) and original["b"] == 2
     assert isinstance(labels["c"], MissingLabelError) and "empty grade" in labels["c"].reason
-    assert isinstance(labels["d"], DuplicateIdError)
+    assert isinstance(labels["d"], DuplicateIdError) and "rows 4 and 5 after the header: {'grade': 4.0, 'dx': 'tumor'} and {'grade': 3.0" in str(labels["d"])
     by_value = LabelSpec(str(path), id_column="case", label_column="dx", positive=["tumor"]).read()[0]
     assert (by_value["a"], by_value["b"]) == (0, 1)  # values compare exactly; a near miss is refused, not negative
     assert isinstance(by_value["e"], MissingLabelError) and "'Tumor' differs from the positive value 'tumor' only in case" in by_value["e"].reason
@@ -195,8 +195,8 @@ def test_labels_files_as_spreadsheets_export_them_read_or_are_refused_with_what_
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         return path
 
-    labels, _ = LabelSpec(str(write("blank.csv", "slide_id,label,note\na,1,\nb,0,x\n,,\n , ,\n"))).read()
-    assert labels == {"a": 1, "b": 0}  # the blank rows are no bag
+    labels, _ = LabelSpec(str(write("blank.csv", "slide_id,label,note\na,1,\nb,0,x\n,,\n , ,\na,1,\n"))).read()
+    assert labels == {"a": 1, "b": 0}  # the blank rows are no bag, a row copied twice one label
     assert read_panda_labels(write("panda.csv", "image_id,isup_grade\na,3\nb,0\n,\n"))[0] == {"a": 1, "b": 0}
     with pytest.raises(IngestError, match=r"line\(s\) \[3\] of the labels file have no slide_id \(line 3: \{'label': 0\}\)"):
         LabelSpec(str(write("noid.csv", "slide_id,label\na,1\n,0\n"))).read()

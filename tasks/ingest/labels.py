@@ -38,15 +38,26 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
     if id_column not in table.columns:
         raise IngestError(f"labels CSV has no column {id_column!r} (columns: {list(table.columns)})", path=path)
     labels: dict[str, int | Exception] = {}
-    for bag_id, value in zip(table[id_column].astype(str), table.drop(columns=[id_column]).to_dict("records")):
-        if bag_id in labels:
-            labels[bag_id] = DuplicateIdError("bag id appears twice in the labels CSV", path=path, bag_id=bag_id)
+    first: dict[str, tuple[int, dict]] = {}  # bag id → (its first row after the header, counted from 1; that row's values)
+    for row, bag_id, value in zip(range(1, len(table) + 1), table[id_column].astype(str),
+                                  table.drop(columns=[id_column]).to_dict("records")):
+        if bag_id in first:
+            if _same_row(first[bag_id][1], value):  # the same row twice (a copy-paste): one label
+                continue
+            labels[bag_id] = DuplicateIdError(f"bag id appears twice in the labels file with other values (rows {first[bag_id][0]} "
+                                              f"and {row} after the header: {first[bag_id][1]} and {value})", path=path, bag_id=bag_id)
             continue
+        first[bag_id] = (row, value)
         try:
             labels[bag_id] = label_of(value)
         except (KeyError, ValueError, TypeError) as error:
             labels[bag_id] = MissingLabelError(f"unusable label {value}: {error}", path=path, bag_id=bag_id)
     return labels
+
+
+def _same_row(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two rows' values equal, empty cells equal to empty cells."""
+    return a.keys() == b.keys() and all(x == y or _is_missing(x) and _is_missing(y) for x, y in zip(a.values(), b.values()))
 
 
 def _empty(cells: Any) -> Any:
