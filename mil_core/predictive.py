@@ -3,11 +3,13 @@ the FITC-diagonal predictive of DESIGN §3) shared by the models and the orthant
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["probit_link_scale", "probit_scale", "sample_latent"]
+__all__ = ["bag_generators", "prediction_seed", "probit_link_scale", "probit_scale", "sample_latent"]
 
 
 def probit_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
@@ -29,3 +31,35 @@ def sample_latent(mean: np.ndarray, var: np.ndarray, n_draws: int, rng: Any) -> 
     array row by row, so drawing a block of rows at a time continues the same stream.
     """
     return mean[:, None] + np.sqrt(var)[:, None] * rng.standard_normal((mean.shape[0], n_draws))
+
+
+def prediction_seed(random_state: Any) -> int:
+    """The seed of a prediction's Monte Carlo draws, read from an estimator's ``random_state``
+    without advancing it (a prediction never changes the estimator): an int is itself, a
+    ``RandomState`` or ``Generator`` gives a digest of its state (the same state, the same draws),
+    ``None`` fresh entropy (other draws at each call, as scikit-learn's ``None``)."""
+    if random_state is None:
+        return int(np.random.SeedSequence().entropy) % 2**32
+    if isinstance(random_state, (int, np.integer)) and not isinstance(random_state, bool):
+        return int(random_state)
+    if isinstance(random_state, np.random.RandomState):
+        state = random_state.get_state(legacy=False)["state"]
+        text = f"{state['pos']}:{np.asarray(state['key']).tobytes().hex()}"
+    elif isinstance(random_state, np.random.Generator):
+        text = repr(random_state.bit_generator.state)
+    else:
+        raise ValueError(f"random_state must be None, an int, a RandomState or a Generator, got {random_state!r}")
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+
+
+def bag_generators(random_state: Any, keys: Sequence[Any]) -> list[np.random.Generator]:
+    """One generator per bag, seeded by :func:`prediction_seed` and the bag's key: a bag's draws do
+    not depend on the other bags of the call, so a cohort predicted partition by partition gives
+    each bag the spread it gets predicted alone, and the same seed the same spread."""
+    seed = prediction_seed(random_state)
+
+    def words(key: Any) -> list[int]:
+        tag = f"i:{int(key)}" if isinstance(key, (int, np.integer)) and not isinstance(key, bool) else f"s:{key}"
+        return list(np.frombuffer(hashlib.blake2b(tag.encode(), digest_size=16).digest(), dtype=np.uint32))
+
+    return [np.random.default_rng([seed, *words(key)]) for key in keys]

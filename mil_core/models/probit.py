@@ -17,7 +17,7 @@ from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
-from ..predictive import probit_link_scale, sample_latent
+from ..predictive import prediction_seed, probit_link_scale, sample_latent
 from .base import BagRuleChoice, SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates, prior_mean_of
@@ -111,7 +111,8 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
             coupling = self._coupling(offsets, coords, lam)
         mean, var = self._latent(gp, glob, X_sorted)
         names = {rule: self._rule(rule) for rule in rules}
-        scores = self._rule_scores(mean, var, offsets, coords, coupling, set(names.values()), np.random.default_rng(self.random_state))
+        rng = np.random.default_rng(prediction_seed(self.random_state))
+        scores = self._rule_scores(mean, var, offsets, coords, coupling, set(names.values()), rng)
         return {rule: scores[name] for rule, name in names.items()}
 
     def _rule(self, rule: str | None) -> str:
@@ -171,7 +172,7 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         coupling = self._coupling(offsets, coords, lam)
         if rule == "orthant":
             return self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=return_std)
-        rng = np.random.default_rng(self.random_state)
+        rng = np.random.default_rng(prediction_seed(self.random_state))
         p = self._rule_scores(mean, var, offsets, coords, coupling, {rule}, rng)[rule]
         std = self._rule_spread(mean, var, offsets, coupling, rule, rng) if return_std else None
         return p, std, np.zeros(offsets.shape[0] - 1)
@@ -229,7 +230,7 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         log_p0 = segment_sum(log_ndtr(-probit_link_scale(mean, var)), offsets)
         std = np.zeros(n_bags) if return_std else None
         orthant_error = np.zeros(n_bags)
-        rng = np.random.default_rng(self.random_state)
+        rng = np.random.default_rng(prediction_seed(self.random_state))
         if return_std and np.any(independent):  # 1 − Π Φ(−f*_i), in log space
             alone = np.flatnonzero(independent)
             (mean_alone, alone_offsets), var_alone = take_bags(mean, offsets, alone), take_bags(var, offsets, alone)[0]
@@ -489,7 +490,8 @@ class VGPMILPRI(_ProbitGPMIL):
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
         mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
-        p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, np.random.default_rng(self.random_state))
+        rng = np.random.default_rng(prediction_seed(self.random_state))
+        p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, rng)
         p, sd = np.empty_like(p_sorted), np.empty_like(sd_sorted)
         p[bags.order], sd[bags.order] = p_sorted, sd_sorted
         return (p, sd) if return_std else p

@@ -22,14 +22,13 @@ from typing import Any, Literal
 
 import numpy as np
 from scipy.special import expit
-from sklearn.utils import check_random_state
 
 from .._backend import take_rows
 from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expected_max_of_others, log_prob_all_negative
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
-from ..predictive import probit_scale, sample_latent
+from ..predictive import bag_generators, prediction_seed, probit_scale, sample_latent
 from ..relevance import RELEVANCE_FORMS
 from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, learnt_hyper_parameters, unwrap_hyper_state
@@ -241,7 +240,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     def _instance_moments(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.gp_.whiten(X).latent_moments(self.q_)
 
-    def _sample_latent(self, mean: np.ndarray, var: np.ndarray, rng: np.random.RandomState) -> Iterator[tuple[slice, np.ndarray]]:
+    def _sample_latent(self, mean: np.ndarray, var: np.ndarray, rng: Any) -> Iterator[tuple[slice, np.ndarray]]:
         """Yield (row slice, samples (rows, L)) of f* ~ N(mean, var), in chunks of ≤ 2²² draws."""
         L = self.n_mc_samples
         chunk = max(1, (1 << 22) // L)
@@ -271,7 +270,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         p = expit(probit_scale(mean, var))
         sd = np.zeros_like(p)
         if need_mc:
-            rng = check_random_state(self.random_state)
+            rng = np.random.RandomState(prediction_seed(self.random_state))
             for rows, f in self._sample_latent(mean, var, rng):
                 s = expit(f)
                 if method == "mc":
@@ -307,9 +306,8 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         if not return_std:
             return bags.keys, p
         mean, var = self._instance_moments(take_rows(X, bags.order))
-        rng = check_random_state(self.random_state)
         sd = np.empty(bags.n_bags)
-        for b in range(bags.n_bags):
+        for b, rng in enumerate(bag_generators(self.random_state, bags.keys)):  # a bag's draws its own
             rows = slice(offsets[b], offsets[b + 1])
             sd[b] = _rule_draws(rule, self._sample_latent(mean[rows], var[rows], rng), offsets[b + 1] - offsets[b]).std()
         return bags.keys, p, sd

@@ -25,14 +25,13 @@ from typing import Any, Literal
 
 import numpy as np
 from scipy.special import expit
-from sklearn.utils import check_random_state
 
 from .._backend import array_namespace, like, take_rows, to_numpy
 from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import HyperbolicSecant
-from ..predictive import probit_scale, sample_latent
+from ..predictive import bag_generators, probit_scale, sample_latent
 from .base import SparseGPMILBase, store_params
 
 __all__ = ["BagEvidence", "EvidenceStats", "VWSGPUpdates", "VWSGP"]
@@ -232,8 +231,8 @@ class VWSGP(SparseGPMILBase):
         p = expit(probit_scale(mean, var))
         if method == "probit" and not return_std:
             return bags.keys, p
-        rng = check_random_state(self.random_state)
-        samples = expit(sample_latent(mean, var, self.n_mc_samples, rng))
+        samples = expit(np.concatenate([sample_latent(mean[b:b + 1], var[b:b + 1], self.n_mc_samples, rng)  # a bag's draws its own
+                                        for b, rng in enumerate(bag_generators(self.random_state, bags.keys))]))
         if method == "mc":
             p = samples.mean(axis=1)
         return (bags.keys, p, samples.std(axis=1)) if return_std else (bags.keys, p)
