@@ -251,6 +251,8 @@ def _labels_problem(ing: IngestConfig, field: str) -> str | None:
     from tasks.ingest.errors import IngestError
     from tasks.ingest.labels import LabelSpec, read_panda_labels
 
+    if isinstance(ing.labels, LabelsConfig) and ing.labels.spec() is None:
+        return f"{field}: preset {ing.labels.preset!r} reads CT slice labels (ingest.kind: ct), not {ing.kind}'s"
     try:
         if isinstance(ing.labels, LabelsConfig):
             ing.labels.spec().read()

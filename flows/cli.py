@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# the temporary server's first start takes 10–60 s on a loaded node; Prefect waits 20 s and fails the run
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+SERVER_START_S = 120
+"""The least time the temporary Prefect server is given to start: its first start takes 10–60 s on a
+loaded node, and Prefect's default wait (20 s) failed the run with a raw timeout traceback."""
 
 CV_MODELS: tuple[str, ...] = ("VGPMIL", "GVGPMIL", "VGPMILPR")
 """The automatic defaults ``gpmil cv`` scores, after the pipeline's default model."""
@@ -81,7 +83,11 @@ def _temporary_prefect_server_of_its_own() -> None:
     crash; a gpmil killed by SIGKILL (the OOM killer) left it running. Prefect's client then finds
     it started (one server per port, as Prefect keeps them)."""
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_ALLOW_EPHEMERAL_MODE,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     server = SubprocessASGIServer()
     if PREFECT_API_URL.value() or not PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value() or server.running:
@@ -90,7 +96,7 @@ def _temporary_prefect_server_of_its_own() -> None:
     subprocess.Popen = functools.partial(popen, start_new_session=True,  # Prefect's own Popen call, this once
                                          preexec_fn=_stopped_with_parent if sys.platform == "linux" else None)
     try:
-        server.start()
+        server.start(timeout=max(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value(), SERVER_START_S))  # a longer setting holds
     finally:
         subprocess.Popen = popen
 
@@ -107,7 +113,7 @@ def _abs(path: Any) -> str | None:
 def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
     """The configuration, validated, and the stage's inputs checked: before Prefect is imported."""
     from flows.checks import check_inputs
-    from flows.config import load_config
+    from flows.config import load_config, new_cohort_labels
 
     def with_source(config):
         if not getattr(args, "source", None):
@@ -122,7 +128,7 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
         config = with_source(config)
         if not new_cohort:
             return config
-        ingest = config.ingest.model_copy(update={"labels": Path(_abs(args.labels)) if args.labels else None})
+        ingest = config.ingest.model_copy(update={"labels": new_cohort_labels(config.ingest.labels, _abs(args.labels))})
         prediction = config.prediction.model_copy(update={"store": Path(_abs(args.store))}) if args.store else config.prediction
         return config.model_copy(update={"ingest": ingest, "prediction": prediction})
 

@@ -146,6 +146,14 @@ class TableColumns(_Strict):
         return [self.bag, self.label, *features, *(self.coords or []), *([self.instance_label] if self.instance_label else [])]
 
 
+def new_cohort_labels(labels: Path | LabelsConfig | None, file: str | Path | None) -> Path | LabelsConfig | None:
+    """The labels of a new cohort (``predict --source --labels``): ``file`` read as ``labels`` reads
+    its own (a section's columns, target or positive), or by the kind's convention."""
+    if file is None:
+        return None
+    return labels.model_copy(update={"file": Path(file)}) if isinstance(labels, LabelsConfig) else Path(file)
+
+
 class IngestConfig(_Strict):
     """Where the cohort comes from. ``kind``: ``wsi`` (tiled TIFF slides + PANDA-style labels CSV),
     ``ct`` (DICOM series + RSNA-style labels CSV), ``features`` (a MIL feature table) or ``none``

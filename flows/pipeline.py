@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.checks import check_inputs
-from flows.config import IngestConfig, LabelsConfig, PipelineConfig, TableColumns, load_config
+from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config, new_cohort_labels
 from tasks import prefect_tasks as t
 from tasks.cluster import check_scheduler_answers, dotted, start_cluster
 from tasks.paths import safe_filename
@@ -107,8 +107,7 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     training store records (its tiling and its extractor, whatever the config says now: a config
     edited since trained on 128-px tiles and predicted 256-px ones, or featurised with new weights
     and failed only after the whole ingest)."""
-    new_labels = None if labels is None else (ingest.labels.model_copy(update={"file": Path(labels)})
-                                              if isinstance(ingest.labels, LabelsConfig) else Path(labels))
+    new_labels = new_cohort_labels(ingest.labels, labels)
     training_store = Path(trained["store"]) if trained.get("store") else None
     ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
                                        "extractor_from": training_store})

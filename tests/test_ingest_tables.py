@@ -548,6 +548,8 @@ def test_a_mil_csv_as_a_spreadsheet_exports_it_reads_or_is_named(tmp_path):
     (tmp_path / "tail.csv").write_text("1,a,0.1,0.2,,\n1,a,0.3,0.4,,\n0,b,0.5,0.6,,\n,,,,,\n,,,,,\n")
     table = read_mil_csv(tmp_path / "tail.csv")
     assert table.X.shape == (3, 2) and list(table.bag_ids) == ["a", "a", "b"] and not table.row_problems
+    (tmp_path / "ids.csv").write_text("1,case;A,0.5,0.1\n0,case;B,0.2,0.3\n")  # a ';' in a bag id is no separator
+    assert list(read_mil_csv(tmp_path / "ids.csv").bag_ids) == ["case;A", "case;B"]
     (tmp_path / "semi.csv").write_text("1;a;0,1;0,2\n0;b;0,5;0,6\n")
     with pytest.raises(IngestError, match="looks semicolon-separated"):
         read_mil_csv(tmp_path / "semi.csv")

@@ -198,8 +198,10 @@ def test_labels_files_as_spreadsheets_export_them_read_or_are_refused_with_what_
     labels, _ = LabelSpec(str(write("blank.csv", "slide_id,label,note\na,1,\nb,0,x\n,,\n , ,\na,1,\n"))).read()
     assert labels == {"a": 1, "b": 0}  # the blank rows are no bag, a row copied twice one label
     assert read_panda_labels(write("panda.csv", "image_id,isup_grade\na,3\nb,0\n,\n"))[0] == {"a": 1, "b": 0}
-    with pytest.raises(IngestError, match=r"line\(s\) \[3\] of the labels file have no slide_id \(line 3: \{'label': 0\}\)"):
-        LabelSpec(str(write("noid.csv", "slide_id,label\na,1\n,0\n"))).read()
+    with pytest.raises(IngestError, match=r"row\(s\) \[3\] after the header of the labels file have no slide_id \(row 3: \{'label': 0.0\}\)"):
+        LabelSpec(str(write("noid.csv", "slide_id,label\na,1\n,\n,0\n"))).read()  # the blank row counts
+    odd, _ = LabelSpec(str(write("typo.csv", "slide_id,label\na,1\nb,0\nc,2\nd,-1\n"))).read()
+    assert (odd["a"], odd["b"]) == (1, 0) and isinstance(odd["c"], MissingLabelError) and isinstance(odd["d"], MissingLabelError)
     refused = {"isup.csv": ("slide_id,label\na,0\nb,1\nc,3\nd,5\n", r"grades \[0, 1, 3, 5\].*\"label > 0\""),
                "pm1.csv": ("slide_id,label\na,1\nb,-1\n", r"-1/\+1 labels: give target: \"label == 1\""),
                "words.csv": ("slide_id,label\na,positive\nb,negative\n", r"text \['negative', 'positive'\]: give positive"),
@@ -224,13 +226,35 @@ def test_labels_files_as_spreadsheets_export_them_read_or_are_refused_with_what_
 
 def test_a_labels_file_that_gives_no_labels_fails_the_preflight_not_the_run(tmp_path):
     from flows.checks import check_inputs
-    from flows.config import ConfigError, PipelineConfig
+    from flows.config import ConfigError, LabelsConfig, PipelineConfig
 
     (tmp_path / "h5").mkdir()
-    (tmp_path / "labels.csv").write_text("slide_id,label\na,0\nb,3\n")
+    (tmp_path / "labels.csv").write_text("slide_id,label\na,0\nb,3\nc,5\n")
     config = PipelineConfig.model_validate({"name": "c", "store": str(tmp_path / "s.zarr"), "output_dir": str(tmp_path / "out"),
                                             "ingest": {"kind": "h5", "source": str(tmp_path / "h5"), "labels": str(tmp_path / "labels.csv")}})
-    with pytest.raises(ConfigError, match=r"ingest.labels: .*labels.csv: the label column 'label' must hold 0/1.*grades \[0, 3\]"):
+    with pytest.raises(ConfigError, match=r"ingest.labels: .*labels.csv: the label column 'label' must hold 0/1.*grades \[0, 3, 5\]"):
         check_inputs(config, "run")
     (tmp_path / "labels.csv").write_text("slide_id,label\na,0\nb,1\n")
     check_inputs(config, "run")
+    rsna = config.model_copy(update={"ingest": config.ingest.model_copy(update={"labels": LabelsConfig(file=tmp_path / "labels.csv",
+                                                                                                       preset="rsna")})})
+    with pytest.raises(ConfigError, match="preset 'rsna' reads CT slice labels"):
+        check_inputs(rsna, "run")
+
+
+def test_a_new_cohorts_labels_in_the_configs_layout_pass_the_preflight_as_the_flow_reads_them(tmp_path):
+    """``predict --source --labels``: the preflight read the new file by the kind's default layout
+    (slide_id,label) while the flow reads it as the config's labels section, and refused it."""
+    from flows.checks import _labels_problem
+    from flows.config import IngestConfig, LabelsConfig, new_cohort_labels
+    from flows.pipeline import new_cohort_ingest
+
+    (tmp_path / "h5").mkdir()
+    (tmp_path / "new.csv").write_text("image_id,isup_grade\nc,0\nd,4\ne,2\n")
+    section = LabelsConfig(file=tmp_path / "train.csv", id_column="image_id", label_column="isup_grade", target="isup_grade > 0")
+    ingest = IngestConfig(kind="h5", source=tmp_path / "h5", labels=section)
+    new = new_cohort_labels(section, tmp_path / "new.csv")
+    assert new == new_cohort_ingest(ingest, tmp_path / "h5", tmp_path / "new.csv", {}).labels  # the CLI's and the flow's
+    assert _labels_problem(ingest.model_copy(update={"labels": new}), "--labels") is None
+    plain = ingest.model_copy(update={"labels": new_cohort_labels(None, tmp_path / "new.csv")})
+    assert "no column(s) ['label']" in _labels_problem(plain, "--labels")  # without a section: the kind's layout

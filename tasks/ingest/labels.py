@@ -39,7 +39,7 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
         raise IngestError(f"labels CSV has no column {id_column!r} (columns: {list(table.columns)})", path=path)
     labels: dict[str, int | Exception] = {}
     first: dict[str, tuple[int, dict]] = {}  # bag id → (its first row after the header, counted from 1; that row's values)
-    for row, bag_id, value in zip(range(1, len(table) + 1), table[id_column].astype(str),
+    for row, bag_id, value in zip(np.asarray(table.index) + 1, table[id_column].astype(str),
                                   table.drop(columns=[id_column]).to_dict("records")):
         if bag_id in first:
             if _same_row(first[bag_id][1], value):  # the same row twice (a copy-paste): one label
@@ -71,10 +71,10 @@ def without_blank_rows(table: Any, id_column: str, path: str) -> Any:
     empty = table.apply(_empty)
     no_id = empty[id_column] & ~empty.all(axis=1)
     if no_id.any():
-        lines = [int(i) + 2 for i in np.flatnonzero(no_id.to_numpy())]  # the header is line 1
+        rows = [int(i) + 1 for i in table.index[no_id.to_numpy()]]  # counted from 1 after the header
         first = {k: v.item() if isinstance(v, np.generic) else v for k, v in table[no_id].iloc[0].items() if not _is_missing(v)}
-        raise IngestError(f"line(s) {lines[:5]}{' …' if len(lines) > 5 else ''} of the labels file have no {id_column} "
-                          f"(line {lines[0]}: {first}): give each row its bag id, or delete the row", path=path)
+        raise IngestError(f"row(s) {rows[:5]}{' …' if len(rows) > 5 else ''} after the header of the labels file have no "
+                          f"{id_column} (row {rows[0]}: {first}): give each row its bag id, or delete the row", path=path)
     return table[~empty.all(axis=1)]
 
 
@@ -386,15 +386,18 @@ class LabelSpec:
 
     def _check_binary(self, column: Any, path: str) -> None:
         """A label column read as 0/1 that holds another labelling as a whole — grades 0–5, −1/+1,
-        class names — is refused with the ``target``/``positive`` that reads it, before any bag is
-        ingested (bag by bag, the bags of every other value were skipped and the run trained on the
-        rest); an odd cell among 0/1 (``pending``) leaves its bag skipped as before."""
+        class names, scores in more than one row — is refused with the ``target``/``positive`` that
+        reads it, before any bag is ingested (bag by bag, the bags of every other value were skipped
+        and the run trained on the rest); one odd cell among 0/1 (a typo ``2``, ``pending``) and
+        ``-1`` (unknown) leave their bags skipped as before."""
         values = [v for v in column if not _is_missing(v)]
-        numbers = {float(v) for v in values if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+        numeric = [float(v) for v in values if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)]
+        numbers = set(numeric)
         texts = sorted({str(v) for v in values if isinstance(v, str)})
+        odd_rows = sum(v not in (-1.0, 0.0, 1.0) for v in numeric)  # -1 (unknown) and one typo: their bags skipped
         name, hint = self.label_column, None
-        if numbers and not texts and not numbers <= {0.0, 1.0}:
-            if numbers <= {-1.0, 1.0}:
+        if numbers and not texts and (numbers == {-1.0, 1.0} or odd_rows > 1):
+            if numbers == {-1.0, 1.0}:
                 hint = f"-1/+1 labels: give target: \"{name} == 1\""
             elif all(v.is_integer() and v >= 0 for v in numbers):
                 hint = (f"grades {sorted(int(v) for v in numbers)} (ISUP, Gleason, a class index): give target, e.g. "

@@ -89,7 +89,7 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     if bag_column not in table.columns or label_column not in table.columns:
         raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
                           "(comma-separated, no header)", path=str(path))
-    if table[[label_column, bag_column]].astype(str).apply(lambda c: c.str.contains(";")).to_numpy().any():
+    if not pd.api.types.is_numeric_dtype(table[label_column]) and table[label_column].astype(str).str.contains(";").any():
         raise IngestError("the table looks semicolon-separated (as a spreadsheet in some locales saves it, with decimal "
                           "commas): save it comma-separated with decimal points", path=str(path))
     labels = pd.to_numeric(table[label_column], errors="coerce")
