@@ -106,8 +106,12 @@ def test_extractors_resolve_by_import_path_and_refuse_unknown_names(user_package
     from tasks.ingest.features import known_extractors
 
     assert "my-rp" in known_extractors()
-    installed = dict(spec, factory="my-rp", params={"scale": 3.0})  # an entry point is installed code: no trust asked
-    assert extractor_from_spec(installed, source="s.zarr")(tiles)[0, 0] == 30.0
+    recorded = extractor_spec(make_extractor("my-rp", scale=3.0))  # what a store built by the entry point records:
+    assert recorded["factory"] == "lab_models:ColourMeans"  # the class's path, which the entry point declares
+    assert extractor_from_spec(recorded, source="s.zarr")(tiles)[0, 0] == 30.0  # installed code: no trust asked
+    (folder / "lab_models-1.0.dist-info" / "entry_points.txt").write_text("[gpmil.extractors]\n")  # uninstalled
+    with pytest.raises(UntrustedExtractorError, match="or ingest.trusted_imports"):
+        extractor_from_spec(recorded, source="s.zarr")
     with pytest.raises(KeyError, match="cannot import it"):
         resolve_extractor("lab_models:Missing")
     with pytest.raises(TypeError, match="lacks"):

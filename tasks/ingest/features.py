@@ -130,6 +130,16 @@ class UntrustedExtractorError(ValueError):
     """A store names code to import and run that the user's configuration does not name."""
 
 
+def installed_import_paths() -> frozenset[str]:
+    """The import paths of installed extractors: the registered factories' and the ``gpmil.extractors``
+    entry points' targets (a store records an extractor by its class's path, :func:`_factory_name`),
+    read without importing anything."""
+    from importlib.metadata import entry_points
+
+    registered = {f"{factory.__module__}:{factory.__qualname__}" for factory in _REGISTRY.values()}
+    return frozenset(registered | {ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
 def import_paths(name: str, params: dict[str, Any]) -> frozenset[str]:
     """The import paths that building extractor ``name`` with ``params`` imports and calls: ``name``
     itself unless it is registered or a ``gpmil.extractors`` entry point (installed code), and the
@@ -137,7 +147,7 @@ def import_paths(name: str, params: dict[str, Any]) -> frozenset[str]:
     from importlib.metadata import entry_points
 
     installed = name in _REGISTRY or any(ep.name == name for ep in entry_points(group=ENTRY_POINT_GROUP))
-    paths = set() if installed or ":" not in name else {name}
+    paths = set() if installed or ":" not in name or name in installed_import_paths() else {name}
     if name == "torch" and isinstance(params.get("model"), str):
         paths.add(params["model"])
     return frozenset(paths)
@@ -160,7 +170,8 @@ def extractor_from_spec(spec: dict[str, Any], *, source: str | Path, trusted: Co
         raise UntrustedExtractorError(
             f"{source}: its feature_extractor names {', '.join(map(repr, untrusted))} to import and run; gpmil builds "
             "an extractor from a store only by a registered name or an installed gpmil.extractors entry point. If you "
-            "trust that code, name it in your configuration (ingest.extractor, or extractor_params.model for torch)")
+            "trust that code, name it in your configuration (ingest.extractor, extractor_params.model for torch, or "
+            "ingest.trusted_imports)")
     extractor = make_extractor(factory, **params)
     if extractor.name != spec["name"] or extractor.version != spec["version"]:
         raise ValueError(f"extractor {spec.get('factory', spec['name'])!r} is now {extractor.name} v{extractor.version}; "

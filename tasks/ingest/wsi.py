@@ -421,7 +421,7 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
                   qc_dir: str | Path | None = None, name: str | None = None, client: Any = None,
                   max_workers: int = 1, fit_tiles: int = 512, seed: int = 0, extractor_from: str | Path | None = None,
                   report_path: str | Path | None = None, on_progress=None,
-                  patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True) -> IngestReport:
+                  patterns: Sequence[str] = SLIDE_PATTERNS, recursive: bool = True, trusted: Collection[str] = ()) -> IngestReport:
     """Tile slides (a folder, searched for ``patterns`` recursively, or a list; bag id = file stem =
     PANDA ``image_id``, or the folder name of a DICOM-WSI) into the store.
 
@@ -430,11 +430,12 @@ def ingest_slides(store: str | Path, slides: str | Path | Sequence[str | Path], 
     up to ``fit_tiles`` tiles sampled from the first slides, or, when the store exists, taken from
     the store's recorded parameters (so a resumed or extended ingest uses the same features). A new
     store takes them from the store ``extractor_from`` if given: a new cohort gets the features of
-    the cohort a model was trained on.
+    the cohort a model was trained on. ``trusted``: import paths the recorded extractor may name
+    (:func:`plan_slides`).
     """
     plan = plan_slides(store, slides, labels_csv=labels_csv, params=params, extractor=extractor,
                        batch_size=batch_size, qc_dir=qc_dir, name=name, fit_tiles=fit_tiles, seed=seed,
-                       extractor_from=extractor_from, patterns=patterns, recursive=recursive)
+                       extractor_from=extractor_from, patterns=patterns, recursive=recursive, trusted=trusted)
     return run_ingest(store, plan.spec, plan.items, plan.bag_writer, skipped=plan.skipped, client=client,
                       max_workers=max_workers, report_path=report_path, on_progress=on_progress)
 
