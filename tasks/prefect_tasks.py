@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import html
 import json
 import os
 import shutil
@@ -630,10 +631,15 @@ def _report_complete(out: Path, settings: str) -> bool:
             and all((out / name).is_file() for name in manifest.get("files", ["report.md"])))
 
 
+STAGING = ".writing"
+"""The folder inside a report folder where a new report is written before it replaces the old one."""
+
+
 def _staged_report_folder(out: Path) -> Path:
-    """An empty folder beside ``out`` to write a new report into (a killed run's is removed: the
-    report folder's writer lease makes this run the only writer)."""
-    staging = out.with_name(f".{out.name}.writing")
+    """An empty folder inside ``out`` (its file system: a report folder may be a mount) to write a
+    new report into; a killed run's is removed (the report folder's writer lease makes this run the
+    only writer, and only report files are ever in it)."""
+    staging = out / STAGING
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
@@ -641,20 +647,21 @@ def _staged_report_folder(out: Path) -> Path:
 
 def _replace_report(staging: Path, out: Path) -> None:
     """Put the report written in ``staging`` in place of ``out``'s: the earlier report stays whole
-    until the new one is (a run killed while it wrote left neither); files in ``out`` that no report
-    writes (a user's notes) move over. Of the earlier report's files none is kept beside the new one
-    (figures of bags no longer at the top, metrics of a cohort no longer labelled)."""
-    if out.is_dir():
-        for entry in out.iterdir():
-            if entry.name not in _REPORT_OUTPUTS and entry.name != REPORT_MANIFEST and not (staging / entry.name).exists():
-                entry.rename(staging / entry.name)
-        retired = out.with_name(f".{out.name}.replaced")
-        shutil.rmtree(retired, ignore_errors=True)
-        out.rename(retired)
-        staging.rename(out)
-        shutil.rmtree(retired)
-    else:
-        staging.rename(out)
+    while the new one is written, then its files (manifest first) give way to the new ones, renamed
+    into place, the manifest last (a run killed in that moment leaves no manifest: the next run
+    writes the report again). No earlier report file stays beside the new one (figures of bags no
+    longer at the top, metrics of a cohort no longer labelled); files no report writes (a user's
+    notes) are not touched."""
+    (out / REPORT_MANIFEST).unlink(missing_ok=True)
+    for name in _REPORT_OUTPUTS:
+        old = out / name
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir(), key=lambda e: e.name == REPORT_MANIFEST):
+        entry.rename(out / entry.name)
+    staging.rmdir()
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
@@ -665,7 +672,10 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     lease guards, is refused here (it deleted the first run's files as that one wrote them)."""
     out = Path(config.output_dir) / "predictions" / prediction_key
     with writer_lease(out, f"report {prediction_key}"):
-        return _write_report(config, store, model_dir, prediction_key, out)
+        try:
+            return _write_report(config, store, model_dir, prediction_key, out)
+        finally:  # a report that failed half-way leaves the earlier one, not its own pieces
+            shutil.rmtree(out / STAGING, ignore_errors=True)
 
 
 def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path) -> StageResult:
@@ -680,7 +690,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         metrics.pop("threshold", None)  # the file says it beside the metrics; the stage's result holds the metrics
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
-    final, out = out, _staged_report_folder(out)  # written beside, then put in place whole
+    final, out = out, _staged_report_folder(out)  # written inside (.writing), then put in place
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
@@ -742,7 +752,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     if warnings:
         for message in warnings:
             logger.warning(message)
-        sections += ["## Warnings", "", *[f"- {m}" for m in warnings], ""]
+        sections += ["## Warnings", "", *[f"- {html.escape(m, quote=False)}" for m in warnings], ""]  # bag ids are text
 
     with_std = table[table["std"].notna()]
     if len(with_std):

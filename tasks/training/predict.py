@@ -65,7 +65,7 @@ def prediction_kwargs(model: Any, method: str, rule: str | None) -> tuple[dict, 
     """``instance_kwargs, bag_kwargs`` of :func:`predict_cohort` for the pipeline's ``prediction``
     settings: ``method`` goes to every predict method that names a ``method`` parameter (the
     logistic family, and VWSGP's bag probability: the closed form the kernel choice and early
-    stopping score with, where ``"mc"`` would draw afresh in every partition), and to
+    stopping score with, ``"mc"`` its Monte Carlo estimate), and to
     EmbeddedGPMIL's instance probabilities, which pass it to their GPs; ``rule``, when set, to
     every bag probability that takes a ``rule`` (the logistic and probit families; EmbeddedGPMIL
     passes it to its GPs), and a model that scores bags otherwise refuses it (VWSGP, AbSMIL):
