@@ -278,10 +278,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sigterm_as_ctrl_c(runner: Any, *args: Any) -> None:
-    """SIGTERM (systemd, a scheduler, ``kill``) stops ``gpmil serve`` as Ctrl-C does: the deployment's
-    schedule is paused. Prefect's own SIGTERM handler, during a run, left it active (``Runner.astop``
-    never awaited), and runs piled up as Late with nothing to serve them."""
-    os.kill(os.getpid(), signal.SIGINT)
+    """SIGTERM (systemd, a scheduler, ``kill``) stops ``gpmil serve`` with the deployment's schedule
+    paused: the runner's own stop (``astop``: its runs cancelled, its loops ended, then the schedules
+    paused as the runner exits) is put on its event loop. Prefect's handler called the synchronous
+    ``stop``, which never awaited it, and left the schedule active: runs piled up as Late with
+    nothing to serve them. A Ctrl-C emulated by SIGINT was lost when it came as a run was being
+    taken up (its cancellation absorbed there): serve went on. Before the loop runs: as Ctrl-C."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+    loop.call_soon_threadsafe(lambda: loop.create_task(runner.astop()))
 
 
 def _demo(args: argparse.Namespace) -> int:
