@@ -86,7 +86,21 @@ def is_transient(error: BaseException | None) -> bool:
     from tasks.ingest.errors import IngestError
 
     deterministic = (IngestError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
-    return isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, deterministic)
+    return (isinstance(error, (OSError, TimeoutError, KilledWorker, CommClosedError)) and not isinstance(error, deterministic)
+            and not _while_stopping(error))
+
+
+def _while_stopping(error: BaseException) -> bool:
+    """Whether ``error`` came about while the run was being stopped (Ctrl-C, SIGTERM): a closed
+    connection raised as a KeyboardInterrupt unwinds is no transient fault, and a retry would resume
+    the work the user stopped."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _retry_if_transient(task, task_run, state) -> bool:

@@ -315,6 +315,16 @@ def test_only_transient_errors_are_retried():
     assert is_transient(ConnectionResetError()) and is_transient(OSError(116, "Stale file handle"))
     for deterministic in (FileNotFoundError(2, "No such file", "a.tiff"), PermissionError(13, "denied"), IsADirectoryError(21, "dir")):
         assert not is_transient(deterministic)
+    from distributed.comm.core import CommClosedError
+
+    try:  # a connection closed as Ctrl-C unwinds: the user stopped the run, no retry resumes it
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise CommClosedError("in <TCP (closed)>: Stream is closed")
+    except CommClosedError as closed:
+        assert not is_transient(closed)
+    assert is_transient(CommClosedError("in <TCP (closed)>: Stream is closed"))
 
 
 def test_a_flow_run_with_a_missing_input_fails_before_any_task_or_cluster(tmp_path, cohort):
