@@ -143,11 +143,9 @@ def installed_import_paths() -> frozenset[str]:
 def import_paths(name: str, params: dict[str, Any]) -> frozenset[str]:
     """The import paths that building extractor ``name`` with ``params`` imports and calls: ``name``
     itself unless it is registered or a ``gpmil.extractors`` entry point (installed code), and the
-    torch extractor's ``model``."""
-    from importlib.metadata import entry_points
-
-    installed = name in _REGISTRY or any(ep.name == name for ep in entry_points(group=ENTRY_POINT_GROUP))
-    paths = set() if installed or ":" not in name or name in installed_import_paths() else {name}
+    torch extractor's ``model``. A name without ``:`` is no import path (registered names and entry
+    points are installed code), nor is an installed extractor's path."""
+    paths = {name} if ":" in name and name not in installed_import_paths() else set()
     if name == "torch" and isinstance(params.get("model"), str):
         paths.add(params["model"])
     return frozenset(paths)
