@@ -4,7 +4,7 @@
     gpmil ingest|train CONFIG     one stage
     gpmil predict CONFIG MODEL_DIR [--store STORE] [--source NEW_FOLDER [--labels FILE]]
     gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY
-    gpmil serve CONFIG [--cron "0 2 * * *"]   a long-running served deployment (Prefect UI)
+    gpmil serve CONFIG [--cron "0 2 * * *" [--timezone Europe/Berlin]]   a long-running served deployment (Prefect UI)
     gpmil demo [DIR]              synthetic WSI and CT cohorts: train, then evaluate on held-out cohorts
     gpmil cv CSV                  5-fold bag cross-validation on a MIL feature table
 """
@@ -260,6 +260,10 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from prefect.settings import PREFECT_API_URL
 
+    schedules = _serve_schedules(args.cron, args.timezone)
+    if isinstance(schedules, str):
+        print(f"gpmil serve: {schedules}", file=sys.stderr)
+        return 2
     if not PREFECT_API_URL.value():  # Prefect's runner only warns, and no scheduled run ever comes
         print("gpmil serve: no Prefect server to serve on (PREFECT_API_URL is not set): a deployment on gpmil's temporary "
               "server goes with it, and Prefect schedules no run there. Start one (`prefect server start`) and set "
@@ -273,8 +277,30 @@ def _serve(args: argparse.Namespace) -> int:
 
     Runner.handle_sigterm = _sigterm_as_ctrl_c  # this process only serves
 
-    pipeline.serve(name=f"gpmil-{config.name}", cron=args.cron, parameters={"config": str(Path(args.config).resolve())})
+    pipeline.serve(name=f"gpmil-{config.name}", schedules=schedules, parameters={"config": str(Path(args.config).resolve())})
     return 0
+
+
+def _serve_schedules(cron: str | None, timezone: str | None) -> list[Any] | str:
+    """``--cron`` in ``--timezone`` (an IANA name: a hospital's 2 am, daylight saving included;
+    Prefect's default is UTC) as the deployment's schedules, or what is wrong with them: Prefect
+    took any timezone name (the server's scheduler then failed on it) and raised a traceback for
+    a bad cron only once serving began."""
+    import zoneinfo
+
+    from prefect.schedules import Cron
+
+    if cron is None:
+        return "--timezone needs --cron (the schedule it is the timezone of)" if timezone else []
+    if timezone is not None:
+        try:
+            zoneinfo.ZoneInfo(timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return f"--timezone {timezone!r} is no IANA timezone name (e.g. Europe/Berlin, America/New_York, UTC)"
+    try:
+        return [Cron(cron, timezone=timezone)]
+    except ValueError as error:
+        return f"--cron {cron!r}: {error} (five fields: minute hour day-of-month month day-of-week, e.g. \"0 2 * * *\")"
 
 
 def _sigterm_as_ctrl_c(runner: Any, *args: Any) -> None:
@@ -388,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store")
     p = with_config("serve", "serve the pipeline as a Prefect deployment (runs until stopped)", _serve)
     p.add_argument("--cron", default=None, help='schedule, e.g. "0 2 * * *" (default: run on demand from the UI)')
+    p.add_argument("--timezone", default=None, help="the cron's timezone, an IANA name such as Europe/Berlin (default: UTC)")
     p = commands.add_parser("demo", help="synthetic WSI and CT cohorts: train on one cohort, evaluate on a held-out one (about a minute on 2 cores)",
                             description="Generate a training and a held-out cohort of synthetic slides and of synthetic head-CT "
                                         "scans, train VGPMIL on each training cohort, predict the held-out cohort with the stored "

@@ -177,13 +177,16 @@ def wait_for_scheduled_runs(deployment_id, processes: Processes, timeout: float 
 
 
 def test_gpmil_serve_registers_a_scheduled_deployment_whose_runs_complete(server, config):
-    server.start("serve", sys.executable, "-m", "flows.cli", "serve", str(config), "--cron", "0 2 * * *")
+    from zoneinfo import ZoneInfo
+
+    server.start("serve", sys.executable, "-m", "flows.cli", "serve", str(config), "--cron", "0 2 * * *", "--timezone", "Europe/Berlin")
     deployment = wait_for_deployment("gpmil-pipeline/gpmil-toy", server)
-    assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
+    assert [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules] == [("0 2 * * *", "Europe/Berlin")]
     assert deployment.parameters == {"config": str(config.resolve())}
-    # The cron puts runs on the schedule (with SQLAlchemy 2.1 the server's scheduler failed every loop and no run ever came).
-    scheduled = wait_for_scheduled_runs(deployment.id, server)
-    assert all(run.expected_start_time.hour == 2 and run.expected_start_time.minute == 0 for run in scheduled)
+    # The cron puts runs on the schedule (with SQLAlchemy 2.1 the server's scheduler failed every loop and no run ever came),
+    # at 2 am in Berlin (1 am UTC in winter, midnight in summer), not at 2 am UTC.
+    scheduled = [run.expected_start_time.astimezone(ZoneInfo("Europe/Berlin")) for run in wait_for_scheduled_runs(deployment.id, server)]
+    assert all((start.hour, start.minute) == (2, 0) for start in scheduled) and all(start.utcoffset().total_seconds() > 0 for start in scheduled)
     try:
         flow_run, artifacts = run_and_check("gpmil-pipeline/gpmil-toy", server)
         assert_pipeline_outputs(config, artifacts)

@@ -563,6 +563,23 @@ def test_serve_without_a_prefect_server_is_refused_naming_how_to_start_one(tmp_p
     assert "no Prefect server to serve on (PREFECT_API_URL is not set)" in err and "prefect server start" in err
 
 
+@pytest.mark.parametrize("schedule, problem", [
+    (["--cron", "0 2 * * *", "--timezone", "Mars/Olympus_Mons"], "--timezone 'Mars/Olympus_Mons' is no IANA timezone name"),
+    (["--cron", "0 25 * * *"], "--cron '0 25 * * *': Invalid cron string"),
+    (["--timezone", "Europe/Berlin"], "--timezone needs --cron"),
+])
+def test_serve_refuses_a_schedule_prefect_would_fail_on_later(tmp_path, cohort, capsys, schedule, problem):
+    """Prefect took any timezone name for a cron (its scheduler then failed on it, no run ever
+    came) and raised a traceback for a bad cron once serving began: refused first, exit 2."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import main
+
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing listens: the check comes first
+        assert main(["serve", write_config(tmp_path, cohort), *schedule]) == 2
+    assert problem in capsys.readouterr().err
+
+
 def test_a_deployment_runs_paths_are_read_beside_the_configuration(tmp_path, cohort, monkeypatch):
     """A served deployment's run parameters typed in the UI: ``source`` was read from the serving
     process's working directory, ``store`` from the config's folder."""
