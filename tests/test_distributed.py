@@ -513,3 +513,37 @@ def test_pixel_coordinates_become_grid_positions_and_a_store_without_positions_i
                        for b in np.unique(bags)])
     with pytest.raises(ValueError, match=r"VGPMILPRI couples neighbouring instances, and the instances of .* have no positions"):
         fit_cohort(VGPMILPRI(lam=1.0, **PARAMS), str(path), client)
+
+
+def test_a_fit_killed_during_the_kernel_choice_resumes_the_choice_where_it_stopped(client, toy_store, monkeypatch):
+    """The automatic kernel choice runs before the first checkpoint (13.5 of a fit's minutes on 50
+    slides × 768 features): a run killed during it started it again. Its finished splits are now
+    kept in ``training/<run>/choice`` until the first commit; the restarted run fits only the others
+    and ends as an uninterrupted fit."""
+    from tasks.training.checkpoint import ChoiceMemo
+
+    path, _ = toy_store
+    uninterrupted = VGPMIL(**PARAMS)
+    fit_cohort(uninterrupted, path, client, run="whole", partition_bytes=2_000)
+    writes = []
+    record = ChoiceMemo.__setitem__
+
+    def killed_after_three(memo, key, value):
+        if len(writes) == 3:
+            raise KeyboardInterrupt  # the scheduler's kill, as the fourth split ends
+        writes.append(key)
+        record(memo, key, value)
+
+    monkeypatch.setattr(ChoiceMemo, "__setitem__", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        fit_cohort(VGPMIL(**PARAMS), path, client, run="killed", partition_bytes=2_000)
+    done = set(ChoiceMemo(path, "training/killed/choice"))
+    assert done == set(writes) and len(done) == 3
+    monkeypatch.setattr(ChoiceMemo, "__setitem__", lambda memo, key, value: (writes.append(key), record(memo, key, value)))
+    resumed = VGPMIL(**PARAMS)
+    fit_cohort(resumed, path, client, run="killed", partition_bytes=2_000)
+    assert done.isdisjoint(writes[3:]) and len(writes) > 3  # the splits it had were not fitted again
+    assert resumed.kernel_ == uninterrupted.kernel_ and resumed.auto_max_iter_ == uninterrupted.auto_max_iter_
+    np.testing.assert_array_equal(resumed.kernel_selection_, uninterrupted.kernel_selection_)
+    assert_same_fit(resumed, uninterrupted)
+    assert "choice" not in zarr.open_group(path, mode="r")["training/killed"]  # the model holds the choice now

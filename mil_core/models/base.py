@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
 import warnings
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,20 @@ def clearly_better_rule(curves: dict[str, np.ndarray], n_se: float = _RULE_SWITC
         if gain.mean() > max(n_se * se, needed, best_gain):
             best, best_gain = rule, float(gain.mean())
     return best
+
+
+def _digest(*parts: Any) -> str:
+    """A hex digest of arrays (their dtype, shape and bytes), ``None`` and values by ``repr``."""
+    h = hashlib.blake2b(digest_size=20)
+    for part in parts:
+        if hasattr(part, "shape") and hasattr(part, "dtype"):  # an array, on the host or a device
+            part = to_numpy(part)
+            h.update(f"{part.dtype.str}{part.shape}".encode())
+            h.update(np.ascontiguousarray(part).data)
+        else:
+            h.update(repr(part).encode())
+        h.update(b"\x00")
+    return h.hexdigest()
 
 
 def _nan_max(a: np.ndarray) -> float:
@@ -360,7 +375,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
 
     def _start_fit(
         self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None, coords: np.ndarray | None = None,
-        choice: BagBlock | None = None, inducing: np.ndarray | None = None,
+        choice: BagBlock | None = None, inducing: np.ndarray | None = None, choice_memo: MutableMapping[str, Any] | None = None,
     ) -> PartitionUpdates:
         """Set ``n_features_in_``, ``kernel_`` and ``gp_`` (k-means inducing points on
         ``X_train``, labelled by their bag's label, unless ``inducing`` gives them) and return the
@@ -370,8 +385,10 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         for models that read them), the kernel variance is chosen by :meth:`_select_kernel` on the
         bags of :func:`choice_bags`, or on ``choice`` (those bags, read by an executor whose
         ``X_train`` is a sample of the training bags); otherwise it is the middle of
-        :meth:`_auto_variances` (the lower of two middles; 4 for most models).
-        Also the entry point of executors that train outside :meth:`fit` (``tasks.training``).
+        :meth:`_auto_variances` (the lower of two middles; 4 for most models). ``choice_memo``:
+        see :meth:`_choice_scores` (an executor's record of the choice, so a restarted fit does
+        not repeat it). Also the entry point of executors that train outside :meth:`fit`
+        (``tasks.training``).
         """
         self.n_features_in_ = X_train.shape[1]
         self.classes_ = np.array([0, 1])
@@ -385,7 +402,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
                 X_choice, choice_offsets = take_bags(X_host, offsets, picked)
                 choice = BagBlock(X=X_choice, offsets=choice_offsets, labels=labels[picked],
                                   coords=None if coords is None else take_bags(coords, offsets, picked)[0])
-            kernel = self._select_kernel(to_numpy(choice.X), choice.offsets, np.asarray(choice.labels), choice.coords)
+            kernel = self._select_kernel(to_numpy(choice.X), choice.offsets, np.asarray(choice.labels), choice.coords,
+                                         memo=choice_memo)
         grid = self._auto_variances()
         self.kernel_ = (kernel or RBF(variance=grid[(len(grid) - 1) // 2])).resolve(self.n_features_in_)
         if inducing is None:
@@ -454,7 +472,8 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         return uses_coords(self)
 
     @single_thread_when_small
-    def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
+    def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None,
+                       memo: MutableMapping[str, Any] | None = None) -> RBF | None:
         """``kernel=None``: the RBF variance from :meth:`_auto_variances` (ℓ = √D) *and* the number of
         sweeps, by held-out bag AUC (the estimator's bag rule) over 3 repeats of a stratified 2-fold
         split of the training bags (the bags of :func:`choice_bags`). Each candidate runs up to
@@ -496,7 +515,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
         inducing: list[np.ndarray | None] = [None] * len(splits)  # one k-means per split, shared by its candidates
         settings, rules = self._auto_settings(np.diff(offsets)), self._auto_bag_rules()
         candidates = [(v, k) for v in self._auto_variances() for k in range(len(settings))]  # (variance, setting)
-        scores = self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, candidates, settings, rules, checkpoints)
+        scores = self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, candidates, settings, rules, checkpoints, memo)
         rule = rules[0]
         if len(rules) > 1:
             rule = self.bag_rule_ = clearly_better_rule({r: np.stack([scores[c, r] for c in candidates], axis=1) for r in rules})
@@ -508,7 +527,7 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
                 settings += (setting,)
         extra = [c for c in ((v, settings.index(setting)) for v, setting in refined) if c not in candidates]
         if extra:  # the second stage: on the same splits and k-means, under the rule already chosen
-            scores.update(self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, extra, settings, (rule,), checkpoints))
+            scores.update(self._choice_scores(X_sorted, offsets, labels, coords, splits, inducing, extra, settings, (rule,), checkpoints, memo))
             candidates += extra
             chosen = best_candidate({c: scores[c, rule] for c in candidates}, checkpoints, self._smaller_variance_within_se())
         best_mean = {c: _nan_max(scores[c, rule].mean(axis=0)) for c in candidates}
@@ -528,19 +547,37 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
     def _choice_scores(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None,
                        splits: list[tuple[np.ndarray, np.ndarray]], inducing: list[np.ndarray | None],
                        candidates: list[tuple[float, int]], settings: tuple[dict[str, Any], ...],
-                       rules: tuple[str | None, ...], checkpoints: np.ndarray) -> dict[tuple[tuple[float, int], str | None], np.ndarray]:
+                       rules: tuple[str | None, ...], checkpoints: np.ndarray,
+                       memo: MutableMapping[str, Any] | None = None) -> dict[tuple[tuple[float, int], str | None], np.ndarray]:
         """Held-out bag AUC (splits × checkpoints, nan where degenerate) of each ``(variance,
         setting)`` candidate under each rule, for :meth:`_select_kernel`: every split fits each
         candidate on its training half for ``checkpoints[-1]`` sweeps and scores its held-out half at
         every checkpoint. ``inducing[i]``: split i's k-means, computed by its first fit and then
         shared (filled in here). The splits run side by side on the native threads a small fit gave
         up when their sweeps are BLAS work enough (:func:`~mil_core.threadpools.concurrent_parts`),
-        with the serial loop's results."""
+        with the serial loop's results. ``memo`` (a mapping the caller keeps, e.g. on disk) gets each
+        split's ``(curves, k-means)`` once computed, under a digest of everything that determines
+        them (rows, bags, labels, split, candidates, rules, the estimator's parameters); a split
+        found there is not fitted again: a fit killed during the choice (minutes on a large
+        cohort) resumes it where it stopped."""
         overrides = {"early_stopping": False, **{k: False for k in HYPER_PARAMETER_FLAGS if k in self.get_params()}}
         budget = int(checkpoints[-1])
 
+        common = None if memo is None else _digest(X_sorted, offsets, labels, coords, candidates, settings, rules, checkpoints,
+                                                   sorted((k, repr(v)) for k, v in self.get_params().items()), type(self).__name__)
+
         def split_curves(i: int) -> tuple[dict[tuple[tuple[float, int], str | None], np.ndarray], np.ndarray]:
-            """Split i's held-out curve of every (candidate, rule), and its k-means."""
+            """Split i's held-out curve of every (candidate, rule), and its k-means (from ``memo`` if there)."""
+            if memo is None:
+                return fitted_split_curves(i)
+            key = _digest(common, *splits[i], inducing[i])
+            try:
+                return memo[key]
+            except KeyError:
+                memo[key] = found = fitted_split_curves(i)
+                return found
+
+        def fitted_split_curves(i: int) -> tuple[dict[tuple[tuple[float, int], str | None], np.ndarray], np.ndarray]:
             train, val = splits[i]
             X_tr, tr_offsets = take_bags(X_sorted, offsets, train)
             X_val, val_offsets = take_bags(X_sorted, offsets, val)
@@ -636,13 +673,14 @@ class BagRuleChoice:
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
                    coords: np.ndarray | None = None, choice: BagBlock | None = None,
-                   inducing: np.ndarray | None = None) -> PartitionUpdates:
+                   inducing: np.ndarray | None = None, choice_memo: MutableMapping[str, Any] | None = None) -> PartitionUpdates:
         """``bag_rule_`` = the estimator's rule (``"auto"``: ``top_fraction`` until the kernel choice
         says otherwise), then the model's start."""
         if self.bag_rule != "auto" and self.bag_rule not in self.bag_rules:
             raise ValueError(f"bag_rule must be 'auto' or one of {', '.join(self.bag_rules)}, got {self.bag_rule!r}")
         self.bag_rule_ = AUTO_BAG_RULES[0] if self.bag_rule == "auto" else self.bag_rule
-        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing)
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing,
+                                  choice_memo=choice_memo)
 
     def _auto_bag_rules(self) -> tuple[str | None, ...]:
         return AUTO_BAG_RULES if self.bag_rule == "auto" else (None,)

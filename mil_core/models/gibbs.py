@@ -33,6 +33,7 @@ the serial fit and gives its samples to round-off.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -393,7 +394,8 @@ class VGPMILPRGibbs(VGPMILPRI):
         probit = ProbitMILUpdates(gp=gp, lam=self._lam(), **self._updates_options())
         return GibbsUpdates(probit=probit, seed=int(seed), burn_in=int(self.burn_in), thin=int(self.thin))
 
-    def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None) -> RBF | None:
+    def _select_kernel(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, coords: np.ndarray | None,
+                       memo: MutableMapping[str, Any] | None = None) -> RBF | None:
         """``kernel=None``: the RBF variance that the variational fit of the same model (VGPMIL-PR-I with this
         λ; VGPMIL-PR at λ = 0) chooses by held-out bag AUC over 3 repeats of a 2-fold split of the training
         bags (:meth:`~mil_core.models.base.SparseGPMILBase._select_kernel`); sets ``kernel_selection_``.
@@ -404,7 +406,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         """
         surrogate = self._variational_model()
         surrogate.bag_rule_ = self.bag_rule_
-        kernel = surrogate._select_kernel(X_sorted, offsets, labels, coords)
+        kernel = surrogate._select_kernel(X_sorted, offsets, labels, coords, memo=memo)
         self.kernel_selection_, self.auto_max_iter_, self.bag_rule_ = surrogate.kernel_selection_, None, surrogate.bag_rule_
         return kernel
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -140,14 +140,15 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     def _psi(self) -> Psi: ...
 
     def _start_fit(self, X_train: Any, instance_labels: np.ndarray, offsets: np.ndarray | None = None,
-                   coords: np.ndarray | None = None, choice: BagBlock | None = None,
-                   inducing: np.ndarray | None = None) -> PsiMILUpdates | HyperMILUpdates:
+                   coords: np.ndarray | None = None, choice: BagBlock | None = None, inducing: np.ndarray | None = None,
+                   choice_memo: MutableMapping[str, Any] | None = None) -> PsiMILUpdates | HyperMILUpdates:
         """``H_`` = ``H`` (``"auto"``: the first of :data:`AUTO_H` until the kernel choice says
         otherwise), then the family's start."""
         if not (isinstance(self.H, str) and self.H == "auto") and not (isinstance(self.H, numbers.Real) and self.H > 1):
             raise ValueError(f"H must be 'auto' or a number > 1 (the bag-likelihood odds), got {self.H!r}")
         self.H_ = AUTO_H[0] if isinstance(self.H, str) else float(self.H)
-        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing)
+        return super()._start_fit(X_train, instance_labels, offsets=offsets, coords=coords, choice=choice, inducing=inducing,
+                                  choice_memo=choice_memo)
 
     def _auto_variances(self) -> tuple[float, ...]:
         """:data:`VGPMIL_VARIANCES` (G-VGPMIL overrides it with a grid under its bound)."""

@@ -1,5 +1,6 @@
-"""Checkpoints of a distributed fit in ``<store>/training/<run>/``: the fitted estimator and
-feature scaling, every partition's local state, q and the objective trace.
+"""Checkpoints of a distributed fit in ``<store>/training/<run>/``: the kernel choice's finished
+splits, the fitted estimator and feature scaling, every partition's local state, q and the
+objective trace.
 
 The only module that serialises training state: arrays + JSON (:mod:`mil_core.persist`, an
 allowlist of types, format version recorded), never a pickle — a store shared between teams must
@@ -7,7 +8,7 @@ not be able to run code in the next fit that resumes from it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,10 @@ class Checkpoint:
         root = zarr.open_group(self.store, mode="r")
         name = f"training/{self.run}"
         return root[name].attrs.get("latest") if name in root else None
+
+    def choice_memo(self) -> ChoiceMemo:
+        """Where the automatic kernel choice records its finished splits, until the first :meth:`commit`."""
+        return ChoiceMemo(self.store, f"training/{self.run}/choice")
 
     def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition], scaling: FeatureScaling | None) -> None:
         group = self._group()
@@ -70,7 +75,8 @@ class Checkpoint:
 
     def commit(self, trace: FitTrace) -> None:
         """Client side: the global state (q, and the learnt kernel when hyper-parameters are learnt)
-        and the objective trace, then ``latest`` (the commit), then old iterations go."""
+        and the objective trace, then ``latest`` (the commit), then old iterations (and the kernel
+        choice's record: the model holds the choice) go."""
         ensure_still_held(self.store)  # never commit beside a writer that took the store's lease over
         group = self._group()
         it = group.require_group(f"it{trace.n_iter}")
@@ -81,11 +87,48 @@ class Checkpoint:
         group.attrs["latest"] = trace.n_iter
         if previous is not None and previous != trace.n_iter:
             del group[f"it{previous}"]
+        if "choice" in group:
+            del group["choice"]
 
     def load_trace(self, iteration: int) -> FitTrace:
         it = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}"]
         return FitTrace(glob=_read(it, "state"), objective=list(it["objective"][:]), n_iter=iteration,
                         converged=bool(it.attrs["converged"]))
+
+
+class ChoiceMemo(MutableMapping[str, Any]):
+    """The ``memo`` of :meth:`~mil_core.models.base.SparseGPMILBase._choice_scores` in a store
+    group: each finished split of the kernel choice (its held-out AUC curves and k-means) under
+    its digest, so a run killed during the choice (minutes to tens of minutes on a large cohort)
+    fits only the splits it had not finished when it is started again. Written as
+    :mod:`mil_core.persist` archives, each split its own array (the splits may finish side by
+    side in threads), after checking the store's writer lease."""
+
+    def __init__(self, store: str, path: str):
+        self.store, self.path = store, path
+        zarr.open_group(store, mode="a").require_group(path)
+
+    def _group(self) -> zarr.Group:
+        return zarr.open_group(self.store, mode="a")[self.path]
+
+    def __getitem__(self, key: str) -> Any:
+        group = self._group()
+        if key not in group:
+            raise KeyError(key)
+        return _read(group, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        ensure_still_held(self.store)
+        _write_bytes(self._group(), key, persist.dumps(value))
+
+    def __delitem__(self, key: str) -> None:
+        del self._group()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._group().array_keys()))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._group().array_keys())
 
 
 def _write_bytes(group: zarr.Group, name: str, payload: bytes) -> None:

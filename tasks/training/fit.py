@@ -145,13 +145,15 @@ def fit_cohort(
         features = scaling if transform is None else transform
         X_sample, sample_labels, sample_offsets, sample_coords = kmeans_sample(
             cohort, labels, training, max_kmeans_sample, model.random_state, features, with_coords=uses_coords(model))
-        choice = {}
+        start = {}
         if getattr(model, "kernel", False) is None and sample_offsets[-1] < sizes[training].sum():  # the sample left bags
             picked = training[choice_bags(sizes[training], labels[training], model.random_state)]  # out: the choice's own, as in fit
             X_choice, choice_labels, choice_offsets, choice_coords = read_bags(cohort, labels, picked, features, uses_coords(model))
-            choice = {"choice": BagBlock(X=X_choice, offsets=choice_offsets, labels=choice_labels[choice_offsets[:-1]],
-                                         coords=choice_coords)}
-        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords, **choice)  # as model.fit
+            start["choice"] = BagBlock(X=X_choice, offsets=choice_offsets, labels=choice_labels[choice_offsets[:-1]],
+                                       coords=choice_coords)
+        if getattr(model, "kernel", False) is None and resume and transform is None:  # a restarted run keeps the choice's finished splits
+            start["choice_memo"] = checkpoint.choice_memo()
+        updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords, **start)  # as model.fit
         checkpoint.save_model(model, partitions, features)
 
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
