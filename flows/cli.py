@@ -149,10 +149,11 @@ class _WithoutInputTracebacks(logging.Formatter):
         self.inner = inner
 
     def format(self, record: logging.LogRecord) -> str:
+        from tasks.cluster import ClusterSettingError
         from tasks.ingest.errors import IngestError
         from tasks.lease import StoreLockedError
 
-        if not (record.exc_info and isinstance(record.exc_info[1], (IngestError, StoreLockedError))):
+        if not (record.exc_info and isinstance(record.exc_info[1], (IngestError, StoreLockedError, ClusterSettingError))):
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

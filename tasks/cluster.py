@@ -22,11 +22,16 @@ import yaml
 from distributed import Client, LocalCluster
 from distributed.deploy import Cluster
 
-__all__ = ["DEFAULT_CLUSTER_CLASS", "import_cluster_class", "start_cluster", "dask_client", "local_cluster_size",
+__all__ = ["DEFAULT_CLUSTER_CLASS", "ClusterSettingError", "import_cluster_class", "start_cluster", "dask_client", "local_cluster_size",
            "read_dask_config"]
 
 DEFAULT_CLUSTER_CLASS = "distributed.LocalCluster"
 SINGLE_THREADED_BLAS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class ClusterSettingError(ValueError):
+    """The cluster class refused a value of ``dask.cluster_kwargs`` or ``adapt_kwargs`` (a
+    ``memory_limit`` that is no size, ``n_workers: two``): an input error, named with the setting."""
 
 
 def local_cluster_size() -> tuple[int, int]:
@@ -125,10 +130,17 @@ def start_cluster(
             defaults["env"] = SINGLE_THREADED_BLAS
         kwargs = defaults | kwargs
     with dask.config.set(dotted(dask_config or {})):
-        cluster = cls(**kwargs)
+        try:
+            cluster = cls(**kwargs)
+        except (TypeError, ValueError, KeyError) as error:  # the library's traceback went through its event loop and named no setting
+            given = ", ".join(f"{k}={v!r}" for k, v in (cluster_kwargs or {}).items())
+            raise ClusterSettingError(f"dask.cluster_kwargs: {cls.__name__}({given}) did not start: {error}") from error
         try:
             if adapt_kwargs:
-                cluster.adapt(**adapt_kwargs)
+                try:
+                    cluster.adapt(**adapt_kwargs)
+                except (TypeError, ValueError, KeyError) as error:  # dask's parse_timedelta: KeyError
+                    raise ClusterSettingError(f"dask.adapt_kwargs {dict(adapt_kwargs)}: {error}") from error
             elif n_workers and cls is not LocalCluster:
                 cluster.scale(n_workers)
             yield cluster

@@ -69,6 +69,31 @@ def test_a_cluster_class_that_is_not_one_fails_naming_it():
             pass
 
 
+@pytest.mark.parametrize("cluster_kwargs, adapt_kwargs, problem", [
+    ({"n_workers": 1, "processes": False, "memory_limit": "lots"}, None,
+     r"dask.cluster_kwargs: LocalCluster\(n_workers=1, processes=False, memory_limit='lots'\) did not start: Could not interpret 'lots'"),
+    ({"n_workers": 1, "processes": False}, {"minimum": 1, "maximum": 2, "interval": "fast"}, r"dask.adapt_kwargs .*'interval': 'fast'"),
+])
+def test_a_cluster_setting_the_cluster_refuses_is_an_input_error_naming_it(cluster_kwargs, adapt_kwargs, problem):
+    """``memory_limit: lots`` failed with the library's traceback through its event loop and no word of the
+    configuration; it is now an input error (one console line, as a bad table's) naming the setting."""
+    import logging
+    import sys
+
+    from flows.cli import _WithoutInputTracebacks
+    from tasks.cluster import ClusterSettingError
+
+    with pytest.raises(ClusterSettingError, match=problem):
+        with start_cluster(None, cluster_kwargs, adapt_kwargs):
+            pass
+    try:
+        with start_cluster(None, cluster_kwargs, adapt_kwargs):
+            pass
+    except ClusterSettingError:
+        record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    assert "Traceback" not in _WithoutInputTracebacks(logging.Formatter("%(message)s")).format(record)
+
+
 def test_kubernetes_cluster_spec_is_a_dask_cluster():
     spec = yaml.safe_load((INFRA / "kubernetes.yaml").read_text())
     assert spec["kind"] == "DaskCluster"
