@@ -772,7 +772,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     if len(with_std):
         uncertain = with_std.sort_values("std", ascending=False).head(config.prediction.n_uncertain)
         review = ["bag_id", "probability", "std", "label"] + (["original_label"] if (table["original_label"] != "").any() else [])
-        uncertain[review].to_csv(out / "uncertain_bags.csv", index=False)
+        report.write_csv(uncertain[review], out / "uncertain_bags.csv")
         sections += ["## Bags to review (highest predictive std)", "", report.markdown_table(uncertain[review]), ""]
     else:
         sections += ["## Bags to review", "", f"{trained_on_info['model']} gives no predictive std: no bags to review by it.", ""]
@@ -783,7 +783,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
               if cohort.attrs.get("coords_meaning") == "slice_index" else {})
     instances.to_parquet(out / "instance_predictions.parquet", index=False)
     if len(instances) <= 1_000_000:
-        instances.to_csv(out / "instance_predictions.csv", index=False)
+        report.write_csv(instances, out / "instance_predictions.csv")
     sections += [f"Per-instance table: `instance_predictions.parquet` ({len(instances)} rows: bag, instance, "
                  f"{', '.join(c for c in instances.columns if c not in ('bag_id', 'instance', kind, 'std'))}, {kind}, std).", ""]
     meaning = str(cohort.attrs.get("coords_meaning", ""))

