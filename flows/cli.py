@@ -284,24 +284,29 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_schedules(cron: str | None, timezone: str | None) -> list[Any] | str:
     """``--cron`` in ``--timezone`` (an IANA name: a hospital's 2 am, daylight saving included;
-    Prefect's default is UTC) as the deployment's schedules, or what is wrong with them: Prefect
-    took any timezone name (the server's scheduler then failed on it) and raised a traceback for
-    a bad cron only once serving began."""
-    import zoneinfo
+    Prefect's default is UTC) as the deployment's schedules, or what is wrong with them, read as
+    Prefect's server reads them: Prefect's client took a timezone its server refuses and crons
+    the server cannot schedule (30 February: no run ever came) or schedules every second (a sixth
+    field is seconds), and raised a traceback for a bad cron only once serving began."""
+    import asyncio
 
     from prefect.schedules import Cron
+    from prefect.server.schemas.schedules import CronSchedule
 
     if cron is None:
         return "--timezone needs --cron (the schedule it is the timezone of)" if timezone else []
-    if timezone is not None:
-        try:
-            zoneinfo.ZoneInfo(timezone)
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            return f"--timezone {timezone!r} is no IANA timezone name (e.g. Europe/Berlin, America/New_York, UTC)"
+    if not cron.startswith("@") and len(cron.split()) != 5:
+        return (f"--cron {cron!r} has {len(cron.split())} fields, not five (minute hour day-of-month month day-of-week, "
+                f"e.g. \"0 2 * * *\"; a sixth is read as seconds: a run every second)")
     try:
-        return [Cron(cron, timezone=timezone)]
-    except ValueError as error:
-        return f"--cron {cron!r}: {error} (five fields: minute hour day-of-month month day-of-week, e.g. \"0 2 * * *\")"
+        asyncio.run(CronSchedule(cron=cron, timezone=timezone).get_dates(1))
+    except ValueError as error:  # pydantic's validation error, croniter's date that never comes
+        reason = getattr(error, "errors", lambda: [{"msg": str(error)}])()[0]["msg"].removeprefix("Value error, ")
+        if type(error).__name__ == "CroniterBadDateError":
+            reason = "no date matches it: it would never run"
+        what = "--timezone" if timezone and "timezone" in reason else "--cron"
+        return f"{what} {timezone if what == '--timezone' else cron!r}: {reason}"
+    return [Cron(cron, timezone=timezone)]
 
 
 def _sigterm_as_ctrl_c(runner: Any, *args: Any) -> None:

@@ -130,22 +130,41 @@ def start_cluster(
             defaults["env"] = SINGLE_THREADED_BLAS
         kwargs = defaults | kwargs
     with dask.config.set(dotted(dask_config or {})):
+        _check_adapt_times(adapt_kwargs or {})  # before the cluster: a refused adapt left a half-built Adaptive behind
         try:
             cluster = cls(**kwargs)
-        except (TypeError, ValueError, KeyError) as error:  # the library's traceback went through its event loop and named no setting
-            given = ", ".join(f"{k}={v!r}" for k, v in (cluster_kwargs or {}).items())
-            raise ClusterSettingError(f"dask.cluster_kwargs: {cls.__name__}({given}) did not start: {error}") from error
+        except (TypeError, ValueError, KeyError) as error:  # the library's traceback went through its event loop
+            if (key := _quoted_setting(error, cluster_kwargs or {})) is None:
+                raise  # not a value of the configuration's (a bug, a dask config file's value): its traceback
+            raise ClusterSettingError(f"dask.cluster_kwargs.{key}: {cluster_kwargs[key]!r}: {cls.__name__} did not start: "
+                                      f"{str(error).strip(chr(39))}") from error
         try:
             if adapt_kwargs:
-                try:
-                    cluster.adapt(**adapt_kwargs)
-                except (TypeError, ValueError, KeyError) as error:  # dask's parse_timedelta: KeyError
-                    raise ClusterSettingError(f"dask.adapt_kwargs {dict(adapt_kwargs)}: {error}") from error
+                cluster.adapt(**adapt_kwargs)
             elif n_workers and cls is not LocalCluster:
                 cluster.scale(n_workers)
             yield cluster
         finally:
             cluster.close()
+
+
+def _quoted_setting(error: Exception, settings: Mapping[str, Any]) -> str | None:
+    """The key of ``settings`` whose text value the error quotes (dask's "Could not interpret
+    'lots' as a byte unit"), if any: only then is the error the configuration's to name."""
+    return next((key for key, value in settings.items() if isinstance(value, str) and len(value) > 1 and value in str(error)), None)
+
+
+def _check_adapt_times(adapt_kwargs: Mapping[str, Any]) -> None:
+    """``adapt_kwargs``' durations (``interval``, ``target_duration``) read as ``cluster.adapt`` reads them."""
+    from dask.utils import parse_timedelta
+
+    for key in ("interval", "target_duration"):
+        if key in adapt_kwargs:
+            try:
+                parse_timedelta(adapt_kwargs[key])
+            except (TypeError, ValueError, KeyError) as error:
+                raise ClusterSettingError(f"dask.adapt_kwargs.{key}: {adapt_kwargs[key]!r} is no duration "
+                                          f"(e.g. '500ms', '5s', 2): {str(error).strip(chr(39))}") from None
 
 
 @contextmanager

@@ -11,16 +11,17 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # before NumPy and torch start th
     # n workers share the cores: each worker's BLAS, OpenMP and torch get cores / n threads (the suite's
     # subprocesses and local Dask clusters inherit it). With every pool at the core count, 2 workers on
     # 2 cores ran test_embedded.py and test_distributed.py in 243 s against 195 s (session 46).
-    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_name, _threads)
+        os.environ.setdefault(_name, str(_threads))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # a pool loaded before this file (NumPy's OpenBLAS, by a plugin)
-    _LIMITS = threadpool_limits(limits=int(os.environ["OMP_NUM_THREADS"]))
+    _LIMITS = threadpool_limits(limits=_threads)
 
 
 def make_toy_bags(n_bags: int = 40, n_features: int = 2, seed: int = 0):

@@ -564,13 +564,18 @@ def test_serve_without_a_prefect_server_is_refused_naming_how_to_start_one(tmp_p
 
 
 @pytest.mark.parametrize("schedule, problem", [
-    (["--cron", "0 2 * * *", "--timezone", "Mars/Olympus_Mons"], "--timezone 'Mars/Olympus_Mons' is no IANA timezone name"),
+    (["--cron", "0 2 * * *", "--timezone", "Mars/Olympus_Mons"], "--timezone 'Mars/Olympus_Mons': Invalid timezone"),
+    (["--cron", "0 2 * * *", "--timezone", "Europe"], "--timezone 'Europe': Invalid timezone"),  # a folder of zoneinfo
+    (["--cron", "0 2 * * *", "--timezone", "right/UTC"], "--timezone 'right/UTC': Invalid timezone"),  # zoneinfo's, not Prefect's
     (["--cron", "0 25 * * *"], "--cron '0 25 * * *': Invalid cron string"),
+    (["--cron", "0 2 30 2 *"], "--cron '0 2 30 2 *': no date matches it: it would never run"),
+    (["--cron", "0 2 * * * *"], "--cron '0 2 * * * *' has 6 fields, not five"),
     (["--timezone", "Europe/Berlin"], "--timezone needs --cron"),
 ])
 def test_serve_refuses_a_schedule_prefect_would_fail_on_later(tmp_path, cohort, capsys, schedule, problem):
-    """Prefect took any timezone name for a cron (its scheduler then failed on it, no run ever
-    came) and raised a traceback for a bad cron once serving began: refused first, exit 2."""
+    """Prefect's client took any timezone name for a cron (its server then refused it), a cron no
+    date matches (no run ever came) and a sixth field (seconds: a run every second), and raised a
+    traceback for a bad cron once serving began: each is refused first, exit 2, as the server reads it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.cli import main

@@ -102,10 +102,12 @@ class ChoiceMemo(MutableMapping[str, Any]):
     its digest, so a run killed during the choice (minutes to tens of minutes on a large cohort)
     fits only the splits it had not finished when it is started again. Written as
     :mod:`mil_core.persist` archives, each split its own array (the splits may finish side by
-    side in threads), after checking the store's writer lease."""
+    side in threads), after checking the store's writer lease. A record that does not read back
+    whole (a kill between an array's metadata and its data) is fitted again."""
 
     def __init__(self, store: str, path: str):
         self.store, self.path = store, path
+        ensure_still_held(store)
         zarr.open_group(store, mode="a").require_group(path)
 
     def _group(self) -> zarr.Group:
@@ -115,7 +117,11 @@ class ChoiceMemo(MutableMapping[str, Any]):
         group = self._group()
         if key not in group:
             raise KeyError(key)
-        return _read(group, key)
+        try:
+            return _read(group, key)
+        except Exception:  # half-written (or not ours): a cache entry, so fitted again and written anew
+            del group[key]
+            raise KeyError(key) from None
 
     def __setitem__(self, key: str, value: Any) -> None:
         ensure_still_held(self.store)
