@@ -43,7 +43,7 @@ across iterations).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -353,15 +353,17 @@ class CARCoupling:
         return self.smoothed_variance(np.ones(int(self.offsets[-1])), exact_max_size)[0]
 
     def smoothed_variance(
-        self, var: np.ndarray, exact_max_size: int = 2000, *, n_probes: int | None = None, rng: np.random.Generator | None = None
+        self, var: np.ndarray, exact_max_size: int = 2000, *, n_probes: int | None = None,
+        rngs: Sequence[np.random.Generator] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``diag(Σ diag(var) Σ)`` for every instance (the variance of ``Σf`` for independent
         ``f_i`` of variance ``var_i``), and per bag the standard error of its largest entry.
 
         Exact (dense Cholesky, standard error 0) for bags of ≤ ``exact_max_size`` instances. Above,
         Monte Carlo with ``n_probes`` probes ``w = Σ(√var ⊙ z)``, ``z ~ N(0, I)``: ``E w_i² =
-        diag_i``, relative standard error ``√(2/n_probes)``; without ``n_probes`` a large coupled bag
-        raises ``ValueError`` (the training path wants exact values).
+        diag_i``, relative standard error ``√(2/n_probes)``, bag b's probes drawn from ``rngs[b]`` (one
+        generator per bag: a bag's values do not depend on the other bags); without ``n_probes`` a
+        large coupled bag raises ``ValueError`` (the training path wants exact values).
         """
         var = np.asarray(var, dtype=np.float64)
         diag, std_error = var.copy(), np.zeros(self.offsets.shape[0] - 1)
@@ -373,7 +375,7 @@ class CARCoupling:
             if n_probes is None:
                 raise ValueError(f"diag(Σ diag(var) Σ) is computed densely per bag; a bag has {z - a} instances "
                                  f"> exact_diag_max={exact_max_size} (raise exact_diag_max)")
-            rng = rng if rng is not None else np.random.default_rng(0)
+            rng = rngs[b] if rngs is not None else np.random.default_rng(0)
             probes = sparse_lu(self.bag_precision(b)).solve(np.sqrt(var[a:z])[:, None] * rng.standard_normal((z - a, n_probes)))
             squares = probes**2
             diag[a:z] = squares.mean(axis=1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bag_generators", "prediction_seed", "probit_link_scale", "probit_scale", "sample_latent"]
+__all__ = ["bag_generators", "prediction_seed", "probit_link_scale", "probit_scale", "sample_latent", "sample_latent_bags"]
 
 
 def probit_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
@@ -31,6 +31,17 @@ def sample_latent(mean: np.ndarray, var: np.ndarray, n_draws: int, rng: Any) -> 
     array row by row, so drawing a block of rows at a time continues the same stream.
     """
     return mean[:, None] + np.sqrt(var)[:, None] * rng.standard_normal((mean.shape[0], n_draws))
+
+
+def sample_latent_bags(mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, n_draws: int,
+                       rngs: Sequence[np.random.Generator]) -> np.ndarray:
+    """``n_draws`` draws of ``f*ₙ ~ N(meanₙ, varₙ)`` (an (n, n_draws) array), each bag's rows from
+    its own generator (``rngs[b]``, :func:`bag_generators`) one draw after another: a bag's k-th
+    draw does not depend on the other bags of the call nor on how many draws are taken at a time."""
+    z = np.empty((mean.shape[0], n_draws))
+    for b, rng in enumerate(rngs):
+        z[offsets[b]:offsets[b + 1]] = rng.standard_normal((n_draws, offsets[b + 1] - offsets[b])).T
+    return mean[:, None] + np.sqrt(var)[:, None] * z
 
 
 def prediction_seed(random_state: Any) -> int:

@@ -7,6 +7,7 @@ from sklearn.metrics import roc_auc_score
 
 from mil_core import RBF, VGPMIL, VGPMILPR, VGPMILPRI
 from mil_core.engine import BagBlock, SerialExecutor, optimise
+from tests.conftest import make_toy_bags
 
 
 def chain_coords(bags):
@@ -275,3 +276,25 @@ def test_vgpmil_pr_chooses_its_kernel_and_reads_no_coordinates(toy_bags):
     assert not uses_coords(model) and uses_coords(VGPMILPRI())
     with pytest.raises(ValueError, match="does not use instance coordinates"):
         VGPMILPR(n_inducing=5).fit(X, bags, y, coords=chain_coords(bags))
+
+
+def test_a_coupled_bags_probes_and_draws_are_its_own_whatever_the_other_bags_of_the_call():
+    """VGPMIL-PR-I probes diag(Σ* diag(σ*²) Σ*) of a bag above ``exact_diag_max`` and samples the
+    orthant probability of one above ``exact_orthant_max`` with random numbers: drawn from one
+    stream over the call's bags, a slide's *probability* (not only its std) changed with the bags
+    predicted beside it — the pipeline's partition layout, a cohort against the slide alone."""
+    X, bags, y, _ = make_toy_bags(n_bags=10, seed=4)
+    coords = chain_coords(bags)
+    model = VGPMILPRI(lam=0.5, n_inducing=8, kernel=RBF(4.0), max_iter=10, n_mc_samples=40, exact_diag_max=3,
+                      exact_orthant_max=3, random_state=0).fit(X, bags, y, coords=coords)
+    assert np.diff(np.unique(bags, return_counts=True)[1]).any() and np.unique(bags, return_counts=True)[1].max() > 3  # probed bags
+    for rule in ("max", "orthant"):
+        keys, p, std = model.predict_bag_proba(X, bags, coords=coords, return_std=True, rule=rule)
+        instance = model.predict_instance_proba(X, bag_ids=bags, coords=coords, return_std=True)
+        for part in (keys[:3], keys[3:7], keys[-1:]):
+            rows = np.isin(bags, part)
+            _, p_part, std_part = model.predict_bag_proba(X[rows], bags[rows], coords=coords[rows], return_std=True, rule=rule)
+            np.testing.assert_allclose(p_part, p[np.isin(keys, part)], rtol=1e-12, err_msg=rule)
+            np.testing.assert_allclose(std_part, std[np.isin(keys, part)], rtol=1e-12, err_msg=rule)
+            for alone, together in zip(model.predict_instance_proba(X[rows], bag_ids=bags[rows], coords=coords[rows], return_std=True), instance):
+                np.testing.assert_allclose(alone, together[rows], rtol=1e-12)

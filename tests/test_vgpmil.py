@@ -69,11 +69,10 @@ def test_a_bags_monte_carlo_spread_is_its_own_and_a_prediction_draws_without_adv
     keys, _, std = model.predict_bag_proba(X, bags, return_std=True)
     np.testing.assert_array_equal(model.predict_bag_proba(X, bags, return_std=True)[2], std)
     np.testing.assert_array_equal(model.random_state.get_state()[1], state)
-    if name != "VGPMILPR":  # the probit family draws its coupled bags together: one stream per call, not advanced
-        for part in (keys[:3], keys[3:7], keys[-1:]):
-            rows = np.isin(bags, part)
-            np.testing.assert_allclose(model.predict_bag_proba(X[rows], bags[rows], return_std=True)[2], std[np.isin(keys, part)],
-                                       rtol=1e-12)  # the moments' last bits: BLAS blocks rows otherwise (the draws differed by 1e-3)
+    for part in (keys[:3], keys[3:7], keys[-1:]):
+        rows = np.isin(bags, part)
+        np.testing.assert_allclose(model.predict_bag_proba(X[rows], bags[rows], return_std=True)[2], std[np.isin(keys, part)],
+                                   rtol=1e-12)  # the moments' last bits: BLAS blocks rows otherwise (the draws differed by 1e-3)
     with pytest.raises(ValueError, match="random_state must be"):
         model.set_params(random_state="seed").predict_bag_proba(X, bags, return_std=True)
 

@@ -17,7 +17,7 @@ from ..engine import GaussianQ, SparseGP
 from ..ising import CARCoupling, Neighbourhood, check_coords, smoothed_field_log_p0
 from ..kernels import RBF
 from ..orthant import log_orthant_probability_exact, orthant_probability_importance
-from ..predictive import prediction_seed, probit_link_scale, sample_latent
+from ..predictive import bag_generators, probit_link_scale, sample_latent_bags
 from .base import BagRuleChoice, SparseGPMILBase, store_params, take_bags
 from .ising_hyper import IsingLamUpdates, LamObjective, LamState, ising_lam_updates, unwrap_lam_state
 from .probit_updates import CouplingForm, Moments, ProbitMILUpdates, prior_mean_of
@@ -111,8 +111,8 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
             coupling = self._coupling(offsets, coords, lam)
         mean, var = self._latent(gp, glob, X_sorted)
         names = {rule: self._rule(rule) for rule in rules}
-        rng = np.random.default_rng(prediction_seed(self.random_state))
-        scores = self._rule_scores(mean, var, offsets, coords, coupling, set(names.values()), rng)
+        rngs = bag_generators(self.random_state, range(offsets.shape[0] - 1))  # a bag's draws its own
+        scores = self._rule_scores(mean, var, offsets, coords, coupling, set(names.values()), rngs)
         return {rule: scores[name] for rule, name in names.items()}
 
     def _rule(self, rule: str | None) -> str:
@@ -154,49 +154,51 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         of their bag, Eq. 24, as :meth:`VGPMILPRI.predict_instance_proba`).
 
         ``std`` is the posterior spread of the bag score over ``f*`` (Monte Carlo,
-        ``n_mc_samples`` draws, seeded by ``random_state``).
+        ``n_mc_samples`` draws, seeded by ``random_state`` and the bag's key: a bag's draws, and
+        its probes and GHK draws, do not depend on the other bags of the call).
         """
         X, bags = self._check_predict_input(X, bag_ids)
         rule = self._rule(rule)
         coords_sorted = None if coords is None else check_coords(coords, bags)
         mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
-        p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), rule, return_std=return_std)
+        p, std, orthant_error = self._bag_proba(mean, var, bags.offsets, coords_sorted, self._fitted_lam(), rule,
+                                                bag_generators(self.random_state, bags.keys), return_std=return_std)
         return (bags.keys, p) + ((std,) if return_std else ()) + ((orthant_error,) if return_orthant_error else ())
 
     def _bag_proba(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float, rule: str, *,
-        return_std: bool,
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, lam: float, rule: str,
+        rngs: Sequence[np.random.Generator], *, return_std: bool,
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Bag scores by ``rule``, their spread over ``f*`` (``None`` unless ``return_std``) and
-        the standard errors of the sampled orthant probabilities (0 where exact or not asked)."""
+        the standard errors of the sampled orthant probabilities (0 where exact or not asked);
+        bag b's random numbers from ``rngs[b]``."""
         coupling = self._coupling(offsets, coords, lam)
         if rule == "orthant":
-            return self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=return_std)
-        rng = np.random.default_rng(prediction_seed(self.random_state))
-        p = self._rule_scores(mean, var, offsets, coords, coupling, {rule}, rng)[rule]
-        std = self._rule_spread(mean, var, offsets, coupling, rule, rng) if return_std else None
+            return self._orthant_bag_proba(mean, var, offsets, coords, coupling, rngs, return_std=return_std)
+        p = self._rule_scores(mean, var, offsets, coords, coupling, {rule}, rngs)[rule]
+        std = self._rule_spread(mean, var, offsets, coupling, rule, rngs) if return_std else None
         return p, std, np.zeros(offsets.shape[0] - 1)
 
     def _rule_scores(
         self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling,
-        rules: set[str], rng: np.random.Generator,
+        rules: set[str], rngs: Sequence[np.random.Generator],
     ) -> dict[str, np.ndarray]:
         """Bag scores under each of ``rules``: ``"orthant"`` the paper's ``1 − P(m* < 0)`` (Eq. 26),
         the others :func:`~mil_core.bags.bag_score` of the instance probabilities in context,
         computed once for all of them (Eq. 24–25)."""
         scores = {}
         if "orthant" in rules:
-            scores["orthant"] = self._orthant_bag_proba(mean, var, offsets, coords, coupling, return_std=False)[0]
+            scores["orthant"] = self._orthant_bag_proba(mean, var, offsets, coords, coupling, rngs, return_std=False)[0]
         if rules - {"orthant"}:
-            p = self._instance_proba_in_context(mean, var, coupling, rng)[0]
+            p = self._instance_proba_in_context(mean, var, coupling, rngs)[0]
             scores |= {rule: bag_score(p, offsets, rule) for rule in rules - {"orthant"}}
         return scores
 
     def _instance_proba_in_context(
-        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rng: np.random.Generator
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rngs: Sequence[np.random.Generator]
     ) -> tuple[np.ndarray, np.ndarray]:
         """``p(m*_i > 0)`` and its spread over ``f*`` (bag order): ``Φ(μ*/√(1 + σ*²))`` without
-        coupling (Eq. 25, ``Σ* = 1``), the marginals of Eq. 24 with it."""
+        coupling (Eq. 25, ``Σ* = 1``), the marginals of Eq. 24 with it (bag b's probes from ``rngs[b]``)."""
         return _phi_and_spread(mean, var)
 
     def _given_latent(self, coupling: CARCoupling) -> Callable[[np.ndarray], np.ndarray]:
@@ -204,47 +206,51 @@ class _ProbitGPMIL(BagRuleChoice, SparseGPMILBase):
         return ndtr
 
     def _rule_spread(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coupling: CARCoupling, rule: str, rng: np.random.Generator
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coupling: CARCoupling, rule: str,
+        rngs: Sequence[np.random.Generator],
     ) -> np.ndarray:
         """Monte Carlo spread of the ``rule`` score over ``f* ~ N(mean, var)``."""
         given_latent = self._given_latent(coupling)
-        return self._latent_spread(mean, var, lambda f: bag_score(given_latent(f), offsets, rule), rng)
+        return self._latent_spread(mean, var, offsets, lambda f: bag_score(given_latent(f), offsets, rule), rngs)
 
     def _latent_spread(
-        self, mean: np.ndarray, var: np.ndarray, score: Callable[[np.ndarray], np.ndarray], rng: np.random.Generator
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, score: Callable[[np.ndarray], np.ndarray],
+        rngs: Sequence[np.random.Generator],
     ) -> np.ndarray:
         """Spread of the bag scores ``score(f)`` (B, k) over ``n_mc_samples`` draws ``f`` (n, k) of
-        ``f* ~ N(mean, var)``, ≤ 2²² values at a time (the draws are columns, independent)."""
+        ``f* ~ N(mean, var)``, bag b's from ``rngs[b]`` (:func:`~mil_core.predictive.sample_latent_bags`),
+        ≤ 2²² values at a time (the draws are columns, independent)."""
         L, n = self.n_mc_samples, max(mean.shape[0], 1)
         chunk = max(1, (1 << 22) // n)
-        return np.concatenate([score(sample_latent(mean, var, min(chunk, L - start), rng)) for start in range(0, L, chunk)], axis=1).std(axis=1)
+        draws = [score(sample_latent_bags(mean, var, offsets, min(chunk, L - start), rngs)) for start in range(0, L, chunk)]
+        return np.concatenate(draws, axis=1).std(axis=1)
 
     def _orthant_bag_proba(
-        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling, *,
-        return_std: bool,
+        self, mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, coords: np.ndarray | None, coupling: CARCoupling,
+        rngs: Sequence[np.random.Generator], *, return_std: bool,
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """The paper's ``1 − P(m* < 0)`` (Eq. 26), its spread and the GHK standard errors."""
+        """The paper's ``1 − P(m* < 0)`` (Eq. 26), its spread and the GHK standard errors (bag b's
+        draws from ``rngs[b]``)."""
         n_bags = offsets.shape[0] - 1
         sizes = np.diff(offsets)
         independent = coupling.edge_count == 0
         log_p0 = segment_sum(log_ndtr(-probit_link_scale(mean, var)), offsets)
         std = np.zeros(n_bags) if return_std else None
         orthant_error = np.zeros(n_bags)
-        rng = np.random.default_rng(prediction_seed(self.random_state))
         if return_std and np.any(independent):  # 1 − Π Φ(−f*_i), in log space
             alone = np.flatnonzero(independent)
             (mean_alone, alone_offsets), var_alone = take_bags(mean, offsets, alone), take_bags(var, offsets, alone)[0]
-            std[alone] = self._latent_spread(
-                mean_alone, var_alone, lambda f: -np.expm1(log_prob_all_negative(log_ndtr(-f), alone_offsets)), rng)
+            std[alone] = self._latent_spread(mean_alone, var_alone, alone_offsets,
+                                             lambda f: -np.expm1(log_prob_all_negative(log_ndtr(-f), alone_offsets)), [rngs[b] for b in alone])
         for b in np.flatnonzero(~independent):
             rows = slice(offsets[b], offsets[b + 1])
             exact = sizes[b] <= self.exact_orthant_max
             if exact:
                 Sigma = coupling.bag_covariance(b)
                 cov = self._noise_covariance(Sigma) + Sigma @ np.diag(var[rows]) @ Sigma
-                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov, rng)
+                log_p0[b] = log_orthant_probability_exact(Sigma @ mean[rows], cov, rngs[b])
             if return_std or not exact:
-                log_p, std_error, spread = self._sampled_log_p0(mean[rows], var[rows], coupling, b, coords[rows], rng)
+                log_p, std_error, spread = self._sampled_log_p0(mean[rows], var[rows], coupling, b, coords[rows], rngs[b])
                 if not exact:
                     log_p0[b], orthant_error[b] = log_p, std_error
                 if return_std:
@@ -490,21 +496,20 @@ class VGPMILPRI(_ProbitGPMIL):
         X, bags = self._check_predict_input(X, bag_ids)
         coupling = self._coupling(bags.offsets, check_coords(coords, bags), self._fitted_lam())
         mean, var = self._latent(self.gp_, self.q_, take_rows(X, bags.order))
-        rng = np.random.default_rng(prediction_seed(self.random_state))
-        p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, rng)
+        p_sorted, sd_sorted = self._instance_proba_in_context(mean, var, coupling, bag_generators(self.random_state, bags.keys))
         p, sd = np.empty_like(p_sorted), np.empty_like(sd_sorted)
         p[bags.order], sd[bags.order] = p_sorted, sd_sorted
         return (p, sd) if return_std else p
 
     def _instance_proba_in_context(
-        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rng: np.random.Generator
+        self, mean: np.ndarray, var: np.ndarray, coupling: CARCoupling, rngs: Sequence[np.random.Generator]
     ) -> tuple[np.ndarray, np.ndarray]:
         """The marginals of Eq. 24: ``Φ((Σ*μ*)_i / √(N* + Σ* diag(σ*²) Σ*)_ii)``, ``N* = diag Σ*`` (``1``
         for the smoother form); ``diag`` by :meth:`~mil_core.ising.CARCoupling.smoothed_variance`."""
         if coupling.identity:
-            return super()._instance_proba_in_context(mean, var, coupling, rng)
+            return super()._instance_proba_in_context(mean, var, coupling, rngs)
         noise = self._noise_diagonal(coupling)
-        smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples, rng=rng)
+        smoothed_var, _ = coupling.smoothed_variance(var, self.exact_diag_max, n_probes=self.n_mc_samples, rngs=rngs)
         return _phi_and_spread(coupling.solve(mean) / np.sqrt(noise), smoothed_var / noise)
 
     def _noise_diagonal(self, coupling: CARCoupling) -> np.ndarray:
