@@ -515,7 +515,7 @@ def test_pixel_coordinates_become_grid_positions_and_a_store_without_positions_i
         fit_cohort(VGPMILPRI(lam=1.0, **PARAMS), str(path), client)
 
 
-def test_a_fit_killed_during_the_kernel_choice_resumes_the_choice_where_it_stopped(client, toy_store, monkeypatch):
+def test_a_fit_killed_during_the_kernel_choice_resumes_the_choice_where_it_stopped(client, toy_store, monkeypatch, caplog):
     """The automatic kernel choice runs before the first checkpoint (13.5 of a fit's minutes on 50
     slides × 768 features): a run killed during it started it again. Its finished splits are now
     kept in ``training/<run>/choice`` until the first commit; the restarted run fits only the others
@@ -544,7 +544,9 @@ def test_a_fit_killed_during_the_kernel_choice_resumes_the_choice_where_it_stopp
     group.create_array(broken, shape=group[broken].shape, dtype="uint8", overwrite=True)
     monkeypatch.setattr(ChoiceMemo, "__setitem__", lambda memo, key, value: (writes.append(key), record(memo, key, value)))
     resumed = VGPMIL(**PARAMS)
-    fit_cohort(resumed, path, client, run="killed", partition_bytes=2_000)
+    with caplog.at_level("INFO", logger="gpmil.training"):
+        fit_cohort(resumed, path, client, run="killed", partition_bytes=2_000)
+    assert "the kernel choice resumes, 3 of its splits recorded" in caplog.text
     assert (done - {broken}).isdisjoint(writes[3:]) and broken in writes[3:]  # the splits it had were not fitted again
     assert resumed.kernel_ == uninterrupted.kernel_ and resumed.auto_max_iter_ == uninterrupted.auto_max_iter_
     np.testing.assert_array_equal(resumed.kernel_selection_, uninterrupted.kernel_selection_)

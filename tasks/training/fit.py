@@ -152,7 +152,9 @@ def fit_cohort(
             start["choice"] = BagBlock(X=X_choice, offsets=choice_offsets, labels=choice_labels[choice_offsets[:-1]],
                                        coords=choice_coords)
         if getattr(model, "kernel", False) is None and resume and transform is None:  # a restarted run keeps the choice's finished splits
-            start["choice_memo"] = checkpoint.choice_memo()
+            start["choice_memo"] = memo = checkpoint.choice_memo()
+            if len(memo):
+                log.info("run %r of %s: the kernel choice resumes, %d of its splits recorded", run, store, len(memo))
         updates = model._start_fit(X_sample, sample_labels, offsets=sample_offsets, coords=sample_coords, **start)  # as model.fit
         checkpoint.save_model(model, partitions, features)
 
