@@ -42,6 +42,9 @@ def _quiet_libraries(verbose: bool) -> None:
     processes of ``serve`` and the Dask worker processes inherit it."""
     level = "INFO" if verbose else "WARNING"
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", level)
+    extra = [name for name in os.environ.get("PREFECT_LOGGING_EXTRA_LOGGERS", "").split(",") if name.strip()]
+    os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join(extra + ["gpmil"] * ("gpmil" not in extra))  # gpmil's own lines, UI too
+    logging.getLogger("gpmil").setLevel(logging.INFO)  # the handlers' levels decide (console: WARNING without -v)
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", level.lower())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API request, even with -v
     for chatty in ("prefect.server", "uvicorn"):

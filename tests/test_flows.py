@@ -1023,3 +1023,26 @@ def test_a_running_scheduler_is_joined_with_the_config_files_settings_and_a_sile
         with pytest.raises(TimeoutError, match="sent no Dask handshake within 2 s"):
             train_model(config)
         assert time.monotonic() - started < 60
+
+
+def test_gpmils_own_log_lines_reach_prefect_and_a_users_extra_loggers_stay(monkeypatch):
+    """gpmil's INFO lines (``gpmil.training``: the run's partitions, mode and device, a resumed
+    kernel choice) reached no handler, not even with ``-v``, and its warnings (``gpmil.lease``: a
+    taken-over lease) only the console, never the Prefect UI. Its loggers are Prefect's extra
+    loggers now, beside a user's own."""
+    import logging
+    import os
+
+    from flows.cli import _quiet_libraries
+
+    monkeypatch.setenv("PREFECT_LOGGING_EXTRA_LOGGERS", "my_lab")
+    for name in ("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "DASK_LOGGING__DISTRIBUTED"):  # set by the call: restored after
+        monkeypatch.delenv(name, raising=False)
+    for name in ("gpmil", "httpx", "prefect.server", "uvicorn"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    logging.getLogger("gpmil").setLevel(logging.NOTSET)
+    _quiet_libraries(verbose=False)
+    assert os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] == "my_lab,gpmil"
+    _quiet_libraries(verbose=False)
+    assert os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] == "my_lab,gpmil"  # once
+    assert logging.getLogger("gpmil.training").getEffectiveLevel() == logging.INFO  # the handlers' levels decide
