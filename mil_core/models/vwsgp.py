@@ -31,7 +31,7 @@ from ..bags import segment_sum
 from ..engine import BagBlock, GaussianQ, SparseGP, Summable, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import HyperbolicSecant
-from ..predictive import bag_generators, probit_scale, sample_latent
+from ..predictive import bag_generators, probit_scale, sample_latent_bags
 from .base import SparseGPMILBase, store_params
 
 __all__ = ["BagEvidence", "EvidenceStats", "VWSGPUpdates", "VWSGP"]
@@ -231,8 +231,8 @@ class VWSGP(SparseGPMILBase):
         p = expit(probit_scale(mean, var))
         if method == "probit" and not return_std:
             return bags.keys, p
-        samples = expit(np.concatenate([sample_latent(mean[b:b + 1], var[b:b + 1], self.n_mc_samples, rng)  # a bag's draws its own
-                                        for b, rng in enumerate(bag_generators(self.random_state, bags.keys))]))
+        one_row_bags = np.arange(bags.n_bags + 1)  # s*_b is one latent per bag: a bag's draws its own
+        samples = expit(sample_latent_bags(mean, var, one_row_bags, self.n_mc_samples, bag_generators(self.random_state, bags.keys)))
         if method == "mc":
             p = samples.mean(axis=1)
         return (bags.keys, p, samples.std(axis=1)) if return_std else (bags.keys, p)
