@@ -845,8 +845,12 @@ def test_a_killed_run_leaves_no_temporary_prefect_server_behind(tmp_path, how):
                           model={"name": "VGPMIL", "params": {"n_inducing": 8, "max_iter": 100000, "tol": 0.0,
                                                               "kernel": {"variance": 4.0}, "random_state": 0}},
                           dask={"n_workers": 1, "processes": False}, training={"checkpoint_every": 1})
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, cwd=Path(__file__).parents[1], start_new_session=True)  # a terminal's process group
+    # A terminal's foreground job: its own process group, Ctrl-C at its default. A suite started in the
+    # background (`pytest … &` in a script) passes Ctrl-C on ignored, and Python then keeps ignoring it.
+    foreground = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable, '-m', 'flows.cli', 'run', sys.argv[1]])")
+    run = subprocess.Popen([sys.executable, "-c", foreground, config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=Path(__file__).parents[1], start_new_session=True)
     servers = []
     try:
         deadline = time.monotonic() + 300
