@@ -453,6 +453,10 @@ class PipelineConfig(_Strict):
     training: TrainingConfig = TrainingConfig()
     prediction: PredictionConfig = PredictionConfig()
     dask: DaskConfig = DaskConfig()
+    # After each completed `gpmil run`: keep the outputs of the newest N distinct results of output_dir
+    # (models, report folders, the store's predictions and checkpoints) and remove older ones' (tasks.retention).
+    # Default: keep everything.
+    keep_runs: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _rule_reaches_the_model(self) -> PipelineConfig:

@@ -29,6 +29,7 @@ from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config
 from tasks import prefect_tasks as t
 from tasks.cluster import check_scheduler_answers, dotted, start_cluster
 from tasks.paths import safe_filename
+from tasks.retention import record_run
 from tasks.store import open_cohort
 
 __all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
@@ -192,6 +193,8 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     results["report"] = t.write_report(cfg, target, trained.path, key)
     logger.info("report: %s", results["report"].path)
     _write_latest(cfg, results)
+    if cfg.keep_runs is not None:
+        t.keep_newest_runs(cfg)
     return results
 
 
@@ -208,3 +211,4 @@ def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Non
     staged = path.with_name(f".{LATEST_RUN}.{os.getpid()}")
     staged.write_text(json.dumps(latest, indent=1))
     staged.replace(path)  # whole or not at all
+    record_run(cfg.output_dir, latest, results["train"].key)

@@ -32,7 +32,7 @@ from flows.config import PipelineConfig, make_model
 from mil_core import EmbeddedGPMIL, persist
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
-from tasks import diagnostics, report
+from tasks import diagnostics, report, retention
 from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, stage_item, summarise_left_out
 from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
@@ -676,6 +676,18 @@ def _replace_report(staging: Path, out: Path) -> None:
     for entry in sorted(staging.iterdir(), key=lambda e: e.name == REPORT_MANIFEST):
         entry.rename(out / entry.name)
     staging.rmdir()
+
+
+@task(name="keep-newest-runs", task_run_name="keep the newest {config.keep_runs} runs", cache_policy=NO_CACHE)
+def keep_newest_runs(config: PipelineConfig) -> list[str]:
+    """``keep_runs``: remove what only runs older than the newest ``keep_runs`` results of
+    ``output_dir`` use (:mod:`tasks.retention`), and say what went."""
+    logger = get_run_logger()
+    stores = [config.store, *([config.prediction.store] if config.prediction.store else [])]
+    removed = retention.prune_runs(config.output_dir, stores, config.keep_runs)
+    if removed:
+        logger.info("keep_runs=%d: removed %d outputs of older runs: %s", config.keep_runs, len(removed), ", ".join(removed))
+    return removed
 
 
 @task(name="evaluate-and-report", task_run_name="report {prediction_key}", cache_policy=NO_CACHE, **RETRY_IF_TRANSIENT)
