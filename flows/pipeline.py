@@ -192,9 +192,9 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
         results["predict"] = t.predict(cfg, target, trained.path, key, address)
     results["report"] = t.write_report(cfg, target, trained.path, key)
     logger.info("report: %s", results["report"].path)
-    _write_latest(cfg, results)
+    record = _write_latest(cfg, results)
     if cfg.keep_runs is not None:
-        t.keep_newest_runs(cfg)
+        t.keep_newest_runs(cfg, str(record))
     return results
 
 
@@ -203,7 +203,8 @@ LATEST_RUN = "latest-run.json"
 (their folders are named by content keys, and an older one's files can be newer)."""
 
 
-def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> None:
+def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Path:
+    """``latest-run.json``, and the run's record in ``runs/`` (:mod:`tasks.retention`), whose path it returns."""
     latest = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.name, "store": str(cfg.store),
               "model_dir": results["train"].path, "predicted_store": str(cfg.prediction.store or cfg.store),
               "prediction_key": results["report"].key, "report": results["report"].path}
@@ -211,4 +212,4 @@ def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Non
     staged = path.with_name(f".{LATEST_RUN}.{os.getpid()}")
     staged.write_text(json.dumps(latest, indent=1))
     staged.replace(path)  # whole or not at all
-    record_run(cfg.output_dir, latest, results["train"].key)
+    return record_run(cfg.output_dir, latest, results["train"].key)

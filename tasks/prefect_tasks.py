@@ -679,14 +679,17 @@ def _replace_report(staging: Path, out: Path) -> None:
 
 
 @task(name="keep-newest-runs", task_run_name="keep the newest {config.keep_runs} runs", cache_policy=NO_CACHE)
-def keep_newest_runs(config: PipelineConfig) -> list[str]:
-    """``keep_runs``: remove what only runs older than the newest ``keep_runs`` results of
-    ``output_dir`` use (:mod:`tasks.retention`), and say what went."""
+def keep_newest_runs(config: PipelineConfig, record: str) -> list[str]:
+    """``keep_runs``: remove what only this configuration's runs older than its newest
+    ``keep_runs`` results use, never the run recorded at ``record`` (:mod:`tasks.retention`); say
+    what went. A removal that fails is logged and left for a later run: the run's own outputs are
+    complete, and its state stays Completed."""
     logger = get_run_logger()
     stores = [config.store, *([config.prediction.store] if config.prediction.store else [])]
-    removed = retention.prune_runs(config.output_dir, stores, config.keep_runs)
+    removed = retention.prune_runs(config.output_dir, config.name, stores, config.keep_runs, Path(record))
     if removed:
-        logger.info("keep_runs=%d: removed %d outputs of older runs: %s", config.keep_runs, len(removed), ", ".join(removed))
+        shown = ", ".join(removed[:8]) + (f" and {len(removed) - 8} more" if len(removed) > 8 else "")
+        logger.info("keep_runs=%d: removed %d outputs of older runs: %s", config.keep_runs, len(removed), shown)
     return removed
 
 

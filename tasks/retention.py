@@ -12,9 +12,13 @@ newer prediction).
 Only what a record names by its keys is removed, at paths built from the keys (a record is a file
 others can write: an id that is no 16-digit hexadecimal key, or a store that is not one of this
 configuration's, is never followed). Store groups go under the store's writer lease, a report
-folder under its own; a lease held elsewhere leaves that result for the next run. A record is
-deleted last, so a run killed while removing is finished by the next. Outputs of runs before
-records were kept, of ``gpmil predict`` and of single stages are never removed."""
+folder under its own, taken first: a lease held elsewhere, or any error removing (a permission, a
+damaged store), leaves that result whole or partly removed, logged, with its record, for the next
+run. A record is deleted last, so a run killed while removing is finished by the next. The run
+that prunes is always kept, and only records of its own configuration (by name) are removed: what
+another configuration's records use in a shared ``output_dir`` or store stays. Outputs of runs
+before records were kept, of ``gpmil predict`` and of single stages are not recorded (removed only
+where they are one of a removed run's results: the same model, cohort and settings)."""
 
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import zarr
 
-from tasks.lease import StoreLockedError, writer_lease
+from tasks.lease import writer_lease
 
 __all__ = ["RUNS", "RunRecord", "record_run", "read_records", "prune_runs"]
 
@@ -44,29 +49,31 @@ _KEY = re.compile(r"[0-9a-f]{16}")
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One completed run: when it finished, and the keys and stores of what it used."""
+    """One completed run: its configuration's name, and the keys and (resolved) stores of what it used."""
 
     path: Path
-    finished: str
+    config: str
     store: str
     model_key: str
     predicted_store: str
     prediction_key: str
 
     @property
-    def result(self) -> tuple[str, str, str, str]:
+    def result(self) -> tuple[str, str, str, str, str]:
         """What the run produced, whatever the time: two reruns of an unchanged cohort are one result."""
-        return _resolved(self.store), self.model_key, _resolved(self.predicted_store), self.prediction_key
+        return self.config, _resolved(self.store), self.model_key, _resolved(self.predicted_store), self.prediction_key
 
 
 def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
-    """Write the record of a completed run (the ``latest-run.json`` fields and its model key),
-    whole or not at all, named so that names sort by the time it was written."""
+    """Write the record of a completed run (the ``latest-run.json`` fields, its model key, its
+    stores resolved: a symbolic link moved later does not move the record), whole or not at all,
+    named so that names sort by the time it was written."""
     folder = Path(output_dir) / RUNS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{time.time_ns():020d}-{latest['prediction_key']}-{os.getpid()}.json"
     staged = folder / f".{path.name}.writing"
-    staged.write_text(json.dumps({**latest, "model_key": model_key}, indent=1))
+    staged.write_text(json.dumps({**latest, "store": _resolved(latest["store"]), "predicted_store": _resolved(latest["predicted_store"]),
+                                  "model_key": model_key}, indent=1))
     staged.replace(path)
     return path
 
@@ -78,7 +85,7 @@ def read_records(output_dir: str | Path) -> list[RunRecord]:
     for path in sorted((Path(output_dir) / RUNS).glob("*.json")):
         try:
             fields = json.loads(path.read_text())
-            record = RunRecord(path, str(fields["finished"]), str(fields["store"]), str(fields["model_key"]),
+            record = RunRecord(path, str(fields["config"]), str(fields["store"]), str(fields["model_key"]),
                                str(fields["predicted_store"]), str(fields["prediction_key"]))
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("run record %s is unreadable (%s): left alone", path, error)
@@ -91,30 +98,34 @@ def read_records(output_dir: str | Path) -> list[RunRecord]:
     return records
 
 
-def prune_runs(output_dir: str | Path, stores: Iterable[str | Path], keep: int) -> list[str]:
-    """Keep the newest ``keep`` distinct results of ``output_dir``'s records and remove what only
-    older records use: their models, report folders and, in ``stores`` (the configuration's store
-    and prediction store; a record naming another store has its groups there left alone), their
-    training checkpoints and predictions. Returns what was removed."""
+def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path], keep: int, current: Path) -> list[str]:
+    """Keep the newest ``keep`` distinct results of configuration ``config``'s records in
+    ``output_dir``, and the run recorded at ``current`` whatever the clocks say; remove what only
+    its older records use: their models, report folders and, in ``stores`` (the configuration's
+    store and prediction store; groups in another store stay, and the record with them), their
+    training checkpoints and predictions. What any other configuration's record uses stays.
+    Returns what was removed."""
     if keep < 1:
         raise ValueError(f"keep_runs={keep}: keep at least the newest run")
     records = read_records(output_dir)
-    newest: dict[tuple, RunRecord] = {}
-    for record in records:
-        newest[record.result] = record
+    own = [r for r in records if r.config == config]
+    newest = {r.result: r for r in own}
     kept = sorted(newest.values(), key=lambda r: r.path.name)[-keep:]
-    in_use = _uses(kept)
-    ours = {_resolved(s) for s in stores}
+    kept_results = {r.result for r in kept} | {r.result for r in own if r.path == current}
+    in_use = _uses([r for r in records if r.config != config or r.result in kept_results])
+    ours = {_resolved(s): str(s) for s in stores}
     removed: list[str] = []
-    for record in records:
-        if record in kept:
+    for record in own:
+        if record.result in kept_results and record is newest[record.result]:
             continue
         try:
-            removed += _remove_unused(Path(output_dir), record, in_use, ours)
-        except StoreLockedError as error:
-            log.warning("the outputs of the run recorded in %s stay until a later run: %s", record.path.name, error)
+            whole = _remove_unused(Path(output_dir), record, in_use, ours, removed)
+        except Exception as error:  # a lease held elsewhere, a permission, a damaged store: the next run tries again
+            log.warning("the outputs of the run recorded in %s stay (for a later run to remove): %s: %s", record.path.name,
+                        type(error).__name__, error)
             continue
-        record.path.unlink(missing_ok=True)
+        if whole:
+            record.path.unlink(missing_ok=True)
     return removed
 
 
@@ -124,32 +135,61 @@ def _uses(records: Sequence[RunRecord]) -> dict[str, set]:
             "predictions": {(_resolved(r.predicted_store), r.prediction_key) for r in records}}
 
 
-def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], stores: set[str]) -> list[str]:
-    removed = []
-    for store, group, used in [(record.store, f"training/{record.model_key}", (_resolved(record.store), record.model_key) in in_use["training"]),
-                               (record.predicted_store, f"predictions/{record.prediction_key}",
-                                (_resolved(record.predicted_store), record.prediction_key) in in_use["predictions"])]:
-        if not used and _resolved(store) in stores and _has_group(store, group):
-            with writer_lease(store, f"gpmil keep_runs: removing {group}"):
-                del zarr.open_group(store, mode="a")[group]
-            removed.append(f"{store}/{group}")
+def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str], removed: list[str]) -> bool:
+    """Remove ``record``'s outputs that ``in_use`` does not hold, each added to ``removed`` as it
+    goes; its report folder's lease first, then the stores' (nothing goes while a report of it is
+    written). Whether everything of the record is handled (no group left in a store that is not
+    this configuration's)."""
     report = output_dir / "predictions" / record.prediction_key
-    if record.prediction_key not in in_use["reports"] and report.is_dir():
-        with writer_lease(report, f"gpmil keep_runs: removing {report}"):
-            shutil.rmtree(report)
-        removed.append(str(report))
     model = output_dir / "models" / record.model_key
-    if record.model_key not in in_use["models"] and model.is_dir():
+    groups = [(record.store, f"training/{record.model_key}", (_resolved(record.store), record.model_key) not in in_use["training"]),
+              (record.predicted_store, f"predictions/{record.prediction_key}",
+               (_resolved(record.predicted_store), record.prediction_key) not in in_use["predictions"])]
+    whole = True
+    with ExitStack() as leases:
+        drop_report = record.prediction_key not in in_use["reports"] and _is_folder(report)
+        if drop_report:
+            leases.enter_context(writer_lease(report, f"gpmil keep_runs: removing {report}"))
+        for store, group, unused in groups:
+            if not unused:
+                continue
+            if _resolved(store) not in ours:
+                whole = False  # another store: not this configuration's to change
+                continue
+            configured = ours[_resolved(store)]  # the configuration's own path, not the record's string
+            with _group_lease(configured, group) as root:
+                if root is not None:
+                    del root[group]
+                    removed.append(f"{configured}/{group}")
+        if drop_report:
+            shutil.rmtree(report)
+            removed.append(str(report))
+    if record.model_key not in in_use["models"] and _is_folder(model):
         shutil.rmtree(model)
         removed.append(str(model))
-    return removed
+    return whole
 
 
-def _has_group(store: str, group: str) -> bool:
+@contextmanager
+def _group_lease(store: str, group: str) -> Iterator[zarr.Group | None]:
+    """The store open for writing under its writer lease if it holds ``group``, else None."""
     try:
-        return group in zarr.open_group(store, mode="r")
+        present = group in zarr.open_group(store, mode="r")
     except FileNotFoundError:
+        present = False
+    if not present:
+        yield None
+        return
+    with writer_lease(store, f"gpmil keep_runs: removing {group}"):
+        yield zarr.open_group(store, mode="a")
+
+
+def _is_folder(path: Path) -> bool:
+    """A folder of its own; a symbolic link in its place (made by hand) is left alone, logged."""
+    if path.is_symlink():
+        log.warning("%s is a symbolic link, not a folder gpmil wrote: left alone", path)
         return False
+    return path.is_dir()
 
 
 def _resolved(path: str | Path) -> str:

@@ -67,7 +67,7 @@ def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path):
         d = _run(tmp_path, store, 5, keep_runs=2)
         left = _contents(tmp_path, store)
         assert report_b.is_dir() and b["prediction"] in left["records"] and lease_path(report_b).exists()
-        assert b["prediction"] not in left["predictions"]  # the store's groups went before the report was reached
+        assert b["prediction"] in left["predictions"]  # nothing of B goes while its report is written
     finally:
         holder.kill()
         holder.wait()
@@ -77,30 +77,61 @@ def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path):
                                           "records": {c["prediction"], d["prediction"]}}
 
 
-def test_a_record_naming_paths_outside_the_configuration_removes_nothing_there(tmp_path, caplog):
-    """A record is a file anyone with write access to output_dir can write: its keys are checked,
-    and only the configuration's stores are touched."""
+def _key(n: int) -> str:
+    return f"{n:016x}"
+
+
+def test_only_this_configurations_older_results_go_and_nothing_a_record_names_outside_it(tmp_path, caplog):
+    """Another configuration's records in the same output_dir and store, a parallel run that
+    finished after this one, records anyone could write (keys that are paths, another store), a
+    folder replaced by a link, a damaged store: each is left alone, and the rest still goes."""
     X, bags, y, _ = make_toy_bags(n_bags=8, seed=2)
-    ours = write_store(tmp_path / "ours.zarr", X, bags, y)
-    other = write_store(tmp_path / "other.zarr", X, bags, y)
-    zarr.open_group(other, mode="a").require_group("predictions/00000000000000aa")
-    (tmp_path / "out" / "models" / "00000000000000bb").mkdir(parents=True)
-    (tmp_path / "victim").mkdir()
-    runs = tmp_path / "out" / RUNS
+    ours, other = write_store(tmp_path / "ours.zarr", X, bags, y), write_store(tmp_path / "other.zarr", X, bags, y)
+    damaged = tmp_path / "damaged.zarr"
+    damaged.mkdir()
+    (damaged / "zarr.json").write_text("{not json")
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    victim.mkdir()
+    for n in range(1, 6):
+        (out / "models" / _key(n)).mkdir(parents=True)
+        (out / "predictions" / _key(100 + n)).mkdir(parents=True)
+        zarr.open_group(ours, mode="a").require_group(f"training/{_key(n)}")
+        zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(100 + n)}")
+    zarr.open_group(other, mode="a").require_group(f"predictions/{_key(106)}")
+    (out / "models" / _key(9)).symlink_to(victim)
+    runs = out / RUNS
     runs.mkdir()
-    records = {"1-old.json": {"finished": "x", "store": other, "model_key": "00000000000000cc", "predicted_store": other,
-                              "prediction_key": "00000000000000aa"},
-               "2-crafted.json": {"finished": "x", "store": ours, "model_key": "../../victim", "predicted_store": ours,
-                                  "prediction_key": "00000000000000dd"},
-               "3-cut.json": '{"finished": ',
-               "4-new.json": {"finished": "x", "store": ours, "model_key": "00000000000000bb", "predicted_store": ours,
-                              "prediction_key": "00000000000000ee"}}
-    for name, record in records.items():
-        (runs / name).write_text(record if isinstance(record, str) else json.dumps(record))
-    assert prune_runs(tmp_path / "out", [ours], keep=1) == []
-    assert "00000000000000aa" in zarr.open_group(other, mode="r")["predictions"]  # not this configuration's store
-    assert (tmp_path / "victim").is_dir() and (tmp_path / "out" / "models" / "00000000000000bb").is_dir()
-    assert sorted(p.name for p in runs.iterdir()) == ["2-crafted.json", "3-cut.json", "4-new.json"]
-    assert "2-crafted.json names keys that are no content keys" in caplog.text and "3-cut.json is unreadable" in caplog.text
+
+    def record(name: str, config: str, model: int | str, prediction: int, store: str = ours, predicted: str = ours) -> Path:
+        path = runs / f"{name}.json"
+        path.write_text(json.dumps({"config": config, "store": store, "model_key": model if isinstance(model, str) else _key(model),
+                                    "predicted_store": predicted, "prediction_key": _key(prediction), "finished": "x"}))
+        return path
+
+    (out / "predictions" / _key(110)).mkdir()
+    zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(110)}")
+    record("00", "nightly", 3, 110)  # older: its model is this run's too
+    record("01", "nightly", 1, 101)  # older: its model is the weekly configuration's too
+    record("02", "weekly", 1, 102)  # another configuration's: never ours to remove
+    record("03", "nightly", 2, 103, predicted=str(damaged))  # its prediction store cannot be read
+    record("04", "nightly", 9, 104)  # its model folder was replaced by a link
+    record("05", "nightly", 5, 106, store=other, predicted=other)  # a store that is not this configuration's
+    record("06", "nightly", "../../victim", 107)  # keys that are paths
+    (runs / "07.json").write_text('{"config": ')  # cut short
+    current = record("08", "nightly", 3, 103 + 5)  # this run
+    record("09", "nightly", 4, 109)  # a parallel run of the same configuration that finished after this one
+    removed = prune_runs(out, "nightly", [ours, damaged], keep=1, current=current)
+
+    assert removed == [f"{ours}/predictions/{_key(110)}", str(out / "predictions" / _key(110)),  # 00: its model is this run's
+                       f"{ours}/predictions/{_key(101)}", str(out / "predictions" / _key(101)),  # 01: its model is weekly's
+                       f"{ours}/training/{_key(2)}",  # 03: what went before its damaged store was reached
+                       f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),  # 04: not the linked folder
+                       str(out / "models" / _key(5))]  # 05: its groups in the other store stay
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "05", "06", "07", "08", "09"]  # 04: all but the link handled
+    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 9)}
+    assert _key(106) in zarr.open_group(other, mode="r")["predictions"] and victim.is_dir()
+    assert f"{_key(9)} is a symbolic link, not a folder gpmil wrote: left alone" in caplog.text
+    assert "03.json stay (for a later run to remove)" in caplog.text  # the damaged store: logged, the others went on
+    assert "06.json names keys that are no content keys" in caplog.text and "07.json is unreadable" in caplog.text
     with pytest.raises(ValueError, match="keep_runs=0"):
-        prune_runs(tmp_path / "out", [ours], keep=0)
+        prune_runs(out, "nightly", [ours], keep=0, current=current)
