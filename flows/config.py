@@ -453,8 +453,8 @@ class PipelineConfig(_Strict):
     training: TrainingConfig = TrainingConfig()
     prediction: PredictionConfig = PredictionConfig()
     dask: DaskConfig = DaskConfig()
-    # After each completed `gpmil run`: keep the outputs of the newest N distinct results of output_dir
-    # (models, report folders, the store's predictions and checkpoints) and remove older ones' (tasks.retention).
+    # After each completed `gpmil run`: keep the outputs of this configuration's (by name) newest N distinct results in
+    # output_dir (models, report folders, the store's predictions and checkpoints), remove older ones' (tasks.retention).
     # Default: keep everything.
     keep_runs: int | None = Field(None, ge=1)
 

@@ -10,13 +10,14 @@ the same result) and removes each older one's, unless a kept result uses it (a m
 newer prediction).
 
 Only what a record names by its keys is removed, at paths built from the keys (a record is a file
-others can write: an id that is no 16-digit hexadecimal key, or a store that is not one of this
-configuration's, is never followed). Store groups go under the store's writer lease, a report
-folder under its own, taken first: a lease held elsewhere, or any error removing (a permission, a
-damaged store), leaves that result whole or partly removed, logged, with its record, for the next
-run. A record is deleted last, so a run killed while removing is finished by the next. The run
-that prunes is always kept, and only records of its own configuration (by name) are removed: what
-another configuration's records use in a shared ``output_dir`` or store stays. Outputs of runs
+others can write: an id that is no 16-digit hexadecimal key, a path that does not resolve, or a
+store that is not one of this configuration's, is never followed). Report folders' leases are all
+taken first: a result whose report another process writes stays whole, and so does everything it
+shares with other older results. Store groups go under the store's writer lease. Any error
+removing (a permission, a damaged store) leaves that result, logged, with its record, for the next
+run; a record is deleted last, so a run killed while removing is finished by the next. The run that
+prunes is always kept, and only records of its own configuration (by name) are removed: what
+another configuration's records in the same ``output_dir`` use stays. Outputs of runs
 before records were kept, of ``gpmil predict`` and of single stages are not recorded (removed only
 where they are one of a removed run's results: the same model, cohort and settings)."""
 
@@ -28,12 +29,10 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-
-import zarr
 
 from tasks.lease import writer_lease
 
@@ -49,7 +48,7 @@ _KEY = re.compile(r"[0-9a-f]{16}")
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One completed run: its configuration's name, and the keys and (resolved) stores of what it used."""
+    """One completed run: its configuration's name, and the keys and resolved stores of what it used."""
 
     path: Path
     config: str
@@ -61,7 +60,7 @@ class RunRecord:
     @property
     def result(self) -> tuple[str, str, str, str, str]:
         """What the run produced, whatever the time: two reruns of an unchanged cohort are one result."""
-        return self.config, _resolved(self.store), self.model_key, _resolved(self.predicted_store), self.prediction_key
+        return self.config, self.store, self.model_key, self.predicted_store, self.prediction_key
 
 
 def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
@@ -79,15 +78,16 @@ def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
 
 
 def read_records(output_dir: str | Path) -> list[RunRecord]:
-    """The readable records of ``output_dir``, oldest first (by name); one that is not (cut short, edited,
-    keys that are no content keys) is named in the log and left alone."""
+    """The readable records of ``output_dir``, oldest first (by name), stores resolved; one that is
+    not (cut short, edited, keys that are no content keys, a path that does not resolve) is named
+    in the log and left alone."""
     records = []
     for path in sorted((Path(output_dir) / RUNS).glob("*.json")):
         try:
             fields = json.loads(path.read_text())
-            record = RunRecord(path, str(fields["config"]), str(fields["store"]), str(fields["model_key"]),
-                               str(fields["predicted_store"]), str(fields["prediction_key"]))
-        except (OSError, ValueError, KeyError, TypeError) as error:
+            record = RunRecord(path, str(fields["config"]), _resolved(str(fields["store"])), str(fields["model_key"]),
+                               _resolved(str(fields["predicted_store"])), str(fields["prediction_key"]))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:  # RuntimeError: a symbolic link loop
             log.warning("run record %s is unreadable (%s): left alone", path, error)
             continue
         if not (_KEY.fullmatch(record.model_key) and _KEY.fullmatch(record.prediction_key)):
@@ -103,85 +103,91 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
     ``output_dir``, and the run recorded at ``current`` whatever the clocks say; remove what only
     its older records use: their models, report folders and, in ``stores`` (the configuration's
     store and prediction store; groups in another store stay, and the record with them), their
-    training checkpoints and predictions. What any other configuration's record uses stays.
-    Returns what was removed."""
+    training checkpoints and predictions. What any other configuration's record uses stays, and
+    so does everything of a result whose report folder another process holds. Returns what was
+    removed."""
     if keep < 1:
         raise ValueError(f"keep_runs={keep}: keep at least the newest run")
+    output_dir = Path(output_dir)
     records = read_records(output_dir)
     own = [r for r in records if r.config == config]
     newest = {r.result: r for r in own}
     kept = sorted(newest.values(), key=lambda r: r.path.name)[-keep:]
     kept_results = {r.result for r in kept} | {r.result for r in own if r.path == current}
-    in_use = _uses([r for r in records if r.config != config or r.result in kept_results])
+    older = [r for r in own if not (r.result in kept_results and r is newest[r.result])]
     ours = {_resolved(s): str(s) for s in stores}
     removed: list[str] = []
-    for record in own:
-        if record.result in kept_results and record is newest[record.result]:
-            continue
-        try:
-            whole = _remove_unused(Path(output_dir), record, in_use, ours, removed)
-        except Exception as error:  # a lease held elsewhere, a permission, a damaged store: the next run tries again
-            log.warning("the outputs of the run recorded in %s stay (for a later run to remove): %s: %s", record.path.name,
-                        type(error).__name__, error)
-            continue
-        if whole:
-            record.path.unlink(missing_ok=True)
+    with ExitStack() as leases:
+        held = [r for r in older if not _report_lease(leases, output_dir / "predictions" / r.prediction_key)]
+        in_use = _uses([r for r in records if r.config != config or r.result in kept_results or r in held])
+        for record in older:
+            if record in held:
+                continue
+            try:
+                if _remove_unused(output_dir, record, in_use, ours, removed):
+                    record.path.unlink(missing_ok=True)
+            except Exception as error:  # a permission, a damaged store: the next run tries again
+                log.warning("the outputs of the run recorded in %s stay (for a later run to remove): %s: %s", record.path.name,
+                            type(error).__name__, error)
     return removed
+
+
+def _report_lease(leases: ExitStack, report: Path) -> bool:
+    """Hold ``report``'s writer lease for the pruning (if the folder is there); False if another
+    process holds it (logged: that result stays whole, for a later run)."""
+    if not _is_folder(report):
+        return True
+    try:
+        leases.enter_context(writer_lease(report, f"gpmil keep_runs: removing {report}"))
+    except Exception as error:  # StoreLockedError, or an unreadable lease
+        log.warning("%s and what its result shares stay (for a later run to remove): %s: %s", report, type(error).__name__, error)
+        return False
+    return True
 
 
 def _uses(records: Sequence[RunRecord]) -> dict[str, set]:
     return {"models": {r.model_key for r in records}, "reports": {r.prediction_key for r in records},
-            "training": {(_resolved(r.store), r.model_key) for r in records},
-            "predictions": {(_resolved(r.predicted_store), r.prediction_key) for r in records}}
+            "training": {(r.store, r.model_key) for r in records},
+            "predictions": {(r.predicted_store, r.prediction_key) for r in records}}
 
 
 def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str], removed: list[str]) -> bool:
-    """Remove ``record``'s outputs that ``in_use`` does not hold, each added to ``removed`` as it
-    goes; its report folder's lease first, then the stores' (nothing goes while a report of it is
-    written). Whether everything of the record is handled (no group left in a store that is not
-    this configuration's)."""
-    report = output_dir / "predictions" / record.prediction_key
-    model = output_dir / "models" / record.model_key
-    groups = [(record.store, f"training/{record.model_key}", (_resolved(record.store), record.model_key) not in in_use["training"]),
-              (record.predicted_store, f"predictions/{record.prediction_key}",
-               (_resolved(record.predicted_store), record.prediction_key) not in in_use["predictions"])]
+    """Remove ``record``'s outputs that ``in_use`` does not hold (its report folder's lease is held
+    by the caller), each added to ``removed`` as it goes. Whether everything of the record is
+    handled (no group left in a store that is not this configuration's)."""
     whole = True
-    with ExitStack() as leases:
-        drop_report = record.prediction_key not in in_use["reports"] and _is_folder(report)
-        if drop_report:
-            leases.enter_context(writer_lease(report, f"gpmil keep_runs: removing {report}"))
-        for store, group, unused in groups:
-            if not unused:
-                continue
-            if _resolved(store) not in ours:
-                whole = False  # another store: not this configuration's to change
-                continue
-            configured = ours[_resolved(store)]  # the configuration's own path, not the record's string
-            with _group_lease(configured, group) as root:
-                if root is not None:
-                    del root[group]
-                    removed.append(f"{configured}/{group}")
-        if drop_report:
-            shutil.rmtree(report)
-            removed.append(str(report))
+    for store, key, kind, unused in [(record.store, record.model_key, "training", (record.store, record.model_key) not in in_use["training"]),
+                                     (record.predicted_store, record.prediction_key, "predictions",
+                                      (record.predicted_store, record.prediction_key) not in in_use["predictions"])]:
+        if not unused:
+            continue
+        if store not in ours:
+            whole = False  # another store: not this configuration's to change
+            continue
+        configured = ours[store]  # the configuration's own path, not the record's string
+        folders = _group_folders(Path(configured) / kind, key)
+        if folders:
+            with writer_lease(configured, f"gpmil keep_runs: removing {kind}/{key}"):
+                for folder in folders:
+                    shutil.rmtree(folder)
+                    removed.append(f"{configured}/{kind}/{folder.name}")
+    report = output_dir / "predictions" / record.prediction_key
+    if record.prediction_key not in in_use["reports"] and _is_folder(report):
+        shutil.rmtree(report)
+        removed.append(str(report))
+    model = output_dir / "models" / record.model_key
     if record.model_key not in in_use["models"] and _is_folder(model):
         shutil.rmtree(model)
         removed.append(str(model))
     return whole
 
 
-@contextmanager
-def _group_lease(store: str, group: str) -> Iterator[zarr.Group | None]:
-    """The store open for writing under its writer lease if it holds ``group``, else None."""
-    try:
-        present = group in zarr.open_group(store, mode="r")
-    except FileNotFoundError:
-        present = False
-    if not present:
-        yield None
-        return
-    with writer_lease(store, f"gpmil keep_runs: removing {group}"):
-        yield zarr.open_group(store, mode="a")
+def _group_folders(parent: Path, key: str) -> list[Path]:
+    """The folders of ``key``'s groups under a store's ``training`` or ``predictions``: the key's
+    own and, for EmbeddedGPMIL's checkpoints, ``<key>-member<k>`` and ``<key>-features<k>``. Read
+    from the file system, so that a group a kill left without its ``zarr.json`` is found too."""
+    pattern = re.compile(rf"{key}(-(member|features)\d+)?")
+    return sorted(p for p in parent.iterdir() if p.is_dir() and not p.is_symlink() and pattern.fullmatch(p.name)) if parent.is_dir() else []
 
 
 def _is_folder(path: Path) -> bool:

@@ -82,22 +82,27 @@ def _key(n: int) -> str:
 
 
 def test_only_this_configurations_older_results_go_and_nothing_a_record_names_outside_it(tmp_path, caplog):
-    """Another configuration's records in the same output_dir and store, a parallel run that
-    finished after this one, records anyone could write (keys that are paths, another store), a
-    folder replaced by a link, a damaged store: each is left alone, and the rest still goes."""
+    """Another configuration's records in the same output_dir, a parallel run that finished after
+    this one, records anyone could write (keys that are paths, another store, a path that does not
+    resolve), a folder replaced by a link, a store and a report another process writes (and what
+    that report's result shares): each is left alone, and the rest still goes."""
     X, bags, y, _ = make_toy_bags(n_bags=8, seed=2)
     ours, other = write_store(tmp_path / "ours.zarr", X, bags, y), write_store(tmp_path / "other.zarr", X, bags, y)
-    damaged = tmp_path / "damaged.zarr"
-    damaged.mkdir()
-    (damaged / "zarr.json").write_text("{not json")
+    busy = write_store(tmp_path / "busy.zarr", X, bags, y)
     out, victim = tmp_path / "out", tmp_path / "victim"
     victim.mkdir()
-    for n in range(1, 6):
-        (out / "models" / _key(n)).mkdir(parents=True)
-        (out / "predictions" / _key(100 + n)).mkdir(parents=True)
+    for n in [1, 2, 3, 4, 5, 6]:
+        (out / "models" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"training/{_key(n)}")
-        zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(100 + n)}")
+    for n in [101, 102, 103, 104, 111, 112]:
+        (out / "predictions" / _key(n)).mkdir(parents=True, exist_ok=True)
+        zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(n)}")
+    (out / "predictions" / _key(110) / "instances").mkdir(parents=True)  # a group a kill left without its zarr.json
+    (Path(ours) / "predictions" / _key(110) / "instances").mkdir(parents=True)
+    for name in [f"{_key(9)}-member0", f"{_key(9)}-features1"]:  # EmbeddedGPMIL's checkpoints
+        zarr.open_group(ours, mode="a").require_group(f"training/{name}")
     zarr.open_group(other, mode="a").require_group(f"predictions/{_key(106)}")
+    zarr.open_group(busy, mode="a").require_group(f"predictions/{_key(103)}")
     (out / "models" / _key(9)).symlink_to(victim)
     runs = out / RUNS
     runs.mkdir()
@@ -108,30 +113,46 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
                                     "predicted_store": predicted, "prediction_key": _key(prediction), "finished": "x"}))
         return path
 
-    (out / "predictions" / _key(110)).mkdir()
-    zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(110)}")
     record("00", "nightly", 3, 110)  # older: its model is this run's too
     record("01", "nightly", 1, 101)  # older: its model is the weekly configuration's too
     record("02", "weekly", 1, 102)  # another configuration's: never ours to remove
-    record("03", "nightly", 2, 103, predicted=str(damaged))  # its prediction store cannot be read
-    record("04", "nightly", 9, 104)  # its model folder was replaced by a link
+    record("03", "nightly", 2, 103, predicted=busy)  # its prediction store is being written by another process
+    record("04", "nightly", 9, 104)  # EmbeddedGPMIL's checkpoints; its model folder was replaced by a link
+    record("04a", "nightly", 6, 111)  # its report is being written by another process
+    record("04b", "nightly", 6, 112)  # shares its model with 04a
     record("05", "nightly", 5, 106, store=other, predicted=other)  # a store that is not this configuration's
     record("06", "nightly", "../../victim", 107)  # keys that are paths
+    record("06a", "nightly", 7, 113, store="a\x00b")  # a path that does not resolve
     (runs / "07.json").write_text('{"config": ')  # cut short
-    current = record("08", "nightly", 3, 103 + 5)  # this run
+    current = record("08", "nightly", 3, 108)  # this run
     record("09", "nightly", 4, 109)  # a parallel run of the same configuration that finished after this one
-    removed = prune_runs(out, "nightly", [ours, damaged], keep=1, current=current)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from contextlib import ExitStack; from tasks.lease import writer_lease\n"
+                               "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[1:]]\n"
+                               "    print('held', flush=True); time.sleep(600)", str(out / "predictions" / _key(111)), busy],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        removed = prune_runs(out, "nightly", [ours, busy], keep=1, current=current)
+    finally:
+        holder.kill()
+        holder.wait()
 
     assert removed == [f"{ours}/predictions/{_key(110)}", str(out / "predictions" / _key(110)),  # 00: its model is this run's
                        f"{ours}/predictions/{_key(101)}", str(out / "predictions" / _key(101)),  # 01: its model is weekly's
-                       f"{ours}/training/{_key(2)}",  # 03: what went before its damaged store was reached
-                       f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),  # 04: not the linked folder
+                       f"{ours}/training/{_key(2)}",  # 03: what went before the busy store was reached
+                       f"{ours}/training/{_key(9)}-features1", f"{ours}/training/{_key(9)}-member0",  # 04: not the linked folder
+                       f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),
+                       f"{ours}/predictions/{_key(112)}", str(out / "predictions" / _key(112)),  # 04b: its model is 04a's
                        str(out / "models" / _key(5))]  # 05: its groups in the other store stay
-    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "05", "06", "07", "08", "09"]  # 04: all but the link handled
-    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 9)}
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "05", "06", "06a", "07", "08", "09"]
+    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 9)}
+    assert {_key(6), _key(1)} <= set(zarr.open_group(ours, mode="r")["training"].group_keys())
+    assert (out / "predictions" / _key(111)).is_dir() and _key(103) in zarr.open_group(busy, mode="r")["predictions"]
     assert _key(106) in zarr.open_group(other, mode="r")["predictions"] and victim.is_dir()
     assert f"{_key(9)} is a symbolic link, not a folder gpmil wrote: left alone" in caplog.text
-    assert "03.json stay (for a later run to remove)" in caplog.text  # the damaged store: logged, the others went on
+    assert "03.json stay (for a later run to remove): StoreLockedError" in caplog.text
+    assert f"{_key(111)} and what its result shares stay" in caplog.text
     assert "06.json names keys that are no content keys" in caplog.text and "07.json is unreadable" in caplog.text
+    assert "06a.json is unreadable" in caplog.text
     with pytest.raises(ValueError, match="keep_runs=0"):
         prune_runs(out, "nightly", [ours], keep=0, current=current)
