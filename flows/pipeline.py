@@ -12,7 +12,6 @@ could not resolve a string annotation such as ``"PipelineConfig"``.
 """
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -198,18 +197,9 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     return results
 
 
-LATEST_RUN = "latest-run.json"
-"""Written into ``output_dir`` by each completed pipeline run: which model and report are the newest
-(their folders are named by content keys, and an older one's files can be newer)."""
-
-
 def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Path:
-    """``latest-run.json``, and the run's record in ``runs/`` (:mod:`tasks.retention`), whose path it returns."""
+    """``latest-run.json`` and the run's record in ``runs/`` (:func:`tasks.retention.record_run`), whose path it returns."""
     latest = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.name, "store": str(cfg.store),
               "model_dir": results["train"].path, "predicted_store": str(cfg.prediction.store or cfg.store),
               "prediction_key": results["report"].key, "report": results["report"].path}
-    path = Path(cfg.output_dir) / LATEST_RUN
-    staged = path.with_name(f".{LATEST_RUN}.{os.getpid()}")
-    staged.write_text(json.dumps(latest, indent=1))
-    staged.replace(path)  # whole or not at all
     return record_run(cfg.output_dir, latest, results["train"].key)

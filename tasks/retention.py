@@ -36,12 +36,16 @@ from pathlib import Path
 
 from tasks.lease import writer_lease
 
-__all__ = ["RUNS", "RunRecord", "record_run", "read_records", "prune_runs"]
+__all__ = ["RUNS", "LATEST_RUN", "RunRecord", "record_run", "read_records", "prune_runs"]
 
 log = logging.getLogger("gpmil.retention")
 
 RUNS = "runs"
 """The folder of ``output_dir`` holding one JSON record per completed ``gpmil run``."""
+
+LATEST_RUN = "latest-run.json"
+"""Written into ``output_dir`` by each completed pipeline run: which model and report are the newest
+(their folders are named by content keys, and an older one's files can be newer)."""
 
 _KEY = re.compile(r"[0-9a-f]{16}")
 
@@ -64,17 +68,22 @@ class RunRecord:
 
 
 def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
-    """Write the record of a completed run (the ``latest-run.json`` fields, its model key, its
-    stores resolved: a symbolic link moved later does not move the record), whole or not at all,
-    named so that names sort by the time it was written."""
+    """Write ``latest-run.json`` (``latest``) and the run's record in ``runs/`` (those fields, its
+    model key, its stores resolved: a symbolic link moved later does not move the record), each
+    whole or not at all; the record's name sorts by the time it was written. Returns its path."""
     folder = Path(output_dir) / RUNS
     folder.mkdir(parents=True, exist_ok=True)
+    _write_whole(Path(output_dir) / LATEST_RUN, latest)
     path = folder / f"{time.time_ns():020d}-{latest['prediction_key']}-{os.getpid()}.json"
-    staged = folder / f".{path.name}.writing"
-    staged.write_text(json.dumps({**latest, "store": _resolved(latest["store"]), "predicted_store": _resolved(latest["predicted_store"]),
-                                  "model_key": model_key}, indent=1))
-    staged.replace(path)
+    _write_whole(path, {**latest, "store": _resolved(latest["store"]), "predicted_store": _resolved(latest["predicted_store"]),
+                        "model_key": model_key})
     return path
+
+
+def _write_whole(path: Path, fields: dict) -> None:
+    staged = path.with_name(f".{path.name}.{os.getpid()}.writing")
+    staged.write_text(json.dumps(fields, indent=1))
+    staged.replace(path)
 
 
 def read_records(output_dir: str | Path) -> list[RunRecord]:
@@ -135,7 +144,7 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
 def _report_lease(leases: ExitStack, report: Path) -> bool:
     """Hold ``report``'s writer lease for the pruning (if the folder is there); False if another
     process holds it (logged: that result stays whole, for a later run)."""
-    if not _is_folder(report):
+    if report.is_symlink() or not report.is_dir():  # a link is left alone (logged when its record is handled)
         return True
     try:
         leases.enter_context(writer_lease(report, f"gpmil keep_runs: removing {report}"))
