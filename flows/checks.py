@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from flows.config import ConfigError, IngestConfig, LabelsConfig, PipelineConfig
+from tasks.retention import LATEST_MODEL, RUNS, newest_model_dir
 
-__all__ = ["check_inputs", "Stage"]
+__all__ = ["check_inputs", "resolved_model_dir", "Stage"]
 
 Stage = Literal["run", "ingest", "train", "predict", "evaluate"]
 
@@ -265,12 +266,26 @@ def _labels_problem(ing: IngestConfig, field: str) -> str | None:
     return None
 
 
+def resolved_model_dir(config: PipelineConfig, model_dir: str | None) -> str | None:
+    """``MODEL_DIR`` as given, or for ``latest`` the model folder of the newest completed ``gpmil
+    run`` of this configuration (its record in ``<output_dir>/runs``)."""
+    if model_dir != LATEST_MODEL:
+        return model_dir
+    newest = newest_model_dir(config.output_dir, config.name)
+    if newest is None:
+        raise ConfigError(f"MODEL_DIR: {LATEST_MODEL}: no completed `gpmil run` of configuration {config.name!r} is recorded in "
+                          f"{Path(config.output_dir) / RUNS} (run the pipeline first, or give a model folder)")
+    return str(newest)
+
+
 def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = None, model_dir: str | None = None,
                  source: str | None = None, prediction_key: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every missing input of ``stage`` (``store`` and
     ``model_dir``: the command line's overrides and arguments; ``source``: a new cohort's folder
     that ``predict`` ingests first, whose store need not exist yet; ``prediction_key``:
-    ``evaluate``'s, which must name a complete prediction of that store by that model)."""
+    ``evaluate``'s, which must name a complete prediction of that store by that model; ``latest``
+    as ``model_dir``: the newest run's model, :func:`resolved_model_dir`)."""
+    model_dir = resolved_model_dir(config, model_dir)
     ing = config.ingest
     checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = [
         ("dask.config_file", config.dask.config_file, "file")]  # every stage starts or joins a cluster

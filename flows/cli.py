@@ -113,6 +113,13 @@ def _abs(path: Any) -> str | None:
     return None if path is None else str(Path(path).resolve())
 
 
+def _model_arg(model_dir: str) -> str:
+    """MODEL_DIR on the command line: ``latest`` as the word (the flow finds that model), else a path."""
+    from tasks.retention import LATEST_MODEL
+
+    return model_dir if model_dir == LATEST_MODEL else _abs(model_dir)
+
+
 def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
     """The configuration, validated, and the stage's inputs checked: before Prefect is imported."""
     from flows.checks import check_inputs
@@ -231,12 +238,12 @@ def _predict(args: argparse.Namespace) -> int:
         print("gpmil predict: --labels gives the labels of a --source folder; a store's bags keep the labels they were "
               "ingested with", file=sys.stderr)
         return 2
-    config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_abs(args.model_dir))
+    config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_model_arg(args.model_dir))
     from flows.pipeline import predict_cohort
     from tasks import report
     from tasks.ingest.driver import Skipped
 
-    result = predict_cohort(str(args.config), _abs(args.model_dir), store=_abs(args.store), source=_abs(args.source),
+    result = predict_cohort(str(args.config), _model_arg(args.model_dir), store=_abs(args.store), source=_abs(args.source),
                             labels=_abs(args.labels))
     store = result.info.get("store") or str(_abs(args.store) or config.prediction.store or config.store)
     where = {"store": store, "predictions": f"{result.path} (key {result.key})"}
@@ -254,10 +261,10 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    _checked(args, "evaluate", store=_abs(args.store), model_dir=_abs(args.model_dir), prediction_key=args.prediction_key)
+    _checked(args, "evaluate", store=_abs(args.store), model_dir=_model_arg(args.model_dir), prediction_key=args.prediction_key)
     from flows.pipeline import evaluate_run
 
-    print(summary("report", evaluate_run(str(args.config), _abs(args.model_dir), args.prediction_key, store=_abs(args.store))))
+    print(summary("report", evaluate_run(str(args.config), _model_arg(args.model_dir), args.prediction_key, store=_abs(args.store))))
     return 0
 
 
@@ -411,14 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     p = with_config("train", "train the configured model on the store", _train)
     p.add_argument("--store")
     p = with_config("predict", "predict a cohort with a saved model", _predict)
-    p.add_argument("model_dir", type=Path, help="a model folder written by `gpmil train` (<output_dir>/models/<key>)")
+    p.add_argument("model_dir", help="a model folder written by `gpmil train` (<output_dir>/models/<key>), or `latest`: the model "
+                                     "of the configuration's newest completed `gpmil run` (a folder named latest: ./latest)")
     p.add_argument("--store", help="cohort to predict (default: prediction.store, else the training store); with "
                                    "--source, where the new cohort's store goes")
     p.add_argument("--source", type=Path, help="a folder of new slides/scans/feature files: ingest it with the training "
                                                "store's extractor, predict, write the report and tables")
     p.add_argument("--labels", type=Path, help="labels of the --source cohort (optional; for metrics)")
     p = with_config("evaluate", "tables, metrics, figures and report of a prediction run", _evaluate)
-    p.add_argument("model_dir", type=Path)
+    p.add_argument("model_dir", help="as for predict: a model folder or `latest`")
     p.add_argument("prediction_key", help="the key printed by `gpmil predict`")
     p.add_argument("--store")
     p = with_config("serve", "serve the pipeline as a Prefect deployment (runs until stopped)", _serve)

@@ -23,12 +23,13 @@ from distributed import Client
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
-from flows.checks import check_inputs
+from flows.checks import check_inputs, resolved_model_dir
 from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config, new_cohort_labels
 from tasks import prefect_tasks as t
 from tasks.cluster import check_scheduler_answers, dotted, start_cluster
 from tasks.paths import safe_filename
-from tasks.retention import record_run
+from tasks.lease import reader_lease
+from tasks.retention import LATEST_MODEL, record_run
 from tasks.store import open_cohort
 
 __all__ = ["ingest_cohort", "train_model", "predict_cohort", "evaluate_run", "pipeline", "run_cluster"]
@@ -63,6 +64,30 @@ def _config(config: str, store: str | None = None, source: str | None = None) ->
     if source is not None:
         cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"source": Path(_beside(config, source))})})
     return cfg
+
+
+@contextmanager
+def _reading_model(config: str, cfg: PipelineConfig, model_dir: str) -> Iterator[str]:
+    """A flow's ``model_dir`` (beside the configuration when relative; ``latest``: the model of the
+    newest completed run of the configuration, named in the log), under a reader lease
+    (:func:`tasks.lease.reader_lease`) so that no ``keep_runs`` removes it while it is read. A
+    ``latest`` model removed just before the lease (a newer run pruned it) is looked up again; a
+    missing folder is left to :func:`~flows.checks.check_inputs` to name."""
+    for _ in range(3):
+        resolved = _beside(config, resolved_model_dir(cfg, model_dir))
+        if not Path(resolved).is_dir():
+            break
+        lease = ExitStack()
+        try:
+            lease.enter_context(reader_lease(resolved, f"{cfg.name}: predicting with {Path(resolved).name}"))
+        except FileNotFoundError:  # removed between the lookup and the lease
+            continue
+        with lease:
+            if model_dir == LATEST_MODEL:
+                get_run_logger().info("MODEL_DIR %s: %s, the model of the newest completed run of %r", LATEST_MODEL, resolved, cfg.name)
+            yield resolved
+        return
+    yield resolved
 
 
 def _beside(config: str, path: str | None) -> str | None:
@@ -140,21 +165,22 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     ``<output_dir>/stores/<folder>-<hash>.zarr``) with the feature extractor of the store the model
     was trained on (``labels``: optional, for metrics)."""
     cfg = _config(config)
-    model_dir, store, source, labels = (_beside(config, path) for path in (model_dir, store, source, labels))
-    trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
-    if source is not None:
-        new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
-        cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained),
-                                     "prediction": cfg.prediction.model_copy(update={"store": new_store})})
-        check_inputs(cfg, "predict", model_dir=model_dir, source=source)
-    else:
-        check_inputs(cfg, "predict", store=store, model_dir=model_dir)
-    target = str(store or cfg.prediction.store or cfg.store) if source is None else str(cfg.prediction.store)
-    with run_cluster(cfg, scheduler_address) as address:
-        ingested = t.ingest_cohort_items(cfg.model_copy(update={"store": Path(target)}), address) if source is not None else None
-        key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
-        predicted = t.predict(cfg, target, model_dir, key, address)
-    reported = t.write_report(cfg, target, model_dir, key)
+    store, source, labels = (_beside(config, path) for path in (store, source, labels))
+    with _reading_model(config, cfg, model_dir) as model_dir:
+        trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
+        if source is not None:
+            new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
+            cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained),
+                                         "prediction": cfg.prediction.model_copy(update={"store": new_store})})
+            check_inputs(cfg, "predict", model_dir=model_dir, source=source)
+        else:
+            check_inputs(cfg, "predict", store=store, model_dir=model_dir)
+        target = str(store or cfg.prediction.store or cfg.store) if source is None else str(cfg.prediction.store)
+        with run_cluster(cfg, scheduler_address) as address:
+            ingested = t.ingest_cohort_items(cfg.model_copy(update={"store": Path(target)}), address) if source is not None else None
+            key = cfg.prediction_key(Path(model_dir).name, t.fingerprint_cohort(target))
+            predicted = t.predict(cfg, target, model_dir, key, address)
+        reported = t.write_report(cfg, target, model_dir, key)
     info = {"store": target, "report": reported.path, "metrics": reported.info,
             "skipped": [] if ingested is None else ingested.info.get("skipped", [])}
     return t.StageResult(key, predicted.path, predicted.reused and reported.reused, info)
@@ -164,10 +190,11 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
 def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | None = None) -> t.StageResult:
     """Tables, metrics, figures and the report of one prediction run."""
     cfg = _config(config)
-    model_dir, store = _beside(config, model_dir), _beside(config, store)
-    check_inputs(cfg, "evaluate", store=store, model_dir=model_dir, prediction_key=prediction_key)
-    target = str(store or cfg.prediction.store or cfg.store)
-    return t.write_report(cfg, target, model_dir, prediction_key)
+    store = _beside(config, store)
+    with _reading_model(config, cfg, model_dir) as model_dir:
+        check_inputs(cfg, "evaluate", store=store, model_dir=model_dir, prediction_key=prediction_key)
+        target = str(store or cfg.prediction.store or cfg.store)
+        return t.write_report(cfg, target, model_dir, prediction_key)
 
 
 @flow(name="gpmil-pipeline", log_prints=True)
@@ -180,16 +207,18 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     cfg = _config(config, store=store, source=source)
     check_inputs(cfg, "run")
     results: dict[str, t.StageResult] = {}
-    with run_cluster(cfg, scheduler_address) as address:
-        if cfg.ingest.kind != "none":
-            results["ingest"] = t.ingest_cohort_items(cfg, address)
-        training_store = str(cfg.store)
-        trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
-        results["train"] = trained
-        target = str(cfg.prediction.store or cfg.store)
-        key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
-        results["predict"] = t.predict(cfg, target, trained.path, key, address)
-    results["report"] = t.write_report(cfg, target, trained.path, key)
+    with ExitStack() as reading_model:  # the model's reader lease: another run's keep_runs leaves it while it is used
+        with run_cluster(cfg, scheduler_address) as address:
+            if cfg.ingest.kind != "none":
+                results["ingest"] = t.ingest_cohort_items(cfg, address)
+            training_store = str(cfg.store)
+            trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
+            results["train"] = trained
+            reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: predicting with {trained.key}"))
+            target = str(cfg.prediction.store or cfg.store)
+            key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
+            results["predict"] = t.predict(cfg, target, trained.path, key, address)
+        results["report"] = t.write_report(cfg, target, trained.path, key)
     logger.info("report: %s", results["report"].path)
     record = _write_latest(cfg, results)
     if cfg.keep_runs is not None:

@@ -16,6 +16,10 @@ checkpoints, predictions) now holds :func:`writer_lease` for it:
 - Within one process the lease is shared (re-entrant): the flow and the library functions it
   calls may each take it. Readers never look at it.
 - Deleting the file by hand releases a lease whose holder is known to be gone.
+
+Readers of a folder that another process may remove (a model that ``keep_runs`` prunes) hold
+:func:`reader_lease` instead: any number at once, each a file in ``<folder>/.readers/``, refreshed
+and judged stale by the same rules; :func:`live_readers` tells the remover.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["DEFAULT_TTL_S", "StoreLockedError", "LeaseInfo", "lease_path", "writer_lease", "read_lease", "holds_writer_lease",
-           "ensure_still_held"]
+           "ensure_still_held", "READERS", "reader_lease", "live_readers"]
 
 log = logging.getLogger("gpmil.lease")
 
@@ -153,11 +157,11 @@ def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> Non
     while not stop.wait(every):
         try:
             if json.loads(path.read_text()).get("token") != token:
-                log.error("the writer lease %s was taken over by another process", path)
+                log.error("the lease %s was taken over by another process", path)
                 return
             os.utime(path)
         except (OSError, ValueError):
-            log.error("the writer lease %s disappeared", path)
+            log.error("the lease %s disappeared", path)
             return
 
 
@@ -220,3 +224,46 @@ def holds_writer_lease(purpose: str) -> Callable[[Callable], Callable]:
         return wrapper
 
     return decorate
+
+
+READERS = ".readers"
+"""The folder, inside a folder being read, of its readers' lease files."""
+
+
+@contextmanager
+def reader_lease(folder: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S) -> Iterator[None]:
+    """Mark ``folder`` as read by this process for the block: ``<folder>/.readers/<token>.json``,
+    refreshed every ``ttl / 4`` s, removed at the end. The file is made inside the folder, so a
+    remover that renames the folder away first and then calls :func:`live_readers` on it sees every
+    reader that got in; one that comes later finds the folder gone (FileNotFoundError)."""
+    readers = Path(folder) / READERS
+    readers.mkdir(exist_ok=True)
+    pid = os.getpid()
+    info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
+    path = readers / f"{info.token}.json"
+    if not _try_create(path, info):
+        raise FileExistsError(path)  # a random token: never in practice
+    stop = threading.Event()
+    threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True, name=f"reader-{info.token[:8]}").start()
+    try:
+        yield
+    finally:
+        stop.set()
+        path.unlink(missing_ok=True)
+
+
+def live_readers(folder: str | Path, *, ttl: float = DEFAULT_TTL_S) -> list[str]:
+    """What holds a :func:`reader_lease` on ``folder`` now (``purpose (host, PID)``): lease files
+    whose process runs (this host) or that were refreshed within ``ttl`` (another host)."""
+    live = []
+    for path in sorted((Path(folder) / READERS).glob("*.json")):
+        try:
+            age = time.time() - path.stat().st_mtime
+            info = LeaseInfo(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            continue  # released while we looked
+        except (ValueError, TypeError):  # being written, or foreign: its age decides
+            info = LeaseInfo(host="?", pid=-1, pid_start=None, purpose="unreadable reader file", started=0.0, token="?")
+        if _stale_reason(info, age, ttl) is None:
+            live.append(f"{info.purpose} (host {info.host}, PID {info.pid})")
+    return live

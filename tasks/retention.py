@@ -13,13 +13,15 @@ Only what a record names by its keys is removed, at paths built from the keys (a
 others can write: an id that is no 16-digit hexadecimal key, a path that does not resolve, or a
 store that is not one of this configuration's, is never followed). Report folders' leases are all
 taken first: a result whose report another process writes stays whole, and so does everything it
-shares with other older results. Store groups go under the store's writer lease. Any error
+shares with other older results. A model a prediction is reading (its reader lease,
+:func:`tasks.lease.reader_lease`) stays. Store groups go under the store's writer lease. Any error
 removing (a permission, a damaged store) leaves that result, logged, with its record, for the next
 run; a record is deleted last, so a run killed while removing is finished by the next. The run that
 prunes is always kept, and only records of its own configuration (by name) are removed: what
 another configuration's records in the same ``output_dir`` use stays. Outputs of runs
 before records were kept, of ``gpmil predict`` and of single stages are not recorded (removed only
-where they are one of a removed run's results: the same model, cohort and settings)."""
+where they are one of a removed run's results: the same model, cohort and settings). The records
+also name the model ``latest`` stands for (:func:`newest_model_dir`)."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.lease import writer_lease
+from tasks.lease import live_readers, writer_lease
 
-__all__ = ["RUNS", "LATEST_RUN", "RunRecord", "record_run", "read_records", "prune_runs"]
+__all__ = ["RUNS", "LATEST_RUN", "LATEST_MODEL", "RunRecord", "record_run", "read_records", "newest_model_dir", "prune_runs"]
 
 log = logging.getLogger("gpmil.retention")
 
@@ -47,7 +49,13 @@ LATEST_RUN = "latest-run.json"
 """Written into ``output_dir`` by each completed pipeline run: which model and report are the newest
 (their folders are named by content keys, and an older one's files can be newer)."""
 
+LATEST_MODEL = "latest"
+"""``MODEL_DIR``'s word for the model of the newest completed ``gpmil run`` of the configuration
+(:func:`newest_model_dir`): a served prediction follows the nightly retraining, and ``keep_runs``
+never removes that model."""
+
 _KEY = re.compile(r"[0-9a-f]{16}")
+_ASIDE = ".removing-"  # a model folder being removed: models/.removing-<key>
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,13 @@ def read_records(output_dir: str | Path) -> list[RunRecord]:
             continue
         records.append(record)
     return records
+
+
+def newest_model_dir(output_dir: str | Path, config: str) -> Path | None:
+    """The model folder of the newest record of configuration ``config`` in ``output_dir`` (built
+    from its key), or None when no run of it is recorded."""
+    own = [r for r in read_records(output_dir) if r.config == config]
+    return Path(output_dir) / "models" / own[-1].model_key if own else None
 
 
 def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path], keep: int, current: Path) -> list[str]:
@@ -185,10 +200,32 @@ def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], 
         shutil.rmtree(report)
         removed.append(str(report))
     model = output_dir / "models" / record.model_key
-    if record.model_key not in in_use["models"] and _is_folder(model):
-        shutil.rmtree(model)
-        removed.append(str(model))
+    if record.model_key not in in_use["models"]:
+        aside = model.with_name(f"{_ASIDE}{model.name}")
+        if not model.exists() and _is_folder(aside):  # a removal a kill interrupted: back in place, then as any other
+            os.rename(aside, model)
+        if _is_folder(model):
+            if not _remove_unread(model, aside):
+                return False
+            removed.append(str(model))
     return whole
+
+
+def _remove_unread(folder: Path, aside: Path) -> bool:
+    """Remove ``folder`` unless a process holds a :func:`~tasks.lease.reader_lease` on it (a
+    prediction with this model; logged, False). It is renamed to ``aside`` before the readers are
+    read again, so a reader either shows there (the folder goes back) or finds the folder gone."""
+    readers = live_readers(folder)  # established readers: every path stays as it is
+    if not readers:
+        if _is_folder(aside):
+            shutil.rmtree(aside)  # left by a kill after this model was written again
+        os.rename(folder, aside)
+        if not (readers := live_readers(aside)):
+            shutil.rmtree(aside)
+            return True
+        os.rename(aside, folder)
+    log.warning("%s stays (for a later run to remove): read by %s", folder, "; ".join(readers))
+    return False
 
 
 def _group_folders(parent: Path, key: str) -> list[Path]:

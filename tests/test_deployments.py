@@ -231,7 +231,8 @@ def test_prefect_yaml_deployments_run_on_a_process_work_pool(server, config, tmp
     X, bags, y, _ = make_toy_bags(n_bags=6, seed=11)
     new = write_store(tmp_path / "new-cohort.zarr", X, bags, y)
     model_dir = next((Path(yaml.safe_load(config.read_text())["output_dir"]) / "models").iterdir())
-    predicted, _ = run_and_check("predict-cohort/predict-new-cohort", server, {"config": str(config), "model_dir": str(model_dir), "store": new})
+    # `latest`, as infra/prefect.yaml gives it: the nightly run's model
+    predicted, _ = run_and_check("predict-cohort/predict-new-cohort", server, {"config": str(config), "model_dir": "latest", "store": new})
     assert predicted.parameters["store"] == new and report.exists()
     import zarr
 
@@ -239,3 +240,4 @@ def test_prefect_yaml_deployments_run_on_a_process_work_pool(server, config, tmp
 
     [key] = list(zarr.open_group(new, mode="r")["predictions"].group_keys())
     assert read_predictions(new, key)["bags/proba"].shape == (6,)
+    assert zarr.open_group(new, mode="r")["predictions"][key].attrs["model_key"] == model_dir.name

@@ -5,9 +5,11 @@ held by another process)."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import yaml
 import zarr
 
 from flows.pipeline import pipeline
-from tasks.lease import lease_path
+from tasks.lease import READERS, lease_path, reader_lease
 from tasks.retention import RUNS, prune_runs
 from tests.conftest import make_toy_bags
 from tests.test_distributed import write_store
@@ -42,7 +44,7 @@ def _contents(tmp_path: Path, store: str) -> dict[str, set[str]]:
             "records": {json.loads(p.read_text())["prediction_key"] for p in (tmp_path / "out" / RUNS).glob("*.json")}}
 
 
-def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path):
+def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path, capsys, monkeypatch):
     X, bags, y, _ = make_toy_bags(n_bags=16, seed=5)
     store = write_store(tmp_path / "cohort.zarr", X, bags, y)
     a = _run(tmp_path, store, 3)  # before keep_runs was set: recorded, nothing removed
@@ -76,6 +78,21 @@ def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path):
                                           "training": {c["model"], d["model"]}, "predictions": {c["prediction"], d["prediction"]},
                                           "records": {c["prediction"], d["prediction"]}}
 
+    # MODEL_DIR `latest`: the newest run's model (D's, its prediction of the store reused), on the command line as in a flow
+    from flows.cli import main
+    from flows.pipeline import predict_cohort
+
+    config = str(tmp_path / "nightly.yaml")
+    assert predict_cohort(config, "latest").key == d["prediction"]
+    assert main(["predict", config, "latest"]) == 0 and d["prediction"] in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # ./latest is a folder of that name, not the word
+    assert main(["predict", config, "./latest"]) == 2 and f"MODEL_DIR: {tmp_path / 'latest'}" in capsys.readouterr().err
+    other = tmp_path / "weekly.yaml"
+    other.write_text(Path(config).read_text().replace("name: nightly", "name: weekly"))
+    assert main(["predict", str(other), "latest"]) == 2
+    assert (f"MODEL_DIR: latest: no completed `gpmil run` of configuration 'weekly' is recorded in {tmp_path / 'out' / RUNS}"
+            in capsys.readouterr().err)
+
 
 def _key(n: int) -> str:
     return f"{n:016x}"
@@ -94,7 +111,14 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     for n in [1, 2, 3, 4, 5, 6]:
         (out / "models" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"training/{_key(n)}")
-    for n in [101, 102, 103, 104, 111, 112]:
+    for n in [8, 10]:
+        (out / "models" / _key(n)).mkdir(parents=True)
+    (out / "models" / f".removing-{_key(11)}").mkdir()  # a removal a kill interrupted
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (out / "models" / _key(10) / READERS).mkdir()  # a reader killed with -9: its file stays, its process is gone
+    (out / "models" / _key(10) / READERS / "gone.json").write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": int(dead), "pid_start": "0", "purpose": "a killed prediction", "started": 0.0, "token": "t"}))
+    for n in [101, 102, 103, 104, 111, 112, 114, 115, 116]:
         (out / "predictions" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(n)}")
     (out / "predictions" / _key(110) / "instances").mkdir(parents=True)  # a group a kill left without its zarr.json
@@ -120,15 +144,21 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     record("04", "nightly", 9, 104)  # EmbeddedGPMIL's checkpoints; its model folder was replaced by a link
     record("04a", "nightly", 6, 111)  # its report is being written by another process
     record("04b", "nightly", 6, 112)  # shares its model with 04a
+    record("04c", "nightly", 8, 114)  # its model is being read by another process (a prediction with it)
+    record("04d", "nightly", 10, 115)  # its model's only reader is gone
+    record("04e", "nightly", 11, 116)  # its model's removal was interrupted
     record("05", "nightly", 5, 106, store=other, predicted=other)  # a store that is not this configuration's
     record("06", "nightly", "../../victim", 107)  # keys that are paths
     record("06a", "nightly", 7, 113, store="a\x00b")  # a path that does not resolve
     (runs / "07.json").write_text('{"config": ')  # cut short
     current = record("08", "nightly", 3, 108)  # this run
     record("09", "nightly", 4, 109)  # a parallel run of the same configuration that finished after this one
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from contextlib import ExitStack; from tasks.lease import writer_lease\n"
-                               "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[1:]]\n"
-                               "    print('held', flush=True); time.sleep(600)", str(out / "predictions" / _key(111)), busy],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from contextlib import ExitStack\n"
+                               "from tasks.lease import reader_lease, writer_lease\n"
+                               "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[2:]]\n"
+                               "    held.enter_context(reader_lease(sys.argv[1], 'a prediction'))\n"
+                               "    print('held', flush=True); time.sleep(600)", str(out / "models" / _key(8)),
+                               str(out / "predictions" / _key(111)), busy],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -143,9 +173,13 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
                        f"{ours}/training/{_key(9)}-features1", f"{ours}/training/{_key(9)}-member0",  # 04: not the linked folder
                        f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),
                        f"{ours}/predictions/{_key(112)}", str(out / "predictions" / _key(112)),  # 04b: its model is 04a's
+                       f"{ours}/predictions/{_key(114)}", str(out / "predictions" / _key(114)),  # 04c: not the model being read
+                       f"{ours}/predictions/{_key(115)}", str(out / "predictions" / _key(115)), str(out / "models" / _key(10)),
+                       f"{ours}/predictions/{_key(116)}", str(out / "predictions" / _key(116)), str(out / "models" / _key(11)),
                        str(out / "models" / _key(5))]  # 05: its groups in the other store stay
-    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "05", "06", "06a", "07", "08", "09"]
-    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 9)}
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "05", "06", "06a", "07", "08", "09"]
+    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 8, 9)}
+    assert f"{_key(8)} stays (for a later run to remove): read by a prediction (host" in caplog.text
     assert {_key(6), _key(1)} <= set(zarr.open_group(ours, mode="r")["training"].group_keys())
     assert (out / "predictions" / _key(111)).is_dir() and _key(103) in zarr.open_group(busy, mode="r")["predictions"]
     assert _key(106) in zarr.open_group(other, mode="r")["predictions"] and victim.is_dir()
@@ -156,3 +190,65 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     assert "06a.json is unreadable" in caplog.text
     with pytest.raises(ValueError, match="keep_runs=0"):
         prune_runs(out, "nightly", [ours], keep=0, current=current)
+
+
+def test_a_prediction_that_takes_the_model_between_the_look_and_the_removal_keeps_it(tmp_path, monkeypatch, caplog):
+    """The model folder is renamed aside before its readers are read again: a prediction whose
+    reader lease came just after the first look is found there, and the folder goes back whole;
+    once it is done the next run removes the model."""
+    import tasks.retention as retention
+
+    out, store = tmp_path / "out", str(tmp_path / "cohort.zarr")
+    model = out / "models" / _key(1)
+    model.mkdir(parents=True)
+    (model / "model.json").write_text("{}")
+    runs = out / RUNS
+    runs.mkdir()
+    for name, key, prediction in [("01", 1, 101), ("02", 2, 102)]:
+        (runs / f"{name}.json").write_text(json.dumps({"config": "nightly", "store": store, "model_key": _key(key),
+                                                       "predicted_store": store, "prediction_key": _key(prediction)}))
+    real, looked, late = retention.live_readers, [], ExitStack()
+
+    def a_reader_comes_after_the_first_look(folder):
+        found = real(folder)
+        if not looked:
+            late.enter_context(reader_lease(folder, "a late prediction"))
+        looked.append(Path(folder).name)
+        return found
+
+    monkeypatch.setattr(retention, "live_readers", a_reader_comes_after_the_first_look)
+    with late:
+        assert prune_runs(out, "nightly", [store], keep=1, current=runs / "02.json") == []
+        assert looked == [_key(1), f".removing-{_key(1)}"] and (model / "model.json").read_text() == "{}"
+        assert sorted(p.name for p in (out / "models").iterdir()) == [_key(1)]
+        assert f"{_key(1)} stays (for a later run to remove): read by a late prediction" in caplog.text
+    assert prune_runs(out, "nightly", [store], keep=1, current=runs / "02.json") == [str(model)]
+    assert not any((out / "models").iterdir())
+
+
+def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(tmp_path, monkeypatch):
+    """While ``gpmil run`` and ``gpmil predict`` (a folder or ``latest``) predict with a model, the
+    model folder shows their reader lease, which ``keep_runs`` of another run respects; it is gone
+    once they are done."""
+    import tasks.prefect_tasks as t
+    from flows.pipeline import predict_cohort
+    from tasks.lease import live_readers
+
+    real, seen = t.predict_cohort, []
+
+    def predict_cohort_noting_readers(model, store, client, **kwargs):
+        seen.append(live_readers(kwargs["provenance"]["model_dir"]))
+        return real(model, store, client, **kwargs)
+
+    monkeypatch.setattr(t, "predict_cohort", predict_cohort_noting_readers)
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=4)
+    first = _run(tmp_path, write_store(tmp_path / "cohort.zarr", X, bags, y), 3)
+    model = tmp_path / "out" / "models" / first["model"]
+    config = str(tmp_path / "nightly.yaml")
+    X, bags, y, _ = make_toy_bags(n_bags=6, seed=9)
+    predict_cohort(config, str(model), store=write_store(tmp_path / "new.zarr", X, bags, y))
+    X, bags, y, _ = make_toy_bags(n_bags=5, seed=10)
+    predict_cohort(config, "latest", store=write_store(tmp_path / "newer.zarr", X, bags, y))
+    assert [len(readers) for readers in seen] == [1, 1, 1], seen
+    assert all(readers[0].startswith(f"nightly: predicting with {first['model']} (host ") for readers in seen), seen
+    assert live_readers(model) == []
