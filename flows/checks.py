@@ -266,11 +266,15 @@ def _labels_problem(ing: IngestConfig, field: str) -> str | None:
     return None
 
 
-def resolved_model_dir(config: PipelineConfig, model_dir: str | None) -> str | None:
-    """``MODEL_DIR`` as given, or for ``latest`` the model folder of the newest completed ``gpmil
-    run`` of this configuration (its record in ``<output_dir>/runs``)."""
+def resolved_model_dir(config: PipelineConfig, model_dir: str | None, stage: Stage) -> str | None:
+    """``MODEL_DIR`` as given, or for ``predict``'s ``latest`` the model folder of the newest
+    completed ``gpmil run`` of this configuration (its record in ``<output_dir>/runs``). ``evaluate``
+    takes the model its prediction was made with, by its folder."""
     if model_dir != LATEST_MODEL:
         return model_dir
+    if stage != "predict":
+        raise ConfigError(f"MODEL_DIR: {LATEST_MODEL} is for predict; {stage} reads the model its prediction was made with: "
+                          "give that model's folder (<output_dir>/models/<key>)")
     newest = newest_model_dir(config.output_dir, config.name)
     if newest is None:
         raise ConfigError(f"MODEL_DIR: {LATEST_MODEL}: no completed `gpmil run` of configuration {config.name!r} is recorded in "
@@ -284,8 +288,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
     ``model_dir``: the command line's overrides and arguments; ``source``: a new cohort's folder
     that ``predict`` ingests first, whose store need not exist yet; ``prediction_key``:
     ``evaluate``'s, which must name a complete prediction of that store by that model; ``latest``
-    as ``model_dir``: the newest run's model, :func:`resolved_model_dir`)."""
-    model_dir = resolved_model_dir(config, model_dir)
+    as ``model_dir`` of ``predict``: the newest run's model, :func:`resolved_model_dir`)."""
+    model_dir = resolved_model_dir(config, model_dir, stage)
     ing = config.ingest
     checks: list[tuple[str, Path | str | None, Literal["file", "dir", "any"]]] = [
         ("dask.config_file", config.dask.config_file, "file")]  # every stage starts or joins a cluster

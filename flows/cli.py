@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "store's extractor, predict, write the report and tables")
     p.add_argument("--labels", type=Path, help="labels of the --source cohort (optional; for metrics)")
     p = with_config("evaluate", "tables, metrics, figures and report of a prediction run", _evaluate)
-    p.add_argument("model_dir", help="as for predict: a model folder or `latest`")
+    p.add_argument("model_dir", help="the model folder the prediction was made with")
     p.add_argument("prediction_key", help="the key printed by `gpmil predict`")
     p.add_argument("--store")
     p = with_config("serve", "serve the pipeline as a Prefect deployment (runs until stopped)", _serve)

@@ -367,24 +367,35 @@ def _not_local_cluster_parameters(cluster_class: str | None, kwargs: dict[str, A
 
 # LocalCluster parameters a wrong type breaks late or silently: ``n_workers: two`` failed with a
 # traceback from inside its event loop, ``threads_per_worker: "2"`` with "Nanny failed to start",
-# and ``processes: "no"`` started processes (any non-empty text is true).
-_LOCAL_CLUSTER_COUNTS = {"n_workers": 0, "threads_per_worker": 1, "nthreads": 1}
+# and ``processes: "no"`` started processes (any non-empty text is true). None is the class's default.
+_LOCAL_CLUSTER_COUNTS = ("n_workers", "threads_per_worker", "nthreads")
 _LOCAL_CLUSTER_SWITCHES = ("processes",)
 
 
-def _mistyped_local_cluster_settings(cluster_class: str | None, kwargs: dict[str, Any]) -> list[str]:
+def _mistyped_local_cluster_settings(cluster_class: str | None, kwargs: dict[str, Any], adaptive: bool) -> list[str]:
     """What is wrong with the counts and switches of ``kwargs`` for a LocalCluster (or a subclass,
-    which takes the same ones), one phrase per setting; empty for other cluster classes."""
+    which takes the same ones), one phrase per setting; empty for other cluster classes. Zero
+    workers only with ``adapt_kwargs`` (``adaptive``: they scale from there)."""
     from distributed import LocalCluster
 
     from tasks.cluster import import_cluster_class
 
     if not issubclass(LocalCluster if cluster_class is None else import_cluster_class(cluster_class), LocalCluster):
         return []
-    problems = [f"{name}: {kwargs[name]!r} is not a whole number >= {least}" for name, least in _LOCAL_CLUSTER_COUNTS.items()
-                if name in kwargs and not (type(kwargs[name]) is int and kwargs[name] >= least)]
-    return problems + [f"{name}: {kwargs[name]!r} is not true or false" for name in _LOCAL_CLUSTER_SWITCHES
-                       if name in kwargs and not isinstance(kwargs[name], bool)]
+    problems = []
+    for name in (*_LOCAL_CLUSTER_COUNTS, *_LOCAL_CLUSTER_SWITCHES):
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        if name in _LOCAL_CLUSTER_SWITCHES:
+            if not isinstance(value, bool):
+                problems.append(f"{name}: {value!r} is not true or false")
+        elif name == "n_workers" and type(value) is int and value == 0:
+            if not adaptive:
+                problems.append("n_workers: 0 starts no worker and the run would wait for one (give adapt_kwargs to scale from 0)")
+        elif not (type(value) is int and value >= 1):
+            problems.append(f"{name}: {value!r} is not a whole number >= 1")
+    return problems
 
 
 class DaskConfig(_Strict):
@@ -440,7 +451,8 @@ class DaskConfig(_Strict):
                      for name in unknown]
             raise ValueError(f"cluster_kwargs: {', '.join(hints)} is no parameter of a LocalCluster or its workers "
                              "(it failed only as the workers started: 'Nanny failed to start')")
-        if self.cluster_kwargs and (mistyped := _mistyped_local_cluster_settings(self.cluster_class, self.cluster_kwargs)):
+        if self.cluster_kwargs and (mistyped := _mistyped_local_cluster_settings(self.cluster_class, self.cluster_kwargs,
+                                                                                             self.adapt_kwargs is not None)):
             raise ValueError(f"cluster_kwargs: {'; '.join(mistyped)}")
         local = {"threads_per_worker": self.threads_per_worker, "processes": self.processes}
         if self.cluster_class and any(v is not None for v in local.values()):

@@ -67,27 +67,30 @@ def _config(config: str, store: str | None = None, source: str | None = None) ->
 
 
 @contextmanager
-def _reading_model(config: str, cfg: PipelineConfig, model_dir: str) -> Iterator[str]:
-    """A flow's ``model_dir`` (beside the configuration when relative; ``latest``: the model of the
-    newest completed run of the configuration, named in the log), under a reader lease
-    (:func:`tasks.lease.reader_lease`) so that no ``keep_runs`` removes it while it is read. A
-    ``latest`` model removed just before the lease (a newer run pruned it) is looked up again; a
-    missing folder is left to :func:`~flows.checks.check_inputs` to name."""
+def _reading_model(config: str, cfg: PipelineConfig, model_dir: str, stage: str) -> Iterator[str]:
+    """A flow's ``model_dir`` (beside the configuration when relative; for ``predict``, ``latest``:
+    the model of the newest completed run of the configuration, named in the log), under a reader
+    lease (:func:`tasks.lease.reader_lease`) so that no ``keep_runs`` removes it while it is read.
+    A ``latest`` model removed just before the lease (a newer run pruned it) is looked up again; a
+    missing folder is left to :func:`~flows.checks.check_inputs` to name; a folder this process
+    cannot write into (read-only, another user's) is read without a lease, logged."""
+    logger = get_run_logger()
+    lease = ExitStack()
     for _ in range(3):
-        resolved = _beside(config, resolved_model_dir(cfg, model_dir))
-        if not Path(resolved).is_dir():
-            break
-        lease = ExitStack()
+        resolved = _beside(config, resolved_model_dir(cfg, model_dir, stage))
         try:
-            lease.enter_context(reader_lease(resolved, f"{cfg.name}: predicting with {Path(resolved).name}"))
-        except FileNotFoundError:  # removed between the lookup and the lease
-            continue
-        with lease:
+            lease.enter_context(reader_lease(resolved, f"{cfg.name}: {stage} with {Path(resolved).name}"))
+        except FileNotFoundError:  # never there, or removed by keep_runs since the lookup
             if model_dir == LATEST_MODEL:
-                get_run_logger().info("MODEL_DIR %s: %s, the model of the newest completed run of %r", LATEST_MODEL, resolved, cfg.name)
-            yield resolved
-        return
-    yield resolved
+                continue
+        except OSError as error:
+            logger.warning("MODEL_DIR %s is read without a reader lease (%s: %s): a keep_runs of its configuration may "
+                           "remove it meanwhile", resolved, type(error).__name__, error)
+        break
+    with lease:
+        if model_dir == LATEST_MODEL:
+            logger.info("MODEL_DIR %s: %s, the model of the newest completed run of %r", LATEST_MODEL, resolved, cfg.name)
+        yield resolved
 
 
 def _beside(config: str, path: str | None) -> str | None:
@@ -166,7 +169,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     was trained on (``labels``: optional, for metrics)."""
     cfg = _config(config)
     store, source, labels = (_beside(config, path) for path in (store, source, labels))
-    with _reading_model(config, cfg, model_dir) as model_dir:
+    with _reading_model(config, cfg, model_dir, "predict") as model_dir:
         trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
         if source is not None:
             new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
@@ -191,7 +194,7 @@ def evaluate_run(config: str, model_dir: str, prediction_key: str, store: str | 
     """Tables, metrics, figures and the report of one prediction run."""
     cfg = _config(config)
     store = _beside(config, store)
-    with _reading_model(config, cfg, model_dir) as model_dir:
+    with _reading_model(config, cfg, model_dir, "evaluate") as model_dir:
         check_inputs(cfg, "evaluate", store=store, model_dir=model_dir, prediction_key=prediction_key)
         target = str(store or cfg.prediction.store or cfg.store)
         return t.write_report(cfg, target, model_dir, prediction_key)
@@ -214,7 +217,7 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
             training_store = str(cfg.store)
             trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
             results["train"] = trained
-            reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: predicting with {trained.key}"))
+            reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: run with {trained.key}"))
             target = str(cfg.prediction.store or cfg.store)
             key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
             results["predict"] = t.predict(cfg, target, trained.path, key, address)

@@ -19,7 +19,8 @@ checkpoints, predictions) now holds :func:`writer_lease` for it:
 
 Readers of a folder that another process may remove (a model that ``keep_runs`` prunes) hold
 :func:`reader_lease` instead: any number at once, each a file in ``<folder>/.readers/``, refreshed
-and judged stale by the same rules; :func:`live_readers` tells the remover.
+and judged stale by the same rules; the remover holds the folder's writer lease while it reads
+them (:func:`live_readers`) and removes.
 """
 
 from __future__ import annotations
@@ -229,14 +230,21 @@ def holds_writer_lease(purpose: str) -> Callable[[Callable], Callable]:
 READERS = ".readers"
 """The folder, inside a folder being read, of its readers' lease files."""
 
+_REMOVAL_WAIT_S = 60.0
+
 
 @contextmanager
 def reader_lease(folder: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S) -> Iterator[None]:
     """Mark ``folder`` as read by this process for the block: ``<folder>/.readers/<token>.json``,
-    refreshed every ``ttl / 4`` s, removed at the end. The file is made inside the folder, so a
-    remover that renames the folder away first and then calls :func:`live_readers` on it sees every
-    reader that got in; one that comes later finds the folder gone (FileNotFoundError)."""
-    readers = Path(folder) / READERS
+    refreshed every ``ttl / 4`` s, removed at the end.
+
+    A remover takes the folder's :func:`writer_lease`, then reads the readers (:func:`live_readers`)
+    and removes the folder only if there are none. A reader makes its file, then waits while a
+    remover holds that lease: made before the remover looked, its file stops the removal; made
+    after, the remover's lease was there before it, so the reader waits for the decision and meets
+    a folder that is gone (FileNotFoundError), never one that goes while it reads."""
+    folder = Path(folder)
+    readers = folder / READERS
     readers.mkdir(exist_ok=True)
     pid = os.getpid()
     info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
@@ -244,17 +252,35 @@ def reader_lease(folder: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S
     if not _try_create(path, info):
         raise FileExistsError(path)  # a random token: never in practice
     stop = threading.Event()
-    threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True, name=f"reader-{info.token[:8]}").start()
     try:
+        _wait_out_a_removal(folder, ttl)
+        threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True, name=f"reader-{info.token[:8]}").start()
         yield
     finally:
         stop.set()
         path.unlink(missing_ok=True)
 
 
+def _wait_out_a_removal(folder: Path, ttl: float) -> None:
+    """While a live process holds ``folder``'s writer lease (a removal deciding), wait; then raise
+    FileNotFoundError if the folder went."""
+    deadline = time.monotonic() + _REMOVAL_WAIT_S
+    while (current := read_lease(folder)) is not None and _stale_reason(*current, ttl) is None:
+        if time.monotonic() > deadline:
+            holder = current[0]
+            raise StoreLockedError(f"{folder} is held by {holder.purpose} (host {holder.host}, PID {holder.pid}) for more "
+                                   f"than {_REMOVAL_WAIT_S:.0f} s; try again")
+        time.sleep(0.05)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} was removed as this reader came")
+
+
 def live_readers(folder: str | Path, *, ttl: float = DEFAULT_TTL_S) -> list[str]:
     """What holds a :func:`reader_lease` on ``folder`` now (``purpose (host, PID)``): lease files
-    whose process runs (this host) or that were refreshed within ``ttl`` (another host)."""
+    whose process runs (this host) or that were refreshed within ``ttl``. FileNotFoundError if
+    the folder is not there."""
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"{folder} is not there")
     live = []
     for path in sorted((Path(folder) / READERS).glob("*.json")):
         try:

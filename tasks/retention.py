@@ -201,31 +201,35 @@ def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], 
         removed.append(str(report))
     model = output_dir / "models" / record.model_key
     if record.model_key not in in_use["models"]:
-        aside = model.with_name(f"{_ASIDE}{model.name}")
-        if not model.exists() and _is_folder(aside):  # a removal a kill interrupted: back in place, then as any other
-            os.rename(aside, model)
-        if _is_folder(model):
-            if not _remove_unread(model, aside):
+        if model.is_symlink():
+            _is_folder(model)  # logged, left alone
+        elif model.is_dir() or _aside(model).is_dir():
+            if not _remove_unread(model):
                 return False
             removed.append(str(model))
     return whole
 
 
-def _remove_unread(folder: Path, aside: Path) -> bool:
-    """Remove ``folder`` unless a process holds a :func:`~tasks.lease.reader_lease` on it (a
-    prediction with this model; logged, False). It is renamed to ``aside`` before the readers are
-    read again, so a reader either shows there (the folder goes back) or finds the folder gone."""
-    readers = live_readers(folder)  # established readers: every path stays as it is
-    if not readers:
-        if _is_folder(aside):
-            shutil.rmtree(aside)  # left by a kill after this model was written again
-        os.rename(folder, aside)
-        if not (readers := live_readers(aside)):
-            shutil.rmtree(aside)
-            return True
-        os.rename(aside, folder)
-    log.warning("%s stays (for a later run to remove): read by %s", folder, "; ".join(readers))
-    return False
+def _aside(model: Path) -> Path:
+    return model.with_name(f"{_ASIDE}{model.name}")
+
+
+def _remove_unread(model: Path) -> bool:
+    """Remove the ``model`` folder unless a process holds a :func:`~tasks.lease.reader_lease` on
+    it (a prediction with it; logged, False). Under the model's writer lease (another remover
+    meets StoreLockedError): the readers are read, and the folder is renamed aside and removed
+    only if there are none; a reader that comes meanwhile waits for the lease and finds the folder
+    gone. A removal a kill interrupted (the aside folder, the model gone) is finished."""
+    with writer_lease(model, f"gpmil keep_runs: removing {model}"):
+        if _aside(model).is_dir():
+            shutil.rmtree(_aside(model))  # left by a kill: its removal was decided
+        if model.is_dir():
+            if readers := live_readers(model):
+                log.warning("%s stays (for a later run to remove): read by %s", model, "; ".join(readers))
+                return False
+            os.rename(model, _aside(model))
+            shutil.rmtree(_aside(model))
+    return True
 
 
 def _group_folders(parent: Path, key: str) -> list[Path]:

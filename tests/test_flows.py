@@ -119,15 +119,18 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, dask={"cluster_class": "dask_jobqeue.SLURMCluster"}))
     with pytest.raises(ConfigError, match=r"dask: .*cluster_kwargs: n_wrokers \(did you mean n_workers\?\) is no parameter of a LocalCluster"):
         load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"n_wrokers": 2}}))  # was 'Nanny failed to start'
-    for kwargs, problem in (({"n_workers": "two"}, r"n_workers: 'two' is not a whole number >= 0"),  # was a traceback from its event loop
+    for kwargs, problem in (({"n_workers": "two"}, r"n_workers: 'two' is not a whole number >= 1"),  # was a traceback from its event loop
                             ({"threads_per_worker": "2"}, r"threads_per_worker: '2' is not a whole number >= 1"),  # was 'Nanny failed to start'
                             ({"nthreads": 0}, r"nthreads: 0 is not a whole number >= 1"),
                             ({"n_workers": True}, r"n_workers: True is not a whole number"),
+                            ({"n_workers": 0}, r"n_workers: 0 starts no worker and the run would wait for one"),
                             ({"processes": "no"}, r"processes: 'no' is not true or false")):  # started processes
         with pytest.raises(ConfigError, match=rf"dask: .*cluster_kwargs: {problem}"):
             load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": kwargs}))
     assert load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"memory_limit": "2GB", "nthreads": 1, "resources": {"GPU": 1}}}))
-    assert load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"n_workers": 0, "processes": False}}))
+    assert load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"n_workers": 0, "processes": False},
+                                                             "adapt_kwargs": {"minimum": 1, "maximum": 2}}))
+    assert load_config(write_config(tmp_path, cohort, dask={"cluster_kwargs": {"n_workers": None, "processes": None}}))  # their defaults
     (tmp_path / "list.yaml").write_text("- distributed\n")
     with pytest.raises(ConfigError, match=r"dask.config_file: .*list.yaml: a Dask configuration file holds a mapping, not list"):
         load_config(write_config(tmp_path, cohort, dask={"config_file": str(tmp_path / "list.yaml")}),

@@ -8,8 +8,8 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -85,6 +85,8 @@ def test_keep_runs_removes_older_results_but_what_a_kept_one_uses(tmp_path, caps
     config = str(tmp_path / "nightly.yaml")
     assert predict_cohort(config, "latest").key == d["prediction"]
     assert main(["predict", config, "latest"]) == 0 and d["prediction"] in capsys.readouterr().out
+    assert main(["evaluate", config, "latest", d["prediction"]]) == 2  # evaluate names the model its prediction was made with
+    assert "MODEL_DIR: latest is for predict; evaluate reads the model its prediction was made with" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)  # ./latest is a folder of that name, not the word
     assert main(["predict", config, "./latest"]) == 2 and f"MODEL_DIR: {tmp_path / 'latest'}" in capsys.readouterr().err
     other = tmp_path / "weekly.yaml"
@@ -111,14 +113,14 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     for n in [1, 2, 3, 4, 5, 6]:
         (out / "models" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"training/{_key(n)}")
-    for n in [8, 10]:
+    for n in [8, 10, 12]:
         (out / "models" / _key(n)).mkdir(parents=True)
     (out / "models" / f".removing-{_key(11)}").mkdir()  # a removal a kill interrupted
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     (out / "models" / _key(10) / READERS).mkdir()  # a reader killed with -9: its file stays, its process is gone
     (out / "models" / _key(10) / READERS / "gone.json").write_text(json.dumps(
         {"host": socket.gethostname(), "pid": int(dead), "pid_start": "0", "purpose": "a killed prediction", "started": 0.0, "token": "t"}))
-    for n in [101, 102, 103, 104, 111, 112, 114, 115, 116]:
+    for n in [101, 102, 103, 104, 111, 112, 114, 115, 116, 117]:
         (out / "predictions" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(n)}")
     (out / "predictions" / _key(110) / "instances").mkdir(parents=True)  # a group a kill left without its zarr.json
@@ -147,6 +149,7 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     record("04c", "nightly", 8, 114)  # its model is being read by another process (a prediction with it)
     record("04d", "nightly", 10, 115)  # its model's only reader is gone
     record("04e", "nightly", 11, 116)  # its model's removal was interrupted
+    record("04f", "nightly", 12, 117)  # its model is being removed by another process (a parallel run's keep_runs)
     record("05", "nightly", 5, 106, store=other, predicted=other)  # a store that is not this configuration's
     record("06", "nightly", "../../victim", 107)  # keys that are paths
     record("06a", "nightly", 7, 113, store="a\x00b")  # a path that does not resolve
@@ -158,7 +161,7 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
                                "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[2:]]\n"
                                "    held.enter_context(reader_lease(sys.argv[1], 'a prediction'))\n"
                                "    print('held', flush=True); time.sleep(600)", str(out / "models" / _key(8)),
-                               str(out / "predictions" / _key(111)), busy],
+                               str(out / "predictions" / _key(111)), busy, str(out / "models" / _key(12))],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -176,9 +179,11 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
                        f"{ours}/predictions/{_key(114)}", str(out / "predictions" / _key(114)),  # 04c: not the model being read
                        f"{ours}/predictions/{_key(115)}", str(out / "predictions" / _key(115)), str(out / "models" / _key(10)),
                        f"{ours}/predictions/{_key(116)}", str(out / "predictions" / _key(116)), str(out / "models" / _key(11)),
+                       f"{ours}/predictions/{_key(117)}", str(out / "predictions" / _key(117)),  # 04f: not the model
                        str(out / "models" / _key(5))]  # 05: its groups in the other store stay
-    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "05", "06", "06a", "07", "08", "09"]
-    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 8, 9)}
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "04f", "05", "06", "06a", "07", "08", "09"]
+    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 8, 9, 12)} | {f"{_key(12)}.writer-lease.json"}
+    assert "04f.json stay (for a later run to remove): StoreLockedError" in caplog.text
     assert f"{_key(8)} stays (for a later run to remove): read by a prediction (host" in caplog.text
     assert {_key(6), _key(1)} <= set(zarr.open_group(ours, mode="r")["training"].group_keys())
     assert (out / "predictions" / _key(111)).is_dir() and _key(103) in zarr.open_group(busy, mode="r")["predictions"]
@@ -192,10 +197,10 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
         prune_runs(out, "nightly", [ours], keep=0, current=current)
 
 
-def test_a_prediction_that_takes_the_model_between_the_look_and_the_removal_keeps_it(tmp_path, monkeypatch, caplog):
-    """The model folder is renamed aside before its readers are read again: a prediction whose
-    reader lease came just after the first look is found there, and the folder goes back whole;
-    once it is done the next run removes the model."""
+def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_gone(tmp_path, monkeypatch):
+    """The remover reads the model's readers under the model's writer lease; a prediction whose
+    reader lease comes just after that look waits for the lease and meets a folder that is gone
+    (FileNotFoundError before it reads anything), never one that goes while it reads."""
     import tasks.retention as retention
 
     out, store = tmp_path / "out", str(tmp_path / "cohort.zarr")
@@ -207,23 +212,29 @@ def test_a_prediction_that_takes_the_model_between_the_look_and_the_removal_keep
     for name, key, prediction in [("01", 1, 101), ("02", 2, 102)]:
         (runs / f"{name}.json").write_text(json.dumps({"config": "nightly", "store": store, "model_key": _key(key),
                                                        "predicted_store": store, "prediction_key": _key(prediction)}))
-    real, looked, late = retention.live_readers, [], ExitStack()
+    real, late = retention.live_readers, {}
 
-    def a_reader_comes_after_the_first_look(folder):
+    def read_the_model():
+        try:
+            with reader_lease(model, "a late prediction"):
+                late["read"] = (model / "model.json").read_text()
+        except FileNotFoundError as error:
+            late["refused"] = error
+
+    def a_reader_comes_after_the_look(folder):
         found = real(folder)
-        if not looked:
-            late.enter_context(reader_lease(folder, "a late prediction"))
-        looked.append(Path(folder).name)
+        late["thread"] = threading.Thread(target=read_the_model)
+        late["thread"].start()
+        deadline = time.monotonic() + 30
+        while not list((model / READERS).glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)  # its lease file is made before the removal goes on
         return found
 
-    monkeypatch.setattr(retention, "live_readers", a_reader_comes_after_the_first_look)
-    with late:
-        assert prune_runs(out, "nightly", [store], keep=1, current=runs / "02.json") == []
-        assert looked == [_key(1), f".removing-{_key(1)}"] and (model / "model.json").read_text() == "{}"
-        assert sorted(p.name for p in (out / "models").iterdir()) == [_key(1)]
-        assert f"{_key(1)} stays (for a later run to remove): read by a late prediction" in caplog.text
+    monkeypatch.setattr(retention, "live_readers", a_reader_comes_after_the_look)
     assert prune_runs(out, "nightly", [store], keep=1, current=runs / "02.json") == [str(model)]
-    assert not any((out / "models").iterdir())
+    late["thread"].join(30)
+    assert "read" not in late and isinstance(late["refused"], FileNotFoundError), late
+    assert sorted(p.name for p in (out / "models").iterdir()) == []  # no folder aside, no lease file left
 
 
 def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(tmp_path, monkeypatch):
@@ -250,5 +261,6 @@ def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(
     X, bags, y, _ = make_toy_bags(n_bags=5, seed=10)
     predict_cohort(config, "latest", store=write_store(tmp_path / "newer.zarr", X, bags, y))
     assert [len(readers) for readers in seen] == [1, 1, 1], seen
-    assert all(readers[0].startswith(f"nightly: predicting with {first['model']} (host ") for readers in seen), seen
+    assert [readers[0].split(" (host ")[0] for readers in seen] == [f"nightly: {stage} with {first['model']}"
+                                                                    for stage in ("run", "predict", "predict")]
     assert live_readers(model) == []
