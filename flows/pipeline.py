@@ -80,7 +80,7 @@ def _reading_model(config: str, cfg: PipelineConfig, model_dir: str, stage: str)
         resolved = _beside(config, resolved_model_dir(cfg, model_dir, stage))
         try:
             lease.enter_context(reader_lease(resolved, f"{cfg.name}: {stage} with {Path(resolved).name}"))
-        except FileNotFoundError:  # never there, or removed by keep_runs since the lookup
+        except (FileNotFoundError, NotADirectoryError):  # not a folder, or removed by keep_runs since the lookup
             if model_dir == LATEST_MODEL:
                 continue
         except OSError as error:

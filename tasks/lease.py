@@ -155,15 +155,19 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
 
 
 def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> None:
+    """Touch the lease file every ``every`` s until ``stop``; a failure to read or touch it (a
+    network file system's hiccup) is tried again at the next tick, a file gone or taken over ends it."""
     while not stop.wait(every):
         try:
             if json.loads(path.read_text()).get("token") != token:
                 log.error("the lease %s was taken over by another process", path)
                 return
             os.utime(path)
-        except (OSError, ValueError):
+        except FileNotFoundError:
             log.error("the lease %s disappeared", path)
             return
+        except (OSError, ValueError) as error:
+            log.warning("could not refresh the lease %s (%s: %s); trying again", path, type(error).__name__, error)
 
 
 @contextmanager
@@ -276,9 +280,9 @@ def _wait_out_a_removal(folder: Path, ttl: float) -> None:
 
 
 def live_readers(folder: str | Path, *, ttl: float = DEFAULT_TTL_S) -> list[str]:
-    """What holds a :func:`reader_lease` on ``folder`` now (``purpose (host, PID)``): lease files
-    whose process runs (this host) or that were refreshed within ``ttl``. FileNotFoundError if
-    the folder is not there."""
+    """What holds a :func:`reader_lease` on ``folder`` now (``purpose (host, PID)``): on this host,
+    lease files whose process runs, however long it reads; from another host, those refreshed
+    within ``ttl``. FileNotFoundError if the folder is not there."""
     if not Path(folder).is_dir():
         raise FileNotFoundError(f"{folder} is not there")
     live = []
@@ -290,6 +294,7 @@ def live_readers(folder: str | Path, *, ttl: float = DEFAULT_TTL_S) -> list[str]
             continue  # released while we looked
         except (ValueError, TypeError):  # being written, or foreign: its age decides
             info = LeaseInfo(host="?", pid=-1, pid_start=None, purpose="unreadable reader file", started=0.0, token="?")
-        if _stale_reason(info, age, ttl) is None:
+        here = info.host == socket.gethostname() and info.pid > 0
+        if _alive(info.pid, info.pid_start) if here else _stale_reason(info, age, ttl) is None:
             live.append(f"{info.purpose} (host {info.host}, PID {info.pid})")
     return live

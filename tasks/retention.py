@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.lease import live_readers, writer_lease
+from tasks.lease import ensure_still_held, live_readers, writer_lease
 
 __all__ = ["RUNS", "LATEST_RUN", "LATEST_MODEL", "RunRecord", "record_run", "read_records", "newest_model_dir", "prune_runs"]
 
@@ -177,8 +177,38 @@ def _uses(records: Sequence[RunRecord]) -> dict[str, set]:
 
 def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str], removed: list[str]) -> bool:
     """Remove ``record``'s outputs that ``in_use`` does not hold (its report folder's lease is held
-    by the caller), each added to ``removed`` as it goes. Whether everything of the record is
-    handled (no group left in a store that is not this configuration's)."""
+    by the caller), each added to ``removed`` as it goes. Nothing goes while a process reads the
+    record's model (:func:`~tasks.lease.reader_lease`: a run started by hand with its settings
+    writes its predictions and report); a model that goes is held under its writer lease from that
+    look to its removal, so a reader that comes meanwhile waits and finds it gone. Whether
+    everything of the record is handled (no group left in a store that is not this configuration's)."""
+    model = output_dir / "models" / record.model_key
+    goes = record.model_key not in in_use["models"] and not model.is_symlink() and (model.is_dir() or _aside(model).is_dir())
+    with ExitStack() as removing:
+        if goes:
+            removing.enter_context(writer_lease(model, f"gpmil keep_runs: removing {model}"))
+        if model.is_dir() and not model.is_symlink() and (readers := live_readers(model)):
+            log.warning("the outputs of the run recorded in %s stay (for a later run to remove): its model %s is read by %s",
+                        record.path.name, model, "; ".join(readers))
+            return False
+        whole = _remove_groups_and_report(output_dir, record, in_use, ours, removed)
+        if goes:
+            if _aside(model).is_dir():
+                shutil.rmtree(_aside(model))  # left by a kill: its removal was decided
+            if model.is_dir():
+                ensure_still_held(model)  # a remover frozen past the lease's ttl stops here
+                os.rename(model, _aside(model))  # the model path goes at once; what rmtree leaves on a kill is aside
+                shutil.rmtree(_aside(model))
+            removed.append(str(model))
+        elif record.model_key not in in_use["models"]:
+            _is_folder(model)  # a link is logged and left alone
+    return whole
+
+
+def _remove_groups_and_report(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str],
+                              removed: list[str]) -> bool:
+    """The record's store groups (under each store's writer lease) and report folder that
+    ``in_use`` does not hold; whether no group was left in a store that is not this configuration's."""
     whole = True
     for store, key, kind, unused in [(record.store, record.model_key, "training", (record.store, record.model_key) not in in_use["training"]),
                                      (record.predicted_store, record.prediction_key, "predictions",
@@ -199,37 +229,11 @@ def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], 
     if record.prediction_key not in in_use["reports"] and _is_folder(report):
         shutil.rmtree(report)
         removed.append(str(report))
-    model = output_dir / "models" / record.model_key
-    if record.model_key not in in_use["models"]:
-        if model.is_symlink():
-            _is_folder(model)  # logged, left alone
-        elif model.is_dir() or _aside(model).is_dir():
-            if not _remove_unread(model):
-                return False
-            removed.append(str(model))
     return whole
 
 
 def _aside(model: Path) -> Path:
     return model.with_name(f"{_ASIDE}{model.name}")
-
-
-def _remove_unread(model: Path) -> bool:
-    """Remove the ``model`` folder unless a process holds a :func:`~tasks.lease.reader_lease` on
-    it (a prediction with it; logged, False). Under the model's writer lease (another remover
-    meets StoreLockedError): the readers are read, and the folder is renamed aside and removed
-    only if there are none; a reader that comes meanwhile waits for the lease and finds the folder
-    gone. A removal a kill interrupted (the aside folder, the model gone) is finished."""
-    with writer_lease(model, f"gpmil keep_runs: removing {model}"):
-        if _aside(model).is_dir():
-            shutil.rmtree(_aside(model))  # left by a kill: its removal was decided
-        if model.is_dir():
-            if readers := live_readers(model):
-                log.warning("%s stays (for a later run to remove): read by %s", model, "; ".join(readers))
-                return False
-            os.rename(model, _aside(model))
-            shutil.rmtree(_aside(model))
-    return True
 
 
 def _group_folders(parent: Path, key: str) -> list[Path]:

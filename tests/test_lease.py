@@ -182,3 +182,37 @@ def test_a_training_run_whose_lease_was_taken_over_stops_before_its_next_checkpo
             fit_cohort(VGPMIL(n_inducing=4, max_iter=6, tol=0.0), store, client, run="r", checkpoint_every=2,
                        on_iteration=taken_over_at_3)
     assert zarr.open_group(str(store), mode="r")["training/r"].attrs["latest"] == 2  # the checkpoint before stays
+
+
+def test_a_model_reader_counts_while_its_process_runs_here_or_while_it_is_refreshed_elsewhere(tmp_path, caplog):
+    """Reader leases (:func:`reader_lease`): on this host a reader counts as long as its process
+    runs, however old its file (a refresh that kept failing, a frozen mount); from another host
+    while refreshed within the ttl; a refresh that fails is tried again at the next tick."""
+    from tasks.lease import READERS, _process_start, live_readers, reader_lease
+
+    model = tmp_path / "model"
+    (model / READERS).mkdir(parents=True)
+    hour_ago = time.time() - 3600
+    for name, host, pid, age in [("this process, an hour old", socket.gethostname(), os.getpid(), 3600),
+                                 ("elsewhere, fresh", "another-host", 1, 0), ("elsewhere, an hour old", "another-host", 1, 3600)]:
+        path = model / READERS / f"{name}.json"
+        path.write_text(json.dumps({"host": host, "pid": pid, "pid_start": _process_start(pid) if host != "another-host" else None,
+                                    "purpose": name, "started": 0.0, "token": name}))
+        os.utime(path, (time.time() - age, time.time() - age))
+    assert sorted(r.split(" (host")[0] for r in live_readers(model, ttl=600)) == ["elsewhere, fresh", "this process, an hour old"]
+    for path in (model / READERS).glob("*.json"):
+        path.unlink()
+
+    with reader_lease(model, "a long prediction", ttl=0.4):  # refreshed every 0.1 s
+        [mine] = list((model / READERS).glob("*.json"))
+        mine.rename(mine.with_suffix(".away"))
+        mine.mkdir()  # reading the lease file fails (IsADirectoryError) for a few ticks
+        time.sleep(0.35)
+        mine.rmdir()
+        mine.with_suffix(".away").rename(mine)
+        os.utime(mine, (hour_ago, hour_ago))
+        time.sleep(0.35)
+        assert time.time() - mine.stat().st_mtime < 1.0  # refreshed again after the failures
+    assert "could not refresh the lease" in caplog.text and not mine.exists()
+    with pytest.raises(FileNotFoundError, match="is not there"):
+        live_readers(tmp_path / "gone")

@@ -5,6 +5,7 @@ held by another process)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     (out / "models" / _key(10) / READERS).mkdir()  # a reader killed with -9: its file stays, its process is gone
     (out / "models" / _key(10) / READERS / "gone.json").write_text(json.dumps(
         {"host": socket.gethostname(), "pid": int(dead), "pid_start": "0", "purpose": "a killed prediction", "started": 0.0, "token": "t"}))
-    for n in [101, 102, 103, 104, 111, 112, 114, 115, 116, 117]:
+    for n in [101, 102, 103, 104, 111, 112, 114, 115, 116, 117, 118]:
         (out / "predictions" / _key(n)).mkdir(parents=True, exist_ok=True)
         zarr.open_group(ours, mode="a").require_group(f"predictions/{_key(n)}")
     (out / "predictions" / _key(110) / "instances").mkdir(parents=True)  # a group a kill left without its zarr.json
@@ -146,10 +147,11 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     record("04", "nightly", 9, 104)  # EmbeddedGPMIL's checkpoints; its model folder was replaced by a link
     record("04a", "nightly", 6, 111)  # its report is being written by another process
     record("04b", "nightly", 6, 112)  # shares its model with 04a
-    record("04c", "nightly", 8, 114)  # its model is being read by another process (a prediction with it)
+    record("04c", "nightly", 8, 114)  # its model is being read by another process (a run with its settings)
     record("04d", "nightly", 10, 115)  # its model's only reader is gone
     record("04e", "nightly", 11, 116)  # its model's removal was interrupted
     record("04f", "nightly", 12, 117)  # its model is being removed by another process (a parallel run's keep_runs)
+    record("04g", "nightly", 4, 118)  # its model is 09's (kept), and being read by another process
     record("05", "nightly", 5, 106, store=other, predicted=other)  # a store that is not this configuration's
     record("06", "nightly", "../../victim", 107)  # keys that are paths
     record("06a", "nightly", 7, 113, store="a\x00b")  # a path that does not resolve
@@ -158,9 +160,9 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     record("09", "nightly", 4, 109)  # a parallel run of the same configuration that finished after this one
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from contextlib import ExitStack\n"
                                "from tasks.lease import reader_lease, writer_lease\n"
-                               "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[2:]]\n"
-                               "    held.enter_context(reader_lease(sys.argv[1], 'a prediction'))\n"
-                               "    print('held', flush=True); time.sleep(600)", str(out / "models" / _key(8)),
+                               "with ExitStack() as held:\n    [held.enter_context(writer_lease(p, 'a writer')) for p in sys.argv[3:]]\n"
+                               "    [held.enter_context(reader_lease(p, 'a prediction')) for p in sys.argv[1:3]]\n"
+                               "    print('held', flush=True); time.sleep(600)", str(out / "models" / _key(8)), str(out / "models" / _key(4)),
                                str(out / "predictions" / _key(111)), busy, str(out / "models" / _key(12))],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     try:
@@ -176,15 +178,16 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
                        f"{ours}/training/{_key(9)}-features1", f"{ours}/training/{_key(9)}-member0",  # 04: not the linked folder
                        f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),
                        f"{ours}/predictions/{_key(112)}", str(out / "predictions" / _key(112)),  # 04b: its model is 04a's
-                       f"{ours}/predictions/{_key(114)}", str(out / "predictions" / _key(114)),  # 04c: not the model being read
                        f"{ours}/predictions/{_key(115)}", str(out / "predictions" / _key(115)), str(out / "models" / _key(10)),
                        f"{ours}/predictions/{_key(116)}", str(out / "predictions" / _key(116)), str(out / "models" / _key(11)),
-                       f"{ours}/predictions/{_key(117)}", str(out / "predictions" / _key(117)),  # 04f: not the model
                        str(out / "models" / _key(5))]  # 05: its groups in the other store stay
-    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "04f", "05", "06", "06a", "07", "08", "09"]
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "04f", "04g", "05", "06", "06a", "07", "08", "09"]
     assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 8, 9, 12)} | {f"{_key(12)}.writer-lease.json"}
     assert "04f.json stay (for a later run to remove): StoreLockedError" in caplog.text
-    assert f"{_key(8)} stays (for a later run to remove): read by a prediction (host" in caplog.text
+    assert f"04c.json stay (for a later run to remove): its model {out / 'models' / _key(8)} is read by a prediction (host" in caplog.text
+    assert all((out / "predictions" / _key(n)).is_dir() and _key(n) in zarr.open_group(ours, mode="r")["predictions"]
+               for n in (114, 117, 118))  # nothing of a result goes while its model is read (kept or not), or removed by another run
+    assert f"04g.json stay (for a later run to remove): its model {out / 'models' / _key(4)} is read by a prediction" in caplog.text
     assert {_key(6), _key(1)} <= set(zarr.open_group(ours, mode="r")["training"].group_keys())
     assert (out / "predictions" / _key(111)).is_dir() and _key(103) in zarr.open_group(busy, mode="r")["predictions"]
     assert _key(106) in zarr.open_group(other, mode="r")["predictions"] and victim.is_dir()
@@ -217,6 +220,7 @@ def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_g
     def read_the_model():
         try:
             with reader_lease(model, "a late prediction"):
+                late["entered"] = True
                 late["read"] = (model / "model.json").read_text()
         except FileNotFoundError as error:
             late["refused"] = error
@@ -230,10 +234,18 @@ def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_g
             time.sleep(0.01)  # its lease file is made before the removal goes on
         return found
 
+    renamed_under_the_lease, rename = [], os.rename
+
+    def rename_noting_the_lease(source, target):
+        renamed_under_the_lease.append(lease_path(model).exists())
+        rename(source, target)
+
     monkeypatch.setattr(retention, "live_readers", a_reader_comes_after_the_look)
+    monkeypatch.setattr(retention.os, "rename", rename_noting_the_lease)
     assert prune_runs(out, "nightly", [store], keep=1, current=runs / "02.json") == [str(model)]
     late["thread"].join(30)
-    assert "read" not in late and isinstance(late["refused"], FileNotFoundError), late
+    assert renamed_under_the_lease == [True]
+    assert "entered" not in late and "was removed as this reader came" in str(late["refused"]), late
     assert sorted(p.name for p in (out / "models").iterdir()) == []  # no folder aside, no lease file left
 
 
