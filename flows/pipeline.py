@@ -79,8 +79,10 @@ def _reading_model(config: str, cfg: PipelineConfig, model_dir: str, stage: str)
     for _ in range(3):
         resolved = _beside(config, resolved_model_dir(cfg, model_dir, stage))
         try:
+            if not Path(resolved, "model.json").is_file():  # no model folder (a lease file would be left in it)
+                raise FileNotFoundError(resolved)
             lease.enter_context(reader_lease(resolved, f"{cfg.name}: {stage} with {Path(resolved).name}"))
-        except (FileNotFoundError, NotADirectoryError):  # not a folder, or removed by keep_runs since the lookup
+        except (FileNotFoundError, NotADirectoryError):  # not a model folder, or removed by keep_runs since the lookup
             if model_dir == LATEST_MODEL:
                 continue
         except OSError as error:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 import zarr
 
+from flows.config import ConfigError
 from flows.pipeline import pipeline
 from tasks.lease import READERS, lease_path, reader_lease
 from tasks.retention import RUNS, prune_runs
@@ -272,6 +273,11 @@ def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(
     predict_cohort(config, str(model), store=write_store(tmp_path / "new.zarr", X, bags, y))
     X, bags, y, _ = make_toy_bags(n_bags=5, seed=10)
     predict_cohort(config, "latest", store=write_store(tmp_path / "newer.zarr", X, bags, y))
+    not_a_model = tmp_path / "not-a-model"  # a deployment's parameter naming the wrong folder
+    not_a_model.mkdir()
+    with pytest.raises(ConfigError, match=f"MODEL_DIR: {not_a_model / 'model.json'}"):
+        predict_cohort(config, str(not_a_model), store=str(tmp_path / "new.zarr"))
+    assert list(not_a_model.iterdir()) == []  # no lease file left in it
     assert [len(readers) for readers in seen] == [1, 1, 1], seen
     assert [readers[0].split(" (host ")[0] for readers in seen] == [f"nightly: {stage} with {first['model']}"
                                                                     for stage in ("run", "predict", "predict")]
