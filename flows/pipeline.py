@@ -217,9 +217,12 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
             if cfg.ingest.kind != "none":
                 results["ingest"] = t.ingest_cohort_items(cfg, address)
             training_store = str(cfg.store)
-            trained = t.train(cfg, training_store, cfg.model_key(t.fingerprint_cohort(training_store)), address)
+            model_key = cfg.model_key(t.fingerprint_cohort(training_store))
+            leased = _lease_a_trained_model(reading_model, Path(cfg.output_dir) / "models" / model_key, cfg.name)
+            trained = t.train(cfg, training_store, model_key, address)
             results["train"] = trained
-            reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: run with {trained.key}"))
+            if not leased:
+                reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: run with {trained.key}"))
             target = str(cfg.prediction.store or cfg.store)
             key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
             results["predict"] = t.predict(cfg, target, trained.path, key, address)
@@ -229,6 +232,19 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     if cfg.keep_runs is not None:
         t.keep_newest_runs(cfg, str(record))
     return results
+
+
+def _lease_a_trained_model(stack: ExitStack, model: Path, name: str) -> bool:
+    """The reader lease of a model trained before under this key (an older record's: a parallel
+    run's ``keep_runs`` could remove it as the training stage reuses it), taken before that stage;
+    whether it was taken (a new key's model gets its lease once trained)."""
+    if not (model / "model.json").is_file():
+        return False
+    try:
+        stack.enter_context(reader_lease(model, f"{name}: run with {model.name}"))
+    except FileNotFoundError:  # removed as we came: the training stage trains it again
+        return False
+    return True
 
 
 def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Path:

@@ -264,10 +264,21 @@ def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(
         seen.append(live_readers(kwargs["provenance"]["model_dir"]))
         return real(model, store, client, **kwargs)
 
+    real_train, seen_in_training = t.train, []
+
+    def train_noting_readers(config, store, model_key, scheduler_address):
+        model = Path(config.output_dir) / "models" / model_key
+        seen_in_training.append(live_readers(model) if model.is_dir() else None)
+        return real_train(config, store, model_key, scheduler_address)
+
     monkeypatch.setattr(t, "predict_cohort", predict_cohort_noting_readers)
+    monkeypatch.setattr(t, "train", train_noting_readers)
     X, bags, y, _ = make_toy_bags(n_bags=8, seed=4)
-    first = _run(tmp_path, write_store(tmp_path / "cohort.zarr", X, bags, y), 3)
+    cohort = write_store(tmp_path / "cohort.zarr", X, bags, y)
+    first = _run(tmp_path, cohort, 3)
     model = tmp_path / "out" / "models" / first["model"]
+    assert _run(tmp_path, cohort, 3) == first  # the model reused: its lease is taken before the training stage reuses it
+    assert seen_in_training[0] is None and [r.split(" (host ")[0] for r in seen_in_training[1]] == [f"nightly: run with {first['model']}"]
     config = str(tmp_path / "nightly.yaml")
     X, bags, y, _ = make_toy_bags(n_bags=6, seed=9)
     predict_cohort(config, str(model), store=write_store(tmp_path / "new.zarr", X, bags, y))
