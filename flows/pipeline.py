@@ -74,25 +74,32 @@ def _reading_model(config: str, cfg: PipelineConfig, model_dir: str, stage: str)
     A ``latest`` model removed just before the lease (a newer run pruned it) is looked up again; a
     missing folder is left to :func:`~flows.checks.check_inputs` to name; a folder this process
     cannot write into (read-only, another user's) is read without a lease, logged."""
-    logger = get_run_logger()
     lease = ExitStack()
     for _ in range(3):
         resolved = _beside(config, resolved_model_dir(cfg, model_dir, stage))
-        try:
-            if not Path(resolved, "model.json").is_file():  # no model folder (a lease file would be left in it)
-                raise FileNotFoundError(resolved)
-            lease.enter_context(reader_lease(resolved, f"{cfg.name}: {stage} with {Path(resolved).name}"))
-        except (FileNotFoundError, NotADirectoryError):  # not a model folder, or removed by keep_runs since the lookup
-            if model_dir == LATEST_MODEL:
-                continue
-        except OSError as error:
-            logger.warning("MODEL_DIR %s is read without a reader lease (%s: %s): a keep_runs of its configuration may "
-                           "remove it meanwhile", resolved, type(error).__name__, error)
-        break
+        if _take_reader_lease(lease, resolved, f"{cfg.name}: {stage} with {Path(resolved).name}") or model_dir != LATEST_MODEL:
+            break
     with lease:
         if model_dir == LATEST_MODEL:
-            logger.info("MODEL_DIR %s: %s, the model of the newest completed run of %r", LATEST_MODEL, resolved, cfg.name)
+            get_run_logger().info("MODEL_DIR %s: %s, the model of the newest completed run of %r", LATEST_MODEL, resolved, cfg.name)
         yield resolved
+
+
+def _take_reader_lease(stack: ExitStack, model: str | Path, purpose: str) -> bool:
+    """Enter ``model``'s reader lease on ``stack`` (:func:`tasks.lease.reader_lease`). False when it
+    is no model folder (a lease file would be left in it) or went as we came (a ``keep_runs``
+    removed it); a folder this process cannot write into (read-only, another user's) is read
+    without one, logged."""
+    if not Path(model, "model.json").is_file():
+        return False
+    try:
+        stack.enter_context(reader_lease(model, purpose))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as error:
+        get_run_logger().warning("the model %s is read without a reader lease (%s: %s): a keep_runs of its configuration "
+                                 "may remove it meanwhile", model, type(error).__name__, error)
+    return True
 
 
 def _beside(config: str, path: str | None) -> str | None:
@@ -212,39 +219,29 @@ def pipeline(config: str, store: str | None = None, source: str | None = None,
     cfg = _config(config, store=store, source=source)
     check_inputs(cfg, "run")
     results: dict[str, t.StageResult] = {}
-    with ExitStack() as reading_model:  # the model's reader lease: another run's keep_runs leaves it while it is used
+    # The model's reader lease, from before the training stage looks at it (a model trained before is
+    # an older record's, which a parallel run's keep_runs may remove) until this run's record names it.
+    with ExitStack() as reading_model:
         with run_cluster(cfg, scheduler_address) as address:
             if cfg.ingest.kind != "none":
                 results["ingest"] = t.ingest_cohort_items(cfg, address)
             training_store = str(cfg.store)
             model_key = cfg.model_key(t.fingerprint_cohort(training_store))
-            leased = _lease_a_trained_model(reading_model, Path(cfg.output_dir) / "models" / model_key, cfg.name)
+            purpose = f"{cfg.name}: run with {model_key}"
+            leased = _take_reader_lease(reading_model, Path(cfg.output_dir) / "models" / model_key, purpose)
             trained = t.train(cfg, training_store, model_key, address)
             results["train"] = trained
             if not leased:
-                reading_model.enter_context(reader_lease(trained.path, f"{cfg.name}: run with {trained.key}"))
+                _take_reader_lease(reading_model, trained.path, purpose)
             target = str(cfg.prediction.store or cfg.store)
             key = cfg.prediction_key(trained.key, t.fingerprint_cohort(target))
             results["predict"] = t.predict(cfg, target, trained.path, key, address)
         results["report"] = t.write_report(cfg, target, trained.path, key)
-    logger.info("report: %s", results["report"].path)
-    record = _write_latest(cfg, results)
+        logger.info("report: %s", results["report"].path)
+        record = _write_latest(cfg, results)
     if cfg.keep_runs is not None:
         t.keep_newest_runs(cfg, str(record))
     return results
-
-
-def _lease_a_trained_model(stack: ExitStack, model: Path, name: str) -> bool:
-    """The reader lease of a model trained before under this key (an older record's: a parallel
-    run's ``keep_runs`` could remove it as the training stage reuses it), taken before that stage;
-    whether it was taken (a new key's model gets its lease once trained)."""
-    if not (model / "model.json").is_file():
-        return False
-    try:
-        stack.enter_context(reader_lease(model, f"{name}: run with {model.name}"))
-    except FileNotFoundError:  # removed as we came: the training stage trains it again
-        return False
-    return True
 
 
 def _write_latest(cfg: PipelineConfig, results: dict[str, t.StageResult]) -> Path:

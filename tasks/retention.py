@@ -13,8 +13,8 @@ Only what a record names by its keys is removed, at paths built from the keys (a
 others can write: an id that is no 16-digit hexadecimal key, a path that does not resolve, or a
 store that is not one of this configuration's, is never followed). Report folders' leases are all
 taken first: a result whose report another process writes stays whole, and so does everything it
-shares with other older results. A model a prediction is reading (its reader lease,
-:func:`tasks.lease.reader_lease`) stays. Store groups go under the store's writer lease. Any error
+shares with other older results. A result whose model a process is reading (its reader lease,
+:func:`tasks.lease.reader_lease`) stays whole. Store groups go under the store's writer lease. Any error
 removing (a permission, a damaged store) leaves that result, logged, with its record, for the next
 run; a record is deleted last, so a run killed while removing is finished by the next. The run that
 prunes is always kept, and only records of its own configuration (by name) are removed: what
@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,12 +94,12 @@ def _write_whole(path: Path, fields: dict) -> None:
     staged.replace(path)
 
 
-def read_records(output_dir: str | Path) -> list[RunRecord]:
-    """The readable records of ``output_dir``, oldest first (by name), stores resolved; one that is
-    not (cut short, edited, keys that are no content keys, a path that does not resolve) is named
-    in the log and left alone."""
+def read_records(output_dir: str | Path, *, skip: Collection[Path] = ()) -> list[RunRecord]:
+    """The readable records of ``output_dir`` but those at ``skip``, oldest first (by name), stores
+    resolved; one that is not (cut short, edited, keys that are no content keys, a path that does
+    not resolve) is named in the log and left alone."""
     records = []
-    for path in sorted((Path(output_dir) / RUNS).glob("*.json")):
+    for path in sorted(set((Path(output_dir) / RUNS).glob("*.json")) - set(skip)):
         try:
             fields = json.loads(path.read_text())
             record = RunRecord(path, str(fields["config"]), _resolved(str(fields["store"])), str(fields["model_key"]),
@@ -133,6 +133,7 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
     if keep < 1:
         raise ValueError(f"keep_runs={keep}: keep at least the newest run")
     output_dir = Path(output_dir)
+    known = set((output_dir / RUNS).glob("*.json"))
     records = read_records(output_dir)
     own = [r for r in records if r.config == config]
     newest = {r.result: r for r in own}
@@ -148,7 +149,7 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
             if record in held:
                 continue
             try:
-                if _remove_unused(output_dir, record, in_use, ours, removed):
+                if _remove_unused(output_dir, record, in_use, ours, removed, known):
                     record.path.unlink(missing_ok=True)
             except Exception as error:  # a permission, a damaged store: the next run tries again
                 log.warning("the outputs of the run recorded in %s stay (for a later run to remove): %s: %s", record.path.name,
@@ -175,24 +176,28 @@ def _uses(records: Sequence[RunRecord]) -> dict[str, set]:
             "predictions": {(r.predicted_store, r.prediction_key) for r in records}}
 
 
-def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str], removed: list[str]) -> bool:
+def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str], removed: list[str],
+                   known: set[Path]) -> bool:
     """Remove ``record``'s outputs that ``in_use`` does not hold (its report folder's lease is held
     by the caller), each added to ``removed`` as it goes. Nothing goes while a process reads the
     record's model (:func:`~tasks.lease.reader_lease`: a run started by hand with its settings
-    writes its predictions and report); a model that goes is held under its writer lease from that
-    look to its removal, so a reader that comes meanwhile waits and finds it gone. Whether
-    everything of the record is handled (no group left in a store that is not this configuration's)."""
+    writes its predictions and report), nor what a record written since the pruning began (not
+    in ``known``; read after that look, so a run that let go of the model has written it) uses.
+    A model that goes is held under its writer lease from that look until it is gone, so a reader
+    that comes meanwhile waits and finds it gone. Whether everything of the record is handled (no
+    group left in a store that is not this configuration's)."""
     model = output_dir / "models" / record.model_key
-    goes = record.model_key not in in_use["models"] and not model.is_symlink() and (model.is_dir() or _aside(model).is_dir())
+    may_go = record.model_key not in in_use["models"] and not model.is_symlink() and (model.is_dir() or _aside(model).is_dir())
     with ExitStack() as removing:
-        if goes:
+        if may_go:
             removing.enter_context(writer_lease(model, f"gpmil keep_runs: removing {model}"))
         if model.is_dir() and not model.is_symlink() and (readers := live_readers(model)):
             log.warning("the outputs of the run recorded in %s stay (for a later run to remove): its model %s is read by %s",
                         record.path.name, model, "; ".join(readers))
             return False
-        whole = _remove_groups_and_report(output_dir, record, in_use, ours, removed)
-        if goes:
+        newer = _uses(read_records(output_dir, skip=known))
+        in_use = {kind: uses | newer[kind] for kind, uses in in_use.items()}
+        if may_go and record.model_key not in in_use["models"]:
             if _aside(model).is_dir():
                 shutil.rmtree(_aside(model))  # left by a kill: its removal was decided
             if model.is_dir():
@@ -200,9 +205,9 @@ def _remove_unused(output_dir: Path, record: RunRecord, in_use: dict[str, set], 
                 os.rename(model, _aside(model))  # the model path goes at once; what rmtree leaves on a kill is aside
                 shutil.rmtree(_aside(model))
             removed.append(str(model))
-        elif record.model_key not in in_use["models"]:
-            _is_folder(model)  # a link is logged and left alone
-    return whole
+    if record.model_key not in in_use["models"] and model.is_symlink():
+        _is_folder(model)  # a link is logged and left alone
+    return _remove_groups_and_report(output_dir, record, in_use, ours, removed)
 
 
 def _remove_groups_and_report(output_dir: Path, record: RunRecord, in_use: dict[str, set], ours: dict[str, str],

@@ -175,15 +175,15 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
 
     assert removed == [f"{ours}/predictions/{_key(110)}", str(out / "predictions" / _key(110)),  # 00: its model is this run's
                        f"{ours}/predictions/{_key(101)}", str(out / "predictions" / _key(101)),  # 01: its model is weekly's
-                       f"{ours}/training/{_key(2)}",  # 03: what went before the busy store was reached
+                       str(out / "models" / _key(2)), f"{ours}/training/{_key(2)}",  # 03: what went before the busy store was reached
                        f"{ours}/training/{_key(9)}-features1", f"{ours}/training/{_key(9)}-member0",  # 04: not the linked folder
                        f"{ours}/predictions/{_key(104)}", str(out / "predictions" / _key(104)),
                        f"{ours}/predictions/{_key(112)}", str(out / "predictions" / _key(112)),  # 04b: its model is 04a's
-                       f"{ours}/predictions/{_key(115)}", str(out / "predictions" / _key(115)), str(out / "models" / _key(10)),
-                       f"{ours}/predictions/{_key(116)}", str(out / "predictions" / _key(116)), str(out / "models" / _key(11)),
+                       str(out / "models" / _key(10)), f"{ours}/predictions/{_key(115)}", str(out / "predictions" / _key(115)),
+                       str(out / "models" / _key(11)), f"{ours}/predictions/{_key(116)}", str(out / "predictions" / _key(116)),
                        str(out / "models" / _key(5))]  # 05: its groups in the other store stay
     assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03", "04a", "04c", "04f", "04g", "05", "06", "06a", "07", "08", "09"]
-    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 2, 3, 4, 6, 8, 9, 12)} | {f"{_key(12)}.writer-lease.json"}
+    assert {p.name for p in (out / "models").iterdir()} == {_key(n) for n in (1, 3, 4, 6, 8, 9, 12)} | {f"{_key(12)}.writer-lease.json"}
     assert "04f.json stay (for a later run to remove): StoreLockedError" in caplog.text
     assert f"04c.json stay (for a later run to remove): its model {out / 'models' / _key(8)} is read by a prediction (host" in caplog.text
     assert all((out / "predictions" / _key(n)).is_dir() and _key(n) in zarr.open_group(ours, mode="r")["predictions"]
@@ -252,8 +252,9 @@ def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_g
 
 def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(tmp_path, monkeypatch):
     """While ``gpmil run`` and ``gpmil predict`` (a folder or ``latest``) predict with a model, the
-    model folder shows their reader lease, which ``keep_runs`` of another run respects; it is gone
-    once they are done."""
+    model folder shows their reader lease, which ``keep_runs`` of another run respects: a run from
+    before its training stage reuses a model trained before until its record names the model. It
+    is gone once they are done."""
     import tasks.prefect_tasks as t
     from flows.pipeline import predict_cohort
     from tasks.lease import live_readers
@@ -271,14 +272,24 @@ def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(
         seen_in_training.append(live_readers(model) if model.is_dir() else None)
         return real_train(config, store, model_key, scheduler_address)
 
+    import flows.pipeline
+
+    real_record, seen_at_record = flows.pipeline.record_run, []
+
+    def record_run_noting_readers(output_dir, latest, model_key):
+        seen_at_record.append(live_readers(latest["model_dir"]))
+        return real_record(output_dir, latest, model_key)
+
     monkeypatch.setattr(t, "predict_cohort", predict_cohort_noting_readers)
     monkeypatch.setattr(t, "train", train_noting_readers)
+    monkeypatch.setattr(flows.pipeline, "record_run", record_run_noting_readers)  # held until the record names the model
     X, bags, y, _ = make_toy_bags(n_bags=8, seed=4)
     cohort = write_store(tmp_path / "cohort.zarr", X, bags, y)
     first = _run(tmp_path, cohort, 3)
     model = tmp_path / "out" / "models" / first["model"]
     assert _run(tmp_path, cohort, 3) == first  # the model reused: its lease is taken before the training stage reuses it
     assert seen_in_training[0] is None and [r.split(" (host ")[0] for r in seen_in_training[1]] == [f"nightly: run with {first['model']}"]
+    assert [len(readers) for readers in seen_at_record] == [1, 1]
     config = str(tmp_path / "nightly.yaml")
     X, bags, y, _ = make_toy_bags(n_bags=6, seed=9)
     predict_cohort(config, str(model), store=write_store(tmp_path / "new.zarr", X, bags, y))
@@ -293,3 +304,38 @@ def test_a_run_and_a_prediction_hold_the_models_reader_lease_while_they_predict(
     assert [readers[0].split(" (host ")[0] for readers in seen] == [f"nightly: {stage} with {first['model']}"
                                                                     for stage in ("run", "predict", "predict")]
     assert live_readers(model) == []
+
+
+def test_a_run_recorded_while_the_pruning_goes_keeps_what_it_uses(tmp_path, monkeypatch):
+    """A parallel run that reused an older result's model lets go of its reader lease only once its
+    record is written: a removal that read the records before that record existed reads them again
+    after its look at the model's readers, and keeps what the new record uses (here the same
+    result: model, predictions and report); the older record goes, its outputs now the new one's."""
+    import tasks.retention as retention
+
+    out, store = tmp_path / "out", str(tmp_path / "cohort.zarr")
+    model, report = out / "models" / _key(1), out / "predictions" / _key(101)
+    model.mkdir(parents=True)
+    (model / "model.json").write_text("{}")
+    report.mkdir(parents=True)
+    runs = out / RUNS
+    runs.mkdir()
+
+    def record(name: str, key: int, prediction: int) -> Path:
+        (runs / f"{name}.json").write_text(json.dumps({"config": "nightly", "store": store, "model_key": _key(key),
+                                                       "predicted_store": store, "prediction_key": _key(prediction)}))
+        return runs / f"{name}.json"
+
+    record("01", 1, 101)
+    current = record("02", 2, 102)
+    real = retention.live_readers
+
+    def a_run_is_recorded_as_its_lease_goes(folder):
+        found = real(folder)
+        record("03", 1, 101)
+        return found
+
+    monkeypatch.setattr(retention, "live_readers", a_run_is_recorded_as_its_lease_goes)
+    assert prune_runs(out, "nightly", [store], keep=1, current=current) == []
+    assert (model / "model.json").is_file() and report.is_dir()
+    assert sorted(p.stem for p in runs.glob("*.json")) == ["02", "03"]
