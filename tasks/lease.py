@@ -91,7 +91,11 @@ def _alive(pid: int, pid_start: str | None) -> bool:
 
 def read_lease(store: str | Path) -> tuple[LeaseInfo, float] | None:
     """The current lease of ``store`` and the seconds since it was last refreshed, or None."""
-    path = lease_path(store)
+    return _read_lease_file(lease_path(store))
+
+
+def _read_lease_file(path: Path) -> tuple[LeaseInfo, float] | None:
+    """A lease file's holder and the seconds since it was last refreshed; None if it is not there."""
     try:
         age = time.time() - path.stat().st_mtime
         info = LeaseInfo(**json.loads(path.read_text()))
@@ -124,11 +128,16 @@ def _try_create(path: Path, info: LeaseInfo) -> bool:
     return True
 
 
+def _this_process(purpose: str) -> LeaseInfo:
+    """A new lease's record: this host and process, ``purpose``, now, a random token."""
+    pid = os.getpid()
+    return LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
+
+
 def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
     path = lease_path(store)
     path.parent.mkdir(parents=True, exist_ok=True)  # a new store's folder may not exist yet (the first ingest creates it)
-    pid = os.getpid()
-    info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
+    info = _this_process(purpose)
     for _ in range(5):
         if _try_create(path, info):
             return info
@@ -152,6 +161,13 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
         aside.unlink(missing_ok=True)
         log.warning("took over the writer lease of %s: %s (%s)", store, reason, holder.purpose)
     raise StoreLockedError(f"{store}: could not take the writer lease {path} (it keeps changing hands)")
+
+
+def _keep_refreshed(path: Path, token: str, ttl: float) -> threading.Event:
+    """Refresh the lease file every ``ttl / 4`` s in a daemon thread until the returned event is set."""
+    stop = threading.Event()
+    threading.Thread(target=_refresh, args=(path, token, stop, ttl / 4), daemon=True, name=f"lease-{path.name}").start()
+    return stop
 
 
 def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> None:
@@ -181,10 +197,7 @@ def writer_lease(store: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S)
             held[1] += 1
         else:
             info = _acquire(store, purpose, ttl)
-            stop = threading.Event()
-            threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True,
-                             name=f"lease-{path.name}").start()
-            held = _HELD[key] = [info.token, 1, stop]
+            held = _HELD[key] = [info.token, 1, _keep_refreshed(path, info.token, ttl)]
     try:
         yield
     finally:
@@ -250,18 +263,18 @@ def reader_lease(folder: str | Path, purpose: str, *, ttl: float = DEFAULT_TTL_S
     folder = Path(folder)
     readers = folder / READERS
     readers.mkdir(exist_ok=True)
-    pid = os.getpid()
-    info = LeaseInfo(socket.gethostname(), pid, _process_start(pid), purpose, time.time(), uuid.uuid4().hex)
+    info = _this_process(purpose)
     path = readers / f"{info.token}.json"
     if not _try_create(path, info):
         raise FileExistsError(path)  # a random token: never in practice
-    stop = threading.Event()
     try:
         _wait_out_a_removal(folder, ttl)
-        threading.Thread(target=_refresh, args=(path, info.token, stop, ttl / 4), daemon=True, name=f"reader-{info.token[:8]}").start()
-        yield
+        stop = _keep_refreshed(path, info.token, ttl)
+        try:
+            yield
+        finally:
+            stop.set()
     finally:
-        stop.set()
         path.unlink(missing_ok=True)
 
 
@@ -287,13 +300,9 @@ def live_readers(folder: str | Path, *, ttl: float = DEFAULT_TTL_S) -> list[str]
         raise FileNotFoundError(f"{folder} is not there")
     live = []
     for path in sorted((Path(folder) / READERS).glob("*.json")):
-        try:
-            age = time.time() - path.stat().st_mtime
-            info = LeaseInfo(**json.loads(path.read_text()))
-        except FileNotFoundError:
+        if (current := _read_lease_file(path)) is None:
             continue  # released while we looked
-        except (ValueError, TypeError):  # being written, or foreign: its age decides
-            info = LeaseInfo(host="?", pid=-1, pid_start=None, purpose="unreadable reader file", started=0.0, token="?")
+        info, age = current
         here = info.host == socket.gethostname() and info.pid > 0
         if _alive(info.pid, info.pid_start) if here else _stale_reason(info, age, ttl) is None:
             live.append(f"{info.purpose} (host {info.host}, PID {info.pid})")

@@ -102,6 +102,15 @@ def _key(n: int) -> str:
     return f"{n:016x}"
 
 
+def _write_record(runs: Path, name: str, config: str, model: int | str, prediction: int, store: str, predicted: str | None = None) -> Path:
+    """A run record with the fields ``prune_runs`` reads (keys from numbers, or a model key as given)."""
+    runs.mkdir(parents=True, exist_ok=True)
+    path = runs / f"{name}.json"
+    path.write_text(json.dumps({"config": config, "store": store, "model_key": model if isinstance(model, str) else _key(model),
+                                "predicted_store": predicted or store, "prediction_key": _key(prediction), "finished": "x"}))
+    return path
+
+
 def test_only_this_configurations_older_results_go_and_nothing_a_record_names_outside_it(tmp_path, caplog):
     """Another configuration's records in the same output_dir, a parallel run that finished after
     this one, records anyone could write (keys that are paths, another store, a path that does not
@@ -136,10 +145,7 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
     runs.mkdir()
 
     def record(name: str, config: str, model: int | str, prediction: int, store: str = ours, predicted: str = ours) -> Path:
-        path = runs / f"{name}.json"
-        path.write_text(json.dumps({"config": config, "store": store, "model_key": model if isinstance(model, str) else _key(model),
-                                    "predicted_store": predicted, "prediction_key": _key(prediction), "finished": "x"}))
-        return path
+        return _write_record(runs, name, config, model, prediction, store, predicted)
 
     record("00", "nightly", 3, 110)  # older: its model is this run's too
     record("01", "nightly", 1, 101)  # older: its model is the weekly configuration's too
@@ -212,10 +218,8 @@ def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_g
     model.mkdir(parents=True)
     (model / "model.json").write_text("{}")
     runs = out / RUNS
-    runs.mkdir()
     for name, key, prediction in [("01", 1, 101), ("02", 2, 102)]:
-        (runs / f"{name}.json").write_text(json.dumps({"config": "nightly", "store": store, "model_key": _key(key),
-                                                       "predicted_store": store, "prediction_key": _key(prediction)}))
+        _write_record(runs, name, "nightly", key, prediction, store)
     real, late = retention.live_readers, {}
 
     def read_the_model():
@@ -319,20 +323,13 @@ def test_a_run_recorded_while_the_pruning_goes_keeps_what_it_uses(tmp_path, monk
     (model / "model.json").write_text("{}")
     report.mkdir(parents=True)
     runs = out / RUNS
-    runs.mkdir()
-
-    def record(name: str, key: int, prediction: int) -> Path:
-        (runs / f"{name}.json").write_text(json.dumps({"config": "nightly", "store": store, "model_key": _key(key),
-                                                       "predicted_store": store, "prediction_key": _key(prediction)}))
-        return runs / f"{name}.json"
-
-    record("01", 1, 101)
-    current = record("02", 2, 102)
+    _write_record(runs, "01", "nightly", 1, 101, store)
+    current = _write_record(runs, "02", "nightly", 2, 102, store)
     real = retention.live_readers
 
     def a_run_is_recorded_as_its_lease_goes(folder):
         found = real(folder)
-        record("03", 1, 101)
+        _write_record(runs, "03", "nightly", 1, 101, store)
         return found
 
     monkeypatch.setattr(retention, "live_readers", a_run_is_recorded_as_its_lease_goes)
