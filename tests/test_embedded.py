@@ -42,6 +42,13 @@ def small_model(**params) -> EmbeddedGPMIL:
     return EmbeddedGPMIL(VGPMIL(n_inducing=10, max_iter=20), **(NET | {"random_state": 0, "standardize": False} | params))
 
 
+def fixed_gp_model(**params) -> EmbeddedGPMIL:
+    """:func:`small_model` with a fixed GP kernel, for the networks' and the ensemble's mechanics:
+    the member GPs' kernel choice (tested with the defaults) made each of these fits 3–4 times slower."""
+    gp = VGPMIL(kernel=RBF(variance=4.0, length_scale=1.0), n_inducing=10, max_iter=50, tol=1e-4)
+    return EmbeddedGPMIL(gp, **(NET | {"random_state": 0, "standardize": False} | params))
+
+
 @pytest.fixture(scope="module")
 def data():
     train, test = make_toy_bags(40, seed=0), make_toy_bags(30, seed=1)
@@ -234,7 +241,7 @@ def test_bag_std_is_the_gp_std_through_the_calibration_map(fitted, data):
 
 def test_one_network_holds_out_the_validation_fraction(data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
-    model = small_model(n_networks=1).fit(X, bags, y)
+    model = fixed_gp_model(n_networks=1).fit(X, bags, y)
     assert len(model.network_states_) == len(model.gps_) == 1 and model.validation_bags_[0].size == 8  # 20 % of 40
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1],
                                expit(model.calibration_slope_ * _member_score(model, 0, X_test, bags_test)
@@ -244,13 +251,13 @@ def test_one_network_holds_out_the_validation_fraction(data):
 def test_members_are_capped_at_the_smaller_class(data):
     X, bags, y, _ = make_toy_bags(12, seed=3)
     labels = np.array([y[bags == k][0] for k in np.unique(bags)])
-    model = small_model(n_networks=50, max_epochs=3).fit(X, bags, y)
+    model = fixed_gp_model(n_networks=50, max_epochs=3).fit(X, bags, y)
     assert len(model.network_states_) == np.bincount(labels).min()
 
 
 def test_without_calibration_the_score_is_the_plain_average(data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
-    model = small_model(calibration=None, n_networks=2).fit(X, bags, y)
+    model = fixed_gp_model(calibration=None, n_networks=2).fit(X, bags, y)
     assert (model.calibration_slope_, model.calibration_intercept_) == (1.0, 0.0)
     score = np.mean([_member_score(model, k, X_test, bags_test) for k in range(2)], axis=0)
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1], expit(score), rtol=1e-10)
@@ -260,13 +267,13 @@ def test_without_calibration_the_score_is_the_plain_average(data):
 
 def test_deterministic_with_random_state(data):
     (X, bags, y, _), (X_test, bags_test, _, _) = data
-    fitted, again = (small_model(n_networks=2, max_epochs=4).fit(X, bags, y) for _ in range(2))  # cheap: 2 members in lockstep
+    fitted, again = (fixed_gp_model(n_networks=2, max_epochs=4).fit(X, bags, y) for _ in range(2))  # cheap: 2 members in lockstep
     for state, state_again in zip(fitted.network_states_, again.network_states_, strict=True):
         assert state.keys() == state_again.keys()
         for name, value in state.items():
             np.testing.assert_array_equal(value, state_again[name], err_msg=name)
     np.testing.assert_array_equal(fitted.predict_bag_proba(X_test, bags_test)[1], again.predict_bag_proba(X_test, bags_test)[1])
-    other = small_model(random_state=1, n_networks=1, max_epochs=2).fit(X, bags, y)  # member 0 draws its weights first either way
+    other = fixed_gp_model(random_state=1, n_networks=1, max_epochs=2).fit(X, bags, y)  # member 0 draws its weights first either way
     assert not np.array_equal(fitted.network_states_[0]["embed.0.weight"], other.network_states_[0]["embed.0.weight"])
 
 
@@ -425,7 +432,7 @@ def test_negative_instances_reach_the_networks_training(fitted, data):
     the negative training bags' instances higher."""
     (X, bags, y, _), _ = data
     assert fitted.negative_instances and not ABMIL().negative_instances
-    plain = small_model(negative_instances=False).fit(X, bags, y)
+    plain = fixed_gp_model(negative_instances=False).fit(X, bags, y)
     negatives = X[y == 0]
 
     def mean_instance_logit(model):
@@ -452,7 +459,7 @@ def test_early_stopping_waits_until_the_networks_fit_their_training_bags(data):
     AUC alone stopped such networks after ``n_epochs_no_change`` epochs at a noise peak)."""
     (X, bags, y, _), _ = data
     params = NET | {"max_epochs": 12, "learning_rate": 1e-9, "n_epochs_no_change": 2, "n_networks": 2, "random_state": 0}
-    model = small_model(**params).fit(X, bags, y)
+    model = fixed_gp_model(**params).fit(X, bags, y)
     assert model.network_train_loss_.size == model.network_validation_auc_.size == 12
     assert model.network_best_epoch_ == 12
     assert np.all(model.network_train_loss_ > FITTED_LOSS_FRACTION * np.log(2))
@@ -588,11 +595,11 @@ def test_standardize_fits_standardised_rows_and_every_prediction_standardises_it
     ``transform`` and ``predict_attention`` takes rows in their own units."""
     (X, bags, y, _), (X_test, bags_test, _, _) = data
     X, X_test = in_own_units(X), in_own_units(X_test)
-    model = small_model(n_networks=2, standardize=True).fit(X, bags, y)
+    model = fixed_gp_model(n_networks=2, standardize=True).fit(X, bags, y)
     mean, scale = standardisation(X)
     np.testing.assert_allclose(model.feature_mean_, mean, rtol=1e-12)
     np.testing.assert_allclose(model.feature_scale_, scale, rtol=1e-12)
-    plain = small_model(n_networks=2).fit(standardise(X, mean, scale), bags, y)
+    plain = fixed_gp_model(n_networks=2).fit(standardise(X, mean, scale), bags, y)
     for state, plain_state in zip(model.network_states_, plain.network_states_, strict=True):
         for name, value in plain_state.items():
             np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
