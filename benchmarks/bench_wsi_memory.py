@@ -123,7 +123,7 @@ def step_report(args: dict) -> dict:
     step_base(args)
     start = time.perf_counter()
     cohort = open_cohort(args["store"])
-    coords = zarr.open_group(args["store"], mode="r")["instances/coords"][: cohort.n_instances]
+    coords = zarr.open_group(args["store"], mode="r", zarr_format=3)["instances/coords"][: cohort.n_instances]
     xy, side = report.level0_tiles(coords, cohort.attrs["coords_meaning"])
     scores = np.random.default_rng(0).uniform(size=len(xy))
     thumbnail, downsample, _ = heatmap_background(args["slide"], cohort.attrs["tiling"])

@@ -145,7 +145,7 @@ def _new_cohort_problem(ing: IngestConfig, source: str, model_dir: Path | str | 
         return None
     import zarr
 
-    width = int(zarr.open_group(trained_on, mode="r").attrs["n_features"])
+    width = int(zarr.open_group(trained_on, mode="r", zarr_format=3).attrs["n_features"])
     first, found = None, None
     try:
         if ing.kind == "h5":
@@ -222,7 +222,7 @@ def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | Non
     if key in ("", ".", "..") or "/" in key or "\\" in key:
         return f"PREDICTION_KEY: {key!r} is not a prediction key (the key printed by gpmil predict)"
     try:
-        predictions = zarr.open_group(str(store), mode="r").get("predictions")
+        predictions = zarr.open_group(str(store), mode="r", zarr_format=3).get("predictions")
     except Exception as error:  # not a store: the stage names it when it opens the cohort
         return f"store: cannot open {store} as a cohort store: {type(error).__name__}: {error}"
     if predictions is None or key not in predictions:

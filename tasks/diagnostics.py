@@ -53,7 +53,7 @@ def sample_features(store: str, max_rows: int = 65536) -> np.ndarray:
     from tasks.store import open_cohort
 
     n = open_cohort(store).n_instances  # committed rows only
-    features = zarr.open_group(store, mode="r")["instances/features"]
+    features = zarr.open_group(store, mode="r", zarr_format=3)["instances/features"]
     if n <= max_rows:
         return np.asarray(features[:n], dtype=np.float64)
     rows_per_chunk = int(features.chunks[0])

@@ -366,7 +366,7 @@ def _record_unconfirmed(store: str, info: dict[str, Any], source: Any) -> dict[s
     elsewhere = set(ingested_from_elsewhere(store, source))  # another folder's bags: not this ingest's to confirm
     unconfirmed = {bag_id: reasons.get(bag_id, f"not in {source}") for bag_id in open_cohort(store).bag_ids
                    if bag_id not in confirmed and (bag_id in reasons or bag_id not in elsewhere)}
-    zarr.open_group(store, mode="a").attrs["unconfirmed_bags"] = unconfirmed
+    zarr.open_group(store, mode="a", zarr_format=3).attrs["unconfirmed_bags"] = unconfirmed
     if unconfirmed:
         get_run_logger().warning("%d bag(s) of %s were not confirmed by this ingest and are still used as first ingested: %s",
                                  len(unconfirmed), store, _unconfirmed_text(unconfirmed))
@@ -464,7 +464,7 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
     """Instance and bag probabilities with std for every bag of ``store``, written to the store
     under ``predictions/<key>``; reused when that group is complete."""
     logger = get_run_logger()
-    root = zarr.open_group(store, mode="r")
+    root = zarr.open_group(store, mode="r", zarr_format=3)
     name = f"predictions/{prediction_key}"
     if name in root and root[name].attrs.get("complete"):
         logger.info("predictions %s already complete in %s: reusing", prediction_key, store)
@@ -724,8 +724,8 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
     cohort = open_cohort(store)
-    instance_labels = zarr.open_group(store, mode="r")["instances/label"][: cohort.n_instances].astype(int)
-    coords = zarr.open_group(store, mode="r")["instances/coords"][: cohort.n_instances]
+    instance_labels = zarr.open_group(store, mode="r", zarr_format=3)["instances/label"][: cohort.n_instances].astype(int)
+    coords = zarr.open_group(store, mode="r", zarr_format=3)["instances/coords"][: cohort.n_instances]
 
     trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
     trained_on = trained_on_info["store"]
@@ -770,7 +770,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         shutil.copyfile(Path(model_dir) / OBJECTIVE_FIGURE, out / OBJECTIVE_FIGURE)
         figures.insert(0, out / OBJECTIVE_FIGURE)
 
-    not_predicted = dict(zarr.open_group(store, mode="r")[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
+    not_predicted = dict(zarr.open_group(store, mode="r", zarr_format=3)[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
     spread = diagnostics.constant_predictions(table["probability"]) or diagnostics.one_sided_predictions(
         table["probability"], table["label"], config.prediction.threshold)
     warnings = trained_on_info.get("warnings", []) + [m for m in [spread] if m]
@@ -805,7 +805,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     cohort_side = report.cohort_tile_side(coords, np.asarray(cohort.offsets), meaning)  # one patch size per cohort
     if cohort_side is None and not in_sample and _same_coordinates(trained_on, meaning):  # bags of one tile: the training cohort's
         training = open_cohort(trained_on)
-        cohort_side = report.cohort_tile_side(zarr.open_group(str(trained_on), mode="r")["instances/coords"][: training.n_instances],
+        cohort_side = report.cohort_tile_side(zarr.open_group(str(trained_on), mode="r", zarr_format=3)["instances/coords"][: training.n_instances],
                                               np.asarray(training.offsets), meaning)
 
     @functools.cache  # the GeoJSON and the heatmap of a bag: its file read once

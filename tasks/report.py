@@ -82,7 +82,7 @@ def bag_table(store: str | Path, run: str, *, threshold: float = 0.5, top_k: int
     cohort = open_cohort(store)
     pred = read_predictions(store, run)
     p_inst, kind = instance_scores(pred)
-    coords = zarr.open_group(str(store), mode="r")["instances/coords"][: cohort.n_instances]
+    coords = zarr.open_group(str(store), mode="r", zarr_format=3)["instances/coords"][: cohort.n_instances]
     ids = cohort.instance_ids() if cohort.instance_id_kind else None
     suspicious = []
     for b in range(cohort.n_bags):
@@ -136,7 +136,7 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
     offsets = np.asarray(cohort.offsets)
     sizes = np.diff(offsets)
     bag_of_row = np.repeat(np.arange(cohort.n_bags), sizes)
-    coords = zarr.open_group(str(store), mode="r")["instances/coords"][:n]
+    coords = zarr.open_group(str(store), mode="r", zarr_format=3)["instances/coords"][:n]
     meaning = str(cohort.attrs.get("coords_meaning", ""))
     columns: dict[str, Any] = {"bag_id": pd.Categorical.from_codes(bag_of_row, np.asarray(cohort.bag_ids, dtype=str)),
                                "instance": np.arange(n) - offsets[bag_of_row]}

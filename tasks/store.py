@@ -198,9 +198,9 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
         raise StoreMismatchError("the folder exists and is not a cohort store: give a new or empty folder", path=str(target))
     building = target.parent / f".{target.name}.creating-{uuid.uuid4().hex[:12]}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    _build_empty_cohort(zarr.open_group(zarr.storage.LocalStore(str(building)), mode="w-"), spec)
+    _build_empty_cohort(zarr.open_group(zarr.storage.LocalStore(str(building)), mode="w-", zarr_format=3), spec)
     os.rename(building, target)
-    return zarr.open_group(zarr.storage.LocalStore(str(target)), mode="r+")
+    return zarr.open_group(zarr.storage.LocalStore(str(target)), mode="r+", zarr_format=3)
 
 
 def _build_empty_cohort(root: zarr.Group, spec: CohortSpec) -> None:
@@ -252,7 +252,7 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
         return create_cohort(path, spec)
     if _half_created(path):
         return create_cohort(path, spec, overwrite=True)
-    root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+")
+    root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+", zarr_format=3)
     check_compatible(root, spec, path=str(path))
     if spec.labels is not None and root.attrs.get("labels") is None:
         root.attrs["labels"] = spec.labels  # a store first filled without labels gets its labels' description
@@ -263,7 +263,7 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
 
 def _half_created(path: str | Path) -> bool:
     """A root ``zarr.json`` without the store's attributes and no bag offsets: nothing was ever committed."""
-    root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r")
+    root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
     return "schema_version" not in root.attrs and not (Path(path) / "bags" / "offsets").exists()
 
 
@@ -326,7 +326,7 @@ def _as_json(value: Any) -> Any:
 def _open_root(target: str | Path | zarr.Group, mode: str) -> zarr.Group:
     if isinstance(target, zarr.Group):
         return target
-    return zarr.open_group(zarr.storage.LocalStore(str(target), read_only=mode == "r"), mode=mode)
+    return zarr.open_group(zarr.storage.LocalStore(str(target), read_only=mode == "r"), mode=mode, zarr_format=3)
 
 
 # --------------------------------------------------------------------------------------- write

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,18 @@ def unsafe_calls(source: str) -> list[str]:
                 found.append(f"{node.lineno}: {call}")
             elif call == "yaml.load" and loader_name not in safe_loaders:
                 found.append(f"{node.lineno}: yaml.load without a safe Loader")
+            elif call in ("zarr.open_group", "zarr.open", "zarr.open_array") and not (
+                    isinstance(keywords.get("zarr_format"), ast.Constant) and keywords["zarr_format"].value == 3
+                    or _tiff_pages(node)):
+                found.append(f"{node.lineno}: {call} without zarr_format=3")
     return found
+
+
+def _tiff_pages(call: ast.Call) -> bool:
+    """``zarr.open(series.aszarr(…))``: a TIFF's pages through tifffile's store, whose metadata
+    tifffile writes from the file's tags (no codec a file can name)."""
+    first = call.args[0] if call.args else None
+    return isinstance(first, ast.Call) and isinstance(first.func, ast.Attribute) and first.func.attr == "aszarr"
 
 
 @pytest.mark.parametrize("path", PRODUCT, ids=lambda p: str(p.relative_to(ROOT)))
@@ -71,10 +83,13 @@ def test_no_module_deserialises_unsafely(path):
 def test_the_check_finds_what_it_looks_for():
     source = ("import pickle\nfrom joblib import load\nimport torch, numpy as np, yaml, pandas as pd\n"
               "torch.load('w.pt')\ntorch.load('w.pt', weights_only=True)\nnp.load('a.npy', allow_pickle=True)\n"
-              "np.load('a.npy')\npd.read_pickle('t.pkl')\nyaml.load(s)\nyaml.safe_load(s)\n")
+              "np.load('a.npy')\npd.read_pickle('t.pkl')\nyaml.load(s)\nyaml.safe_load(s)\n"
+              "zarr.open_group(p, mode='r')\nzarr.open_group(p, mode='r', zarr_format=3)\nzarr.open(p, zarr_format=2)\n"
+              "zarr.open(series.aszarr(level=0), mode='r')\n")
     assert [f.split(": ")[1] for f in unsafe_calls(source)] == [
         "imports pickle", "imports joblib", "torch.load without weights_only=True", "np.load(allow_pickle=True)",
-        "pd.read_pickle", "yaml.load without a safe Loader"]
+        "pd.read_pickle", "yaml.load without a safe Loader", "zarr.open_group without zarr_format=3",
+        "zarr.open without zarr_format=3"]
 
 
 def test_the_check_sees_through_aliases_loaders_and_non_constant_flags():
@@ -121,6 +136,30 @@ def test_a_store_whose_array_claims_a_pickle_codec_is_refused_without_running_it
         chunk.write_bytes(pickle.dumps(_Payload(str(marker))))
     with pytest.raises(Exception, match="codec"):
         open_cohort(store).read_bags(0, 6)
+    assert not marker.exists()
+
+
+def test_a_store_rewritten_as_zarr_v2_with_a_pickled_array_is_refused_without_running_it(tmp_path):
+    """Zarr 3.0 with numcodecs < 0.15.2 opened a v2 layout (``.zgroup``/``.zarray``) whose object
+    array names the pickle filter, and reading it unpickled the chunk; the product opens stores as
+    v3 only (``zarr_format=3``, checked above) and the dependency floors exclude those releases."""
+    import json
+    import pickle
+
+    from tasks.store import committed_bag_ids
+
+    store = tmp_path / "shared.zarr"
+    array = store / "bags" / "id"
+    array.mkdir(parents=True)
+    for group in (store, store / "bags"):
+        (group / ".zgroup").write_text(json.dumps({"zarr_format": 2}))
+    (array / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [1], "chunks": [1], "dtype": "|O", "compressor": None, "fill_value": 0,
+        "order": "C", "filters": [{"id": "pickle", "protocol": 5}], "dimension_separator": "."}))
+    marker = tmp_path / "code-ran"
+    (array / "0").write_bytes(pickle.dumps(np.array([_Payload(str(marker))], dtype=object)))
+    with pytest.raises(Exception, match="[Nn]o group found"):
+        committed_bag_ids(store)
     assert not marker.exists()
 
 

@@ -32,10 +32,10 @@ class Checkpoint:
         self.store, self.run = store, run
 
     def _group(self) -> zarr.Group:
-        return zarr.open_group(self.store, mode="a").require_group(f"training/{self.run}")
+        return zarr.open_group(self.store, mode="a", zarr_format=3).require_group(f"training/{self.run}")
 
     def latest(self) -> int | None:
-        root = zarr.open_group(self.store, mode="r")
+        root = zarr.open_group(self.store, mode="r", zarr_format=3)
         name = f"training/{self.run}"
         return root[name].attrs.get("latest") if name in root else None
 
@@ -65,12 +65,12 @@ class Checkpoint:
 
     def save_local(self, iteration: int, index: int, local: Any) -> int:
         """Worker side: one partition's local state (distinct arrays per partition: safe in parallel)."""
-        group = zarr.open_group(self.store, mode="a")[f"training/{self.run}/it{iteration}/local"]
+        group = zarr.open_group(self.store, mode="a", zarr_format=3)[f"training/{self.run}/it{iteration}/local"]
         _write_bytes(group, str(index), persist.dumps(local))
         return index
 
     def load_local(self, iteration: int, index: int) -> Any:
-        group = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}/local"]
+        group = zarr.open_group(self.store, mode="r", zarr_format=3)[f"training/{self.run}/it{iteration}/local"]
         return _read(group, str(index))
 
     def commit(self, trace: FitTrace) -> None:
@@ -91,7 +91,7 @@ class Checkpoint:
             del group["choice"]
 
     def load_trace(self, iteration: int) -> FitTrace:
-        it = zarr.open_group(self.store, mode="r")[f"training/{self.run}/it{iteration}"]
+        it = zarr.open_group(self.store, mode="r", zarr_format=3)[f"training/{self.run}/it{iteration}"]
         return FitTrace(glob=_read(it, "state"), objective=list(it["objective"][:]), n_iter=iteration,
                         converged=bool(it.attrs["converged"]))
 
@@ -108,10 +108,10 @@ class ChoiceMemo(MutableMapping[str, Any]):
     def __init__(self, store: str, path: str):
         self.store, self.path = store, path
         ensure_still_held(store)
-        zarr.open_group(store, mode="a").require_group(path)
+        zarr.open_group(store, mode="a", zarr_format=3).require_group(path)
 
     def _group(self) -> zarr.Group:
-        return zarr.open_group(self.store, mode="a")[self.path]
+        return zarr.open_group(self.store, mode="a", zarr_format=3)[self.path]
 
     def __getitem__(self, key: str) -> Any:
         group = self._group()

@@ -138,7 +138,7 @@ def predict_cohort(
     check_feature_dimension(model, cohort)
     model, scaling = _scaling_on_read(model, scaling)
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
-    root = zarr.open_group(store, mode="a")
+    root = zarr.open_group(store, mode="a", zarr_format=3)
     name = f"predictions/{run}"
     if name in root:
         del root[name]
@@ -199,7 +199,7 @@ def _scaling_on_read(model: SparseGPMILBase, scaling: FeatureScaling | None) -> 
 def read_predictions(store: str | Path, run: str = "default") -> dict[str, np.ndarray]:
     """The predictions of ``run`` as arrays (``instances/proba`` or ``instances/evidence``,
     ``instances/std``, ``bags/proba``, ``bags/std``); raises if that prediction did not complete."""
-    group = zarr.open_group(str(store), mode="r")[f"predictions/{run}"]
+    group = zarr.open_group(str(store), mode="r", zarr_format=3)[f"predictions/{run}"]
     if not group.attrs.get("complete"):
         raise RuntimeError(f"predictions/{run} in {store} is incomplete (the prediction was interrupted); predict again")
     names = ("instances/proba", "instances/evidence", "instances/std", "bags/proba", "bags/std")
