@@ -32,7 +32,7 @@ import io
 import json
 import math
 import os
-import tempfile
+import secrets
 import zipfile
 import zlib
 from pathlib import Path
@@ -218,15 +218,29 @@ class _Decoder:
 
 
 # ---------------------------------------------------------------------------------- file helpers
-def save(obj: Any, path: str | Path) -> Path:
-    """Write ``obj`` to ``path`` atomically (a temporary file in the same folder, then a rename)."""
+def write_whole(path: str | Path, payload: bytes) -> Path:
+    """Write ``payload`` to ``path`` whole: into a new file of a random name beside it (``O_EXCL``:
+    never through a file or link already there), then renamed over ``path`` (which replaces a link
+    at ``path`` instead of writing where it points). A reader sees the old file or the new one. The
+    file gets the mode any new file gets (0o666 less the umask): ``tempfile``'s 0o600 kept a model
+    in a shared folder from every other account."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = dumps(obj)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        tmp.write(payload)
-    os.replace(tmp.name, path)
+    staged = path.with_name(f".{path.name}.{secrets.token_hex(8)}.writing")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(payload)
+        os.replace(staged, path)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
     return path
+
+
+def save(obj: Any, path: str | Path) -> Path:
+    """Write ``obj`` to ``path`` whole (:func:`write_whole`)."""
+    return write_whole(path, dumps(obj))
 
 
 def load(path: str | Path) -> Any:

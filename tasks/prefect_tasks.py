@@ -14,7 +14,6 @@ import html
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import PipelineConfig, make_model
 from mil_core import EmbeddedGPMIL, persist
+from mil_core.persist import write_whole
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report, retention
@@ -66,13 +66,6 @@ def progress_bar(done: int, total: int, width: int = 24) -> str:
     """A text progress bar for logs (they reach the console and the Prefect UI): ``[#####.....] 5/10``."""
     filled = int(round(width * done / max(total, 1)))
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-
-
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-        tmp.write(payload)
-    os.replace(tmp.name, path)
 
 
 def is_transient(error: BaseException | None) -> bool:
@@ -191,7 +184,7 @@ def train(config: PipelineConfig, store: str, model_key: str, scheduler_address:
                         f"model.params.max_iter, or check the {gp.objective_name} trace ({OBJECTIVE_FIGURE})")
         logger.warning(warnings[-1])
     info["warnings"] = warnings
-    _atomic_write_bytes(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
+    write_whole(model_dir / "model.json", json.dumps(info, indent=1, default=str).encode())
     report.plot_objective(trace, model_dir / OBJECTIVE_FIGURE, gp.objective_name)
     save_model(model_dir, TrainedModel(model, summary.scaling))  # last: marks it complete
     logger.info("trained %s in %d iterations (%s mode, %s) → %s", config.model.name, gp.n_iter_, summary.mode, summary.device, model_dir)
@@ -707,6 +700,21 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
             shutil.rmtree(out / STAGING, ignore_errors=True)
 
 
+def _model_figure(path: Path, logger: Any) -> bytes | None:
+    """The bytes of a figure in a model folder, not read through a link (a link planted in a
+    shared model folder would copy any file the run can read into the report); ``None`` when
+    there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # ELOOP: a link
+        logger.warning("%s is not copied into the report: %s (a model folder's figure is a file, not a link)", path, error.strerror)
+        return None
+    with os.fdopen(fd, "rb") as file:
+        return file.read()
+
+
 def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path) -> StageResult:
     logger = get_run_logger()
     settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve()),
@@ -766,8 +774,8 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
                               description="Bag (and instance) metrics")
     else:
         sections += ["No labelled bags of both classes: no evaluation.", ""]
-    if (Path(model_dir) / OBJECTIVE_FIGURE).exists():  # a copy beside the report: its links stay relative
-        shutil.copyfile(Path(model_dir) / OBJECTIVE_FIGURE, out / OBJECTIVE_FIGURE)
+    if (figure := _model_figure(Path(model_dir) / OBJECTIVE_FIGURE, logger)) is not None:  # beside the report: its links stay relative
+        write_whole(out / OBJECTIVE_FIGURE, figure)
         figures.insert(0, out / OBJECTIVE_FIGURE)
 
     not_predicted = dict(zarr.open_group(store, mode="r", zarr_format=3)[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))

@@ -7,6 +7,7 @@ tasks in :mod:`tasks.prefect_tasks` wrap them and publish the results as UI arti
 from __future__ import annotations
 
 import html
+import io
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import zarr  # noqa: E402
 
+from mil_core.persist import write_whole  # noqa: E402
 from tasks.grid import fundamental_step, grid_step, neighbour_gaps  # noqa: E402
 from sklearn.metrics import (  # noqa: E402
     accuracy_score,
@@ -427,11 +429,12 @@ def _as_text_cell(value: Any) -> Any:
 
 # ------------------------------------------------------------------------------------- figures
 def _save(fig: plt.Figure, path: str | Path) -> Path:
+    """``fig`` written whole at ``path`` (a model folder's is shared: never through a link there)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lstrip(".") or "png", dpi=90, bbox_inches="tight")
     plt.close(fig)
-    return path
+    return write_whole(path, buffer.getvalue())
 
 
 def plot_objective(objective: np.ndarray, path: str | Path, name: str = "ELBO") -> Path:

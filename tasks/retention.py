@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from mil_core.persist import write_whole
 from tasks.lease import ensure_still_held, live_readers, writer_lease
 
 __all__ = ["RUNS", "LATEST_RUN", "LATEST_MODEL", "RunRecord", "record_run", "read_records", "newest_model_dir", "prune_runs"]
@@ -81,17 +82,11 @@ def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
     whole or not at all; the record's name sorts by the time it was written. Returns its path."""
     folder = Path(output_dir) / RUNS
     folder.mkdir(parents=True, exist_ok=True)
-    _write_whole(Path(output_dir) / LATEST_RUN, latest)
+    write_whole(Path(output_dir) / LATEST_RUN, json.dumps(latest, indent=1).encode())
     path = folder / f"{time.time_ns():020d}-{latest['prediction_key']}-{os.getpid()}.json"
-    _write_whole(path, {**latest, "store": _resolved(latest["store"]), "predicted_store": _resolved(latest["predicted_store"]),
-                        "model_key": model_key})
+    write_whole(path, json.dumps({**latest, "store": _resolved(latest["store"]), "predicted_store": _resolved(latest["predicted_store"]),
+                                  "model_key": model_key}, indent=1).encode())
     return path
-
-
-def _write_whole(path: Path, fields: dict) -> None:
-    staged = path.with_name(f".{path.name}.{os.getpid()}.writing")
-    staged.write_text(json.dumps(fields, indent=1))
-    staged.replace(path)
 
 
 def read_records(output_dir: str | Path, *, skip: Collection[Path] = ()) -> list[RunRecord]:

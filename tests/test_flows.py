@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -53,6 +54,12 @@ def test_pipeline_writes_model_predictions_and_report_and_a_rerun_repeats_nothin
     instances = pd.read_parquet(first["report"].path.replace("report.md", "instance_predictions.parquet"))
     match = instances[(instances["bag_id"] == table["bag_id"][0]) & (instances["instance"] == suspicious["instance"])]
     assert match["probability"].round(6).tolist() == [suspicious["probability"]]  # joins on (bag id, instance)
+    umask = os.umask(0)
+    os.umask(umask)
+    written = [*(tmp_path / "out" / "models").glob("*/model.*"), *(tmp_path / "out" / "runs").glob("*.json")]
+    assert {p.name for p in written} >= {"model.npz", "model.json"}
+    for path in written:  # readable by whom the umask lets read (a served prediction under another account)
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
 
     second = pipeline(config)
     assert all(r.reused for r in second.values())
@@ -74,10 +81,22 @@ def test_pipeline_writes_model_predictions_and_report_and_a_rerun_repeats_nothin
 
 
 def test_a_changed_prediction_setting_recomputes_predictions_but_not_the_model(tmp_path, cohort):
+    """…and a report copies the model folder's objective figure, never a link planted there in its
+    place (the copy would put any file the run can read into the shared report)."""
     first = pipeline(write_config(tmp_path, cohort))
+    secret = tmp_path / "secret.txt"
+    secret.write_text("PRIVATE KEY")
+    figure = Path(first["train"].path) / "objective.png"
+    assert Path(first["report"].path).with_name("objective.png").read_bytes() == figure.read_bytes()
+    assert "](objective.png)" in Path(first["report"].path).read_text()
+    figure.unlink()
+    figure.symlink_to(secret)
     changed = pipeline(write_config(tmp_path, cohort, prediction={"rule": "noisy_or"}))
     assert changed["train"].reused and changed["train"].path == first["train"].path
     assert not changed["predict"].reused and changed["predict"].key != first["predict"].key
+    report = Path(changed["report"].path)
+    assert report.exists() and not report.with_name("objective.png").exists()
+    assert "](objective.png)" not in report.read_text()
 
 
 def test_a_new_cohort_is_predicted_with_the_stored_model_on_clusters_named_by_class_path(tmp_path, cohort):

@@ -277,6 +277,41 @@ def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_pat
     np.testing.assert_array_equal(open_cohort(tmp_path / "s.zarr").read_bags(0, 1).coords, xy[0])
 
 
+def test_h5_data_kept_outside_the_file_is_refused_and_the_other_file_not_read(tmp_path):
+    """HDF5 reads other files for an external link, external raw storage and a virtual dataset: a
+    feature file built so would copy e.g. a key file's bytes (read as finite float32) into the
+    shared store; such a file is skipped naming what it does, the good file beside it ingested."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(24, dtype=np.float32).tobytes())
+    (tmp_path / "h5").mkdir()
+    with h5py.File(tmp_path / "other.h5", "w") as other:
+        other["features"] = np.ones((4, 3), np.float32)
+        other["coords"] = np.zeros((4, 2), np.int64)
+    layout = h5py.VirtualLayout(shape=(4, 3), dtype=np.float32)
+    layout[:] = h5py.VirtualSource(str(tmp_path / "other.h5"), "features", shape=(4, 3))
+    coords = np.arange(8).reshape(4, 2) * 256
+    for name in ("good", "external_storage", "external_link", "virtual", "coords_link"):
+        with h5py.File(tmp_path / "h5" / f"{name}.h5", "w") as handle:
+            if name == "external_storage":
+                handle.create_dataset("features", shape=(4, 3), dtype=np.float32, external=[(str(secret), 0, 48)])
+            elif name == "external_link":
+                handle["features"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "features")
+            elif name == "virtual":
+                handle.create_virtual_dataset("features", layout)
+            else:
+                handle["features"] = np.ones((4, 3), np.float32)
+            handle["coords"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "coords") if name == "coords_link" else coords
+    report = ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=None)
+    assert report.added == ("good",)
+    reasons = {s.bag_id: s.reason for s in report.skipped}
+    assert set(reasons) == {"external_storage", "external_link", "virtual", "coords_link"}
+    assert "'features' keeps its values in" in reasons["external_storage"] and str(secret) in reasons["external_storage"]
+    assert f"'features' links to {tmp_path / 'other.h5'}" in reasons["external_link"]
+    assert "'features' is a virtual dataset" in reasons["virtual"]
+    assert "'coords' links to" in reasons["coords_link"]
+    np.testing.assert_array_equal(open_cohort(tmp_path / "s.zarr").read_bags(0, 1).features, np.ones((4, 3)))
+
+
 def test_a_skipped_input_names_its_bag_where_the_path_does_not():
     from tasks.ingest.driver import Skipped
 

@@ -137,6 +137,30 @@ def test_what_the_format_cannot_store_is_refused_when_saving_naming_the_attribut
         persist.dumps([NotAllowed()])
 
 
+def test_a_saved_file_is_written_whole_with_the_umasks_mode_and_replaces_a_planted_link(tmp_path):
+    """Models are read from shared folders by other accounts (a served prediction): the file gets
+    0o666 less the umask, as any new file (a temporary file's 0o600 made every model its writer's
+    alone); a link planted at the name is replaced, not written through; a failed write leaves the
+    earlier file and no staged one."""
+    from mil_core.persist import write_whole
+
+    umask = os.umask(0o027)
+    try:
+        path = persist.save(mil_core.VGPMIL(), tmp_path / "shared" / "model.npz")
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o640
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "shared" / "model.json").symlink_to(victim)
+    write_whole(tmp_path / "shared" / "model.json", b"{}")
+    assert victim.read_text() == "keep" and not (tmp_path / "shared" / "model.json").is_symlink()
+    with pytest.raises(TypeError):
+        write_whole(path, "not bytes")
+    assert persist.load(path).get_params() == mil_core.VGPMIL().get_params()
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["model.json", "model.npz"]
+
+
 def test_a_crafted_pickle_in_place_of_a_model_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "model.npz"

@@ -264,3 +264,15 @@ def test_a_threshold_that_puts_every_labelled_bag_on_one_side_is_said_in_the_war
     assert one_sided_predictions(p, y, 0.1) is None  # both sides: accuracy and F1 mean something
     assert one_sided_predictions(p, y, 0.05).startswith("every labelled bag is predicted positive (at or above")
     assert one_sided_predictions(p, np.array([0, 0, 0, 0, 0, 1]), 0.5) is None  # the 0.7 bag labelled positive: both sides
+
+
+def test_a_figure_replaces_a_link_planted_at_its_name_instead_of_writing_through_it(tmp_path):
+    """Figures go to shared folders under names anyone can predict (``models/<key>/objective.png``):
+    a link planted there is replaced by the figure, and the file it points to is left as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "objective.png").symlink_to(victim)
+    path = report.plot_objective(np.array([-3.0, -2.0, -1.5]), tmp_path / "model" / "objective.png")
+    assert victim.read_text() == "keep" and not path.is_symlink()
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,10 +28,23 @@ H5_COORDS_MEANING = "x,y (level-0 pixels, as in the .h5)"
 """``coords_meaning`` of a cohort of ``.h5`` files with ``coords``."""
 
 
+def _own_data(handle, name: str, path: str):
+    """``handle[name]``, refused when its values live outside this file: an external link, a
+    dataset with external raw storage or a virtual dataset read another file on this machine
+    (whose bytes would land in the shared store as features or coordinates)."""
+    item = handle[name]
+    if item.file.filename != handle.filename:
+        raise UnreadableFileError(f"{name!r} links to {item.file.filename}: a feature file holds its own data", path=path)
+    if hasattr(item, "shape") and (item.external or item.is_virtual):
+        where = "is a virtual dataset" if item.is_virtual else f"keeps its values in {[e[0] for e in item.external]}"
+        raise UnreadableFileError(f"{name!r} {where}: a feature file holds its own data", path=path)
+    return item
+
+
 def _h5_features(handle, path: str):
     if "features" not in handle:
         raise UnreadableFileError("h5 file has no 'features' dataset", path=path)
-    features = handle["features"]
+    features = _own_data(handle, "features", path)
     if not hasattr(features, "shape"):
         raise UnreadableFileError(f"'features' is an h5 group (holding {sorted(features)[:5]}), not a dataset of "
                                   "(N, D) features", path=path)
@@ -108,7 +121,7 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536, with_coords: bool = 
                     "no 'coords' dataset, but this cohort's files have patch positions" if with_coords else
                     "a 'coords' dataset, but this cohort was made from files without patch positions (no heatmaps "
                     "or GeoJSON); ingest files of one kind into one store", path=item.source)
-            coords = handle["coords"] if with_coords else None
+            coords = _own_data(handle, "coords", item.source) if with_coords else None
             coords_batched = coords is not None and coords.ndim == 3 and coords.shape[0] == 1  # (1, N, 2), like features
             if coords is not None and coords.shape[int(coords_batched)] != n:
                 raise FeatureDimensionError(f"'coords' of shape {coords.shape} for {n} feature rows", path=item.source)

@@ -24,6 +24,7 @@ its area is tissue.
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from mil_core.persist import write_whole
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
@@ -249,10 +251,9 @@ def write_qc_thumbnail(path: str | Path, slide: SlideReader, grid: TileGrid, max
         y1, x1 = min(int(y + side), height) - 1, min(int(x + side), width) - 1
         image[y0:y1 + 1, [x0, x1]] = (0, 200, 0)
         image[[y0, y1], x0:x1 + 1] = (0, 200, 0)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    matplotlib.image.imsave(path, image)
-    return path
+    buffer = io.BytesIO()
+    matplotlib.image.imsave(buffer, image, format="png")
+    return write_whole(path, buffer.getvalue())  # a shared qc/ folder: never through a link there
 
 
 def heatmap_background(path: str | Path, tiling: dict[str, Any], max_side: int = 1024) -> tuple[np.ndarray, float, float]:
