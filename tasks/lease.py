@@ -158,9 +158,27 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
             os.rename(path, aside)
         except FileNotFoundError:
             continue
+        moved = _read_lease_file(aside)
+        if moved is not None and moved[0].token != holder.token:
+            _put_back(aside, path)  # another taker renamed the stale one first and made its lease since: not ours to move
+            continue
         aside.unlink(missing_ok=True)
         log.warning("took over the writer lease of %s: %s (%s)", store, reason, holder.purpose)
     raise StoreLockedError(f"{store}: could not take the writer lease {path} (it keeps changing hands)")
+
+
+def _put_back(aside: Path, path: Path) -> None:
+    """Return a live lease moved aside by mistake to ``path``, unless a lease is there again (a
+    hard link does not replace a file; that holder's next check finds its lease lost)."""
+    try:
+        os.link(aside, path)
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links
+        if not path.exists():
+            os.rename(aside, path)
+            return
+    aside.unlink(missing_ok=True)
 
 
 def _keep_refreshed(path: Path, token: str, ttl: float) -> threading.Event:

@@ -37,7 +37,7 @@ from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, inges
 from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
-from tasks.lease import writer_lease
+from tasks.lease import ensure_still_held, writer_lease
 from tasks.paths import bag_file
 from tasks.store import column_difference, open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
@@ -658,7 +658,8 @@ def _replace_report(staging: Path, out: Path) -> None:
     into place, the manifest last (a run killed in that moment leaves no manifest: the next run
     writes the report again). No earlier report file stays beside the new one (figures of bags no
     longer at the top, metrics of a cohort no longer labelled); files no report writes (a user's
-    notes) are not touched."""
+    notes) are not touched. A run whose lease on ``out`` was taken over stops first."""
+    ensure_still_held(out)
     (out / REPORT_MANIFEST).unlink(missing_ok=True)
     for name in _REPORT_OUTPUTS:
         old = out / name

@@ -68,6 +68,37 @@ def _foreign_lease(store: Path, age: float) -> None:
     os.utime(path, (time.time() - age, time.time() - age))
 
 
+def test_of_two_runs_taking_over_one_stale_lease_only_one_gets_it(tmp_path, monkeypatch):
+    """Two runs find the same stale lease; the other takes it over (renames it aside and makes its
+    own) between this run's look and its rename: this run moved the other's live lease aside and
+    held the store beside it. Now it puts the lease back and is refused."""
+    import tasks.lease
+
+    store, release = tmp_path / "c.zarr", tmp_path / "release"
+    _foreign_lease(store, age=10_000)
+    looked = tasks.lease.read_lease
+    holders = []
+
+    def look_then_lose_the_race(path):
+        current = looked(path)
+        if not holders:  # this run judged the stale lease; the other run takes it over now
+            holders.append(_start_holder(store, release))
+        return current
+
+    monkeypatch.setattr(tasks.lease, "read_lease", look_then_lose_the_race)
+    try:
+        with pytest.raises(StoreLockedError, match=r"being written by another run: test holder") as refused:
+            with writer_lease(store, "second run"):
+                pass
+        assert f"PID {holders[0].pid}," in str(refused.value)
+        assert read_lease(store)[0].pid == holders[0].pid
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zarr.writer-lease.json"]
+    finally:
+        release.touch()
+        for holder in holders:
+            assert holder.wait(timeout=30) == 0
+
+
 def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
     store = tmp_path / "c.zarr"
     _foreign_lease(store, age=5)
@@ -182,6 +213,68 @@ def test_a_training_run_whose_lease_was_taken_over_stops_before_its_next_checkpo
             fit_cohort(VGPMIL(n_inducing=4, max_iter=6, tol=0.0), store, client, run="r", checkpoint_every=2,
                        on_iteration=taken_over_at_3)
     assert zarr.open_group(str(store), mode="r")["training/r"].attrs["latest"] == 2  # the checkpoint before stays
+
+
+def _taken_over(store: Path) -> None:
+    lease_path(store).write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None,
+                                             "purpose": "run on other-node", "started": 0.0, "token": "x"}))
+
+
+def test_a_prediction_whose_lease_was_taken_over_neither_removes_nor_completes_a_group(tmp_path, monkeypatch):
+    """A prediction frozen past the ttl went on beside the writer that took the store over: it
+    removed the group that writer wrote and marked its own complete. Now it stops, before either."""
+    import zarr
+    from distributed import Client, LocalCluster
+
+    import tasks.training.predict
+    from mil_core import RBF, VGPMIL
+    from tasks.training import predict_cohort
+    from tests.conftest import make_toy_bags
+    from tests.test_distributed import write_store
+
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=0)
+    store = Path(write_store(tmp_path / "c.zarr", X, bags, y))
+    model = VGPMIL(kernel=RBF(4.0), n_inducing=4, max_iter=3).fit(X, bags, y)
+    completed = tasks.training.predict.as_completed
+
+    def frozen_while_predicting(futures):
+        _taken_over(store)
+        return completed(futures)
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        predict_cohort(model, store, client, run="p")
+        monkeypatch.setattr(tasks.training.predict, "as_completed", frozen_while_predicting)
+        with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
+            predict_cohort(model, store, client, run="q")
+        assert not zarr.open_group(str(store), mode="r")["predictions/q"].attrs["complete"]
+        lease_path(store).unlink()  # that run ended; the next is taken over before it removes a group
+        with pytest.raises(StoreLockedError, match="was lost"):
+            with writer_lease(store, "frozen run"):
+                _taken_over(store)
+                tasks.training.predict.predict_cohort(model, store, client, run="p")
+    assert zarr.open_group(str(store), mode="r")["predictions/p"].attrs["complete"]  # not removed
+
+
+def test_a_table_ingest_whose_lease_was_taken_over_commits_nothing(tmp_path, monkeypatch):
+    import pandas as pd
+
+    import tasks.ingest.tables
+    from tasks.ingest.tables import ingest_table, read_mil_csv
+    from tasks.store import committed_bag_ids
+
+    table = tmp_path / "t.csv"
+    pd.DataFrame([[k % 2, f"b{k}", float(k), 1.0] for k in range(6)]).to_csv(table, header=False, index=False)
+    store = tmp_path / "c.zarr"
+    appended = tasks.ingest.tables.append_bags
+
+    def frozen_while_appending(root, bags):
+        _taken_over(store)
+        return appended(root, bags)
+
+    monkeypatch.setattr(tasks.ingest.tables, "append_bags", frozen_while_appending)
+    with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
+        ingest_table(store, read_mil_csv(table))
+    assert list(committed_bag_ids(store)) == []
 
 
 def test_a_model_reader_counts_while_its_process_runs_here_or_while_it_is_refreshed_elsewhere(tmp_path, caplog):

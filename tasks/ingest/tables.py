@@ -22,7 +22,7 @@ from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, L
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
 from tasks.ingest.labels import check_instance_labels
 from tasks.ingest.stamps import rows_change, rows_stamp
-from tasks.lease import writer_lease
+from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
                          committed_bag_count, encode_original_label, finite_rows, label_unlabelled_bags,
                          open_or_create_cohort, repair)
@@ -430,8 +430,10 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                 yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
                               coords=instance_coords, instance_labels=instance_labels, original_label=original,
                               input_stamp=stamp)
+            ensure_still_held(store)  # append_bags commits next: never beside a writer that took the lease over
 
         append_bags(root, bags())
+        ensure_still_held(store)
         label_unlabelled_bags(root, labelled)
         report = IngestReport(store=str(store), added=tuple(added), already_done=tuple(done), labelled=tuple(labelled),
                               skipped=tuple(skipped),

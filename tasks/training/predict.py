@@ -15,7 +15,7 @@ from distributed import Client, as_completed
 
 from mil_core.models import AbSMIL
 from mil_core.models.base import SparseGPMILBase, uses_coords
-from tasks.lease import holds_writer_lease
+from tasks.lease import ensure_still_held, holds_writer_lease
 from tasks.store import Partition, open_cohort
 from tasks.training.blocks import (
     DEFAULT_PARTITION_BYTES,
@@ -140,6 +140,7 @@ def predict_cohort(
     placement = resolve_placement(client, device, gpu_namespace, compute_dtype)
     root = zarr.open_group(store, mode="a", zarr_format=3)
     name = f"predictions/{run}"
+    ensure_still_held(store)  # never remove or write a group beside a writer that took the lease over
     if name in root:
         del root[name]
     group = root.require_group(name)
@@ -175,6 +176,7 @@ def predict_cohort(
         log.warning("%d bag(s) of %s not predicted (NaN in their outputs): %s", len(not_predicted), store,
                     "; ".join(f"{b}: {r}" for b, r in list(not_predicted.items())[:5]))
     group.attrs["not_predicted"] = not_predicted
+    ensure_still_held(store)
     group.attrs["complete"] = True
     return f"{store}/{name}"
 
