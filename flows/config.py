@@ -110,6 +110,10 @@ class LabelsConfig(_Strict):
     def _one_rule(self) -> LabelsConfig:
         if self.positive is not None and self.target is not None:
             raise ValueError("give either positive or target, not both")
+        if self.preset == "panda" and (given := sorted(self.model_fields_set - {"file", "preset"})):
+            raise ValueError(f"preset panda reads image_id and isup_grade > 0; {', '.join(given)} would be ignored: drop "
+                             "the preset and give id_column: image_id, label_column: isup_grade and your target "
+                             "(e.g. \"isup_grade >= 2\")")
         return self
 
     def spec(self):

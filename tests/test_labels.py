@@ -98,6 +98,33 @@ def test_a_ct_labels_section_that_names_columns_or_rules_is_refused_when_the_con
     assert IngestConfig(kind="ct", source=tmp_path, labels={"file": tmp_path / "l.csv", "preset": "rsna"}).labels.preset == "rsna"
 
 
+def test_a_panda_preset_beside_columns_or_rules_is_refused_when_the_config_is_loaded(tmp_path):
+    """``preset: panda`` with a target (``isup_grade >= 2``) trained on ISUP > 0 without a word."""
+    from pydantic import ValidationError
+
+    from flows.config import LabelsConfig
+
+    with pytest.raises(ValidationError, match=r"preset panda reads image_id and isup_grade > 0; target would be ignored"):
+        LabelsConfig(file=tmp_path / "l.csv", preset="panda", target="isup_grade >= 2")
+    with pytest.raises(ValidationError, match=r"id_column, label_column would be ignored"):
+        LabelsConfig(file=tmp_path / "l.csv", preset="panda", id_column="slide", label_column="grade")
+    assert LabelsConfig(file=tmp_path / "l.csv", preset="panda").spec().target == "isup_grade > 0"
+
+
+def test_a_target_that_takes_a_text_column_as_true_or_false_is_refused_before_any_bag(tmp_path):
+    """``not qc_fail`` over ``yes``/``no`` read every text as true: every bag negative, no warning.
+    0/1 and true/false columns read as they are; a text column compared is fine."""
+    path = tmp_path / "labels.csv"
+    pd.DataFrame({"slide_id": ["a", "b", "c"], "dx": ["tumor", "tumor", "normal"], "qc_fail": ["no", "yes", "no"],
+                  "qc_flag": [0, 1, 0], "qc_bool": [False, True, False]}).to_csv(path, index=False)
+    for target in ("dx in ['tumor'] and not qc_fail", "qc_fail", "qc_flag or qc_fail"):
+        with pytest.raises(IngestError, match=r"takes the column 'qc_fail' as true/false, but it holds text \['no', 'yes'\] "
+                                              r".*compare it, e.g. \"qc_fail == 'yes'\""):
+            LabelSpec(str(path), target=target).read()
+    for target in ("dx in ['tumor'] and not qc_flag", "dx in ['tumor'] and not qc_bool", "dx in ['tumor'] and qc_fail == 'no'"):
+        assert LabelSpec(str(path), target=target).read()[0] == {"a": 1, "b": 0, "c": 0}, target
+
+
 def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):
     from tasks.ingest.labels import read_panda_labels
 
@@ -204,7 +231,8 @@ def test_labels_files_as_spreadsheets_export_them_read_or_are_refused_with_what_
     assert (odd["a"], odd["b"]) == (1, 0) and isinstance(odd["c"], MissingLabelError) and isinstance(odd["d"], MissingLabelError)
     refused = {"isup.csv": ("slide_id,label\na,0\nb,1\nc,3\nd,5\n", r"grades \[0, 1, 3, 5\].*\"label > 0\""),
                "pm1.csv": ("slide_id,label\na,1\nb,-1\n", r"-1/\+1 labels: give target: \"label == 1\""),
-               "words.csv": ("slide_id,label\na,positive\nb,negative\n", r"text \['negative', 'positive'\]: give positive"),
+               "words.csv": ("slide_id,label\na,positive\nb,negative\n",  # no example value: the first sorted is often the negative
+                             r"text \['negative', 'positive'\]: give positive, the value\(s\) that mark a positive bag \(positive: \[<one of them>\]\)"),
                "scores.csv": ("slide_id,label\na,0.2\nb,0.9\n", r"values \[0.2, 0.9\]")}
     for name, (text, message) in refused.items():
         with pytest.raises(IngestError, match=message):

@@ -254,6 +254,18 @@ class TargetExpression:
         except SyntaxError as error:
             raise ValueError(f"target {text!r}: not an expression ({error.msg})") from None
         self.columns = sorted(self._check(self._tree))
+        self.truth_columns = sorted(self._read_as_truth(self._tree))
+
+    def _read_as_truth(self, node: ast.AST) -> set[str]:
+        """The columns the expression takes as true/false themselves (``not qc_fail``, ``a and b``,
+        a bare ``tumor``), where a text is true whenever it is not empty: ``'no'`` too."""
+        if isinstance(node, ast.Name):
+            return {node.id}
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return self._read_as_truth(node.operand)
+        if isinstance(node, ast.BoolOp):
+            return set().union(*(self._read_as_truth(v) for v in node.values))
+        return set()
 
     def _check(self, node: ast.AST) -> set[str]:
         if isinstance(node, ast.Name):
@@ -405,10 +417,21 @@ class LabelSpec:
             else:
                 hint = f"values {sorted(numbers)[:6]}: give target, e.g. \"{name} > 0.5\""
         elif texts and not numbers:
-            hint = f"text {texts[:6]}: give positive, the positive class's value(s) (positive: [{texts[0]!r}, …]), or a target"
+            hint = f"text {texts[:6]}: give positive, the value(s) that mark a positive bag (positive: [<one of them>]), or a target"
         if hint is not None:
             raise IngestError(f"the label column {name!r} must hold 0/1 when labels gives neither target nor positive; "
                               f"it holds {hint} in the labels section (ingest.labels: {{file: …, target: …}})", path=path)
+
+    def _check_truth_columns(self, table: Any, columns: Sequence[str], path: str) -> None:
+        """A column the target takes as true/false that holds text (``qc_fail`` of ``yes``/``no``)
+        is refused before any bag is read: every non-empty text is true, so ``not qc_fail`` made
+        every bag negative without a word."""
+        for column in columns:
+            texts = sorted({v for v in table[column] if isinstance(v, str) and v.strip()})
+            if texts:
+                raise IngestError(f"target {self.target!r} takes the column {column!r} as true/false, but it holds text "
+                                  f"{texts[:4]} (every non-empty text would be true): compare it, e.g. "
+                                  f"\"{column} == {texts[-1]!r}\"", path=path)
 
     def describe(self) -> dict[str, Any]:
         """Where the labels come from, as the store records it (``labels`` attribute): the original
@@ -440,6 +463,8 @@ class LabelSpec:
             self._check_some_positive(table[self.label_column], path)
         if self.target is None and self.positive is None:
             self._check_binary(table[self.label_column], path)
+        if self.target is not None:
+            self._check_truth_columns(table, label_of.truth_columns, path)
         labels = label_lookup(table, self.id_column, label_of, path)
         original = (dict(zip(table[self.id_column].astype(str), table[self.label_column]))
                     if self.label_column in table.columns else {})
