@@ -208,9 +208,9 @@ def _ingest_files(config: PipelineConfig, client: Any) -> StageResult:
     from tasks.ingest.npy import ingest_bag_files
 
     source, ing = config.ingest.source, config.ingest
+    labels = _label_source(ing.labels)
+    spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
     if ing.kind == "h5":
-        labels = _label_source(ing.labels)
-        spec = labels if isinstance(labels, LabelSpec) else None if labels is None else LabelSpec(str(labels))
         result = ingest_h5_features(str(config.store), source, None if spec is None else spec.file, name=config.name,
                                     slides=ing.slides, nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep",
                                     client=client, **({} if spec is None else {
@@ -219,8 +219,8 @@ def _ingest_files(config: PipelineConfig, client: Any) -> StageResult:
     else:
         folder = Path(source)
         optional = {name: folder / name for name in ("inst_labels", "coords") if (folder / name).is_dir()}
-        result = ingest_bag_files(str(config.store), folder / "features", name=config.name,
-                                  labels_dir=folder / "labels" if (folder / "labels").is_dir() else None,
+        result = ingest_bag_files(str(config.store), folder / "features", name=config.name, labels_file=spec,
+                                  labels_dir=folder / "labels" if spec is None and (folder / "labels").is_dir() else None,
                                   inst_labels_dir=optional.get("inst_labels"), coords_dir=optional.get("coords"),
                                   nonfinite=ing.nonfinite, keep_unlabelled=ing.unlabelled == "keep", client=client)
     return StageResult(key=config.name, path=str(config.store), reused=not result.added, info=result.to_json())

@@ -163,6 +163,16 @@ def test_torchmil_per_bag_files_round_trip_with_instance_labels_and_coords(tmp_p
     from_config = open_cohort(tmp_path / "c.zarr")
     np.testing.assert_array_equal(from_config.read_bags(0, 3).coords, cohort.read_bags(0, 3).coords)
 
+    # a labels file in the config (any label CSV, ids the file stems) is read in place of labels/: it was ignored
+    (tmp_path / "clinical.csv").write_text("case,dx\nbag0,tumor\nbag1,normal\nbag2,tumor\n")
+    config.write_text(f"name: t\nstore: {tmp_path / 'l.zarr'}\noutput_dir: {tmp_path / 'out'}\n"
+                      f"ingest: {{kind: npy, source: {tmp_path}, labels: {{file: {tmp_path / 'clinical.csv'}, "
+                      "id_column: case, label_column: dx, positive: [tumor]}}\n")
+    ingest_task.fn(load_config(config))
+    labelled = open_cohort(tmp_path / "l.zarr")
+    assert dict(zip(labelled.bag_ids, labelled.bag_labels.tolist())) == {"bag0": 1, "bag1": 0, "bag2": 1}
+    assert labelled.attrs["labels"]["column"] == "dx"
+
 
 def test_documented_entry_points_import_from_the_package():
     """docs/STORE.md imports the entry points from ``tasks.ingest``; they are the per-format modules' functions."""

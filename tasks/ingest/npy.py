@@ -53,13 +53,18 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                      inst_labels_dir: str | Path | None = None, coords_dir: str | Path | None = None,
                      name: str | None = None, client: Any = None, max_workers: int = 1,
                      report_path: str | Path | None = None, nonfinite: NonFinitePolicy = "reject",
-                     keep_unlabelled: bool = False) -> IngestReport:
+                     keep_unlabelled: bool = False, labels_file: LabelSpec | None = None) -> IngestReport:
     """Ingest torchmil-style per-bag ``.npy`` folders: ``features_dir/<bag>.npy`` (N, D),
-    ``labels_dir/<bag>.npy`` (the bag label), optional ``inst_labels_dir`` and ``coords_dir``."""
+    ``labels_dir/<bag>.npy`` (the bag label) or a labels file read by ``labels_file`` (its ids the
+    file stems, as for ``.h5`` folders), optional ``inst_labels_dir`` and ``coords_dir``."""
+    if labels_dir is not None and labels_file is not None:
+        raise ValueError("give labels_dir or labels_file, not both")
     feature_files = sorted(Path(features_dir).glob("*.npy"))
     labels: dict[str, int | Exception] | None = None
     originals: dict[str, Any] = {}
-    if labels_dir is not None:
+    if labels_file is not None:
+        labels, originals = labels_file.read()
+    elif labels_dir is not None:
         labels = {}
         for path in sorted(Path(labels_dir).glob("*.npy")):
             try:
@@ -74,8 +79,8 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
 
     candidates = [(p.stem, str(p), {"features": str(p), "inst_labels": optional(inst_labels_dir, p.stem),
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
-    items, skipped = labelled_items(candidates, labels, None if labels_dir is None else str(labels_dir), originals,
-                                    keep_unlabelled)
+    labels_from = labels_file.file if labels_file is not None else None if labels_dir is None else str(labels_dir)
+    items, skipped = labelled_items(candidates, labels, labels_from, originals, keep_unlabelled)
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:
@@ -91,7 +96,7 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                           path=str(features_dir))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features,
                       coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index",
-                      labels=None if labels_dir is None else {"file": str(labels_dir), "column": "labels/<bag>.npy",
-                                                              "target": None, "positive": None})
+                      labels=labels_file.describe() if labels_file is not None else None if labels_dir is None else {
+                          "file": str(labels_dir), "column": "labels/<bag>.npy", "target": None, "positive": None})
     return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)
