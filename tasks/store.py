@@ -61,6 +61,16 @@ _BAG_ARRAYS = ("id", "label", "source", "original_label", "input_stamp", "offset
 _ADDED_BAG_ARRAYS = ("original_label", "input_stamp")  # text arrays a store written before them gets, "" for its bags
 # Attributes that must agree between an existing store and a new ingest into it.
 _COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extractor", "tiling", "instance_ids")
+# Settings of ``tiling`` that say where a cohort's pictures are, not what its features are: a later
+# ingest may add them or move them (the project folder moved), and the store keeps the latest.
+_WHERE_SETTINGS = ("slides_dir",)
+
+
+def _what_tiling_makes(tiling: Any) -> Any:
+    """``tiling`` without the settings that only say where pictures are (None when nothing is left)."""
+    if not isinstance(tiling, dict):
+        return tiling
+    return {k: v for k, v in tiling.items() if k not in _WHERE_SETTINGS} or None
 
 
 # ------------------------------------------------------------------------------ original labels
@@ -254,6 +264,9 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
         return create_cohort(path, spec, overwrite=True)
     root = zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+", zarr_format=3)
     check_compatible(root, spec, path=str(path))
+    where = {k: v for k, v in (_as_json(spec.tiling) or {}).items() if k in _WHERE_SETTINGS}
+    if where and any((root.attrs.get("tiling") or {}).get(k) != v for k, v in where.items()):
+        root.attrs["tiling"] = {**(root.attrs.get("tiling") or {}), **where}  # slides given now, or moved since
     if spec.labels is not None and root.attrs.get("labels") is None:
         root.attrs["labels"] = spec.labels  # a store first filled without labels gets its labels' description
     if spec.feature_columns is not None and root.attrs.get("feature_columns") is None:
@@ -280,6 +293,8 @@ def check_compatible(root: zarr.Group, spec: CohortSpec, *, path: str | None = N
     })
     for key in _COMPATIBLE_ATTRS:
         have, want = attrs.get(key), wanted[key]
+        if key == "tiling":
+            have, want = _what_tiling_makes(have), _what_tiling_makes(want)
         if have != want:
             error = FeatureDimensionError if key == "n_features" else StoreMismatchError
             if isinstance(have, dict) and isinstance(want, dict):  # name the settings that differ, not both dicts

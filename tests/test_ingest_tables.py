@@ -322,6 +322,25 @@ def test_h5_data_kept_outside_the_file_is_refused_and_the_other_file_not_read(tm
     np.testing.assert_array_equal(open_cohort(tmp_path / "s.zarr").read_bags(0, 1).features, np.ones((4, 3)))
 
 
+def test_an_h5_cohorts_slides_folder_may_be_given_later_or_moved_and_the_store_keeps_the_latest(tmp_path):
+    """``ingest.slides`` (heatmap backgrounds) was part of the store's settings: giving it on a
+    later night, or moving the project folder, refused every later ingest into the store."""
+    (tmp_path / "h5").mkdir()
+    for k in range(2):
+        with h5py.File(tmp_path / "h5" / f"s{k}.h5", "w") as handle:
+            handle["features"], handle["coords"] = np.ones((3, 2), np.float32), np.arange(6).reshape(3, 2) * 256
+    store = tmp_path / "s.zarr"
+    assert ingest_h5_features(store, tmp_path / "h5", labels_csv=None).added == ("s0", "s1")
+    assert open_cohort(store).attrs.get("tiling") is None
+    for slides in (tmp_path / "slides", tmp_path / "moved" / "slides"):
+        slides.mkdir(parents=True)
+        report = ingest_h5_features(store, tmp_path / "h5", labels_csv=None, slides=slides)
+        assert report.already_done == ("s0", "s1") and not report.skipped
+        assert open_cohort(store).attrs["tiling"] == {"slides_dir": str(slides.resolve())}
+    assert ingest_h5_features(store, tmp_path / "h5", labels_csv=None).already_done == ("s0", "s1")
+    assert open_cohort(store).attrs["tiling"] == {"slides_dir": str(slides.resolve())}  # not given: the last one stays
+
+
 def test_a_skipped_input_names_its_bag_where_the_path_does_not():
     from tasks.ingest.driver import Skipped
 

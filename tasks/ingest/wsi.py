@@ -7,7 +7,7 @@ of the lowest level while the thumbnail is read, never a whole level.
 
 Scale: with ``target_mpp`` a tile covers ``tile_size × target_mpp`` µm (e.g. 256 px at 0.5 µm/px =
 128 µm), whatever the scanner: the slide's level-0 µm/px (metadata, or ``base_mpp`` to override it)
-gives the level-0 footprint ``tile_size × target_mpp / mpp``; the finest level at least that coarse
+gives the level-0 footprint ``tile_size × target_mpp / mpp``; the coarsest level at least as fine
 is read and resized to ``tile_size``. ``magnification`` does the same at ``base magnification /
 magnification`` level-0 pixels per tile pixel; ``level`` reads that pyramid level at ``tile_size``
 pixels. The grid is laid on level 0; each kept tile is stored as
@@ -49,8 +49,8 @@ class TilingParams:
 
     ``target_mpp`` (µm per pixel of the tiles, e.g. 0.5) tiles at a physical scale, from the
     slide's level-0 µm/px (``base_mpp`` overrides the metadata). Otherwise ``magnification`` tiles
-    at that objective power from the base magnification in the metadata (read at the finest level
-    at least as coarse, resized), else ``level`` reads that level as it is. ``reader``: ``auto``, ``openslide`` or ``tifffile``.
+    at that objective power from the base magnification in the metadata (read at the coarsest level
+    at least as fine, resized), else ``level`` reads that level as it is. ``reader``: ``auto``, ``openslide`` or ``tifffile``.
     """
 
     tile_size: int = 256
@@ -107,7 +107,7 @@ is metadata that does not describe the scan."""
 
 def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
     """The level, read size and level-0 footprint of a tile of ``slide`` under ``params``:
-    ``target_mpp`` and ``magnification`` read the finest level at least as coarse as asked and
+    ``target_mpp`` and ``magnification`` read the coarsest level at least as fine as asked and
     resize (a 20x tile of a 40x slide whose pyramid has downsamples 1, 4, 16 is read at level 0 and
     halved; the nearest level, 40x, was taken before), ``level`` reads that level as it is."""
     if params.target_mpp is None and params.magnification is None:
@@ -129,8 +129,8 @@ def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
 
 
 def _resampled_geometry(slide: SlideReader, params: TilingParams, scale: float) -> TileGeometry:
-    """Tiles of ``scale`` level-0 pixels per tile pixel: read at the finest level at least that
-    coarse (level 0 if none), resized to the tile size."""
+    """Tiles of ``scale`` level-0 pixels per tile pixel: read at the coarsest level at least as
+    fine (level 0 if none), resized down to the tile size."""
     finer = [i for i, d in enumerate(slide.downsamples) if d <= scale * 1.01]
     level = max(finer, key=lambda i: slide.downsamples[i]) if finer else 0
     side0 = params.tile_size * scale
