@@ -36,7 +36,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from mil_core.persist import write_whole
 from tasks.lease import ensure_still_held, live_readers, writer_lease
 
 __all__ = ["RUNS", "LATEST_RUN", "LATEST_MODEL", "RunRecord", "record_run", "read_records", "newest_model_dir", "prune_runs"]
@@ -80,6 +79,8 @@ def record_run(output_dir: str | Path, latest: dict, model_key: str) -> Path:
     """Write ``latest-run.json`` (``latest``) and the run's record in ``runs/`` (those fields, its
     model key, its stores resolved: a symbolic link moved later does not move the record), each
     whole or not at all; the record's name sorts by the time it was written. Returns its path."""
+    from mil_core.persist import write_whole  # here: the CLI reads this module before it imports mil_core
+
     folder = Path(output_dir) / RUNS
     folder.mkdir(parents=True, exist_ok=True)
     write_whole(Path(output_dir) / LATEST_RUN, json.dumps(latest, indent=1).encode())
