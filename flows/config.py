@@ -110,7 +110,9 @@ class LabelsConfig(_Strict):
     def _one_rule(self) -> LabelsConfig:
         if self.positive is not None and self.target is not None:
             raise ValueError("give either positive or target, not both")
-        if self.preset == "panda" and (given := sorted(self.model_fields_set - {"file", "preset"})):
+        given = sorted(f for f in self.model_fields_set - {"file", "preset"}
+                       if getattr(self, f) != type(self).model_fields[f].default)
+        if self.preset == "panda" and given:
             raise ValueError(f"preset panda reads image_id and isup_grade > 0; {', '.join(given)} would be ignored: drop "
                              "the preset and give id_column: image_id, label_column: isup_grade and your target "
                              "(e.g. \"isup_grade >= 2\")")
@@ -230,6 +232,9 @@ class IngestConfig(_Strict):
         if self.kind == "features" and self.labels is not None:
             raise ValueError("labels applies to ingest.kind wsi, ct, h5 and npy; a feature table ('features') carries each "
                              "row's bag label in its own label column")
+        if self.kind != "ct" and isinstance(self.labels, LabelsConfig) and self.labels.preset == "rsna":
+            raise ValueError(f"labels: preset rsna reads RSNA CT slice labels (ingest.kind ct), not those of ingest.kind "
+                             f"{self.kind!r}: name the file's columns (id_column, label_column) and its rule (positive or target)")
         if self.kind == "ct" and isinstance(self.labels, LabelsConfig) and (
                 self.labels.model_fields_set - {"file", "preset"} or self.labels.preset not in (None, "rsna")):
             raise ValueError("labels: ingest.kind ct reads RSNA slice labels (rows ID_<SOPInstanceUID>_<subtype>, Label): "

@@ -96,14 +96,25 @@ def read_lease(store: str | Path) -> tuple[LeaseInfo, float] | None:
 
 def _read_lease_file(path: Path) -> tuple[LeaseInfo, float] | None:
     """A lease file's holder and the seconds since it was last refreshed; None if it is not there."""
+    record = _read_lease_record(path)
+    return None if record is None else record[:2]
+
+
+def _read_lease_record(path: Path) -> tuple[LeaseInfo, float, tuple[int, int]] | None:
+    """:func:`_read_lease_file` and which file it was (inode and modification time, from the one
+    open file read: two unreadable leases read alike, a deleted file's inode is soon reused, and a
+    lease refreshed since it was read is no longer the one judged)."""
     try:
-        age = time.time() - path.stat().st_mtime
-        info = LeaseInfo(**json.loads(path.read_text()))
+        with open(path, "rb") as file:
+            status = os.fstat(file.fileno())
+            text = file.read()
     except FileNotFoundError:
         return None
+    try:
+        info = LeaseInfo(**json.loads(text))
     except (ValueError, TypeError):  # a half-written or foreign file: treat as refreshed at its mtime
         info = LeaseInfo(host="?", pid=-1, pid_start=None, purpose="unreadable lease file", started=0.0, token="?")
-    return info, age
+    return info, time.time() - status.st_mtime, (status.st_ino, status.st_mtime_ns)
 
 
 def _stale_reason(info: LeaseInfo, age: float, ttl: float) -> str | None:
@@ -141,10 +152,15 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
     for _ in range(5):
         if _try_create(path, info):
             return info
-        current = read_lease(store)
+        current = _read_lease_record(path)
+        for _ in range(20):  # a lease just created, its record not yet written: read it once it is
+            if current is None or current[0].pid != -1 or current[1] > 1.0:
+                break
+            time.sleep(0.05)
+            current = _read_lease_record(path)
         if current is None:
             continue  # released between our attempt and the read: try again
-        holder, age = current
+        holder, age, judged = current  # judged: which file was read
         reason = _stale_reason(holder, age, ttl)
         if reason is None:
             raise StoreLockedError(
@@ -158,8 +174,8 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
             os.rename(path, aside)
         except FileNotFoundError:
             continue
-        moved = _read_lease_file(aside)
-        if moved is not None and moved[0].token != holder.token:
+        moved = _read_lease_record(aside)
+        if moved is not None and (moved[0].token != holder.token or moved[2] != judged):
             _put_back(aside, path)  # another taker renamed the stale one first and made its lease since: not ours to move
             continue
         aside.unlink(missing_ok=True)
@@ -168,16 +184,16 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
 
 
 def _put_back(aside: Path, path: Path) -> None:
-    """Return a live lease moved aside by mistake to ``path``, unless a lease is there again (a
-    hard link does not replace a file; that holder's next check finds its lease lost)."""
+    """Return a live lease moved aside by mistake to ``path`` (a new file of the same record, made
+    only if no lease is there again: that holder's next check then finds its lease lost)."""
     try:
-        os.link(aside, path)
+        record = aside.read_bytes()
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         pass
-    except OSError:  # a file system without hard links
-        if not path.exists():
-            os.rename(aside, path)
-            return
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(record)
     aside.unlink(missing_ok=True)
 
 
@@ -190,7 +206,8 @@ def _keep_refreshed(path: Path, token: str, ttl: float) -> threading.Event:
 
 def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> None:
     """Touch the lease file every ``every`` s until ``stop``; a failure to read or touch it (a
-    network file system's hiccup) is tried again at the next tick, a file gone or taken over ends it."""
+    network file system's hiccup, the file gone for a moment while another run puts it back) is
+    tried again at the next tick, a lease taken over ends it."""
     while not stop.wait(every):
         try:
             if json.loads(path.read_text()).get("token") != token:
@@ -198,8 +215,7 @@ def _refresh(path: Path, token: str, stop: threading.Event, every: float) -> Non
                 return
             os.utime(path)
         except FileNotFoundError:
-            log.error("the lease %s disappeared", path)
-            return
+            log.warning("the lease %s is not there; looking again at the next refresh", path)
         except (OSError, ValueError) as error:
             log.warning("could not refresh the lease %s (%s: %s); trying again", path, type(error).__name__, error)
 
@@ -238,6 +254,9 @@ def ensure_still_held(store: str | Path) -> None:
     if held is None:
         return
     current = read_lease(store)
+    if current is None:  # gone for a moment while another run puts back the lease it moved by mistake
+        time.sleep(0.2)
+        current = read_lease(store)
     if current is None or current[0].token != held[0]:
         holder = "nobody" if current is None else f"{current[0].purpose} (host {current[0].host}, PID {current[0].pid})"
         raise StoreLockedError(f"the writer lease of {store} was lost while this run held it (now: {holder}); "

@@ -13,7 +13,9 @@ import hashlib
 import html
 import json
 import os
+import secrets
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -639,15 +641,17 @@ def _report_complete(out: Path, settings: str) -> bool:
 
 
 STAGING = ".writing"
-"""The folder inside a report folder where a new report is written before it replaces the old one."""
+"""The prefix of the folder inside a report folder where a run writes a new report before it
+replaces the old one (``.writing-<run>``: a writer frozen past its lease never writes into, or
+removes, the folder of the run that took the lease over)."""
 
 
-def _staged_report_folder(out: Path) -> Path:
-    """An empty folder inside ``out`` (its file system: a report folder may be a mount) to write a
-    new report into; a killed run's is removed (the report folder's writer lease makes this run the
-    only writer, and only report files are ever in it)."""
-    staging = out / STAGING
-    shutil.rmtree(staging, ignore_errors=True)
+def _staged_report_folder(out: Path, staging: Path) -> Path:
+    """``staging``, an empty folder inside ``out`` (its file system: a report folder may be a mount)
+    to write a new report into; killed runs' are removed (the report folder's writer lease makes
+    this run the only writer, and only report files are ever in them)."""
+    for left in out.glob(f"{STAGING}*"):
+        shutil.rmtree(left, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
 
@@ -694,29 +698,34 @@ def write_report(config: PipelineConfig, store: str, model_dir: str, prediction_
     (:mod:`tasks.lease`): a second run of the same configuration, past the stages the store's
     lease guards, is refused here (it deleted the first run's files as that one wrote them)."""
     out = Path(config.output_dir) / "predictions" / prediction_key
+    staging = out / f"{STAGING}-{os.getpid()}-{secrets.token_hex(4)}"
     with writer_lease(out, f"report {prediction_key}"):
         try:
-            return _write_report(config, store, model_dir, prediction_key, out)
+            return _write_report(config, store, model_dir, prediction_key, out, staging)
         finally:  # a report that failed half-way leaves the earlier one, not its own pieces
-            shutil.rmtree(out / STAGING, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _model_figure(path: Path, logger: Any) -> bytes | None:
     """The bytes of a figure in a model folder, not read through a link (a link planted in a
-    shared model folder would copy any file the run can read into the report); ``None`` when
-    there is none."""
+    shared model folder would copy any file the run can read into the report) nor from anything
+    but a regular file (a FIFO would block the report); ``None`` when there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO would block the open
     except FileNotFoundError:
         return None
     except OSError as error:  # ELOOP: a link
         logger.warning("%s is not copied into the report: %s (a model folder's figure is a file, not a link)", path, error.strerror)
         return None
     with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            logger.warning("%s is not copied into the report: not a regular file", path)
+            return None
         return file.read()
 
 
-def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path) -> StageResult:
+def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path,
+                  staging: Path) -> StageResult:
     logger = get_run_logger()
     settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve()),
                            "unconfirmed_bags": open_cohort(store).attrs.get("unconfirmed_bags") or {}},  # its warnings follow the last ingest
@@ -728,7 +737,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         metrics.pop("threshold", None)  # the file says it beside the metrics; the stage's result holds the metrics
         return StageResult(prediction_key, str(out / "report.md"), True, metrics)
-    final, out = out, _staged_report_folder(out)  # written inside (.writing), then put in place
+    final, out = out, _staged_report_folder(out, staging)  # written inside, then put in place
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)

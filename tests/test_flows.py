@@ -578,17 +578,20 @@ def test_a_report_that_fails_while_it_is_rewritten_leaves_the_earlier_one_whole(
     monkeypatch.undo()
     written = report.instance_table
 
-    def frozen_past_the_ttl(*args, **kwargs):  # meanwhile another run takes the report's lease over
+    def frozen_past_the_ttl(*args, **kwargs):  # meanwhile another run takes the report's lease over and stages its report
         lease_path(out).write_text(json.dumps({"host": "other-node", "pid": 1, "pid_start": None,
                                                "purpose": "report on other-node", "started": 0.0, "token": "x"}))
+        (out / ".writing-other").mkdir()
+        (out / ".writing-other" / "report.md").write_text("the other run's")
         return written(*args, **kwargs)
 
     monkeypatch.setattr(report, "instance_table", frozen_past_the_ttl)
     with pytest.raises(StoreLockedError, match="was lost while this run held it .*report on other-node"):
         pipeline(changed)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == after  # the other run's to write
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == after | {
+        Path(".writing-other/report.md"): b"the other run's"}  # the other run's to write and to put in place
     monkeypatch.undo()
-    lease_path(out).unlink()  # the other run ends
+    lease_path(out).unlink()  # the other run is killed: its staged report is left for the next run to clear
     result = pipeline(changed)["report"]
     assert not result.reused and Path(result.path).parent == out
     assert json.loads((out / "metrics.json").read_text())["threshold"] == 0.3 and (out / "notes.txt").is_file()

@@ -109,6 +109,11 @@ def test_a_panda_preset_beside_columns_or_rules_is_refused_when_the_config_is_lo
     with pytest.raises(ValidationError, match=r"id_column, label_column would be ignored"):
         LabelsConfig(file=tmp_path / "l.csv", preset="panda", id_column="slide", label_column="grade")
     assert LabelsConfig(file=tmp_path / "l.csv", preset="panda").spec().target == "isup_grade > 0"
+    assert LabelsConfig(file=tmp_path / "l.csv", preset="panda", target=None, label_column="label").preset == "panda"  # defaults spelt out
+    from flows.config import IngestConfig
+
+    with pytest.raises(ValidationError, match=r"preset rsna reads RSNA CT slice labels \(ingest.kind ct\), not those of ingest.kind 'h5'"):
+        IngestConfig(kind="h5", source=tmp_path, labels={"file": tmp_path / "l.csv", "preset": "rsna"})  # its labels were dropped
 
 
 def test_a_target_that_takes_a_text_column_as_true_or_false_is_refused_before_any_bag(tmp_path):
@@ -123,6 +128,12 @@ def test_a_target_that_takes_a_text_column_as_true_or_false_is_refused_before_an
             LabelSpec(str(path), target=target).read()
     for target in ("dx in ['tumor'] and not qc_flag", "dx in ['tumor'] and not qc_bool", "dx in ['tumor'] and qc_fail == 'no'"):
         assert LabelSpec(str(path), target=target).read()[0] == {"a": 1, "b": 0, "c": 0}, target
+    # one text cell (a blank, 'pending') in a 0/1 column fails its own row, named, as the label column's do
+    pd.DataFrame({"slide_id": ["a", "b", "c", "d"], "dx": ["tumor"] * 4, "qc": ["0", " ", "pending", "1"]}).to_csv(path, index=False)
+    labels, _ = LabelSpec(str(path), target="dx == 'tumor' and not qc").read()
+    assert (labels["a"], labels["d"]) == (1, 0)
+    assert isinstance(labels["b"], MissingLabelError) and "qc is ' ', text where the target takes a true/false value" in labels["b"].reason
+    assert isinstance(labels["c"], MissingLabelError) and "(e.g. qc == 'pending')" in labels["c"].reason
 
 
 def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):

@@ -76,16 +76,16 @@ def test_of_two_runs_taking_over_one_stale_lease_only_one_gets_it(tmp_path, monk
 
     store, release = tmp_path / "c.zarr", tmp_path / "release"
     _foreign_lease(store, age=10_000)
-    looked = tasks.lease.read_lease
+    looked = tasks.lease._read_lease_record
     holders = []
 
     def look_then_lose_the_race(path):
         current = looked(path)
-        if not holders:  # this run judged the stale lease; the other run takes it over now
+        if not holders and path == lease_path(store):  # this run judged the stale lease; the other run takes it over now
             holders.append(_start_holder(store, release))
         return current
 
-    monkeypatch.setattr(tasks.lease, "read_lease", look_then_lose_the_race)
+    monkeypatch.setattr(tasks.lease, "_read_lease_record", look_then_lose_the_race)
     try:
         with pytest.raises(StoreLockedError, match=r"being written by another run: test holder") as refused:
             with writer_lease(store, "second run"):
@@ -97,6 +97,35 @@ def test_of_two_runs_taking_over_one_stale_lease_only_one_gets_it(tmp_path, monk
         release.touch()
         for holder in holders:
             assert holder.wait(timeout=30) == 0
+
+
+def test_a_half_written_lease_that_replaced_an_unreadable_stale_one_is_not_taken(tmp_path, monkeypatch):
+    """An unreadable stale lease (a writer killed while creating it) and, before this run's rename,
+    another run's new lease not yet written (unreadable too): the two read alike, so the file
+    itself (its inode) tells them apart; the new one is put back and this run refused."""
+    import tasks.lease
+
+    store = tmp_path / "c.zarr"
+    path = lease_path(store)
+    path.write_text("{cut")
+    old = time.time() - 10_000
+    os.utime(path, (old, old))
+    looked = tasks.lease._read_lease_record
+
+    def look_then_lose_the_race(where):
+        current = looked(where)
+        if where == path and path.read_text() == "{cut":  # the other run takes the stale one over and has just created its lease
+            os.rename(path, tmp_path / "theirs-aside")
+            (tmp_path / "theirs-aside").unlink()
+            path.touch()
+        return current
+
+    monkeypatch.setattr(tasks.lease, "_read_lease_record", look_then_lose_the_race)
+    with pytest.raises(StoreLockedError, match="being written by another run: unreadable lease file"):
+        with writer_lease(store, "second run"):
+            pass
+    assert path.exists() and path.read_text() == ""  # the other run's, put back for it to write
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 def test_a_lease_from_another_host_holds_until_it_expires(tmp_path):
@@ -222,7 +251,8 @@ def _taken_over(store: Path) -> None:
 
 def test_a_prediction_whose_lease_was_taken_over_neither_removes_nor_completes_a_group(tmp_path, monkeypatch):
     """A prediction frozen past the ttl went on beside the writer that took the store over: it
-    removed the group that writer wrote and marked its own complete. Now it stops, before either."""
+    removed the group that writer wrote, wrote its partitions into the one that writer made whole
+    and rewrote its attributes. Now it stops before each of these."""
     import zarr
     from distributed import Client, LocalCluster
 
@@ -237,8 +267,11 @@ def test_a_prediction_whose_lease_was_taken_over_neither_removes_nor_completes_a
     model = VGPMIL(kernel=RBF(4.0), n_inducing=4, max_iter=3).fit(X, bags, y)
     completed = tasks.training.predict.as_completed
 
-    def frozen_while_predicting(futures):
+    def frozen_while_predicting(futures):  # meanwhile another run takes the store over and predicts "q" whole
         _taken_over(store)
+        root = zarr.open_group(str(store), mode="a", zarr_format=3)
+        del root["predictions/q"]
+        root.require_group("predictions/q").attrs["complete"] = True
         return completed(futures)
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -246,7 +279,8 @@ def test_a_prediction_whose_lease_was_taken_over_neither_removes_nor_completes_a
         monkeypatch.setattr(tasks.training.predict, "as_completed", frozen_while_predicting)
         with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
             predict_cohort(model, store, client, run="q")
-        assert not zarr.open_group(str(store), mode="r")["predictions/q"].attrs["complete"]
+        assert dict(zarr.open_group(str(store), mode="r")["predictions/q"].attrs) == {"complete": True}  # the other run's
+        assert [p.name for p in (store / "predictions" / "q").rglob("*") if p.is_file()] == ["zarr.json"]  # nothing written into it
         lease_path(store).unlink()  # that run ended; the next is taken over before it removes a group
         with pytest.raises(StoreLockedError, match="was lost"):
             with writer_lease(store, "frozen run"):
@@ -255,26 +289,36 @@ def test_a_prediction_whose_lease_was_taken_over_neither_removes_nor_completes_a
     assert zarr.open_group(str(store), mode="r")["predictions/p"].attrs["complete"]  # not removed
 
 
-def test_a_table_ingest_whose_lease_was_taken_over_commits_nothing(tmp_path, monkeypatch):
+def test_a_table_ingest_whose_lease_was_taken_over_stops_before_its_next_bag(tmp_path, monkeypatch):
+    """A table ingest frozen past the ttl while another run took the store over and committed a
+    bag wrote its later bags' rows from where it had begun, resizing the arrays under that bag (its
+    rows lost) before the commit's check stopped it. Now each bag is checked before its rows."""
+    import numpy as np
     import pandas as pd
 
     import tasks.ingest.tables
     from tasks.ingest.tables import ingest_table, read_mil_csv
-    from tasks.store import committed_bag_ids
+    from tasks.store import BagData, append_bags, open_cohort
 
     table = tmp_path / "t.csv"
-    pd.DataFrame([[k % 2, f"b{k}", float(k), 1.0] for k in range(6)]).to_csv(table, header=False, index=False)
+    pd.DataFrame([[b % 2, f"b{b}", float(b)] for b in range(6) for _ in range(2)]).to_csv(table, header=False, index=False)
     store = tmp_path / "c.zarr"
-    appended = tasks.ingest.tables.append_bags
+    checked = tasks.ingest.tables.finite_rows
+    calls = []
 
-    def frozen_while_appending(root, bags):
-        _taken_over(store)
-        return appended(root, bags)
+    def frozen_at_the_third_bag(*args, **kwargs):  # the other run takes over and commits a bag of 20 rows
+        calls.append(1)
+        if len(calls) == 3:
+            _taken_over(store)
+            append_bags(store, [BagData("taker", 1, "other", np.full((20, 1), 7.0), np.zeros((20, 1)), np.full(20, -1))])
+        return checked(*args, **kwargs)
 
-    monkeypatch.setattr(tasks.ingest.tables, "append_bags", frozen_while_appending)
+    monkeypatch.setattr(tasks.ingest.tables, "finite_rows", frozen_at_the_third_bag)
     with pytest.raises(StoreLockedError, match="was lost while this run held it .*run on other-node"):
-        ingest_table(store, read_mil_csv(table))
-    assert list(committed_bag_ids(store)) == []
+        ingest_table(store, read_mil_csv(table), chunk_rows=2)
+    cohort = open_cohort(store)
+    assert list(cohort.bag_ids) == ["taker"]
+    np.testing.assert_array_equal(cohort.read_bags(0, 1).features, np.full((20, 1), 7.0))
 
 
 def test_a_model_reader_counts_while_its_process_runs_here_or_while_it_is_refreshed_elsewhere(tmp_path, caplog):

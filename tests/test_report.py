@@ -276,3 +276,24 @@ def test_a_figure_replaces_a_link_planted_at_its_name_instead_of_writing_through
     path = report.plot_objective(np.array([-3.0, -2.0, -1.5]), tmp_path / "model" / "objective.png")
     assert victim.read_text() == "keep" and not path.is_symlink()
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_model_folders_figure_is_read_only_from_a_regular_file(tmp_path):
+    """The report copies ``models/<key>/objective.png``: a link there would copy any file the run
+    can read into the shared report, and a FIFO blocked the report (and held its lease) for good."""
+    import logging
+    import os
+
+    from tasks.prefect_tasks import _model_figure
+
+    logger, said = logging.Logger("report-test"), []
+    logger.addHandler(type("Said", (logging.Handler,), {"emit": lambda self, record: said.append(record.getMessage())})())
+    (tmp_path / "secret.txt").write_text("PRIVATE KEY")
+    (tmp_path / "link.png").symlink_to(tmp_path / "secret.txt")
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "plain.png").write_bytes(b"\x89PNG")
+    assert _model_figure(tmp_path / "link.png", logger) is None
+    assert _model_figure(tmp_path / "fifo.png", logger) is None
+    assert "not a link" in said[0] and "not a regular file" in said[1]
+    assert _model_figure(tmp_path / "plain.png", logger) == b"\x89PNG"
+    assert _model_figure(tmp_path / "absent.png", logger) is None

@@ -294,10 +294,9 @@ class TargetExpression:
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
             return [self._value(e, row) for e in node.elts]
         if isinstance(node, ast.UnaryOp):
-            value = self._value(node.operand, row)
-            return (not value) if isinstance(node.op, ast.Not) else -value
+            return (not self._truth(node.operand, row)) if isinstance(node.op, ast.Not) else -self._value(node.operand, row)
         if isinstance(node, ast.BoolOp):
-            values = (bool(self._value(v, row)) for v in node.values)
+            values = (self._truth(v, row) for v in node.values)
             return all(values) if isinstance(node.op, ast.And) else any(values)
         left = self._value(node.left, row)
         for op, comparator in zip(node.ops, node.comparators):
@@ -310,11 +309,21 @@ class TargetExpression:
             left = right
         return True
 
+    def _truth(self, node: ast.AST, row: dict[str, Any]) -> bool:
+        """A value taken as true/false: a text (``'no'``, ``'pending'``, ``' '``) is refused for the
+        row, where Python would read any non-empty text as true."""
+        value = self._value(node, row)
+        if isinstance(value, str):
+            name = node.id if isinstance(node, ast.Name) else ast.unparse(node)
+            raise ValueError(f"{name} is {value!r}, text where the target takes a true/false value: compare it "
+                             f"(e.g. {name} == {value!r})")
+        return bool(value)
+
     def __call__(self, row: dict[str, Any]) -> int:
         missing = [c for c in self.columns if _is_missing(row.get(c))]
         if missing:
             raise ValueError(f"empty {', '.join(missing)}")
-        return int(bool(self._value(self._tree, row)))
+        return int(self._truth(self._tree, row))
 
 
 def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
@@ -423,12 +432,13 @@ class LabelSpec:
                               f"it holds {hint} in the labels section (ingest.labels: {{file: …, target: …}})", path=path)
 
     def _check_truth_columns(self, table: Any, columns: Sequence[str], path: str) -> None:
-        """A column the target takes as true/false that holds text (``qc_fail`` of ``yes``/``no``)
-        is refused before any bag is read: every non-empty text is true, so ``not qc_fail`` made
-        every bag negative without a word."""
+        """A column of text that the target takes as true/false (``qc_fail`` of ``yes``/``no``) is
+        refused before any bag is read: every non-empty text is true, so ``not qc_fail`` made every
+        bag negative without a word. One text cell in a 0/1 column fails its row only."""
         for column in columns:
-            texts = sorted({v for v in table[column] if isinstance(v, str) and v.strip()})
-            if texts:
+            values = [v for v in table[column] if not _is_missing(v)]
+            if values and all(isinstance(v, str) for v in values):
+                texts = sorted(set(values))
                 raise IngestError(f"target {self.target!r} takes the column {column!r} as true/false, but it holds text "
                                   f"{texts[:4]} (every non-empty text would be true): compare it, e.g. "
                                   f"\"{column} == {texts[-1]!r}\"", path=path)

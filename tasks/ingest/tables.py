@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mil_core.persist import write_whole
 from tasks.ingest.driver import UNSTAMPED, IngestReport, Skipped, default_report_path, same_source
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
@@ -427,10 +428,11 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                     features, instance_coords, instance_labels = features[keep], instance_coords[keep], instance_labels[keep]
                 added.append(bag_id)
                 rows_added += len(features)
+                ensure_still_held(store)  # each bag's rows: never written beside a writer that took the lease over
                 yield BagData(bag_id=bag_id, label=int(labels[0]), source=table.source, features=features,
                               coords=instance_coords, instance_labels=instance_labels, original_label=original,
                               input_stamp=stamp)
-            ensure_still_held(store)  # append_bags commits next: never beside a writer that took the lease over
+            ensure_still_held(store)  # append_bags commits next
 
         append_bags(root, bags())
         ensure_still_held(store)
@@ -439,5 +441,5 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                               skipped=tuple(skipped),
                               n_instances_added=rows_added, seconds=time.perf_counter() - started,
                               report_path=str(report_path or default_report_path(store)), dropped_nonfinite=dropped)
-        Path(report.report_path).write_text(json.dumps(report.to_json(), indent=1))
+        write_whole(report.report_path, json.dumps(report.to_json(), indent=1).encode())  # beside a shared store
         return report

@@ -170,14 +170,14 @@ def predict_cohort(
         p, p_inst, sd_inst, p_bag, sd_bag, bad = future.result()
         not_predicted |= {str(cohort.bag_ids[b]): reason for b, reason in bad.items()}
         rows, bags = slice(p.row_start, p.row_stop), slice(p.bag_start, p.bag_stop)
+        ensure_still_held(store)  # each write: a run frozen meanwhile must not write into the new holder's group
         out[instance_name][rows], out["instances/std"][rows] = p_inst, sd_inst
         out["bags/proba"][bags], out["bags/std"][bags] = p_bag, sd_bag
     if not_predicted:
         log.warning("%d bag(s) of %s not predicted (NaN in their outputs): %s", len(not_predicted), store,
                     "; ".join(f"{b}: {r}" for b, r in list(not_predicted.items())[:5]))
-    group.attrs["not_predicted"] = not_predicted
-    ensure_still_held(store)
-    group.attrs["complete"] = True
+    ensure_still_held(store)  # an attribute write rewrites the group's whole zarr.json
+    group.attrs.update({"not_predicted": not_predicted, "complete": True})
     return f"{store}/{name}"
 
 
