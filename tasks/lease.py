@@ -254,8 +254,8 @@ def ensure_still_held(store: str | Path) -> None:
     if held is None:
         return
     current = read_lease(store)
-    if current is None:  # gone for a moment while another run puts back the lease it moved by mistake
-        time.sleep(0.2)
+    if current is None or current[0].pid == -1:  # gone, or not yet written, for a moment while another run
+        time.sleep(0.2)                           # puts back the lease it moved by mistake
         current = read_lease(store)
     if current is None or current[0].token != held[0]:
         holder = "nobody" if current is None else f"{current[0].purpose} (host {current[0].host}, PID {current[0].pid})"

@@ -650,6 +650,7 @@ def _staged_report_folder(out: Path, staging: Path) -> Path:
     """``staging``, an empty folder inside ``out`` (its file system: a report folder may be a mount)
     to write a new report into; killed runs' are removed (the report folder's writer lease makes
     this run the only writer, and only report files are ever in them)."""
+    ensure_still_held(out)  # a run frozen since it took the lease must not remove the new holder's
     for left in out.glob(f"{STAGING}*"):
         shutil.rmtree(left, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -176,8 +176,8 @@ def predict_cohort(
     if not_predicted:
         log.warning("%d bag(s) of %s not predicted (NaN in their outputs): %s", len(not_predicted), store,
                     "; ".join(f"{b}: {r}" for b, r in list(not_predicted.items())[:5]))
-    ensure_still_held(store)  # an attribute write rewrites the group's whole zarr.json
-    group.attrs.update({"not_predicted": not_predicted, "complete": True})
+    ensure_still_held(store)  # an attribute write rewrites the group's whole zarr.json: one write
+    group.update_attributes({"not_predicted": not_predicted, "complete": True})
     return f"{store}/{name}"
 
 
