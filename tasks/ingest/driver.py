@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 
-from mil_core.persist import write_whole
 from tasks.ingest.errors import DuplicateIdError, LabelChangedError, NoTissueError, SourceChangedError
 from tasks.ingest.stamps import file_change, file_stamp
 from tasks.lease import ensure_still_held, writer_lease
@@ -314,6 +313,8 @@ class IngestRun:
                               seconds=time.perf_counter() - self.started,
                               report_path=str(report_path or default_report_path(self.store)),
                               dropped_nonfinite=dict(self.dropped_nonfinite))
+        from mil_core.persist import write_whole  # here: ingest processes do not import mil_core
+
         write_whole(report.report_path, json.dumps(report.to_json(), indent=1).encode())  # beside a shared store
         if self.created and not committed_bag_count(self.root):
             # a store this run created and filled with nothing would fix its settings (tiling, extractor, feature

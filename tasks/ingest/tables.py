@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mil_core.persist import write_whole
 from tasks.ingest.driver import UNSTAMPED, IngestReport, Skipped, default_report_path, same_source
 from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, LabelChangedError, MissingLabelError,
                                  NonFiniteFeaturesError, SourceChangedError, UnreadableFileError)
@@ -441,5 +440,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                               skipped=tuple(skipped),
                               n_instances_added=rows_added, seconds=time.perf_counter() - started,
                               report_path=str(report_path or default_report_path(store)), dropped_nonfinite=dropped)
+        from mil_core.persist import write_whole  # here: ingest processes do not import mil_core
+
         write_whole(report.report_path, json.dumps(report.to_json(), indent=1).encode())  # beside a shared store
         return report
