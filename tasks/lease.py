@@ -127,13 +127,14 @@ def _stale_reason(info: LeaseInfo, age: float, ttl: float) -> str | None:
     return None
 
 
-def _try_create(path: Path, info: LeaseInfo) -> bool:
+def _try_create(path: Path, record: LeaseInfo | bytes) -> bool:
+    """Make the lease file ``path`` holding ``record`` unless a file is there (``O_EXCL``)."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(info), f)
+    with os.fdopen(fd, "wb") as f:
+        f.write(record if isinstance(record, bytes) else json.dumps(asdict(record)).encode())
         f.flush()
         os.fsync(f.fileno())
     return True
@@ -186,14 +187,7 @@ def _acquire(store: str | Path, purpose: str, ttl: float) -> LeaseInfo:
 def _put_back(aside: Path, path: Path) -> None:
     """Return a live lease moved aside by mistake to ``path`` (a new file of the same record, made
     only if no lease is there again: that holder's next check then finds its lease lost)."""
-    try:
-        record = aside.read_bytes()
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(record)
+    _try_create(path, aside.read_bytes())
     aside.unlink(missing_ok=True)
 
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from mil_core.persist import write_whole
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
@@ -233,6 +232,8 @@ def write_qc_thumbnail(path: str | Path, slide: SlideReader, grid: TileGrid, max
     (``thumbnail``: one already read, ``(pixels, downsample)``, subsampled to ``max_side``)."""
     import matplotlib.image
     from scipy import ndimage
+
+    from mil_core.persist import write_whole  # here: slide ingest processes do not import mil_core
 
     if thumbnail is None:
         thumb, thumb_downsample = slide.thumbnail(max_side)
