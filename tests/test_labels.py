@@ -136,6 +136,24 @@ def test_a_target_that_takes_a_text_column_as_true_or_false_is_refused_before_an
     assert isinstance(labels["c"], MissingLabelError) and "(e.g. qc == 'pending')" in labels["c"].reason
 
 
+def test_a_blank_in_a_nullable_parquet_column_is_a_blank_to_the_whole_column_checks(tmp_path):
+    """Parquet keeps pandas' nullable dtypes: a blank is ``pd.NA``, which the column checks took for
+    a value (``str(pd.NA)`` is ``'<NA>'``). A 0/1 ``Int64`` column with one blank then escaped the
+    "``positive`` matches no row" refusal and every bag was negative; a ``string`` column with one
+    blank escaped the text-as-true/false refusal."""
+    path = tmp_path / "labels.parquet"
+    pd.DataFrame({"slide_id": ["a", "b", "c", "d"], "dx": ["tumor"] * 4,
+                  "qc_fail": pd.array(["no", "yes", None, "no"], dtype="string"),
+                  "label": pd.array([1, 0, None, 1], dtype="Int64")}).to_parquet(path)
+    assert pd.read_parquet(path)["label"].dtype == "Int64"  # the blank comes back as pd.NA
+    with pytest.raises(IngestError, match=r"no row's label is one of positive \['tumor'\]; the column holds 0/1 labels"):
+        LabelSpec(str(path), positive=["tumor"]).read()
+    with pytest.raises(IngestError, match=r"takes the column 'qc_fail' as true/false, but it holds text \['no', 'yes'\]"):
+        LabelSpec(str(path), target="dx == 'tumor' and not qc_fail").read()
+    labels, _ = LabelSpec(str(path)).read()  # read as 0/1, the blank fails its own row
+    assert (labels["a"], labels["b"], labels["d"]) == (1, 0, 1) and isinstance(labels["c"], MissingLabelError)
+
+
 def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):
     from tasks.ingest.labels import read_panda_labels
 

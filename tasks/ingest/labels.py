@@ -20,6 +20,7 @@ import ast
 import difflib
 import operator
 import os
+import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -340,7 +341,12 @@ def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
 
 
 def _is_missing(value: Any) -> bool:
-    return value is None or isinstance(value, float) and value != value
+    """None, NaN, or pandas' NA/NaT: a blank in a nullable column (``Int64``, ``string``), as parquet
+    files give them (only there once pandas is imported)."""
+    if value is None or isinstance(value, float) and value != value:
+        return True
+    pandas = sys.modules.get("pandas")
+    return pandas is not None and (value is pandas.NA or value is pandas.NaT)
 
 
 @dataclass(frozen=True)
