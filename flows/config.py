@@ -87,7 +87,9 @@ class LabelsConfig(_Strict):
     """Bag labels from a CSV/TSV/Parquet file: ``id_column`` names the bag (slide file stem, h5
     stem), the binary target is ``target`` (an expression over the row's columns, e.g.
     ``isup_grade > 0`` or ``diagnosis in ['tumor']``; parsed, never run as Python), else 1 for
-    ``label_column`` values in ``positive``, else ``label_column`` must hold 0/1. ``preset``:
+    ``label_column`` values in ``positive``, else ``label_column`` must hold 0/1. A cell or a
+    ``positive``/``target`` value that spells a number is that number (``01`` is 1: TCGA's sample
+    type ``01`` matches ``positive: ["01"]``), ``true``/``false`` are 1/0. ``preset``:
     ``panda`` (image_id, isup_grade > 0) or ``rsna`` (slice rows ``ID_<SOPInstanceUID>_any``)."""
 
     file: Path

@@ -617,3 +617,77 @@ def test_a_mil_csv_as_a_spreadsheet_exports_it_reads_or_is_named(tmp_path):
     (tmp_path / "semi.csv").write_text("1;a;0,1;0,2\n0;b;0,5;0,6\n")
     with pytest.raises(IngestError, match="looks semicolon-separated"):
         read_mil_csv(tmp_path / "semi.csv")
+
+
+def test_a_blank_or_bad_label_cell_fails_its_own_bag_not_the_table(tmp_path):
+    """A nullable ``boolean`` or text label column with one blank (pandas and R write them) made the
+    ingest fail with ``TypeError: '<' not supported between 'NoneType' and 'bool'`` naming nothing;
+    one ``?`` in a MIL CSV's label column kept the whole column text and skipped every bag as "got ['0']"."""
+    for name, labels in (("boolean", pd.array([True, True, False, None, False, False], dtype="boolean")),
+                         ("text", ["1", "1", "0", None, "0", "0"]), ("Int64", pd.array([1, 1, 0, None, 0, 0], dtype="Int64"))):
+        pd.DataFrame({"bag_id": ["a", "a", "b", "b", "c", "c"], "label": labels,
+                      "f1": np.arange(6.0), "f2": np.ones(6)}).to_parquet(tmp_path / f"{name}.parquet")
+        report = ingest_table(tmp_path / f"{name}.zarr", read_parquet_table(tmp_path / f"{name}.parquet"))
+        assert report.added == ("a", "c"), name
+        assert [(s.bag_id, s.reason) for s in report.skipped] == [("b", "empty bag label (a blank cell) beside [0]")], name
+        assert list(open_cohort(tmp_path / f"{name}.zarr").bag_labels) == [1, 0], name
+    rows = [f"{b % 2},bag{b},{b}.5,1.0" for b in range(6) for _ in range(2)]
+    rows[-1] = "?,bag5,5.5,1.0"
+    (tmp_path / "mil.csv").write_text("\n".join(rows) + "\n")
+    report = ingest_table(tmp_path / "mil.zarr", read_mil_csv(tmp_path / "mil.csv"))
+    assert report.added == ("bag0", "bag1", "bag2", "bag3", "bag4")
+    assert [(s.bag_id, s.reason) for s in report.skipped] == [
+        ("bag5", "bag label must be one of 0, 1, -1 and equal on all rows; got [1, '?']")]
+
+
+def test_a_mil_csv_saved_with_pandas_column_numbers_as_its_header_is_refused(tmp_path):
+    """``pd.DataFrame(array).to_csv(index=False)`` writes ``0,1,2,…`` first: read as an instance of a
+    bag ``'1'`` (label 0, features 2, 3, 4) beside the real ones."""
+    from tasks.ingest.errors import IngestError
+
+    rows = np.array([[b % 2, b, *np.random.default_rng(b).normal(size=3)] for b in range(6) for _ in range(3)])
+    pd.DataFrame(rows).to_csv(tmp_path / "numbered.csv", index=False)
+    with pytest.raises(IngestError, match=r"row 0 \(0, 1, 2, 3, …, 4\) looks like the header pandas writes.*numbered.csv"):
+        read_mil_csv(tmp_path / "numbered.csv")
+    pd.DataFrame(rows).to_csv(tmp_path / "plain.csv", index=False, header=False)
+    assert read_mil_csv(tmp_path / "plain.csv").X.shape == (18, 3)
+
+
+def test_torchmil_label_files_of_more_than_one_value_and_labelled_bags_without_features_are_named(tmp_path):
+    """A one-hot ``labels/<bag>.npy`` (``[0, 1]``) was read as its first entry: every label
+    inverted, without a word; a bag the labels list whose ``.npy`` features are missing was dropped
+    unsaid (the ``.h5`` folders name it)."""
+    from tasks.ingest.labels import LabelSpec
+
+    for folder in ("features", "labels"):
+        (tmp_path / folder).mkdir()
+    for bag, label in (("pos1", 1), ("neg1", 0), ("onehot", [0, 1])):
+        np.save(tmp_path / "features" / f"{bag}.npy", np.ones((3, 2), dtype=np.float32))
+        np.save(tmp_path / "labels" / f"{bag}.npy", np.array(label))
+    np.save(tmp_path / "labels" / "nofeatures.npy", np.array(1))
+    report = ingest_bag_files(tmp_path / "dir.zarr", tmp_path / "features", labels_dir=tmp_path / "labels")
+    assert report.added == ("neg1", "pos1")
+    reasons = {s.bag_id: s.reason for s in report.skipped}
+    assert reasons["onehot"] == "unusable label file: it holds 2 values of shape (2,), a bag label file holds one (0 or 1)"
+    assert reasons["nofeatures"] == f"listed in {tmp_path / 'labels'} but no feature file nofeatures.npy in {tmp_path / 'features'}"
+    (tmp_path / "labels.csv").write_text("slide_id,label\npos1,1\nneg1,0\nonehot,1\ns3,1\n")
+    report = ingest_bag_files(tmp_path / "file.zarr", tmp_path / "features", labels_file=LabelSpec(str(tmp_path / "labels.csv")))
+    assert report.added == ("neg1", "onehot", "pos1")
+    assert [(s.bag_id, s.reason) for s in report.skipped] == [
+        ("s3", f"listed in {tmp_path / 'labels.csv'} but no feature file s3.npy in {tmp_path / 'features'}")]
+
+
+def test_a_new_cohorts_bag_whose_id_the_labels_give_with_a_suffix_is_named_not_kept_unlabelled(tmp_path):
+    """``gpmil predict --source … --labels`` ingests with unlabelled bags kept: a labels file of
+    ``s1.svs`` beside ``s1.h5`` lost every label without a word (no metrics, no reason)."""
+    (tmp_path / "h5").mkdir()
+    for stem in ("s1", "s2", "s3"):
+        with h5py.File(tmp_path / "h5" / f"{stem}.h5", "w") as handle:
+            handle["features"] = np.ones((3, 4), dtype=np.float32)
+            handle["coords"] = np.arange(6).reshape(3, 2) * 256
+    (tmp_path / "labels.csv").write_text("slide_id,label\ns1.svs,1\ns2,0\n")
+    report = ingest_h5_features(tmp_path / "k.zarr", tmp_path / "h5", tmp_path / "labels.csv", keep_unlabelled=True)
+    assert report.added == ("s2", "s3")  # s3: not in the labels, predicted unlabelled
+    assert [(s.bag_id, s.reason) for s in report.skipped] == [
+        ("s1", f"no label in {tmp_path / 'labels.csv'} (it has 's1.svs': ids must equal the file stem, without spaces or suffixes)")]
+    assert list(open_cohort(tmp_path / "k.zarr").bag_labels) == [0, -1]

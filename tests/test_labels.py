@@ -154,6 +154,34 @@ def test_a_blank_in_a_nullable_parquet_column_is_a_blank_to_the_whole_column_che
     assert (labels["a"], labels["b"], labels["d"]) == (1, 0, 1) and isinstance(labels["c"], MissingLabelError)
 
 
+def test_codes_that_spell_numbers_and_booleans_match_positive_and_targets_by_value(tmp_path):
+    """The labels reader takes a cell that spells a number as that number (TCGA's sample type ``01``
+    is 1), and ``positive: ["01"]`` and ``target: "sample_type == '01'"`` then matched no row: every
+    bag negative, without a word; so did ``positive: [1]`` over a True/False column."""
+    path = tmp_path / "codes.csv"
+    path.write_text("slide_id,sample_type,tumor\na,01,True\nb,11,False\nc,01,True\n")
+    expected = {"a": 1, "b": 0, "c": 1}
+    assert LabelSpec(str(path), label_column="sample_type", positive=["01"]).read()[0] == expected
+    assert LabelSpec(str(path), target="sample_type == '01'").read()[0] == expected
+    assert LabelSpec(str(path), target="sample_type in ['01', '02']").read()[0] == expected
+    for positive in ([1], [True], ["true"], ["True"]):
+        assert LabelSpec(str(path), label_column="tumor", positive=positive).read()[0] == expected, positive
+    assert LabelSpec(str(path), label_column="sample_type", positive=["11"]).read()[0] == {"a": 0, "b": 1, "c": 0}
+
+
+def test_a_parquet_labels_file_saved_with_its_index_or_an_upper_case_suffix_is_read(tmp_path):
+    """``df.set_index('case_id').to_parquet()`` failed with ``TypeError: can only concatenate str``
+    naming no file; an id column saved as the index was "no column 'slide_id'"; ``LABELS.PARQUET``
+    was read as a CSV and refused as "not UTF-8 text"."""
+    table = pd.DataFrame({"case_id": ["p1", "p2"], "slide_id": ["a", "b"], "label": [1, 0]})
+    table.set_index("case_id").to_parquet(tmp_path / "indexed.parquet")
+    assert LabelSpec(str(tmp_path / "indexed.parquet")).read()[0] == {"a": 1, "b": 0}
+    table.set_index("slide_id").to_parquet(tmp_path / "by_id.parquet")
+    assert LabelSpec(str(tmp_path / "by_id.parquet")).read()[0] == {"a": 1, "b": 0}
+    table.to_parquet(tmp_path / "LABELS.PARQUET")
+    assert LabelSpec(str(tmp_path / "LABELS.PARQUET")).read()[0] == {"a": 1, "b": 0}
+
+
 def test_a_semicolon_separated_labels_file_is_named_for_what_it_is(tmp_path):
     from tasks.ingest.labels import read_panda_labels
 

@@ -20,6 +20,7 @@ import ast
 import difflib
 import operator
 import os
+import re
 import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -37,7 +38,7 @@ from tasks.store import UNKNOWN_LABEL, encode_original_label
 def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: str) -> dict[str, int | Exception]:
     """bag id → ``label_of(row)`` for each row of a labels table, or the error that row gives."""
     if id_column not in table.columns:
-        raise IngestError(f"labels CSV has no column {id_column!r} (columns: {list(table.columns)})", path=path)
+        raise IngestError(f"labels file has no column {id_column!r} (columns: {list(table.columns)})", path=path)
     labels: dict[str, int | Exception] = {}
     first: dict[str, tuple[int, dict]] = {}  # bag id → (its first row after the header, counted from 1; that row's values)
     for row, bag_id, value in zip(np.asarray(table.index) + 1, table[id_column].astype(str),
@@ -84,7 +85,9 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
                     keep_unlabelled: bool = False) -> tuple[list[IngestItem], list[Skipped]]:
     """Attach bag labels (-1 without a labels table) and original labels (``originals``: bag id →
     the labels file's value); badly labelled bags are skipped, and so are bags the labels do not
-    list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled)."""
+    list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled). A bag
+    whose id the labels give but for spaces or a suffix (``s1.svs`` for ``s1``) is skipped naming
+    it either way: kept unlabelled, its label was lost without a word."""
     originals = originals or {}
     items, skipped = [], []
     near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, built at the first miss
@@ -98,12 +101,12 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
             composed = {unicodedata.normalize("NFC", str(k)): k for k in labels} if composed is None else composed
             key = composed.get(unicodedata.normalize("NFC", bag_id), bag_id)
         label = labels.get(key)
-        if label is None and keep_unlabelled:
-            items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
-            continue
         if label is None:
             near_ids = {Path(str(k).strip()).stem: k for k in labels} if near_ids is None else near_ids
             near = near_ids.get(bag_id)
+            if near is None and keep_unlabelled:  # a bag the labels do not list: predicted, unlabelled
+                items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
+                continue
             hint = (f" (it has {near!r}: ids must equal the file stem, without spaces or suffixes)" if near is not None else
                     f" (its ids look like {', '.join(repr(k) for k in list(labels)[:2])})" if labels else "")
             label = MissingLabelError(f"no label in {labels_path}{hint}", path=source, bag_id=bag_id)
@@ -290,8 +293,8 @@ class TargetExpression:
             if node.id not in row:
                 raise KeyError(f"no column {node.id!r}")
             return row[node.id]
-        if isinstance(node, ast.Constant):
-            return node.value
+        if isinstance(node, ast.Constant):  # '01' as the file's '01', which numbers_as_numbers read as 1
+            return _spelled_number(node.value)
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
             return [self._value(e, row) for e in node.elts]
         if isinstance(node, ast.UnaryOp):
@@ -340,6 +343,28 @@ def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
     return None
 
 
+def _spelled_number(value: Any) -> Any:
+    """A text that spells a number (``"01"``, ``" 1.0"``) as that number, as :func:`numbers_as_numbers`
+    reads a labels file's cells; anything else as it is."""
+    if isinstance(value, str) and re.match(_NUMBER, value):
+        number = float(value)
+        return int(number) if number.is_integer() else number
+    return value
+
+
+def _label_text(value: Any) -> str:
+    """A label value as ``positive`` compares it: numbers by value (``1``, ``1.0`` and ``"01"`` are
+    ``"1"``; TCGA's sample type ``01`` is read as the number 1), booleans and ``true``/``false`` as
+    ``"1"``/``"0"``, other text as it is."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, str) and value.strip().casefold() in ("true", "false"):
+        return "1" if value is True or value is np.True_ or str(value).strip().casefold() == "true" else "0"
+    value = _spelled_number(value)
+    if isinstance(value, (int, float, np.number)):
+        number = float(value)
+        return str(int(number)) if number.is_integer() else str(number)
+    return str(value)
+
+
 def _is_missing(value: Any) -> bool:
     """None, NaN, or pandas' NA/NaT: a blank in a nullable column (``Int64``, ``string``), as parquet
     files give them (only there once pandas is imported)."""
@@ -369,15 +394,14 @@ class LabelSpec:
         if self.target is not None:
             return TargetExpression(self.target)
         if self.positive is not None:
-            positives = {str(v) for v in self.positive}
+            positives = {_label_text(v) for v in self.positive}
             folded = {p.strip().casefold(): p for p in positives}  # 'Tumor', 'tumor ' are typos, not negatives
             column = self.label_column
 
             def in_positives(row: dict[str, Any]) -> int:
                 if _is_missing(row[column]):
                     raise ValueError(f"empty {column}")
-                value = row[column]
-                text = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+                text = _label_text(row[column])
                 if text not in positives and text.strip().casefold() in folded:
                     raise ValueError(f"{column} {text!r} differs from the positive value {folded[text.strip().casefold()]!r} "
                                      "only in case or spaces: correct it, or list it under positive")
@@ -395,8 +419,8 @@ class LabelSpec:
         """A ``positive`` list that no row matches because it is spelled otherwise (``tumour`` for
         ``tumor``) or because the file holds 0/1 made every bag negative without a word; a file
         whose rows are all of other classes (a cohort without positives) is fine."""
-        values = {str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in column if not _is_missing(v)}
-        positives = [str(v) for v in self.positive]
+        values = {_label_text(v) for v in column if not _is_missing(v)}
+        positives = [_label_text(v) for v in self.positive]
         if values & set(positives) or not values:
             return
         close = {p: difflib.get_close_matches(p.casefold(), {v.casefold(): v for v in values}, n=1, cutoff=0.75)
@@ -459,14 +483,16 @@ class LabelSpec:
         """bag id → 0/1 (or the row's error), and bag id → the original value of ``label_column``."""
         import pandas as pd
 
-        path = str(self.file)
-        if path.endswith(".parquet"):
+        path, suffix = str(self.file), Path(str(self.file)).suffix.lower()  # LABELS.PARQUET was read as a CSV
+        if suffix == ".parquet":
             try:
                 table = pd.read_parquet(path)
+                if not isinstance(table.index, pd.RangeIndex):  # saved with its index (set_index('slide_id')): a column
+                    table = table.reset_index(drop=all(name is None for name in table.index.names))
             except Exception as error:
                 raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
         else:
-            table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if path.endswith(".tsv") else ",")
+            table = read_labels_csv(path, dtype={self.id_column: str}, sep="\t" if suffix == ".tsv" else ",")
         table = numbers_as_numbers(table, self.id_column)
         if self.id_column in table.columns:
             table = without_blank_rows(table, self.id_column, path)

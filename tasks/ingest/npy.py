@@ -13,9 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, existing_n_features, run_ingest, summarise_left_out
+from tasks.ingest.driver import (
+    IngestReport,
+    Skipped,
+    existing_n_features,
+    ingested_from_elsewhere,
+    run_ingest,
+    summarise_left_out,
+)
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
-from tasks.ingest.labels import binary, check_instance_labels, labelled_items
+from tasks.ingest.labels import binary, check_instance_labels, ids_without_input, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
 
@@ -68,7 +75,10 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
         labels = {}
         for path in sorted(Path(labels_dir).glob("*.npy")):
             try:
-                originals[path.stem] = np.load(path, allow_pickle=False).reshape(-1)[0]
+                value = np.load(path, allow_pickle=False)
+                if value.size != 1:  # a one-hot [0, 1] read as its first entry inverted every label
+                    raise ValueError(f"it holds {value.size} values of shape {value.shape}, a bag label file holds one (0 or 1)")
+                originals[path.stem] = value.reshape(-1)[0]
                 labels[path.stem] = binary(originals[path.stem])
             except Exception as error:
                 labels[path.stem] = MissingLabelError(f"unusable label file: {error}", path=str(path), bag_id=path.stem)
@@ -81,6 +91,11 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
     labels_from = labels_file.file if labels_file is not None else None if labels_dir is None else str(labels_dir)
     items, skipped = labelled_items(candidates, labels, labels_from, originals, keep_unlabelled)
+    if labels is not None:  # a labelled bag whose features are missing is said, not dropped
+        skipped += [Skipped(path=str(Path(features_dir) / f"{bag_id}.npy"), bag_id=bag_id, error="UnreadableFileError",
+                            reason=f"listed in {labels_from} but no feature file {bag_id}.npy in {features_dir}")
+                    for bag_id in ids_without_input(labels, [p.stem for p in feature_files]
+                                                    + ingested_from_elsewhere(store, features_dir))]
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,11 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     if len(table) > 1 and np.isnan(labels.iloc[0]) and labels.iloc[1:].notna().all():
         raise IngestError(f"row 0 ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
                           "(bag label, bag id, features…); remove the first line", path=str(path))
-    if labels.notna().all():  # numbers, also where a stray cell made pandas read the column as text
-        table[label_column] = labels
+    first = pd.to_numeric(table.iloc[0], errors="coerce").to_numpy(dtype=float)
+    if len(table) > 1 and first.size >= 5 and np.array_equal(first, np.arange(first.size)):  # DataFrame(array).to_csv()
+        raise IngestError(f"row 0 ({', '.join(str(i) for i in range(4))}, …, {first.size - 1}) looks like the header pandas "
+                          "writes for an array's columns: a MIL CSV has none (bag label, bag id, features…); remove the "
+                          "first line, or save with to_csv(header=False, index=False)", path=str(path))
     if original_label_column is not None and original_label_column not in table.columns:
         raise IngestError(f"CSV table has no column {original_label_column} (original_label_column; columns 0 to "
                           f"{len(table.columns) - 1})", path=str(path))
@@ -111,7 +115,7 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
         X = features.to_numpy(dtype=dtype)
     return FeatureTable(X=X, bag_ids=_bag_id_text(table[bag_column].to_numpy(dtype=object), path),
-                        labels=table[label_column].to_numpy(), source=str(path), row_problems=problems,
+                        labels=_label_cells(table[label_column]), source=str(path), row_problems=problems,
                         original_labels=None if original_label_column is None else table[original_label_column].to_numpy(dtype=object))
 
 
@@ -164,7 +168,7 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         raise UnreadableFileError(f"cannot read Parquet: {type(error).__name__}: {error}", path=str(path)) from error
     merged = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
     return FeatureTable(
-        X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=_numbers_if_all(merged[label_column]), source=str(path),
+        X=X, bag_ids=_bag_id_text(merged[bag_column], path), labels=_label_cells(merged[label_column]), source=str(path),
         coords=_integer_coords(merged, coords_columns, str(path)) if coords_columns else None,
         instance_labels=None if instance_label_column is None else _instance_labels(merged[instance_label_column],
                                                                                       instance_label_column, str(path)),
@@ -172,9 +176,43 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
         feature_names=tuple(feature_columns), coords_names=tuple(coords_columns) or None)
 
 
+def _label_cells(column: Any) -> np.ndarray:
+    """A bag-label column's cells for the ingest's per-bag check: a NumPy numeric or boolean column
+    as it is (a float column's blanks NaN); a nullable one (``Int64``, ``boolean``) with blanks as
+    objects, ``None`` for each blank; text cells that are numbers (``"0"``, ``"1"``) as numbers, the
+    others (a typo ``?``, ``tumor``) as they are. One bad cell fails its own bag, not the column's."""
+    import pandas as pd
+
+    series = pd.Series(column)
+    if isinstance(series.dtype, np.dtype) and series.dtype.kind in "biuf":
+        return series.to_numpy()
+    missing = series.isna().to_numpy()
+    if pd.api.types.is_bool_dtype(series.dtype) or pd.api.types.is_numeric_dtype(series.dtype):  # nullable dtypes
+        return series.to_numpy() if not missing.any() else series.astype(object).where(~missing, None).to_numpy()
+    numbers = pd.to_numeric(series, errors="coerce")
+    is_number = numbers.notna().to_numpy()
+    if is_number.all():
+        return numbers.to_numpy()
+    cells = series.to_numpy(dtype=object).copy()
+    cells[is_number] = numbers.to_numpy()[is_number]
+    cells[missing] = None
+    return cells
+
+
+def _distinct_labels(cells: np.ndarray) -> list[Any]:
+    """A bag's distinct label values (sorted where they compare), a blank (None, NaN) as ``None``."""
+    if cells.dtype.kind in "biuf":
+        return [None if isinstance(v, float) and v != v else v for v in np.unique(cells).tolist()]
+    distinct = list(dict.fromkeys(None if v is None or isinstance(v, float) and v != v else v for v in cells.tolist()))
+    try:
+        return sorted(distinct)
+    except TypeError:  # text beside numbers, or a blank
+        return distinct
+
+
 def _numbers_if_all(values: np.ndarray) -> np.ndarray:
-    """A text label column whose every value is a number (``"0"``, ``"1"``) as numbers, as the
-    MIL CSV reader reads it; otherwise as it is (the ingest names a value that is not 0/1/-1)."""
+    """A text instance-label column whose every value is a number (``"0"``, ``"1"``) as numbers;
+    otherwise as it is (refused naming the first value that is not 0/1/-1)."""
     import pandas as pd
 
     if values.dtype.kind in "biuf":
@@ -361,10 +399,15 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
             for b, bag_id in enumerate(map(str, ids)):
                 rows = order[offsets[b]:offsets[b + 1]]
                 rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
-                labels = np.unique(np.asarray(table.labels[rows]))
+                labels = _distinct_labels(np.asarray(table.labels[rows]))
+                shown = [int(v) if isinstance(v, float) and v.is_integer() else v for v in labels if v is not None]
+                if None in labels:
+                    skipped.append(Skipped.from_error(MissingLabelError(
+                        "empty bag label (a blank cell)" + (f" beside {shown}" if shown else ""), path=table.source, bag_id=bag_id)))
+                    continue
                 if len(labels) != 1 or labels[0] not in (UNKNOWN_LABEL, 0, 1):
                     skipped.append(Skipped.from_error(MissingLabelError(
-                        f"bag label must be one of 0, 1, -1 and equal on all rows; got {labels.tolist()}",
+                        f"bag label must be one of 0, 1, -1 and equal on all rows; got {shown}",
                         path=table.source, bag_id=bag_id)))
                     continue
                 if table.original_labels is None:
