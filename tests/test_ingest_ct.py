@@ -340,3 +340,83 @@ def test_copied_multi_frame_mixed_size_and_preambleless_series(tmp_path):
     series, errors = scan_dicom_dir(tmp_path / "bare")
     assert not errors and list(series[0].sop_uids) == sops
     assert load_windowed_slices(series[0].files).shape == (3, 16, 16, 3)
+
+
+def _restudy(paths, key: str, study_of: list, image_type: list[str] | None = None, **tags) -> str:
+    """Rewrite a written series as another series (``key``) of the study of ``study_of[0]``, with
+    ``image_type`` and other header tags; returns its SeriesInstanceUID."""
+    from pydicom.uid import generate_uid
+
+    series_uid = generate_uid(entropy_srcs=[key, "series"])
+    study = pydicom.dcmread(study_of[0]).StudyInstanceUID
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        ds.SeriesInstanceUID, ds.StudyInstanceUID = series_uid, study
+        if image_type is not None:
+            ds.ImageType = image_type
+        for tag, value in tags.items():
+            setattr(ds, tag, value)
+        ds.save_as(path)
+    return series_uid
+
+
+def test_a_studys_scout_and_reformat_series_are_named_not_bags_and_do_not_refuse_its_scan(tmp_path):
+    """An export per series (study/SER_AXIAL, SER_SCOUT, SER_COR) made the localizer a one-slice
+    'scan' and the coronal reformat a second bag of the same patient, silently; exported flat into
+    one folder, the scout made the axial scan refused as "folder holds 2 series of one study"."""
+    axial_uid, _, axial = write_ct_series(tmp_path / "study" / "SER_AXIAL", np.zeros((6, 16, 16)), series_key="axial")
+    _, _, scout = write_ct_series(tmp_path / "study" / "SER_SCOUT", np.zeros((1, 16, 16)), series_key="scout")
+    scout_uid = _restudy(scout, "scout", axial, ["ORIGINAL", "PRIMARY", "LOCALIZER"],
+                         ImageOrientationPatient=[0.0, 1.0, 0.0, 0.0, 0.0, -1.0])
+    _, _, coronal = write_ct_series(tmp_path / "study" / "SER_COR", np.zeros((4, 16, 16)), series_key="coronal")
+    coronal_uid = _restudy(coronal, "coronal", axial, ["DERIVED", "SECONDARY", "REFORMATTED"])  # its plane is not what tells
+    series, errors = scan_dicom_dir(tmp_path / "study")
+    assert [s.series_uid for s in series] == [axial_uid] and len(series[0].files) == 6
+    reasons = {e.bag_id: e.reason for e in errors}
+    assert reasons[scout_uid] == "series of 1 slices: a localizer/scout (ImageType LOCALIZER), not a scan"
+    assert reasons[coronal_uid] == ("a derived series (ImageType DERIVED\\SECONDARY\\REFORMATTED: a reformat or reconstruction) "
+                                    f"of the study whose original series {axial_uid} is ingested: one series per scan")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in axial + scout:
+        (flat / path.name).write_bytes(path.read_bytes())
+    series, errors = scan_dicom_dir(flat)
+    assert [s.series_uid for s in series] == [axial_uid] and [e.bag_id for e in errors] == [scout_uid]
+    _, _, alone = write_ct_series(tmp_path / "alone" / "s", np.zeros((3, 16, 16)), series_key="alone")  # a derived series alone: a scan
+    alone_uid = _restudy(alone, "alone", alone, ["DERIVED", "SECONDARY"])
+    assert [s.series_uid for s in scan_dicom_dir(tmp_path / "alone")[0]] == [alone_uid]
+
+
+def test_a_slice_without_position_or_another_acquisitions_slices_in_a_series_are_refused(tmp_path):
+    """One slice without ImagePositionPatient (a topogram with no ImageType) switched the whole
+    series to InstanceNumber order and became slice 0; two slices of a repeat acquisition half-way
+    between the others' were interleaved into the stack."""
+    _, _, paths = write_ct_series(tmp_path / "topogram" / "s", np.zeros((6, 16, 16)), series_key="topogram")
+    ds = pydicom.dcmread(paths[3])
+    del ds.ImagePositionPatient, ds.ImageOrientationPatient
+    ds.save_as(paths[3])
+    (error,) = scan_dicom_dir(tmp_path / "topogram")[1]
+    assert (f"slice {paths[3].name} has no ImagePositionPatient/ImageOrientationPatient where 5 others have them: a "
+            "localizer or another object in the series; remove it") in error.reason
+    _, _, paths = write_ct_series(tmp_path / "repeat" / "s", np.zeros((8, 16, 16)), series_key="repeat")
+    ds = pydicom.dcmread(paths[2])
+    ds.SOPInstanceUID, ds.ImagePositionPatient = "1.2.3.4.5.6.7", [-125.0, -125.0, 12.5]  # between 10 and 15 mm
+    ds.save_as(paths[2].with_name("repeat.dcm"))
+    (error,) = scan_dicom_dir(tmp_path / "repeat")[1]
+    assert f"slices {paths[2].name} and repeat.dcm are 2.50 mm apart (median spacing 5.00 mm)" in error.reason
+
+
+def test_a_slice_written_without_file_meta_decodes(tmp_path):
+    """A bare dataset (no preamble, no group 0002: older exports) passed the scan, then failed its
+    series at decode: "file_meta has no (0002,0010) Transfer Syntax UID"."""
+    from pydicom.filewriter import dcmwrite
+
+    hu = np.full((3, 16, 16), 40.0)
+    _, _, paths = write_ct_series(tmp_path / "s", hu, series_key="bare-meta")
+    ds = pydicom.dcmread(paths[1])
+    del ds.file_meta
+    ds.preamble = None
+    dcmwrite(paths[1], ds, enforce_file_format=False, implicit_vr=True, little_endian=True)
+    series, errors = scan_dicom_dir(tmp_path / "s")
+    assert not errors
+    np.testing.assert_allclose(load_windowed_slices(series[0].files), windowed_channels(hu), atol=1e-6)

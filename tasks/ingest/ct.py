@@ -34,7 +34,7 @@ from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
-                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames"]
+                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -72,6 +72,12 @@ def _orientation(header) -> np.ndarray | None:
     except (AttributeError, TypeError, ValueError):
         return None
     return orientation if orientation.shape == (6,) else None
+
+
+def _is_localizer(header) -> bool:
+    """A slice whose ImageType says LOCALIZER (a scout or topogram: a projection, not a slice)."""
+    image_type = header.get("ImageType") or []
+    return "LOCALIZER" in {str(v).strip().upper() for v in ([image_type] if isinstance(image_type, str) else image_type)}
 
 
 def _slice_position(header) -> float | None:
@@ -126,7 +132,7 @@ def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list
             errors.append(problem)
             continue
         series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members)))
-    return _reject_mixed_folders(series, groups, errors)
+    return _reject_mixed_folders(*_drop_derived_beside_original(series, groups, errors), groups)
 
 
 def read_header(path: str):
@@ -158,11 +164,14 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     """Why a series (files and headers in spatial order) cannot be one CT bag, or None.
 
     Refused: a Modality other than CT; a slice without RescaleSlope/RescaleIntercept (HU would be
-    off by the intercept, typically 1024); a slice in another plane than the first (a localizer or
-    scout kept in the series: its position along the others' normal means nothing); two slices at
-    the same position; a gap along the slice
-    normal of more than :data:`GAP_FACTOR` × the median spacing (a missing or unreadable slice);
-    without positions, InstanceNumbers that repeat or skip.
+    off by the intercept, typically 1024); a localizer (ImageType LOCALIZER: a scout series is no
+    scan, a scout in a series no slice); a slice in another plane than the first (a localizer or
+    scout kept in the series: its position along the others' normal means nothing), or without a
+    position where the others have one (ordered by InstanceNumber with them, it became slice 0);
+    two slices at the same position; a step along the slice normal of more than :data:`GAP_FACTOR`
+    × the median spacing (a missing or unreadable slice) or less than the median over
+    :data:`GAP_FACTOR` (another acquisition's slices interleaved); without positions,
+    InstanceNumbers that repeat or skip.
     """
     folder = str(Path(files[0]).parent)
 
@@ -191,12 +200,21 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
                 float(header[tag].value)
             except (KeyError, TypeError, ValueError):
                 return refuse(f"no usable {tag} in {Path(path).name}: Hounsfield units cannot be computed")
+    if localizers := [Path(path).name for path, h in zip(files, headers) if _is_localizer(h)]:
+        if len(localizers) == len(files):
+            return refuse("a localizer/scout (ImageType LOCALIZER), not a scan")
+        return refuse(f"slice {localizers[0]} is a localizer (ImageType LOCALIZER) in the series: remove it")
     planes = [(path, o) for path, h in zip(files, headers) if (o := _orientation(h)) is not None]
     if other := next(((path, o) for path, o in planes[1:] if np.abs(o - planes[0][1]).max() > ORIENTATION_TOL), None):
         return refuse(f"slice {Path(other[0]).name} lies in another plane (ImageOrientationPatient "
                       f"{np.round(other[1], 3).tolist()}) than {Path(planes[0][0]).name} ({np.round(planes[0][1], 3).tolist()}): "
                       "a localizer/scout or a second stack in the series; remove it")
     positions = [_slice_position(h) for h in headers]
+    if None in positions and any(p is not None for p in positions):
+        k = positions.index(None)
+        return refuse(f"slice {Path(files[k]).name} has no ImagePositionPatient/ImageOrientationPatient where "
+                      f"{sum(p is not None for p in positions)} others have them: a localizer or another object in the "
+                      "series; remove it")
     if all(p is not None for p in positions) and len(positions) > 1:
         z = np.asarray(positions)
         steps = np.diff(z)
@@ -213,6 +231,11 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
                               f"({gaps.size} steps, the first {where}): a series of two spacings, or slices missing at "
                               "regular intervals; evenly spaced slices are expected")
             return refuse(f"gap of {steps[k]:.2f} mm {where} (median spacing {median:.2f} mm): a slice is missing or unreadable")
+        if (close := np.flatnonzero(steps < median / GAP_FACTOR)).size:
+            k = int(close[0])
+            return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are {steps[k]:.2f} mm apart (median "
+                          f"spacing {median:.2f} mm): slices of another acquisition or stack interleaved; evenly spaced "
+                          "slices of one stack are expected")
     elif len(headers) > 1:
         numbers = sorted(int(h.get("InstanceNumber", 0) or 0) for h in headers)
         if len(set(numbers)) != len(numbers) or numbers[-1] - numbers[0] != len(numbers) - 1:
@@ -221,7 +244,36 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     return None
 
 
-def _reject_mixed_folders(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
+def _image_type(header) -> list[str]:
+    image_type = header.get("ImageType") or []
+    return [str(v).strip().upper() for v in ([image_type] if isinstance(image_type, str) else image_type)]
+
+
+def _drop_derived_beside_original(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
+                                  ) -> tuple[list[CTSeries], list[IngestError]]:
+    """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study whose original
+    series is a scan too is refused naming that series: it is the same patient's scan again (as
+    its own bag, in training and test both), wherever it sits. A derived series alone is kept."""
+    study = {s.series_uid: str(groups[s.series_uid][0][2].get("StudyInstanceUID", "")) for s in series}
+    derived = {s.series_uid for s in series if "DERIVED" in _image_type(groups[s.series_uid][0][2])[:1]}
+    originals: dict[str, list[str]] = defaultdict(list)
+    for s in series:
+        if s.series_uid not in derived:
+            originals[study[s.series_uid]].append(s.series_uid)
+    kept = []
+    for s in series:
+        if s.series_uid in derived and originals.get(study[s.series_uid]):
+            kind = "\\".join(_image_type(groups[s.series_uid][0][2]))
+            errors.append(InvalidSeriesError(f"a derived series (ImageType {kind}: a reformat or reconstruction) of the "
+                                             f"study whose original series {', '.join(originals[study[s.series_uid]])} is "
+                                             "ingested: one series per scan", path=str(Path(s.files[0]).parent),
+                                             bag_id=s.series_uid))
+        else:
+            kept.append(s)
+    return kept, errors
+
+
+def _reject_mixed_folders(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]
                           ) -> tuple[list[CTSeries], list[IngestError]]:
     """Series of one study that share a folder are two reconstructions (or a copy mistake) of
     one scan: refused, all of them, rather than ingested as separate bags of the same patient.
@@ -322,6 +374,20 @@ def scan_subtypes(sop_uids: Iterable[str], subtypes: dict[str, dict[str, int]]) 
     return out
 
 
+def _with_transfer_syntax(ds):
+    """A dataset written without file meta (older exports: no preamble, no group 0002) given the
+    transfer syntax it was read in, which its pixel data need; uncompressed, as such files are."""
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
+
+    if "TransferSyntaxUID" not in (getattr(ds, "file_meta", None) or {}):
+        implicit, little = ds.original_encoding
+        ds.file_meta = getattr(ds, "file_meta", None) or FileMetaDataset()
+        ds.file_meta.TransferSyntaxUID = (ImplicitVRLittleEndian if implicit else
+                                          ExplicitVRLittleEndian if little else ExplicitVRBigEndian)
+    return ds
+
+
 def load_windowed_slices(files: Iterable[str]) -> np.ndarray:
     """Read slices and return their windowed channels (B, H, W, 3) float32 in [0, 1]."""
     import pydicom
@@ -330,7 +396,7 @@ def load_windowed_slices(files: Iterable[str]) -> np.ndarray:
     for path in files:
         try:
             with quiet_pydicom():
-                hu = to_hu(pydicom.dcmread(path, force=True))  # read once by read_header: a DICOM, preamble or not
+                hu = to_hu(_with_transfer_syntax(pydicom.dcmread(path, force=True)))  # read by read_header: preamble or not
         except Exception as error:
             raise UnreadableFileError(f"cannot decode DICOM pixel data: {type(error).__name__}: {error}",
                                       path=path) from error
