@@ -375,7 +375,7 @@ def test_a_studys_scout_and_reformat_series_are_named_not_bags_and_do_not_refuse
     reasons = {e.bag_id: e.reason for e in errors}
     assert reasons[scout_uid] == "series of 1 slices: a localizer/scout (ImageType LOCALIZER), not a scan"
     assert reasons[coronal_uid] == ("a derived series (ImageType DERIVED\\SECONDARY\\REFORMATTED: a reformat or reconstruction) "
-                                    f"of the study whose original series {axial_uid} is ingested: one series per scan")
+                                    f"of the study of the original series {axial_uid}: one series per scan, the original")
     flat = tmp_path / "flat"
     flat.mkdir()
     for path in axial + scout:
@@ -385,6 +385,13 @@ def test_a_studys_scout_and_reformat_series_are_named_not_bags_and_do_not_refuse
     _, _, alone = write_ct_series(tmp_path / "alone" / "s", np.zeros((3, 16, 16)), series_key="alone")  # a derived series alone: a scan
     alone_uid = _restudy(alone, "alone", alone, ["DERIVED", "SECONDARY"])
     assert [s.series_uid for s in scan_dicom_dir(tmp_path / "alone")[0]] == [alone_uid]
+    for path in [*alone, *axial]:  # study UIDs anonymised away: another patient's original is no original of this one
+        ds = pydicom.dcmread(path)
+        del ds.StudyInstanceUID
+        (tmp_path / "anonymised" / path.parent.name).mkdir(parents=True, exist_ok=True)
+        ds.save_as(tmp_path / "anonymised" / path.parent.name / path.name)
+    series, errors = scan_dicom_dir(tmp_path / "anonymised")
+    assert {s.series_uid for s in series} == {alone_uid, axial_uid} and not errors
 
 
 def test_a_slice_without_position_or_another_acquisitions_slices_in_a_series_are_refused(tmp_path):
@@ -399,11 +406,23 @@ def test_a_slice_without_position_or_another_acquisitions_slices_in_a_series_are
     assert (f"slice {paths[3].name} has no ImagePositionPatient/ImageOrientationPatient where 5 others have them: a "
             "localizer or another object in the series; remove it") in error.reason
     _, _, paths = write_ct_series(tmp_path / "repeat" / "s", np.zeros((8, 16, 16)), series_key="repeat")
-    ds = pydicom.dcmread(paths[2])
-    ds.SOPInstanceUID, ds.ImagePositionPatient = "1.2.3.4.5.6.7", [-125.0, -125.0, 12.5]  # between 10 and 15 mm
+    for k, path in enumerate(paths):  # step and shoot: each rotation's two adjacent slices an acquisition of their own
+        ds = pydicom.dcmread(path)
+        ds.AcquisitionNumber = 1 + k // 2
+        ds.save_as(path)
+    assert not scan_dicom_dir(tmp_path / "repeat")[1]
+    ds.SOPInstanceUID, ds.AcquisitionNumber, ds.ImagePositionPatient = "1.2.3.4.5.6.7", 9, [-125.0, -125.0, 12.5]  # 10–15 mm
     ds.save_as(paths[2].with_name("repeat.dcm"))
     (error,) = scan_dicom_dir(tmp_path / "repeat")[1]
-    assert f"slices {paths[2].name} and repeat.dcm are 2.50 mm apart (median spacing 5.00 mm)" in error.reason
+    assert ("the slices of acquisitions 2 and 9 lie between one another along the slice normal: a repeat acquisition "
+            "in the series; remove one") in error.reason
+    thin_then_thick = np.concatenate([np.arange(4) * 2.5, 10.0 + np.arange(6) * 5.0])  # a posterior fossa protocol: kept
+    _, _, paths = write_ct_series(tmp_path / "fossa" / "s", np.zeros((10, 16, 16)), series_key="fossa")
+    for path, z in zip(paths, thin_then_thick):
+        ds = pydicom.dcmread(path)
+        ds.ImagePositionPatient = [-125.0, -125.0, float(z)]
+        ds.save_as(path)
+    assert not scan_dicom_dir(tmp_path / "fossa")[1]
 
 
 def test_a_slice_written_without_file_meta_decodes(tmp_path):

@@ -167,6 +167,9 @@ def test_codes_that_spell_numbers_and_booleans_match_positive_and_targets_by_val
     for positive in ([1], [True], ["true"], ["True"]):
         assert LabelSpec(str(path), label_column="tumor", positive=positive).read()[0] == expected, positive
     assert LabelSpec(str(path), label_column="sample_type", positive=["11"]).read()[0] == {"a": 0, "b": 1, "c": 0}
+    path.write_text("slide_id,code\na,10000000000000001\nb,10000000000000000\n")  # compared exactly, not as floats
+    assert LabelSpec(str(path), label_column="code", positive=[10000000000000001]).read()[0] == {"a": 1, "b": 0}
+    assert LabelSpec(str(path), label_column="code", positive=["10000000000000001"]).read()[0] == {"a": 1, "b": 0}
 
 
 def test_a_parquet_labels_file_saved_with_its_index_or_an_upper_case_suffix_is_read(tmp_path):
@@ -178,6 +181,8 @@ def test_a_parquet_labels_file_saved_with_its_index_or_an_upper_case_suffix_is_r
     assert LabelSpec(str(tmp_path / "indexed.parquet")).read()[0] == {"a": 1, "b": 0}
     table.set_index("slide_id").to_parquet(tmp_path / "by_id.parquet")
     assert LabelSpec(str(tmp_path / "by_id.parquet")).read()[0] == {"a": 1, "b": 0}
+    table.set_index("slide_id", drop=False).to_parquet(tmp_path / "both.parquet")  # the id as the index and a column
+    assert LabelSpec(str(tmp_path / "both.parquet")).read()[0] == {"a": 1, "b": 0}
     table.to_parquet(tmp_path / "LABELS.PARQUET")
     assert LabelSpec(str(tmp_path / "LABELS.PARQUET")).read()[0] == {"a": 1, "b": 0}
 

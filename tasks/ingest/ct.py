@@ -34,7 +34,8 @@ from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
-                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType"]
+                "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType",
+                "AcquisitionNumber"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -169,9 +170,10 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     scout kept in the series: its position along the others' normal means nothing), or without a
     position where the others have one (ordered by InstanceNumber with them, it became slice 0);
     two slices at the same position; a step along the slice normal of more than :data:`GAP_FACTOR`
-    × the median spacing (a missing or unreadable slice) or less than the median over
-    :data:`GAP_FACTOR` (another acquisition's slices interleaved); without positions,
-    InstanceNumbers that repeat or skip.
+    × the median spacing (a missing or unreadable slice); slices of two AcquisitionNumbers whose
+    ranges along the normal overlap (a repeat acquisition interleaved: step-and-shoot scans number
+    each rotation's adjacent slices apart, which is fine); without positions, InstanceNumbers that
+    repeat or skip.
     """
     folder = str(Path(files[0]).parent)
 
@@ -231,11 +233,9 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
                               f"({gaps.size} steps, the first {where}): a series of two spacings, or slices missing at "
                               "regular intervals; evenly spaced slices are expected")
             return refuse(f"gap of {steps[k]:.2f} mm {where} (median spacing {median:.2f} mm): a slice is missing or unreadable")
-        if (close := np.flatnonzero(steps < median / GAP_FACTOR)).size:
-            k = int(close[0])
-            return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are {steps[k]:.2f} mm apart (median "
-                          f"spacing {median:.2f} mm): slices of another acquisition or stack interleaved; evenly spaced "
-                          "slices of one stack are expected")
+        if interleaved := _interleaved_acquisitions(headers, z):
+            return refuse(f"the slices of acquisitions {interleaved[0]} and {interleaved[1]} lie between one another along "
+                          "the slice normal: a repeat acquisition in the series; remove one")
     elif len(headers) > 1:
         numbers = sorted(int(h.get("InstanceNumber", 0) or 0) for h in headers)
         if len(set(numbers)) != len(numbers) or numbers[-1] - numbers[0] != len(numbers) - 1:
@@ -254,23 +254,37 @@ def _drop_derived_beside_original(series: list[CTSeries], groups: dict[str, list
     """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study whose original
     series is a scan too is refused naming that series: it is the same patient's scan again (as
     its own bag, in training and test both), wherever it sits. A derived series alone is kept."""
-    study = {s.series_uid: str(groups[s.series_uid][0][2].get("StudyInstanceUID", "")) for s in series}
+    study = {s.series_uid: str(groups[s.series_uid][0][2].get("StudyInstanceUID", "") or "").strip() for s in series}
     derived = {s.series_uid for s in series if "DERIVED" in _image_type(groups[s.series_uid][0][2])[:1]}
     originals: dict[str, list[str]] = defaultdict(list)
     for s in series:
-        if s.series_uid not in derived:
+        if s.series_uid not in derived and study[s.series_uid]:  # no study UID (anonymised away): no study to share
             originals[study[s.series_uid]].append(s.series_uid)
     kept = []
     for s in series:
         if s.series_uid in derived and originals.get(study[s.series_uid]):
             kind = "\\".join(_image_type(groups[s.series_uid][0][2]))
             errors.append(InvalidSeriesError(f"a derived series (ImageType {kind}: a reformat or reconstruction) of the "
-                                             f"study whose original series {', '.join(originals[study[s.series_uid]])} is "
-                                             "ingested: one series per scan", path=str(Path(s.files[0]).parent),
+                                             f"study of the original series {', '.join(originals[study[s.series_uid]])}: one "
+                                             "series per scan, the original", path=str(Path(s.files[0]).parent),
                                              bag_id=s.series_uid))
         else:
             kept.append(s)
     return kept, errors
+
+
+def _interleaved_acquisitions(headers: list, z: np.ndarray) -> tuple[str, str] | None:
+    """Two AcquisitionNumbers of a series whose slices' ranges along the slice normal overlap, or
+    None (a series without them, or whose acquisitions follow one another)."""
+    ranges: dict[str, list[float]] = {}
+    for header, position in zip(headers, z.tolist()):
+        number = header.get("AcquisitionNumber")
+        if number is not None and str(number).strip():
+            low_high = ranges.setdefault(str(number).strip(), [position, position])
+            low_high[0], low_high[1] = min(low_high[0], position), max(low_high[1], position)
+    spans = sorted(ranges.items(), key=lambda item: item[1][0])
+    return next(((a, b) for (a, (_, a_high)), (b, (b_low, _)) in zip(spans, spans[1:]) if b_low < a_high - POSITION_TOL_MM),
+                None)
 
 
 def _reject_mixed_folders(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]

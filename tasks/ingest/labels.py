@@ -347,8 +347,11 @@ def _spelled_number(value: Any) -> Any:
     """A text that spells a number (``"01"``, ``" 1.0"``) as that number, as :func:`numbers_as_numbers`
     reads a labels file's cells; anything else as it is."""
     if isinstance(value, str) and re.match(_NUMBER, value):
-        number = float(value)
-        return int(number) if number.is_integer() else number
+        try:
+            return int(value)  # exactly: a 17-digit code is no float
+        except ValueError:
+            number = float(value)
+            return int(number) if number.is_integer() else number
     return value
 
 
@@ -359,9 +362,10 @@ def _label_text(value: Any) -> str:
     if isinstance(value, (bool, np.bool_)) or isinstance(value, str) and value.strip().casefold() in ("true", "false"):
         return "1" if value is True or value is np.True_ or str(value).strip().casefold() == "true" else "0"
     value = _spelled_number(value)
-    if isinstance(value, (int, float, np.number)):
-        number = float(value)
-        return str(int(number)) if number.is_integer() else str(number)
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):  # str(): the shortest text of its precision (float32 0.1 is '0.1')
+        return str(int(value)) if float(value).is_integer() else str(value)
     return str(value)
 
 
@@ -488,7 +492,7 @@ class LabelSpec:
             try:
                 table = pd.read_parquet(path)
                 if not isinstance(table.index, pd.RangeIndex):  # saved with its index (set_index('slide_id')): a column
-                    table = table.reset_index(drop=all(name is None for name in table.index.names))
+                    table = table.reset_index(drop=all(name is None or name in table.columns for name in table.index.names))
             except Exception as error:
                 raise IngestError(f"cannot read labels file: {type(error).__name__}: {error}", path=path) from error
         else:

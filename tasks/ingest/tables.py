@@ -179,8 +179,8 @@ def read_parquet_table(path: str | Path, *, bag_column: str = "bag_id", label_co
 def _label_cells(column: Any) -> np.ndarray:
     """A bag-label column's cells for the ingest's per-bag check: a NumPy numeric or boolean column
     as it is (a float column's blanks NaN); a nullable one (``Int64``, ``boolean``) with blanks as
-    objects, ``None`` for each blank; text cells that are numbers (``"0"``, ``"1"``) as numbers, the
-    others (a typo ``?``, ``tumor``) as they are. One bad cell fails its own bag, not the column's."""
+    objects, ``None`` for each blank; text cells that spell numbers (``"0"``, ``"1"``) as numbers, the
+    others (True/False, a typo ``?``, ``tumor``) as they are. One bad cell fails its own bag, not the column's."""
     import pandas as pd
 
     series = pd.Series(column)
@@ -190,11 +190,11 @@ def _label_cells(column: Any) -> np.ndarray:
     if pd.api.types.is_bool_dtype(series.dtype) or pd.api.types.is_numeric_dtype(series.dtype):  # nullable dtypes
         return series.to_numpy() if not missing.any() else series.astype(object).where(~missing, None).to_numpy()
     numbers = pd.to_numeric(series, errors="coerce")
-    is_number = numbers.notna().to_numpy()
-    if is_number.all():
+    if numbers.notna().all():
         return numbers.to_numpy()
     cells = series.to_numpy(dtype=object).copy()
-    cells[is_number] = numbers.to_numpy()[is_number]
+    spelled = np.array([isinstance(v, str) for v in cells]) & numbers.notna().to_numpy()  # True/False cells stay as
+    cells[spelled] = numbers.to_numpy()[spelled]  # they are: a store's original labels 'true' must read so again
     cells[missing] = None
     return cells
 
