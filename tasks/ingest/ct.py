@@ -75,10 +75,15 @@ def _orientation(header) -> np.ndarray | None:
     return orientation if orientation.shape == (6,) else None
 
 
+def _image_type(header) -> list[str]:
+    """A slice's ImageType values, upper case (``["ORIGINAL", "PRIMARY", "AXIAL"]``); [] without one."""
+    image_type = header.get("ImageType") or []
+    return [str(v).strip().upper() for v in ([image_type] if isinstance(image_type, str) else image_type)]
+
+
 def _is_localizer(header) -> bool:
     """A slice whose ImageType says LOCALIZER (a scout or topogram: a projection, not a slice)."""
-    image_type = header.get("ImageType") or []
-    return "LOCALIZER" in {str(v).strip().upper() for v in ([image_type] if isinstance(image_type, str) else image_type)}
+    return "LOCALIZER" in _image_type(header)
 
 
 def _slice_position(header) -> float | None:
@@ -242,11 +247,6 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
             return refuse(f"no slice positions and InstanceNumbers {numbers[:8]}{'…' if len(numbers) > 8 else ''} "
                           "repeat or skip: the slice order or completeness cannot be checked")
     return None
-
-
-def _image_type(header) -> list[str]:
-    image_type = header.get("ImageType") or []
-    return [str(v).strip().upper() for v in ([image_type] if isinstance(image_type, str) else image_type)]
 
 
 def _drop_derived_beside_original(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
