@@ -90,8 +90,8 @@ class LabelsConfig(_Strict):
     ``label_column`` values in ``positive``, else ``label_column`` must hold 0/1. A cell or a
     ``positive``/``target`` value that spells a number is that number (``01`` is 1: TCGA's sample
     type ``01`` matches ``positive: ["01"]`` and ``target: "sample_type == '01'"``); ``positive``
-    reads True/False (and the text ``true``/``false``) as 1/0, a target compares a True/False column
-    with ``True``/``False`` or 1/0 (not with the text ``'true'``). ``preset``:
+    reads True/False (and the text ``true``/``false``) as 1/0; a target compares a True/False column
+    with ``True``/``False``, 1/0 or the text ``'true'``/``'false'``. ``preset``:
     ``panda`` (image_id, isup_grade > 0) or ``rsna`` (slice rows ``ID_<SOPInstanceUID>_any``)."""
 
     file: Path

@@ -166,6 +166,8 @@ def test_codes_that_spell_numbers_and_booleans_match_positive_and_targets_by_val
     assert LabelSpec(str(path), target="sample_type in ['01', '02']").read()[0] == expected
     for positive in ([1], [True], ["true"], ["True"]):
         assert LabelSpec(str(path), label_column="tumor", positive=positive).read()[0] == expected, positive
+    for target in ("tumor == 'true'", "tumor == 'TRUE'", "tumor != 'false'", "tumor in ['true']", "tumor == True", "tumor == 1"):
+        assert LabelSpec(str(path), target=target).read()[0] == expected, target  # 'true' was never a True cell
     assert LabelSpec(str(path), label_column="sample_type", positive=["11"]).read()[0] == {"a": 0, "b": 1, "c": 0}
     path.write_text("slide_id,code\na,10000000000000001\nb,10000000000000000\n")  # compared exactly, not as floats
     assert LabelSpec(str(path), label_column="code", positive=[10000000000000001]).read()[0] == {"a": 1, "b": 0}

@@ -308,7 +308,7 @@ class TargetExpression:
             if isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) and (near := _near_miss(left, right)):
                 raise ValueError(f"{near[0]!r} differs from {near[1]!r} in the target only in case or spaces: correct the "
                                  "labels file, or write the target with the value it holds")
-            if not _COMPARE[type(op)](left, right):
+            if not _COMPARE[type(op)](*_booleans_beside_text(left, right)):
                 return False
             left = right
         return True
@@ -341,6 +341,22 @@ def _near_miss(left: Any, right: Any) -> tuple[str, str] | None:
                 if isinstance(b, str) and a.strip().casefold() == b.strip().casefold():
                     return a, b
     return None
+
+
+def _booleans_beside_text(left: Any, right: Any) -> tuple[Any, Any]:
+    """The text ``'true'``/``'false'`` (any case) compared with a True/False cell, or a True/False
+    constant with such a text cell, as that boolean: ``tumor == 'true'`` over a True/False column
+    was False for every row (a bag never positive, unsaid). Other pairs as they are."""
+    def as_bool(value: Any, other: Any) -> Any:
+        others = other if isinstance(other, list) else [other]
+        if isinstance(value, str) and value.strip().casefold() in ("true", "false") \
+                and any(isinstance(o, (bool, np.bool_)) for o in others):
+            return value.strip().casefold() == "true"
+        return value
+
+    if isinstance(right, list):
+        return as_bool(left, right), [as_bool(v, left) for v in right]
+    return as_bool(left, right), as_bool(right, left)
 
 
 def _spelled_number(value: Any) -> Any:
