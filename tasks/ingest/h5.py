@@ -18,7 +18,7 @@ import numpy as np
 
 from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
-from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items
+from tasks.ingest.labels import LabelSpec, labelled_bags_without_file, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
 H5_SUFFIXES = (".h5", ".hdf5")
@@ -161,10 +161,9 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
         (labels, originals), described = label_spec.read(), label_spec.describe()
     items, skipped = labelled_items(((p.stem, str(p), None) for p in paths), labels,
                                      None if labels_csv is None else str(labels_csv), originals, keep_unlabelled)
-    if listed and labels is not None:  # a labelled slide whose features are missing is said, not dropped
-        skipped += [Skipped(path=str(Path(files) / f"{bag_id}.h5"), bag_id=bag_id, error="UnreadableFileError",
-                            reason=f"listed in {labels_csv} but no feature file {bag_id}.h5 in {files}")
-                    for bag_id in ids_without_input(labels, [p.stem for p in paths] + ingested_from_elsewhere(store, files))]
+    if listed and labels is not None:
+        skipped += labelled_bags_without_file(labels, [p.stem for p in paths] + ingested_from_elsewhere(store, files),
+                                              labels_csv, files, ".h5")
     existing = existing_attrs(store)
     n_features, with_coords = (None, None) if existing is None else (int(existing["n_features"]),
                                                                      existing["coords_meaning"] != "instance_index")

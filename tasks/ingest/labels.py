@@ -126,6 +126,15 @@ def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[st
             if not {unicodedata.normalize("NFC", bag_id), unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & found]
 
 
+def labelled_bags_without_file(labels: dict[str, Any], present: Iterable[str], labels_from: Any, folder: str | Path,
+                               suffix: str) -> list[Skipped]:
+    """A skipped entry for each bag the labels give whose feature file ``<id><suffix>`` is not among
+    ``present`` (a folder's file ids): a labelled bag whose features are missing is said, not dropped."""
+    return [Skipped(path=str(Path(folder) / f"{bag_id}{suffix}"), bag_id=bag_id, error="UnreadableFileError",
+                    reason=f"listed in {labels_from} but no feature file {bag_id}{suffix} in {folder}")
+            for bag_id in ids_without_input(labels, present)]
+
+
 def check_instance_labels(values: np.ndarray, source: str, what: str) -> None:
     """Instance labels (``what``: where they come from) are 0, 1 or -1 (unknown); anything else —
     text, 2, a missing value — would be stored as a wrong label (the store keeps int8): refused
@@ -192,8 +201,7 @@ def numbers_as_numbers(table, id_column: str):
             continue
         spelled = cells.map(lambda v: isinstance(v, str)) & cells.astype(str).str.match(_NUMBER)
         if spelled.any():
-            numbers = pd.to_numeric(cells[spelled])
-            table[column] = cells.astype(object).where(~spelled, numbers.map(lambda v: int(v) if float(v).is_integer() else float(v)))
+            table[column] = cells.astype(object).where(~spelled, cells[spelled].map(_spelled_number))
     return table
 
 
@@ -349,14 +357,23 @@ def _booleans_beside_text(left: Any, right: Any) -> tuple[Any, Any]:
     was False for every row (a bag never positive, unsaid). Other pairs as they are."""
     def as_bool(value: Any, other: Any) -> Any:
         others = other if isinstance(other, list) else [other]
-        if isinstance(value, str) and value.strip().casefold() in ("true", "false") \
+        if isinstance(value, str) and (truth := _true_false(value)) is not None \
                 and any(isinstance(o, (bool, np.bool_)) for o in others):
-            return value.strip().casefold() == "true"
+            return truth
         return value
 
     if isinstance(right, list):
         return as_bool(left, right), [as_bool(v, left) for v in right]
     return as_bool(left, right), as_bool(right, left)
+
+
+def _true_false(value: Any) -> bool | None:
+    """A True/False value, or the text ``true``/``false`` in any case, as that boolean; else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().casefold() in ("true", "false"):
+        return value.strip().casefold() == "true"
+    return None
 
 
 def _spelled_number(value: Any) -> Any:
@@ -375,8 +392,8 @@ def _label_text(value: Any) -> str:
     """A label value as ``positive`` compares it: numbers by value (``1``, ``1.0`` and ``"01"`` are
     ``"1"``; TCGA's sample type ``01`` is read as the number 1), booleans and ``true``/``false`` as
     ``"1"``/``"0"``, other text as it is."""
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, str) and value.strip().casefold() in ("true", "false"):
-        return "1" if value is True or value is np.True_ or str(value).strip().casefold() == "true" else "0"
+    if (truth := _true_false(value)) is not None:
+        return str(int(truth))
     value = _spelled_number(value)
     if isinstance(value, (int, np.integer)):
         return str(int(value))

@@ -13,16 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import (
-    IngestReport,
-    Skipped,
-    existing_n_features,
-    ingested_from_elsewhere,
-    run_ingest,
-    summarise_left_out,
-)
+from tasks.ingest.driver import IngestReport, existing_n_features, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
-from tasks.ingest.labels import binary, check_instance_labels, ids_without_input, labelled_items
+from tasks.ingest.labels import LabelSpec, binary, check_instance_labels, labelled_bags_without_file, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy
 
 
@@ -91,11 +84,9 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                                     "coords": optional(coords_dir, p.stem)}) for p in feature_files]
     labels_from = labels_file.file if labels_file is not None else None if labels_dir is None else str(labels_dir)
     items, skipped = labelled_items(candidates, labels, labels_from, originals, keep_unlabelled)
-    if labels is not None:  # a labelled bag whose features are missing is said, not dropped
-        skipped += [Skipped(path=str(Path(features_dir) / f"{bag_id}.npy"), bag_id=bag_id, error="UnreadableFileError",
-                            reason=f"listed in {labels_from} but no feature file {bag_id}.npy in {features_dir}")
-                    for bag_id in ids_without_input(labels, [p.stem for p in feature_files]
-                                                    + ingested_from_elsewhere(store, features_dir))]
+    if labels is not None:
+        present = [p.stem for p in feature_files] + ingested_from_elsewhere(store, features_dir)
+        skipped += labelled_bags_without_file(labels, present, labels_from, features_dir, ".npy")
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:

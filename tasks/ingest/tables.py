@@ -200,10 +200,11 @@ def _label_cells(column: Any) -> np.ndarray:
 
 
 def _distinct_labels(cells: np.ndarray) -> list[Any]:
-    """A bag's distinct label values (sorted where they compare), a blank (None, NaN) as ``None``."""
+    """A bag's distinct label values (sorted where they compare), a blank (a float column's NaN, the
+    ``None`` of :func:`_label_cells`' other columns) as ``None``."""
     if cells.dtype.kind in "biuf":
         return [None if isinstance(v, float) and v != v else v for v in np.unique(cells).tolist()]
-    distinct = list(dict.fromkeys(None if v is None or isinstance(v, float) and v != v else v for v in cells.tolist()))
+    distinct = list(dict.fromkeys(cells.tolist()))
     try:
         return sorted(distinct)
     except TypeError:  # text beside numbers, or a blank
