@@ -26,7 +26,7 @@ from prefect.artifacts import create_link_artifact
 from flows.checks import check_inputs, resolved_model_dir
 from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config, new_cohort_labels
 from tasks import prefect_tasks as t
-from tasks.cluster import check_scheduler_answers, dotted, start_cluster
+from tasks.cluster import check_scheduler_answers, dotted, start_cluster, wait_for_first_worker, worker_start_errors
 from tasks.paths import safe_filename
 from tasks.lease import reader_lease
 from tasks.retention import LATEST_MODEL, record_run
@@ -49,9 +49,10 @@ def run_cluster(config: PipelineConfig, scheduler_address: str | None = None) ->
         if d.scheduler_address:  # the file's settings (timeouts, TLS) hold for the client too
             stack.enter_context(dask.config.set(dotted(d.cluster_spec()["dask_config"] or {})))
             check_scheduler_answers(d.scheduler_address, min(d.worker_timeout_s, 30.0))
+        start_errors = stack.enter_context(worker_start_errors())
         cluster = None if d.scheduler_address else stack.enter_context(start_cluster(**d.cluster_spec()))
         client = stack.enter_context(Client(d.scheduler_address or cluster))
-        client.wait_for_workers(1, timeout=d.worker_timeout_s)
+        wait_for_first_worker(client, d.worker_timeout_s, cluster, start_errors)
         if client.dashboard_link:
             create_link_artifact(client.dashboard_link, link_text="Dask dashboard", key=t.artifact_key("dask-dashboard", config.name),
                                  description=f"Dask dashboard of this run's cluster ({type(cluster).__name__ if cluster else d.scheduler_address})")

@@ -11,7 +11,9 @@ Cluster specifications for Slurm, PBS, Kubernetes and GPU workers live in ``infr
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +24,11 @@ import yaml
 from distributed import Client, LocalCluster
 from distributed.deploy import Cluster
 
-__all__ = ["DEFAULT_CLUSTER_CLASS", "ClusterSettingError", "import_cluster_class", "start_cluster", "dask_client", "local_cluster_size",
-           "read_dask_config"]
+__all__ = ["DEFAULT_CLUSTER_CLASS", "ClusterSettingError", "WorkersDidNotStartError", "import_cluster_class", "start_cluster",
+           "worker_start_errors", "WorkerStartErrors", "wait_for_first_worker", "dask_client", "local_cluster_size", "read_dask_config"]
 
 DEFAULT_CLUSTER_CLASS = "distributed.LocalCluster"
+log = logging.getLogger("gpmil.cluster")
 SINGLE_THREADED_BLAS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -83,24 +86,45 @@ def check_scheduler_answers(address: str, timeout_s: float) -> None:
     """Raise unless a Dask scheduler answers at ``address`` (``tcp://`` or ``tls://``) within
     ``timeout_s``: a scheduler sends its handshake as soon as it accepts a connection, while a
     dashboard or another server on the port waits for a request, and Dask's client then waited
-    for its handshake forever."""
+    for its handshake forever. A ``tls://`` scheduler speaks only after the TLS handshake, made
+    with the client certificates of the Dask configuration (``distributed.comm.tls``) as the
+    client makes it."""
     import socket
+    import ssl
     from urllib.parse import urlsplit
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
     if parts.scheme not in ("tcp", "tls") or parts.hostname is None:
         return
     try:
-        with socket.create_connection((parts.hostname, parts.port or 8786), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            if not sock.recv(1):
-                raise OSError("it closed the connection")
+        with socket.create_connection((parts.hostname, parts.port or 8786), timeout=timeout_s) as plain:
+            plain.settimeout(timeout_s)
+            with _tls_client(plain, address, parts.hostname) if parts.scheme == "tls" else plain as sock:
+                if not sock.recv(1):
+                    raise OSError("it closed the connection")
     except TimeoutError:
         raise TimeoutError(f"dask.scheduler_address {address}: something accepts connections there but sent no Dask "
                            f"handshake within {timeout_s:g} s (a dashboard or another server? a scheduler listens on "
                            "8786 unless told otherwise)") from None
+    except ssl.SSLError as error:
+        raise OSError(f"dask.scheduler_address {address}: no TLS handshake with a Dask scheduler ({error.reason or error}; "
+                      "the client's certificates are the Dask configuration's distributed.comm.tls settings, e.g. "
+                      "in dask.config_file)") from None
     except OSError as error:
         raise OSError(f"dask.scheduler_address {address}: no Dask scheduler answers ({error})") from None
+
+
+def _tls_client(sock, address: str, hostname: str):
+    """``sock`` wrapped in the TLS context a Dask client connects with (``distributed.security.Security``
+    from the Dask configuration), its handshake done."""
+    from distributed.security import Security
+
+    context = Security().get_connection_args("client").get("ssl_context")
+    if context is None:  # Dask's client refuses tls:// without one too, less clearly
+        raise ClusterSettingError(f"dask.scheduler_address {address}: a tls:// scheduler needs the client's certificates in the "
+                                  "Dask configuration (distributed.comm.tls.ca-file, client.cert, client.key; e.g. in "
+                                  "dask.config_file)")
+    return context.wrap_socket(sock, server_hostname=hostname)
 
 
 @contextmanager
@@ -144,8 +168,69 @@ def start_cluster(
             elif n_workers and cls is not LocalCluster:
                 cluster.scale(n_workers)
             yield cluster
-        finally:
-            cluster.close()
+        except BaseException:
+            _close_after_error(cluster)
+            raise
+        cluster.close()
+
+
+def _close_after_error(cluster: Cluster) -> None:
+    """Close a cluster on the way out of an error without hiding it: dask-jobqueue's ``close`` fails
+    (``AssertionError: Status.created``) on a job whose submission failed, and that became the run's
+    error in place of the submission's."""
+    try:
+        cluster.close()
+    except Exception as error:
+        log.warning("closing the %s failed as well: %s: %s", type(cluster).__name__, type(error).__name__, error)
+
+
+class WorkersDidNotStartError(ClusterSettingError):
+    """The cluster could not start a worker (a batch job's submission failed: a wrong partition,
+    account or queue, a missing ``sbatch``)."""
+
+
+@contextmanager
+def worker_start_errors() -> Iterator[WorkerStartErrors]:
+    """The first error a Dask cluster started inside the ``with`` block logs while it starts workers:
+    dask-jobqueue submits jobs from the cluster's event loop, which only logs a failed ``sbatch``."""
+    errors = WorkerStartErrors()
+    logger = logging.getLogger("tornado.application")  # where that event loop reports it
+    logger.addHandler(errors)
+    try:
+        yield errors
+    finally:
+        logger.removeHandler(errors)
+
+
+class WorkerStartErrors(logging.Handler):
+    """Keeps the first error logged from a cluster's worker start (``SpecCluster._correct_state``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is None and record.exc_info and "_correct_state" in record.getMessage():
+            self.error = record.exc_info[1]
+
+
+def wait_for_first_worker(client: Client, timeout_s: float, cluster: Cluster | None = None,
+                          start_errors: WorkerStartErrors | None = None) -> None:
+    """``client.wait_for_workers(1)``, but failing at once, with the cluster's own error, when
+    ``cluster`` fails to start its workers (``start_errors``, from :func:`worker_start_errors` around
+    its start): the run waited out ``timeout_s`` and then failed on something else."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.wait_for_workers(1, timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if start_errors is not None and start_errors.error is not None:
+                error = start_errors.error
+                raise WorkersDidNotStartError(f"{type(cluster).__name__} could not start a worker: "
+                                              f"{type(error).__name__}: {str(error).strip()}") from error
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _quoted_setting(error: Exception, settings: Mapping[str, Any]) -> str | None:

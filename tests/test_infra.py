@@ -5,6 +5,7 @@ import os
 import time
 from pathlib import Path
 
+import dask
 import pytest
 import yaml
 
@@ -31,6 +32,26 @@ def test_jobqueue_cpu_profiles_run_single_threaded_workers(cluster_class, config
     with start_cluster(cluster_class, dask_config=read_dask_config(INFRA / config_file)) as cluster:
         script = cluster.job_script()
     assert "--nthreads 1" in script and "--nworkers 4" in script and "OMP_NUM_THREADS=1" in script
+
+
+@pytest.mark.parametrize("cluster_class, config_file, profile", [
+    ("dask_jobqueue.SLURMCluster", "slurm.yaml", "slurm"), ("dask_jobqueue.SLURMCluster", "slurm.yaml", "slurm-gpu"),
+    ("dask_jobqueue.PBSCluster", "pbs.yaml", "pbs"), ("dask_jobqueue.PBSCluster", "pbs.yaml", "pbs-gpu")])
+def test_the_worker_command_of_a_job_keeps_its_arguments_where_the_batch_system_sets_no_tmpdir(cluster_class, config_file, profile):
+    """``--local-directory $TMPDIR`` became ``--local-directory`` followed by the next option on a
+    site whose jobs have no TMPDIR (Slurm sets none by default): every worker died at start."""
+    import shlex
+    import subprocess
+
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is in the dev extra")
+    with start_cluster(cluster_class, {"config_name": profile}, dask_config=read_dask_config(INFRA / config_file)) as cluster:
+        command = cluster.job_script().strip().splitlines()[-1]  # the worker's command line, as the job's shell reads it
+    assert "dask_worker" in command
+    env = {key: value for key, value in os.environ.items() if key != "TMPDIR"}
+    words = subprocess.run(["sh", "-c", f"printf '%s\\n' {command}"], env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words[:2] == shlex.split(command)[:2]
+    directory = words[words.index("--local-directory") + 1]
+    assert directory == "/tmp", words
 
 
 def test_a_cluster_class_path_with_cluster_kwargs_starts_that_cluster():
@@ -163,7 +184,6 @@ def test_the_image_that_kubernetes_runs_is_built_from_files_that_exist_with_the_
 def test_a_config_file_sets_its_keys_without_dropping_the_rest_of_their_section():
     """A file holding distributed: {worker: {resources: {GPU: 1}}} replaced all of 'distributed'
     while the cluster started: KeyError: 'comm'."""
-    import dask
     from distributed import Client
 
     resources = {"distributed": {"worker": {"resources": {"GPU": 1}}}}
@@ -192,6 +212,63 @@ def test_a_scheduler_address_where_no_dask_scheduler_answers_fails_in_seconds():
         check_scheduler_answers(f"tcp://127.0.0.1:{port}", 1.0)
     with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
         check_scheduler_answers(cluster.scheduler_address, 5.0)
+
+
+def test_a_tls_scheduler_answers_after_the_tls_handshake_with_the_configured_client_certificates(tmp_path):
+    """A tls:// scheduler waits for the client's TLS hello, so the check that a scheduler speaks
+    first refused every TLS scheduler ("sent no Dask handshake") that a Dask client reached."""
+    import socket
+
+    from distributed import Client, LocalCluster
+    from distributed.security import Security
+
+    from tasks.cluster import ClusterSettingError, check_scheduler_answers
+
+    ours, theirs = Security.temporary(), Security.temporary()  # theirs: another CA
+    client_config = {}
+    for security, folder in ((ours, tmp_path / "ours"), (theirs, tmp_path / "theirs")):
+        folder.mkdir()
+        for key, name in (("ca-file", "tls_ca_file"), ("client.cert", "tls_client_cert"), ("client.key", "tls_client_key")):
+            (folder / name).write_text(getattr(security, name))
+            client_config.setdefault(folder.name, {})[f"distributed.comm.tls.{key}"] = str(folder / name)
+    with LocalCluster(n_workers=0, processes=False, protocol="tls://", security=ours, dashboard_address=":0") as cluster:
+        with pytest.raises(ClusterSettingError, match="a tls:// scheduler needs the client's certificates"):
+            check_scheduler_answers(cluster.scheduler_address, 5.0)
+        with dask.config.set(client_config["theirs"]), pytest.raises(OSError, match="no TLS handshake with a Dask scheduler"):
+            check_scheduler_answers(cluster.scheduler_address, 5.0)
+        with dask.config.set(client_config["ours"]):
+            check_scheduler_answers(cluster.scheduler_address, 5.0)
+            with Client(cluster.scheduler_address, timeout=10) as client:  # as the run's client connects
+                assert client.scheduler_info()["address"] == cluster.scheduler_address
+            with socket.socket() as silent:
+                silent.bind(("127.0.0.1", 0))
+                silent.listen()
+                with pytest.raises(TimeoutError, match="sent no Dask handshake within 1 s"):
+                    check_scheduler_answers(f"tls://127.0.0.1:{silent.getsockname()[1]}", 1.0)
+
+
+def test_a_batch_job_that_cannot_be_submitted_fails_the_run_at_once_with_the_submission_error(tmp_path, monkeypatch):
+    """sbatch refused the job (a wrong partition): the run waited out worker_timeout_s and then
+    failed with 'AssertionError: Status.created' from closing the cluster, the reason only in a
+    background traceback."""
+    from flows.config import load_config
+    from flows.pipeline import run_cluster
+    from tasks.cluster import WorkersDidNotStartError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: compute' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "store": "s.zarr", "output_dir": "out", "dask": {
+        "cluster_class": "dask_jobqueue.SLURMCluster", "config_file": str(INFRA / "slurm.yaml"),
+        "cluster_kwargs": {"config_name": "slurm"}, "n_workers": 2, "worker_timeout_s": 300}}))
+    started = time.monotonic()
+    with pytest.raises(WorkersDidNotStartError, match="(?s)SLURMCluster could not start a worker: .*sbatch: error: invalid partition specified: compute"):
+        with run_cluster(load_config(config)):
+            pass
+    assert time.monotonic() - started < 120  # not the 300 s of worker_timeout_s
 
 
 def test_cluster_sizes_beside_a_scheduler_address_and_a_missing_config_file_are_refused_up_front(tmp_path):
