@@ -411,6 +411,33 @@ def _mistyped_local_cluster_settings(cluster_class: str | None, kwargs: dict[str
     return problems
 
 
+def _adapt_parameters(cluster_class: str | None) -> set[str]:
+    """What ``cluster.adapt(**kwargs)`` accepts: the keywords of each ``adapt`` up the class's
+    ancestry (dask-jobqueue's ``minimum_jobs``, ``SpecCluster``'s ``maximum_memory``) and, where the
+    last passes the rest on, ``distributed.Adaptive``'s and those Adaptive hands to the scheduler's
+    ``workers_to_close``."""
+    from distributed import LocalCluster, Scheduler
+    from distributed.deploy.adaptive import Adaptive
+
+    from tasks.cluster import import_cluster_class
+
+    def named(function: Callable) -> tuple[set[str], bool]:
+        parameters = inspect.signature(function).parameters.values()
+        return ({p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)},
+                any(p.kind is p.VAR_KEYWORD for p in parameters))
+
+    accepted: set[str] = set()
+    for cls in (LocalCluster if cluster_class is None else import_cluster_class(cluster_class)).__mro__:  # each adapt that passes on
+        if "adapt" in vars(cls):
+            own, passes_on = named(vars(cls)["adapt"])
+            accepted |= own
+            if not passes_on:
+                break
+    else:
+        accepted |= named(Adaptive.__init__)[0] | named(Scheduler.workers_to_close)[0] - {"n", "target"}
+    return accepted - {"self", "cluster", "Adaptive"}
+
+
 class DaskConfig(_Strict):
     """Where a run's Dask workers come from (one cluster per flow run), the way prefect-dask names it:
     ``cluster_class`` (import path; default ``distributed.LocalCluster`` sized to the machine) built
@@ -444,11 +471,13 @@ class DaskConfig(_Strict):
     def _bounds(cls, adapt: dict[str, Any] | None) -> dict[str, Any] | None:
         if adapt is None:
             return None
-        low, high = adapt.get("minimum", 1), adapt.get("maximum", adapt.get("minimum", 1))
-        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
-            raise ValueError(f"needs integers 1 <= minimum <= maximum (got minimum={low!r}, maximum={high!r}): a run waits for "
-                             "its first worker before training, which an adaptive cluster scaled to 0 would not start")
-        return {"minimum": low, **adapt}
+        for unit, default in (("", 1), ("_jobs", None)):  # workers; dask-jobqueue's jobs, which replace them
+            low, high = adapt.get(f"minimum{unit}", default), adapt.get(f"maximum{unit}", adapt.get(f"minimum{unit}", default))
+            if (low, high) != (None, None) and not (type(low) is int and type(high) is int and 1 <= low <= high):
+                raise ValueError(f"needs integers 1 <= minimum{unit} <= maximum{unit} (got minimum{unit}={low!r}, "
+                                 f"maximum{unit}={high!r}): a run waits for its first worker before training, which an "
+                                 "adaptive cluster scaled to 0 would not start")
+        return {"minimum": adapt.get("minimum", 1), **adapt}
 
     @model_validator(mode="after")
     def _one_source(self) -> DaskConfig:
@@ -464,6 +493,13 @@ class DaskConfig(_Strict):
                      for name in unknown]
             raise ValueError(f"cluster_kwargs: {', '.join(hints)} is no parameter of a LocalCluster or its workers "
                              "(it failed only as the workers started: 'Nanny failed to start')")
+        if self.adapt_kwargs and (unknown := sorted(set(self.adapt_kwargs) - _adapt_parameters(self.cluster_class))):
+            from difflib import get_close_matches
+
+            hints = [f"{name} (did you mean {near[0]}?)" if (near := get_close_matches(name, _adapt_parameters(self.cluster_class), 1))
+                     else name for name in unknown]
+            raise ValueError(f"adapt_kwargs: {', '.join(hints)} is no parameter of {self.cluster_class or 'LocalCluster'}.adapt "
+                             "(a misspelt maximum left the cluster free to grow without bound)")
         if self.cluster_kwargs and (mistyped := _mistyped_local_cluster_settings(self.cluster_class, self.cluster_kwargs,
                                                                                              self.adapt_kwargs is not None)):
             raise ValueError(f"cluster_kwargs: {'; '.join(mistyped)}")

@@ -271,6 +271,32 @@ def test_a_batch_job_that_cannot_be_submitted_fails_the_run_at_once_with_the_sub
     assert time.monotonic() - started < 120  # not the 300 s of worker_timeout_s
 
 
+def test_adapt_kwargs_the_clusters_adapt_does_not_take_or_job_bounds_that_start_nothing_are_refused_at_load(tmp_path):
+    """adapt_kwargs {minimum: 1, maximun: 4} loaded, and the adaptive scaler's maximum was inf (on
+    Slurm: unlimited job submissions; the typo only failed in the scheduler's log); dask-jobqueue's
+    minimum_jobs: 0 replaced the checked minimum of one worker, and the run waited for a worker no
+    job would start."""
+    from flows.config import ConfigError, load_config
+
+    def load(dask: dict):
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({"name": "t", "store": "s.zarr", "output_dir": "out", "dask": dask}))
+        return load_config(config)
+
+    with pytest.raises(ConfigError, match=r"adapt_kwargs: maximun \(did you mean maximum\?\) is no parameter of LocalCluster.adapt"):
+        load({"adapt_kwargs": {"minimum": 1, "maximun": 4}})
+    slurm = {"cluster_class": "dask_jobqueue.SLURMCluster", "config_file": str(INFRA / "slurm.yaml")}
+    with pytest.raises(ConfigError, match=r"adapt_kwargs: maximum_job \(did you mean maximum_jobs\?\) is no parameter of dask_jobqueue.SLURMCluster"):
+        load(slurm | {"adapt_kwargs": {"maximum_job": 4}})
+    with pytest.raises(ConfigError, match=r"needs integers 1 <= minimum_jobs <= maximum_jobs \(got minimum_jobs=0, maximum_jobs=4\)"):
+        load(slurm | {"adapt_kwargs": {"minimum_jobs": 0, "maximum_jobs": 4}})
+    with pytest.raises(ConfigError, match=r"1 <= minimum_jobs <= maximum_jobs \(got minimum_jobs=3, maximum_jobs=2\)"):
+        load(slurm | {"adapt_kwargs": {"minimum_jobs": 3, "maximum_jobs": 2}})
+    assert load(slurm | {"adapt_kwargs": {"minimum_jobs": 1, "maximum_jobs": 4, "interval": "5s"}}).dask.adapt_kwargs["maximum_jobs"] == 4
+    assert load({"adapt_kwargs": {"minimum": 1, "maximum": 3, "wait_count": 2, "target_duration": "10s",
+                                  "maximum_memory": "8GB"}}).dask.adapt_kwargs["maximum"] == 3
+
+
 def test_cluster_sizes_beside_a_scheduler_address_and_a_missing_config_file_are_refused_up_front(tmp_path):
     from flows.checks import check_inputs
     from flows.config import ConfigError, load_config
