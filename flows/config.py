@@ -645,8 +645,8 @@ def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | 
 
 
 def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
-    def resolve(p: Path | None) -> Path | None:
-        return None if p is None or p.is_absolute() else (base / p).resolve()
+    def resolve(p: Path | None) -> Path | None:  # ~ as a shell and the flows' parameters read it, not a folder named '~'
+        return None if p is None else p.expanduser() if p.expanduser().is_absolute() else (base / p).resolve()
 
     labels = config.ingest.labels
     if isinstance(labels, LabelsConfig):

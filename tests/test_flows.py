@@ -179,11 +179,16 @@ def test_numbers_written_as_1e12_are_numbers_and_a_python_tag_is_refused(tmp_pat
     assert not marker.exists()
 
 
-def test_relative_paths_are_read_from_the_config_folder(tmp_path):
+def test_relative_paths_are_read_from_the_config_folder_and_a_tilde_as_the_home_folder(tmp_path, monkeypatch):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"store": "data/c.zarr", "output_dir": "out"}))
     config = load_config(path)
     assert isinstance(config, PipelineConfig) and config.store == tmp_path / "data" / "c.zarr"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # '~/c.zarr' was <config folder>/~/c.zarr, a folder named '~'
+    path.write_text(yaml.safe_dump({"store": "~/c.zarr", "output_dir": "~/out", "ingest": {"kind": "wsi", "source": "~/slides"}}))
+    config = load_config(path)
+    assert (config.store, config.output_dir, config.ingest.source) == (tmp_path / "home" / "c.zarr", tmp_path / "home" / "out",
+                                                                       tmp_path / "home" / "slides")
 
 
 def test_an_interrupted_training_resumes_when_the_flow_is_rerun(tmp_path, cohort):
