@@ -113,6 +113,17 @@ def _abs(path: Any) -> str | None:
     return None if path is None else str(Path(path).resolve())
 
 
+def _positive_float(text: str) -> float:
+    """A command-line number > 0 (µm/px)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
 def _model_arg(model_dir: str) -> str:
     """MODEL_DIR on the command line: ``latest`` as the word (the flow finds that model), else a path."""
     from tasks.retention import LATEST_MODEL
@@ -234,6 +245,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    if args.base_mpp is not None and not args.source:
+        print("gpmil predict: --base-mpp gives the µm/px of a --source folder's slides; a store's bags are tiled already",
+              file=sys.stderr)
+        return 2
     if args.labels and not args.source:
         print("gpmil predict: --labels gives the labels of a --source folder; a store's bags keep the labels they were "
               "ingested with", file=sys.stderr)
@@ -244,7 +259,7 @@ def _predict(args: argparse.Namespace) -> int:
     from tasks.ingest.driver import Skipped
 
     result = predict_cohort(str(args.config), _model_arg(args.model_dir), store=_abs(args.store), source=_abs(args.source),
-                            labels=_abs(args.labels))
+                            labels=_abs(args.labels), base_mpp=args.base_mpp)
     store = result.info.get("store") or str(_abs(args.store) or config.prediction.store or config.store)
     where = {"store": store, "predictions": f"{result.path} (key {result.key})"}
     if "report" in result.info:
@@ -425,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", type=Path, help="a folder of new slides/scans/feature files: ingest it with the training "
                                                "store's extractor, predict, write the report and tables")
     p.add_argument("--labels", type=Path, help="labels of the --source cohort (optional; for metrics)")
+    p.add_argument("--base-mpp", type=_positive_float, help="level-0 µm/px of the --source slides where their metadata gives "
+                                                          "none or a wrong one (the training config's base_mpp is not used)")
     p = with_config("evaluate", "tables, metrics, figures and report of a prediction run", _evaluate)
     p.add_argument("model_dir", help="the model folder the prediction was made with")
     p.add_argument("prediction_key", help="the key printed by `gpmil predict`")

@@ -135,7 +135,7 @@ def train_model(config: str, store: str | None = None, scheduler_address: str | 
 
 
 def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Path | None,
-                      trained: dict[str, Any]) -> IngestConfig:
+                      trained: dict[str, Any], base_mpp: float | None = None) -> IngestConfig:
     """How ``predict --source`` reads a new cohort: like ``ingest`` (the training cohort's settings)
     from ``source``, with the training store's fitted extractor (``trained``: the model's
     ``model.json``), its labels from ``labels`` read as the config's labels section reads its file
@@ -144,7 +144,9 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     unlabelled (``ingest.unlabelled: keep``), not left out. Slides are tiled and featurised as the
     training store records (its tiling and its extractor, whatever the config says now: a config
     edited since trained on 128-px tiles and predicted 256-px ones, or featurised with new weights
-    and failed only after the whole ingest)."""
+    and failed only after the whole ingest). Each new slide's µm/px is its own metadata's, or
+    ``base_mpp`` where given: the training cohort's ``base_mpp`` described its scanner, and
+    overrode every new slide's own (0.5 µm/px slides tiled as 0.25, each tile twice the area)."""
     new_labels = new_cohort_labels(ingest.labels, labels)
     training_store = Path(trained["store"]) if trained.get("store") else None
     ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
@@ -159,7 +161,7 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
         if ingest.kind == "wsi" and "tile_size" in tiling:
             ingest = ingest.model_copy(update={
                 "tile_size": tiling["tile_size"], "level": tiling["level"], "magnification": tiling.get("magnification"),
-                "target_mpp": tiling.get("target_mpp"), "base_mpp": tiling.get("base_mpp"),
+                "target_mpp": tiling.get("target_mpp"), "base_mpp": base_mpp,
                 "min_tissue_fraction": tiling.get("min_tissue", ingest.min_tissue_fraction)})
     if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":
         columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
@@ -169,21 +171,23 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
 
 @flow(name="predict-cohort", log_prints=True)
 def predict_cohort(config: str, model_dir: str, store: str | None = None, source: str | None = None,
-                   labels: str | None = None, scheduler_address: str | None = None) -> t.StageResult:
+                   labels: str | None = None, scheduler_address: str | None = None,
+                   base_mpp: float | None = None) -> t.StageResult:
     """Predict every bag of a cohort (``store``, else ``prediction.store``, else the training store)
     with a saved model and write its report and tables; the result's ``info`` says where.
 
     With ``source`` (a folder of new slides, scans or feature files, read like ``ingest.source``)
     the new cohort is first ingested into its own store (``store``, else
     ``<output_dir>/stores/<folder>-<hash>.zarr``) with the feature extractor of the store the model
-    was trained on (``labels``: optional, for metrics)."""
+    was trained on (``labels``: optional, for metrics; ``base_mpp``: the new slides' level-0 µm/px
+    where their metadata gives none or a wrong one)."""
     cfg = _config(config)
     store, source, labels = (_beside(config, path) for path in (store, source, labels))
     with _reading_model(config, cfg, model_dir, "predict") as model_dir:
         trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
         if source is not None:
             new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
-            cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained),
+            cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained, base_mpp),
                                          "prediction": cfg.prediction.model_copy(update={"store": new_store})})
             check_inputs(cfg, "predict", model_dir=model_dir, source=source)
         else:

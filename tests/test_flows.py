@@ -851,13 +851,18 @@ def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_b
     assert f"Cohort `{workdir / 'stores' / 'wsi-heldout.zarr'}`" in report.read_text()
 
 
-def test_predict_refuses_labels_without_a_source_folder(demo_run, capsys):
+def test_predict_refuses_labels_or_a_base_mpp_without_a_source_folder(demo_run, capsys):
     from flows.cli import main
 
     workdir, reports, configs = demo_run
     model_dir = next((Path(reports["wsi"].split("predictions")[0]) / "models").iterdir())
     assert main(["predict", str(configs["wsi"]), str(model_dir), "--labels", str(workdir / "raw" / "wsi-heldout" / "labels.csv")]) == 2
     assert "--labels gives the labels of a --source folder" in capsys.readouterr().err
+    assert main(["predict", str(configs["wsi"]), str(model_dir), "--base-mpp", "0.5"]) == 2
+    assert "--base-mpp gives the µm/px of a --source folder's slides" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir), "--base-mpp", "0"])
+    assert "--base-mpp: '0' is not a number > 0" in capsys.readouterr().err
 
 
 def test_a_model_folder_training_left_unfinished_is_refused_naming_the_file(demo_run, tmp_path, capsys):

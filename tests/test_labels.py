@@ -257,7 +257,7 @@ def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_
     from tasks.ingest.wsi import TilingParams
     from tasks.store import CohortSpec, create_cohort
 
-    recorded = asdict(TilingParams(tile_size=128, target_mpp=0.5, min_tissue=0.3))
+    recorded = asdict(TilingParams(tile_size=128, target_mpp=0.5, min_tissue=0.3, base_mpp=0.25))
     create_cohort(tmp_path / "train.zarr", CohortSpec(name="t", n_features=6, coords_dim=4, coords_meaning="tile_row,tile_col,x,y",
                                                       tiling=recorded, feature_extractor={"name": "mean-colour"}))
     (tmp_path / "slides").mkdir()
@@ -265,6 +265,10 @@ def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_
                           extractor="he-handcrafted", extractor_params={"hog_components": 4})
     new = new_cohort_ingest(edited, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")})
     assert (new.tile_size, new.target_mpp, new.magnification, new.min_tissue_fraction) == (128, 0.5, None, 0.3)
+    # the training scanner's µm/px overrode every new slide's own (0.5 µm/px slides tiled as 0.25): the new
+    # slides' metadata decides, or the µm/px given for them
+    assert new.base_mpp is None
+    assert new_cohort_ingest(edited, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")}, base_mpp=0.5).base_mpp == 0.5
     assert (new.extractor, new.extractor_params, new.extractor_from) == (None, {}, tmp_path / "train.zarr")
     assert new.trusted_imports == []  # a registered extractor: no import path to trust
     own = edited.model_copy(update={"extractor": "torch", "extractor_params": {"model": "lab_models:TinyCNN"},
