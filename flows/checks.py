@@ -234,6 +234,12 @@ def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | Non
     attrs = predictions[key].attrs
     if not attrs.get("complete"):
         return f"PREDICTION_KEY: predictions/{key} in {store} is incomplete (the prediction was interrupted); predict again"
+    from tasks.store import open_cohort
+
+    predicted, n_bags = predictions[key]["bags/proba"].shape[0], open_cohort(store).n_bags
+    if predicted != n_bags:  # bags appended since (a nightly ingest): its tables would not line up with the store's
+        return (f"PREDICTION_KEY: {key} predicted {predicted} bags and {store} now holds {n_bags} (bags were added since); "
+                "predict again (gpmil predict) for a key of them all")
     made_by = attrs.get("model_key")
     if model_dir is not None and made_by is not None and made_by != Path(model_dir).name:
         return (f"PREDICTION_KEY: {key} was predicted with the model {attrs.get('model_dir', made_by)}, not MODEL_DIR "

@@ -826,7 +826,7 @@ def test_one_command_predicts_a_new_folder_with_the_training_extractor_and_print
     assert open_cohort(tmp_path / "new.zarr").attrs["feature_extractor"] == trained.attrs["feature_extractor"]
 
 
-def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_by_its_model(demo_run, capsys):
+def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_by_its_model(demo_run, capsys, tmp_path):
     """A key from another store, another model's folder, a made-up or path-like key: exit 2 in one
     line naming PREDICTION_KEY, before Prefect starts, and the existing report is left as it was."""
     from flows.cli import main
@@ -846,6 +846,16 @@ def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_b
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert report.read_text() == before
+    from tasks.store import BagData, append_bags
+
+    grown = tmp_path / "grown.zarr"  # a nightly ingest added a bag since: evaluate crashed ('All arrays must be of the same length')
+    shutil.copytree(workdir / "stores" / "wsi-heldout.zarr", grown)
+    cohort = open_cohort(grown)
+    append_bags(grown, [BagData("added", 0, "memory", np.zeros((2, cohort.n_features), np.float32),
+                                np.zeros((2, cohort.attrs["coords_dim"]), np.int32), np.full(2, -1, np.int8))])
+    assert main(["evaluate", wsi, str(models["wsi"]), key, "--store", str(grown)]) == 2
+    err = capsys.readouterr().err
+    assert f"PREDICTION_KEY: {key} predicted {cohort.n_bags} bags and {grown} now holds {cohort.n_bags + 1}" in err, err
     assert main(["evaluate", wsi, str(models["wsi"]), key]) == 0  # its own model and store: the report
     assert str(report) in capsys.readouterr().out
     assert f"Cohort `{workdir / 'stores' / 'wsi-heldout.zarr'}`" in report.read_text()
