@@ -319,7 +319,8 @@ class TrainingConfig(_Strict):
     """``standardize``: learn per-feature mean/std on the training bags and apply them to every
     cohort the model predicts (recommended: handcrafted features differ in scale). ``device``:
     ``gpu`` keeps partition arrays on the workers' GPUs (``auto``: when workers advertise a ``GPU``
-    resource, as ``dask_cuda.LocalCUDACluster`` and ``dask cuda worker --resources GPU=1`` do) in
+    resource: ``dask_cuda.LocalCUDACluster`` with ``cluster_kwargs: {resources: {GPU: 1}}``, ``dask cuda
+    worker --resources GPU=1``; dask-cuda advertises none by itself) in
     the array namespace ``gpu_namespace`` (CuPy); ``device_memory_gib`` per GPU decides
     persist/stream when CuPy cannot be asked. ``compute_dtype: float32``: float32 whitened
     features (half the memory; GEMMs twice as fast) with float64 statistics."""

@@ -47,8 +47,9 @@ class Processes:
         self.started.append((name, process, log))
         return process
 
-    def run(self, *args: str, timeout: float = 120) -> str:
-        done = subprocess.run(args, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(self, *args: str, timeout: float = 120, unset: tuple[str, ...] = ()) -> str:
+        env = {key: value for key, value in self.env.items() if key not in unset}
+        done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         assert done.returncode == 0, f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout
 
@@ -219,10 +220,17 @@ def test_sigterm_during_a_run_stops_gpmil_serve_with_its_schedule_paused(server,
 
 def test_prefect_yaml_deployments_run_on_a_process_work_pool(server, config, tmp_path):
     server.run(sys.executable, "-m", "prefect", "work-pool", "create", "gpmil-pool", "--type", "process")
-    output = server.run(sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml", timeout=180)
+    # as documented, GPMIL_HOME unset where it is deployed: set there, Prefect stored the deploying shell's path
+    output = server.run(sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml",
+                        timeout=180, unset=("GPMIL_HOME",))
     documented = [d["name"] for d in yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())["deployments"]]
     assert all(f"'{flow}/{name}' successfully created" in " ".join(output.split())
                for flow, name in zip(["gpmil-pipeline", "predict-cohort"], documented)), output
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        stored = client.read_deployment_by_name("gpmil-pipeline/nightly-pipeline").pull_steps
+    assert stored == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $GPMIL_HOME }}"}}]  # the worker's
     server.start("worker", sys.executable, "-m", "prefect", "worker", "start", "--pool", "gpmil-pool", "--type", "process")
 
     nightly, artifacts = run_and_check("gpmil-pipeline/nightly-pipeline", server, {"config": str(config)})

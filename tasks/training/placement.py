@@ -88,7 +88,7 @@ def resolve_placement(client: Client, device: Device, gpu_namespace: str = "cupy
         device = "gpu" if has_gpu else "cpu"
     if device == "gpu" and not has_gpu:
         raise ValueError("device='gpu' but no worker advertises a GPU resource (start workers with --resources GPU=1, "
-                         "or dask_cuda.LocalCUDACluster / `dask cuda worker`, see infra/)")
+                         "also under dask_cuda.LocalCUDACluster, as cluster_kwargs resources: {GPU: 1}; see infra/README.md)")
     return ArrayPlacement(kind=device, namespace=gpu_namespace, dtype=compute_dtype)
 
 
