@@ -234,9 +234,14 @@ def wait_for_first_worker(client: Client, timeout_s: float, cluster: Cluster | N
 
 
 def _quoted_setting(error: Exception, settings: Mapping[str, Any]) -> str | None:
-    """The key of ``settings`` whose text value the error quotes (dask's "Could not interpret
-    'lots' as a byte unit"), if any: only then is the error the configuration's to name."""
-    return next((key for key, value in settings.items() if isinstance(value, str) and len(value) > 1 and value in str(error)), None)
+    """The key of ``settings`` the error names ("unexpected keyword argument 'quue'") or whose text
+    value it quotes (dask's "Could not interpret 'lots' as a byte unit"), if any: only then is the
+    error the configuration's to name. A named key comes first: dask-jobqueue's message about a
+    misspelt key lists every argument, the other keys' values too."""
+    text = str(error)
+    named = (key for key in settings if f"argument '{key}'" in text or f"argument {key!r}" in text)
+    quoted = (key for key, value in settings.items() if isinstance(value, str) and len(value) > 1 and value in text)
+    return next(named, None) or next(quoted, None)
 
 
 def _check_adapt_times(adapt_kwargs: Mapping[str, Any]) -> None:

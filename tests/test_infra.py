@@ -297,6 +297,18 @@ def test_adapt_kwargs_the_clusters_adapt_does_not_take_or_job_bounds_that_start_
                                   "maximum_memory": "8GB"}}).dask.adapt_kwargs["maximum"] == 3
 
 
+def test_a_misspelt_jobqueue_setting_is_named_not_another_setting_whose_value_the_message_lists():
+    """{config_name: slurm-gpu, quue: gpu} was reported as 'dask.cluster_kwargs.config_name:
+    'slurm-gpu'': dask-jobqueue's message about the misspelt key lists every argument's value."""
+    pytest.importorskip("dask_jobqueue", reason="dask-jobqueue is in the dev extra")
+    from tasks.cluster import ClusterSettingError
+
+    with pytest.raises(ClusterSettingError, match=r"^dask.cluster_kwargs.quue: 'gpu': SLURMCluster did not start: .*argument 'quue'"):
+        with start_cluster("dask_jobqueue.SLURMCluster", {"config_name": "slurm-gpu", "quue": "gpu"},
+                           dask_config=read_dask_config(INFRA / "slurm.yaml")):
+            pass
+
+
 def test_cluster_sizes_beside_a_scheduler_address_and_a_missing_config_file_are_refused_up_front(tmp_path):
     from flows.checks import check_inputs
     from flows.config import ConfigError, load_config
