@@ -58,10 +58,20 @@ class StageResult:
     info: dict[str, Any]
 
 
+ARTIFACT_KEY_CHARS = 100
+ARTIFACT_KEY_DIGEST_CHARS = 12
+
+
 def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    text = "-".join(parts).lower()
-    return "".join(c if c.isalnum() else "-" for c in text)[:100].strip("-")
+    """Prefect artifact keys allow lowercase letters, digits and dashes only. A key longer than
+    :data:`ARTIFACT_KEY_CHARS` keeps its readable start and ends with a digest of the whole key:
+    cut at the length alone, two figures whose keys differed only at the end (the hash
+    ``safe_filename`` gives two DICOM UIDs ``…637.1`` and ``…637.2``) got one key."""
+    text = "".join(c if c.isalnum() else "-" for c in "-".join(parts).lower()).strip("-")
+    if len(text) <= ARTIFACT_KEY_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:ARTIFACT_KEY_DIGEST_CHARS]
+    return f"{text[: ARTIFACT_KEY_CHARS - ARTIFACT_KEY_DIGEST_CHARS - 1].rstrip('-')}-{digest}"
 
 
 def progress_bar(done: int, total: int, width: int = 24) -> str:
@@ -841,7 +851,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         sections += ["Tiles per slide for QuPath (File → Import objects): `geojson/<slide>.geojson`, level-0 pixels, "
                      f"with {kind} and std as measurements.", ""]
 
-    top = table.sort_values("probability", ascending=False).head(config.prediction.n_heatmaps)
+    top = report.most_likely_positive(table, config.prediction.n_heatmaps)  # a bag not predicted has no scores to draw
     slides = _slides_by_stem(cohort.attrs.get("tiling"))
     as_ingested = {} if slides is not None or config.ingest.kind != "wsi" else _slides_as_ingested(
         cohort, [int(b) for b in top.index], config.ingest.source)
@@ -899,6 +909,8 @@ def _same_coordinates(store: str, meaning: str) -> bool:
 
 
 def _metrics_frame(metrics: dict[str, Any]):
+    """The metrics as the report's table shows them: counts as integers (``n_bags | 16``, not 16.000)."""
     import pandas as pd
 
-    return pd.DataFrame({"metric": list(metrics), "value": [float(v) for v in metrics.values()]})
+    return pd.DataFrame({"metric": list(metrics),
+                         "value": pd.Series([v if isinstance(v, int) else float(v) for v in metrics.values()], dtype=object)})

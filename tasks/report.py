@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ __all__ = [
     "plot_roc",
     "plot_wsi_heatmap",
     "predicted",
+    "most_likely_positive",
     "predicted_labels",
     "level0_tiles",
     "cohort_tile_side",
@@ -117,6 +119,12 @@ def predicted_labels(probability: pd.Series, threshold: float) -> pd.Series:
 def predicted(table: pd.DataFrame) -> pd.DataFrame:
     """The bags of ``table`` that were predicted (a bag whose features gave NaN was not)."""
     return table[table["probability"].notna()]
+
+
+def most_likely_positive(table: pd.DataFrame, n: int) -> pd.DataFrame:
+    """The ``n`` predicted bags of ``table`` with the highest probability: a bag not predicted has
+    no probability to rank, nor scores to draw."""
+    return predicted(table).sort_values("probability", ascending=False).head(n)
 
 
 def can_evaluate(table: pd.DataFrame) -> bool:
@@ -315,9 +323,12 @@ def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, m
             shown = [f"label {r.label}"] * (r.label >= 0) + [f"original {original}"] * bool(original)
             return f"  ({', '.join(shown)})" if shown else ""
 
-        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f} ± {r.std:.3f}{label(r)}" for r in frame.itertuples()]
+        def spread(r: Any) -> str:  # AbSMIL gives no std: none shown rather than "± nan"
+            return f" ± {r.std:.3f}" if np.isfinite(r.std) else ""
 
-    lines += ["most likely positive:"] + rows(scored.sort_values("probability", ascending=False).head(top))
+        return [f"  {str(r.bag_id):<{width}}  p = {r.probability:.3f}{spread(r)}{label(r)}" for r in frame.itertuples()]
+
+    lines += ["most likely positive:"] + rows(most_likely_positive(scored, top))
     if (with_std := scored[scored["std"].notna()]).size:  # AbSMIL gives no std
         lines += ["least certain (highest std):"] + rows(with_std.sort_values("std", ascending=False).head(min(top, 3)))
     if metrics:
@@ -402,29 +413,39 @@ def write_tables(table: pd.DataFrame, out_dir: str | Path, name: str = "bag_pred
 
 
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_LINE_STARTS = re.compile(r"(?<=[\r\n])(?=[^\r\n])")  # where a line of a multi-line text cell begins
 
 
 def write_csv(table: pd.DataFrame, path: str | Path) -> None:
     """``table`` as CSV for a spreadsheet: a text cell that Excel or LibreOffice would run as a
     formula (it starts with ``= + - @``, a tab or a carriage return and is not a number; a bag id
     or slide name is whatever the file was called, ``=HYPERLINK(…)`` included) is written with a
-    leading ``'``, which the spreadsheet shows as text (OWASP's CSV injection advice). The Parquet
-    tables keep every value exact."""
+    leading ``'``, which the spreadsheet shows as text (OWASP's CSV injection advice), and so is
+    each line of a cell that starts so after a line break (``case\\r=2+5``), for a reader that
+    splits lines inside a cell. Rows end in CRLF (RFC 4180), so that a cell holding a bare ``\\r``
+    is quoted like one holding ``\\n``: unquoted, it split its row in two and put ``=2+5`` at the
+    start of a cell. The Parquet tables keep every value exact."""
     safe = table.copy()
     for column in safe.columns:
         if pd.api.types.is_object_dtype(safe[column]) or pd.api.types.is_string_dtype(safe[column]):
             safe[column] = safe[column].map(_as_text_cell)
-    safe.to_csv(path, index=False)
+    safe.to_csv(path, index=False, lineterminator="\r\n")
 
 
 def _as_text_cell(value: Any) -> Any:
-    if not isinstance(value, str) or not value.startswith(_FORMULA_START):
+    if not isinstance(value, str):
         return value
+    return "".join(_as_text_line(line) for line in _LINE_STARTS.split(value))
+
+
+def _as_text_line(line: str) -> str:
+    if not line.startswith(_FORMULA_START):
+        return line
     try:
-        float(value)
-        return value  # -0.5, +3: a number, no formula
+        float(line)
+        return line  # -0.5, +3: a number, no formula
     except ValueError:
-        return "'" + value
+        return "'" + line
 
 
 # ------------------------------------------------------------------------------------- figures
@@ -485,17 +506,26 @@ SLIDE_TILES = "tile_row,tile_col,x,y"
 
 
 def _slide_tile_side(coords: np.ndarray) -> float | None:
-    """A slide's own tile side in level-0 pixels, from its tiles' grid columns and corners: the
-    median over rows of Δx / Δcol between a row's first and last tile (None without two tiles in a row). Exact where the
-    level-0 footprint is fractional (``target_mpp``: corners 256 and 257 px apart alternately) and per
-    slide in a cohort of several magnifications."""
-    line = coords[np.lexsort((coords[:, 1], coords[:, 0]))].astype(np.float64)  # by row, then column
-    rows, first = np.unique(line[:, 0], return_index=True)
-    last = np.append(first[1:], len(line)) - 1
-    spans = line[last, 1] - line[first, 1]  # the columns between a row's first and last tile
-    if not (spans > 0).any():
-        return None
-    return float(np.median(((line[last, 2] - line[first, 2]) / np.where(spans > 0, spans, 1))[spans > 0]))
+    """A slide's own tile side in level-0 pixels, from its tiles' grid rows, columns and corners: the
+    median over rows of Δx / Δcol between a row's first and last tile and over columns of Δy / Δrow
+    (a one-tile-wide strip, a needle core, has only columns). Exact where the level-0 footprint is
+    fractional (``target_mpp``: corners 256 and 257 px apart alternately) and per slide in a cohort
+    of several magnifications. None for a slide of one tile (nothing to measure): it takes the
+    cohort's side, which may be another magnification's."""
+    steps = np.concatenate([_steps_along_lines(coords[:, [0, 1, 2]]), _steps_along_lines(coords[:, [1, 0, 3]])])
+    return float(np.median(steps)) if len(steps) else None
+
+
+def _steps_along_lines(lines: np.ndarray) -> np.ndarray:
+    """Per grid line of ``lines`` (columns: the line — a row or a column —, the tile's place along
+    it, its level-0 coordinate along it) with two tiles or more, the level-0 pixels per grid step
+    between its first and last tile."""
+    ordered = lines[np.lexsort((lines[:, 1], lines[:, 0]))].astype(np.float64)  # by line, then place along it
+    _, first = np.unique(ordered[:, 0], return_index=True)
+    last = np.append(first[1:], len(ordered)) - 1
+    spans = ordered[last, 1] - ordered[first, 1]  # the grid steps between a line's first and last tile
+    measured = spans > 0
+    return (ordered[last, 2] - ordered[first, 2])[measured] / spans[measured]
 
 
 def cohort_tile_side(coords: np.ndarray, offsets: np.ndarray, coords_meaning: str) -> float | None:
@@ -546,20 +576,53 @@ def heatmap_canvas(xy: np.ndarray, side: float, scores: np.ndarray, shape: tuple
     return canvas, downsample
 
 
+HEATMAP_INCHES = (2.5, 8.0)
+"""A heatmap figure's shortest and longest side: a needle core's strip of tiles neither becomes a
+figure metres long nor squeezes its colourbar unreadably thin."""
+
+TITLE_CHARS = 60
+"""The most characters a figure title shows: a longer one (a 300-character bag id) is cut in its
+middle; the tables and the figure's file name carry the whole id."""
+
+
+def _figure_title(title: str) -> str:
+    """``title`` as a figure shows it: at most :data:`TITLE_CHARS` characters, cut in the middle so
+    that its end (the score, the distinguishing tail of a DICOM UID) stays, and each ``$`` shown
+    as itself (matplotlib read ``$\\foo$`` in a bag id as mathtext and failed the report)."""
+    if len(title) > TITLE_CHARS:
+        tail = (TITLE_CHARS - 1) // 3
+        title = title[: TITLE_CHARS - 1 - tail] + "…" + title[-tail:]
+    return title.replace("$", r"\$")
+
+
+def _heatmap_figsize(canvas_shape: tuple[int, int]) -> tuple[float, float]:
+    """Inches for a heatmap of ``canvas_shape``: 5 wide at the canvas's aspect, scaled down to a
+    longer side of at most ``HEATMAP_INCHES[1]``, each side at least ``HEATMAP_INCHES[0]`` (the image
+    keeps its aspect inside; the colourbar gets the height)."""
+    shortest, longest = HEATMAP_INCHES
+    width, height = 5.0, 5.0 * canvas_shape[0] / max(canvas_shape[1], 1)
+    scale = min(1.0, longest / max(width, height))
+    return max(width * scale, shortest), max(height * scale, shortest)
+
+
 def plot_wsi_heatmap(xy: np.ndarray, side: float, scores: np.ndarray, path: str | Path, *,
                      kind: ScoreKind = "probability", thumbnail: np.ndarray | None = None,
                      thumb_downsample: float | None = None, title: str = "") -> Path:
     """Tile probabilities (or evidences, ``kind``) of tiles at level-0 ``xy`` with level-0 ``side``
-    (:func:`level0_tiles`), at thumbnail resolution, over the slide thumbnail when one is given."""
+    (:func:`level0_tiles`), at thumbnail resolution, over the slide thumbnail when one is given;
+    without one, over the tiles' extent only (from the slide's corner, a strip far from it was
+    mostly empty canvas)."""
+    if thumbnail is None:
+        xy = xy - xy.min(axis=0)
     canvas, _ = heatmap_canvas(xy, side, scores, None if thumbnail is None else thumbnail.shape[:2], thumb_downsample)
-    fig, ax = plt.subplots(figsize=(5, 5 * canvas.shape[0] / max(canvas.shape[1], 1)))
+    fig, ax = plt.subplots(figsize=_heatmap_figsize(canvas.shape))
     if thumbnail is not None:
         ax.imshow(thumbnail)
     image = ax.imshow(canvas, **_colour_scale(scores, kind), alpha=0.6 if thumbnail is not None else 1.0,
                       interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, label=SCORE_LABELS[kind])
     ax.set_axis_off()
-    ax.set_title(title)
+    ax.set_title(_figure_title(title))
     return _save(fig, path)
 
 
@@ -582,7 +645,7 @@ def plot_ct_slices(slice_index: np.ndarray, scores: np.ndarray, std: np.ndarray,
         ax.fill_between(z, p - s, p + s, color="C0", alpha=0.25, label="± 1 std")
         ax.axhline(0.0, ls=":", c="grey")
         ax.set(ylabel="evidence (not a probability)")
-    ax.set(xlabel="slice", title=title)
+    ax.set(xlabel="slice", title=_figure_title(title))
     ax.legend(loc="upper right", fontsize="small")
     return _save(fig, path)
 
@@ -606,7 +669,7 @@ def plot_ct_strip(windows: np.ndarray, slice_index: np.ndarray, scores: np.ndarr
             spine.set_linewidth(4)
         uid = "" if sop_uids is None else f"\n…{sop_uids[j][-10:]}"
         ax.set_title(f"slice {int(z)}\n{'p' if kind == 'probability' else 'e'} = {s:.2f} ± {sd:.2f}{uid}", fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(_figure_title(title), fontsize=9)
     return _save(fig, path)
 
 
