@@ -333,3 +333,40 @@ def test_a_noisy_black_background_is_not_tissue():
     rgb[64:192, 64:192] = np.clip(rng.normal((200, 130, 185), 12, size=(128, 128, 3)), 0, 255).astype(np.uint8)
     mask = tissue_mask(rgb)
     assert mask[70:186, 70:186].mean() > 0.95 and mask[:48].mean() < 0.01 and mask[208:].mean() < 0.01
+
+
+def test_the_mask_of_a_pyramid_down_to_one_tile_is_read_where_tiles_span_enough_pixels(tmp_path):
+    """The mask was read at the lowest level however small: on a pyramid down to one TIFF tile (as
+    libvips writes them) a 64-px tile spanned 2 mask pixels and every 128-px fragment was lost.
+    A pyramid whose lowest level is fine enough still gives its mask from that level."""
+    from tasks.ingest.synthetic import write_pyramid
+    from tasks.ingest.wsi import mask_level
+
+    rng = np.random.default_rng(0)
+    rgb = np.full((2048, 3072, 3), 242, dtype=np.uint8)
+    corners = [(256, 256 + 384 * i) for i in range(7)] + [(1024, 128)]  # 128-px fragments, a 192-px strip
+    for (y, x), (h, w) in zip(corners, [(128, 128)] * 7 + [(192, 2816)]):
+        rgb[y:y + h, x:x + w] = np.clip(rng.normal((200, 120, 170), 20, (h, w, 3)), 0, 255).astype(np.uint8)
+    truth = (rgb != 242).any(axis=-1).reshape(32, 64, 48, 64).mean(axis=(1, 3)) >= 0.5
+    deep = write_pyramid(tmp_path / "deep.tif", rgb, mpp=0.5, levels=6, level_factor=2, tile=64)  # down to 64 × 96
+    shallow = write_pyramid(tmp_path / "shallow.tif", rgb, mpp=0.5, levels=2, level_factor=4, tile=64)
+    params = TilingParams(tile_size=64)
+    for path, downsamples, level in ((deep, [1, 2, 4, 8, 16, 32], 3), (shallow, [1, 4], 1)):
+        with open_slide(path) as slide:
+            assert slide.downsamples == downsamples and mask_level(slide, params) == level
+            grid = tile_grid(slide, params)
+        kept = np.zeros_like(truth)
+        kept[grid.coords[:, 0], grid.coords[:, 1]] = True
+        np.testing.assert_array_equal(kept, truth)
+        assert grid.mask_downsample == downsamples[level]  # a 64-px tile spans 8 (16) mask pixels
+
+
+def test_a_blank_slide_is_named_blank_not_grayscale(tmp_path):
+    """Blank glass (one grey level) was described as 'no colour (grayscale, or fluorescence ...)'."""
+    tifffile.imwrite(tmp_path / "blank.tiff", np.full((512, 768, 3), 250, np.uint8), photometric="rgb", tile=(256, 256),
+                     metadata=None)
+    report = ingest_slides(tmp_path / "s.zarr", [tmp_path / "blank.tiff"], params=TilingParams(tile_size=128),
+                           extractor=_MeanColour())
+    (skipped,) = report.skipped
+    assert (skipped.error, skipped.reason) == ("NoTissueError", "no tile has >= 50% tissue; the slide is blank (every "
+                                                                "pixel grey 250 of 255 or within 8 of it): no tissue was found")

@@ -5,12 +5,13 @@ Aperio SVS, Hamamatsu NDPI, MIRAX MRXS, Leica SCN, Philips, Ventana, DICOM-WSI a
 TIFFs. ``tifffile`` reads the TIFFs OpenSlide rejects (strip-organised) and generic TIFFs (faster, and
 whole where OpenSlide sees only the base of a SubIFD pyramid, as tifffile writes them). Both
 readers give the same small interface (:class:`SlideReader`): level shapes and downsamples, the
-level-0 µm/px and base magnification from the metadata, ``read(level, rows, cols)`` of a region
-(RGB uint8) and a thumbnail read a block of at most ``STRIP_ROWS`` × ``STRIP_COLS`` pixels at a time, so
-memory is bounded by one block of the lowest level plus the thumbnail, never a whole level.
+level-0 µm/px (across and down) and base magnification from the metadata, ``read(level, rows, cols)``
+of a region (RGB uint8) and a thumbnail of a level read a block of at most ``STRIP_ROWS`` ×
+``STRIP_COLS`` pixels at a time, so memory is bounded by one block of that level plus the
+thumbnail, never a whole level.
 
-:func:`find_slides` lists the slides of a folder (recursively, by glob patterns) and names every
-other file it leaves out.
+:func:`find_slides` lists the slides of a folder (recursively through folder links, by glob
+patterns) and names every other file it leaves out, broken links included.
 
 DICOM-WSI (VL Whole Slide Microscopy Image Storage) is a *folder*: one file per pyramid level (and
 label/overview images), all of one SeriesInstanceUID. Discovery reads the headers of the ``.dcm``
@@ -25,6 +26,7 @@ reason given.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,17 +42,25 @@ STRIP_COLS = 4096
 SLIDE_PATTERNS = ("*.svs", "*.tif", "*.tiff", "*.ndpi", "*.mrxs", "*.scn", "*.bif", "*.vms", "*.btf", "*.svslide", "*.dcm")
 VL_WHOLE_SLIDE_MICROSCOPY = "1.2.840.10008.5.1.4.1.1.77.1.6"
 _NOT_SLIDES = {".csv", ".tsv", ".json", ".txt", ".md", ".yaml", ".yml", ".xml", ".geojson", ".png", ".jpg"}
+OME_TIFF_SUFFIXES = (".tif", ".tiff", ".btf")
+MICRONS_PER_UNIT = {"pm": 1e-6, "Å": 1e-4, "nm": 1e-3, "µm": 1.0, "μm": 1.0, "um": 1.0, "micron": 1.0, "microns": 1.0,
+                    "\\u00B5m": 1.0, "mm": 1e3, "cm": 1e4, "m": 1e6, "in": 25400.0, "inch": 25400.0}
+"""Length units of OME-XML ``PhysicalSize?Unit`` and ImageJ's ``unit`` (which writes µm as ``\\u00B5m``), in µm."""
 
 
 class SlideReader:
-    """Shared part of the readers: ``level_shapes`` [(H, W)], ``downsamples``, ``mpp`` (µm per
-    level-0 pixel, None if unknown), ``magnification`` (None if unknown), ``reader`` (its name)."""
+    """Shared part of the readers: ``level_shapes`` [(H, W)], ``downsamples``, ``mpp`` and ``mpp_y``
+    (µm per level-0 pixel across and down, None if unknown; they differ for non-square pixels),
+    ``mpp_problem`` (why a µm/px the metadata states is not used: a unit gpmil does not convert),
+    ``magnification`` (None if unknown), ``reader`` (its name)."""
 
     path: str
     reader: str
     level_shapes: list[tuple[int, int]]
     downsamples: list[float]
     mpp: float | None
+    mpp_y: float | None
+    mpp_problem: str | None = None
     magnification: float | None
 
     def __enter__(self) -> SlideReader:
@@ -66,10 +76,10 @@ class SlideReader:
         """RGB uint8 pixels of a region of ``level``; parts outside the level are white."""
         raise NotImplementedError
 
-    def thumbnail(self, max_side: int) -> tuple[np.ndarray, float]:
-        """The lowest-resolution level subsampled to at most ``max_side`` px, and its downsample
-        from level 0; read a ``STRIP_ROWS`` × ``STRIP_COLS`` block at a time."""
-        level = len(self.level_shapes) - 1
+    def thumbnail(self, max_side: int, level: int | None = None) -> tuple[np.ndarray, float]:
+        """``level`` (default the lowest-resolution one) subsampled to at most ``max_side`` px, and
+        its downsample from level 0; read a ``STRIP_ROWS`` × ``STRIP_COLS`` block at a time."""
+        level = len(self.level_shapes) - 1 if level is None else level
         height, width = self.level_shapes[level]
         step = max(1, int(np.ceil(max(height, width) / max_side)))
         stripe = max(step, (STRIP_ROWS // step) * step)
@@ -105,13 +115,14 @@ class TiffSlide(SlideReader):
             self._tiff = tifffile.TiffFile(self.path)
             series = self._tiff.series[0]
             self.level_shapes = [tuple(int(s) for s in level.shape[:2]) for level in series.levels]
-            samples = series.levels[0].shape[2] if len(series.levels[0].shape) == 3 else 1
         except Exception as error:  # tifffile raises many types for a bad file
             raise UnreadableFileError(f"tifffile cannot open it: {type(error).__name__}: {error}", path=self.path) from error
-        if samples not in (3, 4) or series.dtype != np.uint8:
+        refusal = _overview_first(self._tiff, self.path) or _unread_layout(series, self.path)
+        if refusal is not None:
             self.close()
-            raise UnreadableFileError(f"slide is not 8-bit RGB(A) (shape {series.shape}, dtype {series.dtype})",
-                                      path=self.path)
+            raise refusal
+        extra = series.keyframe.extrasamples
+        self._alpha = bool(extra) and extra[0] in (tifffile.EXTRASAMPLE.ASSOCALPHA, tifffile.EXTRASAMPLE.UNASSALPHA)
         self._series = series
         self._levels: dict[int, Any] = {}
         base = self.level_shapes[0]
@@ -119,7 +130,11 @@ class TiffSlide(SlideReader):
         page = self._tiff.pages[0]
         description = page.description or ""
         self.magnification = _description_value(description, "magnification", r"AppMag\s*=\s*([0-9.]+)")
-        self.mpp = _description_value(description, "mpp", r"\bMPP\s*=\s*([0-9.]+)") or _resolution_mpp(page)
+        described = _description_value(description, "mpp", r"\bMPP\s*=\s*([0-9.]+)")
+        try:
+            self.mpp, self.mpp_y = (described, described) if described else _tiff_mpp(self._tiff, page)
+        except _UnknownUnit as error:  # said when µm/px is needed (target_mpp): tiling by level needs none
+            self.mpp, self.mpp_y, self.mpp_problem = None, None, str(error)
 
     def close(self) -> None:
         self._tiff.close()
@@ -138,7 +153,7 @@ class TiffSlide(SlideReader):
             raise UnreadableFileError(f"cannot decode slide data: {type(error).__name__}: {error}",
                                       path=self.path) from error
         rgb = pixels[..., :3].copy()
-        if pixels.shape[-1] == 4:  # transparent pixels (outside the scanned area) are white, as OpenSlide gives them
+        if self._alpha:  # transparent pixels (outside the scanned area) are white, as OpenSlide gives them
             rgb[pixels[..., 3] == 0] = 255
         return _white_pad(rgb, rows.stop - rows.start, cols.stop - cols.start)
 
@@ -161,7 +176,7 @@ class OpenSlideSlide(SlideReader):
         self.level_shapes = [(int(h), int(w)) for w, h in self._slide.level_dimensions]
         self.downsamples = [float(d) for d in self._slide.level_downsamples]
         props = self._slide.properties
-        self.mpp = _float(props.get("openslide.mpp-x"))
+        self.mpp, self.mpp_y = _float(props.get("openslide.mpp-x")), _float(props.get("openslide.mpp-y"))
         self.magnification = _float(props.get("openslide.objective-power"))
 
     def close(self) -> None:
@@ -200,22 +215,107 @@ def _description_value(description: str, key: str, pattern: str) -> float | None
     return _float(match.group(1)) if match else None
 
 
-def _resolution_mpp(page) -> float | None:
-    """µm/px from the TIFF XResolution tag (pixels per centimetre or inch)."""
-    tags = page.tags
-    if "XResolution" not in tags or "ResolutionUnit" not in tags:
+def _overview_first(tiff, path: str) -> IngestError | None:
+    """The refusal of a TIFF whose first image is smaller than a later one (an overview stored
+    before the scan), else None: tifffile and OpenSlide both take the first image for the slide,
+    so ``auto`` must not fall back to OpenSlide. Vendor files (SVS: thumbnail, label and macro
+    after the pyramid) put the scan first."""
+    sizes = [(series.keyframe.imagewidth, series.keyframe.imagelength) for series in tiff.series]
+    largest = max(sizes, key=lambda size: size[0] * size[1])
+    if largest[0] * largest[1] <= sizes[0][0] * sizes[0][1]:
         return None
-    numerator, denominator = tags["XResolution"].value
-    per_unit = numerator / denominator if denominator else 0.0
-    unit = int(tags["ResolutionUnit"].value)
-    microns = {2: 25400.0, 3: 10000.0}.get(unit)
-    return None if microns is None or per_unit <= 1.0 else _float(microns / per_unit)
+    return IngestError(f"the TIFF's first image ({sizes[0][0]} × {sizes[0][1]} px) is smaller than a later one "
+                       f"({largest[0]} × {largest[1]} px), an overview before the scan? Both readers would tile the "
+                       "first image; write the scan first", path=path)
+
+
+def _unread_layout(series, path: str) -> UnreadableFileError | None:
+    """Why the tifffile reader does not read ``series`` (``auto`` then falls back to OpenSlide), or
+    None: it reads interleaved 8-bit RGB or YCbCr, a 4th sample being alpha or ignored."""
+    import tifffile
+
+    page = series.keyframe
+    if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE:
+        return UnreadableFileError("planar configuration (one plane per colour) is not read by the tifffile reader; "
+                                   "use reader auto or openslide", path=path)
+    if page.photometric not in (tifffile.PHOTOMETRIC.RGB, tifffile.PHOTOMETRIC.YCBCR):
+        return UnreadableFileError(f"photometric {page.photometric.name} is not read by the tifffile reader (RGB or "
+                                   "YCbCr only); use reader auto or openslide", path=path)
+    samples = series.shape[2] if len(series.shape) == 3 else 1
+    if samples not in (3, 4) or series.dtype != np.uint8:
+        return UnreadableFileError(f"slide is not 8-bit RGB(A) (shape {series.shape}, dtype {series.dtype})", path=path)
+    return None
+
+
+class _UnknownUnit(ValueError):
+    """A length unit of the metadata that :data:`MICRONS_PER_UNIT` lacks."""
+
+
+def _microns_per(unit: str, where: str) -> float:
+    """µm in one ``unit`` (named by ``where`` in the metadata)."""
+    if unit not in MICRONS_PER_UNIT:
+        raise _UnknownUnit(f"slide metadata gives µm/px in {where} {unit!r}, which is no length unit gpmil converts "
+                           f"({', '.join(MICRONS_PER_UNIT)})")
+    return MICRONS_PER_UNIT[unit]
+
+
+def _tiff_mpp(tiff, page) -> tuple[float | None, float | None]:
+    """µm/px (across, down) of level 0: OME-XML ``PhysicalSizeX/Y``, else the resolution tags
+    (:func:`_resolution_mpp`) in ImageJ's ``unit`` if it names one (ImageJ writes ResolutionUnit
+    NONE); raises :class:`_UnknownUnit`."""
+    ome = _ome_mpp(tiff.ome_metadata) if tiff.is_ome else (None, None)
+    unit = (tiff.imagej_metadata or {}).get("unit") if tiff.is_imagej else None
+    tags = _resolution_mpp(page, None if unit is None else _microns_per(str(unit), "the ImageJ unit"))
+    return ome[0] or tags[0], ome[1] or tags[1]
+
+
+def _ome_mpp(xml: str | None) -> tuple[float | None, float | None]:
+    """µm/px (across, down) from the first OME ``Pixels`` element's ``PhysicalSizeX/Y`` (unit
+    ``PhysicalSizeX/YUnit``, by default µm)."""
+    from xml.etree import ElementTree
+
+    try:
+        root = ElementTree.fromstring(xml or "")
+    except ElementTree.ParseError:
+        return None, None
+    pixels = next((element for element in root.iter() if element.tag.rsplit("}", 1)[-1] == "Pixels"), None)
+    if pixels is None:
+        return None, None
+    sizes = []
+    for axis in "XY":
+        size = _float(pixels.get(f"PhysicalSize{axis}"))
+        unit = pixels.get(f"PhysicalSize{axis}Unit", "µm")
+        sizes.append(None if size is None else _float(size * _microns_per(unit, f"OME PhysicalSize{axis}Unit")))
+    return sizes[0], sizes[1]
+
+
+def _resolution_mpp(page, unit_microns: float | None = None) -> tuple[float | None, float | None]:
+    """µm/px (across, down) from the TIFF XResolution and YResolution tags: pixels per
+    ``unit_microns`` µm if given, else per ResolutionUnit (inch or centimetre). A 1-dpi tag gives
+    25400 µm/px, as from OpenSlide, which tiling refuses naming the value."""
+    tags = page.tags
+    if "XResolution" not in tags or (unit_microns is None and "ResolutionUnit" not in tags):
+        return None, None
+    microns = unit_microns or {2: 25400.0, 3: 10000.0}.get(int(tags["ResolutionUnit"].value))
+    if microns is None:
+        return None, None
+
+    def per_pixel(tag: str) -> float | None:
+        numerator, denominator = tags[tag].value
+        return _float(microns * denominator / numerator) if numerator else None
+
+    across = per_pixel("XResolution")
+    return across, per_pixel("YResolution") if "YResolution" in tags else across
 
 
 def slide_id(path: str | Path) -> str:
-    """The bag id of a slide: the file's stem, or the folder's name for a DICOM-WSI folder."""
+    """The bag id of a slide: the file's stem less the ``.ome`` of an OME-TIFF (``x.ome.tif`` is
+    slide ``x``, its labels row's id), or the folder's name for a DICOM-WSI folder."""
     path = Path(path)
-    return path.name if path.is_dir() else path.stem
+    if path.is_dir():
+        return path.name
+    ome = path.suffix.lower() in OME_TIFF_SUFFIXES and path.stem.lower().endswith(".ome")
+    return path.stem[:-len(".ome")] if ome else path.stem
 
 
 def slide_files(path: str | Path) -> tuple[str, ...]:
@@ -304,7 +404,7 @@ def find_slides(source: str | Path | Sequence[str | Path], patterns: Sequence[st
     root = Path(source)
     if not root.is_dir():
         raise IngestError("slide source is not a folder", path=str(root))
-    files = sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file())
+    files, broken = _files_under(root, recursive)
     lowered = [pattern.lower() for pattern in patterns]
     slides = [p for p in files if any(Path(p.name.lower()).match(pattern) for pattern in lowered)
               and not p.name.startswith(".")]  # hidden files: macOS's '._<slide>' resource forks are no slides
@@ -313,9 +413,34 @@ def find_slides(source: str | Path | Sequence[str | Path], patterns: Sequence[st
     left_out = [UnreadableFileError(f"not a slide: the name matches none of the patterns {list(patterns)}", path=str(p))
                 for p in files if p not in chosen and p.suffix.lower() not in _NOT_SLIDES
                 and not p.name.startswith(".") and p.parent not in mirax_dirs]
+    left_out += [UnreadableFileError(f"a broken symbolic link: its target {os.readlink(p)} does not exist", path=str(p))
+                 for p in broken if not p.name.startswith(".")]
     dicom = [p for p in slides if p.suffix.lower() == ".dcm"]
     folders, reasons = dicom_slide_folders(dicom)
     return sorted([p for p in slides if p.suffix.lower() != ".dcm"] + folders), left_out + reasons
+
+
+def _files_under(root: Path, recursive: bool) -> tuple[list[Path], list[Path]]:
+    """The files in ``root`` (and its sub-folders if ``recursive``, through folder links: a slide
+    folder is often a link to a share), sorted, and the links whose target is missing. Each real
+    folder is walked once: a link back up would loop, a second link to one folder would list its
+    slides twice."""
+    files, broken, walked = [], [], set()
+    for folder, sub_folders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        sub_folders.sort()  # the first path to a folder linked twice is always the same
+        if real in walked or not recursive:
+            sub_folders.clear()
+        if real in walked:
+            continue
+        walked.add(real)
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file():
+                files.append(path)
+            elif path.is_symlink() and not path.exists():
+                broken.append(path)
+    return sorted(files), sorted(broken)
 
 
 def dicom_slide_folders(files: Sequence[Path]) -> tuple[list[Path], list[IngestError]]:

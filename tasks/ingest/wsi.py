@@ -3,7 +3,7 @@
 
 Slides are opened with :func:`tasks.ingest.slide_io.open_slide` (OpenSlide, or tifffile for the
 TIFFs OpenSlide cannot open). Memory holds one batch of tiles, the low-resolution mask and one strip
-of the lowest level while the thumbnail is read, never a whole level.
+of the mask's level while the thumbnail is read, never a whole level.
 
 Scale: with ``target_mpp`` a tile covers ``tile_size × target_mpp`` µm (e.g. 256 px at 0.5 µm/px =
 128 µm), whatever the scanner: the slide's level-0 µm/px (metadata, or ``base_mpp`` to override it)
@@ -15,7 +15,7 @@ pixels. The grid is laid on level 0; each kept tile is stored as
 CLAM/TRIDENT convention).
 
 Tissue segmentation follows CLAM's ``segment_tissue`` (Lu et al., 2021): saturation channel of the
-low-resolution image, median blur (``median_kernel=7``), Otsu threshold (never below
+low-resolution image (:func:`mask_level`), median blur (``median_kernel=7``), Otsu threshold (never below
 ``min_saturation``, so an empty slide gives no tissue), morphological closing (``close_size=4``),
 removal of small specks and filling of small holes. A tile is kept if at least ``min_tissue`` of
 its area is tissue.
@@ -120,7 +120,12 @@ def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
         return _resampled_geometry(slide, params, scale)
     mpp = params.base_mpp or slide.mpp
     if mpp is None:
-        raise IngestError("slide metadata gives no µm/px (set base_mpp, or tile by level)", path=slide.path)
+        raise IngestError(f"{slide.mpp_problem}: set base_mpp, or tile by level" if slide.mpp_problem else
+                          "slide metadata gives no µm/px (set base_mpp, or tile by level)", path=slide.path)
+    if params.base_mpp is None and slide.mpp_y is not None and abs(slide.mpp_y / mpp - 1) > 0.01:
+        raise IngestError(f"slide metadata gives non-square pixels, {mpp:g} µm/px across and {slide.mpp_y:g} µm/px "
+                          "down: a square tile would not be square on the slide; set ingest.base_mpp to override the "
+                          "metadata, or tile by level", path=slide.path)
     if params.base_mpp is None and not PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1]:
         raise IngestError(f"slide metadata gives {mpp:g} µm/px, which no scanner gives (a default 72-dpi resolution "
                           "tag?): set ingest.base_mpp to the scan's µm/px, or tile by level", path=slide.path)
@@ -138,10 +143,15 @@ def _resampled_geometry(slide: SlideReader, params: TilingParams, scale: float) 
 
 def _colourless_hint(slide: SlideReader) -> str:
     """Why a slide without tissue may be no H&E slide: a grayscale image (all channels equal) has no
-    saturation, which the tissue mask reads."""
+    saturation, which the tissue mask reads; one of a single grey level (blank glass) has nothing."""
     thumb, _ = slide.thumbnail(256)
+    rgb = thumb[..., :3].astype(np.int16)
+    if int(np.ptp(rgb, axis=-1).max()) > 2:
+        return ""
+    if int(np.ptp(rgb)) <= 8:  # within a few levels of one grey: compression noise at most
+        return f"; the slide is blank (every pixel grey {int(np.median(rgb))} of 255 or within 8 of it): no tissue was found"
     return ("; the slide has no colour (grayscale, or fluorescence in one channel): the tissue mask finds H&E "
-            "tissue by its saturation" if int(np.ptp(thumb[..., :3].astype(np.int16), axis=-1).max()) <= 2 else "")
+            "tissue by its saturation")
 
 
 DARKEST_TISSUE = 32
@@ -170,9 +180,32 @@ def tissue_mask(rgb: np.ndarray, params: TilingParams = TilingParams()) -> np.nd
     return remove_small_holes(mask, max_size=min_size)
 
 
+MASK_PX_PER_TILE = 8
+"""Mask pixels a tile side spans at least, unless ``mask_max_side`` bounds the mask: the 7-px
+median filter erased tissue a few mask pixels wide (a pyramid's lowest level, down to one TIFF tile
+in a libvips pyramid, gave a 64-px tile of a 6144 × 8192 slide one mask pixel: 246 of 1185 tissue
+tiles were lost)."""
+
+
+def mask_level(slide: SlideReader, params: TilingParams) -> int:
+    """The level the tissue mask is read from, subsampled to at most ``mask_max_side`` px (every
+    ``step``-th pixel: its mask pixel spans ``downsample × step`` level-0 px). The coarsest level on
+    which a tile spans :data:`MASK_PX_PER_TILE` mask pixels; where ``mask_max_side`` allows that on
+    no level, the coarsest within 1.5× of the finest mask any level gives (a finer level subsampled
+    to the same size costs up to 16× the reads for no finer mask). So the lowest level wherever it
+    was fine enough, or where the bound decides anyway."""
+    def mask_px(level: int) -> float:
+        return slide.downsamples[level] * max(1, int(np.ceil(max(slide.level_shapes[level]) / params.mask_max_side)))
+
+    levels = range(len(slide.downsamples))
+    wanted = tile_geometry(slide, params).side0 / MASK_PX_PER_TILE
+    fine = [i for i in levels if mask_px(i) <= wanted * 1.01] or [i for i in levels if mask_px(i) <= 1.5 * min(map(mask_px, levels))]
+    return max(fine, key=lambda i: slide.downsamples[i])
+
+
 def tile_grid(slide: SlideReader, params: TilingParams) -> TileGrid:
-    """Tissue mask on the thumbnail and the kept tiles of the level-0 grid (row-major order)."""
-    thumb, mask_downsample = slide.thumbnail(params.mask_max_side)
+    """Tissue mask on the thumbnail of the mask level and the kept tiles of the level-0 grid (row-major order)."""
+    thumb, mask_downsample = slide.thumbnail(params.mask_max_side, mask_level(slide, params))
     return grid_from_mask(slide, params, tissue_mask(thumb, params), mask_downsample)
 
 
@@ -280,9 +313,10 @@ def sample_tiles(path: str | Path, params: TilingParams, n: int, rng: np.random.
 
 
 def reads_once(slide: SlideReader, params: TilingParams) -> bool:
-    """Whether tiles are read from the level the thumbnail is read from (a single-level slide, or
-    tiles at the lowest level): then :func:`features_in_one_pass` reads that level once."""
-    return tile_geometry(slide, params).level == len(slide.level_shapes) - 1
+    """Whether tiles are read from the level the mask is read from (:func:`mask_level`; a
+    single-level slide, or tiles at the lowest level): then :func:`features_in_one_pass` reads that
+    level once."""
+    return tile_geometry(slide, params).level == mask_level(slide, params)
 
 
 def features_in_one_pass(slide: SlideReader, params: TilingParams, extractor, batch_size: int = 64
@@ -393,9 +427,9 @@ def slide_bag_writer(item, writer, *, params: TilingParams, extractor, batch_siz
                      qc_dir: str | None = None) -> None:
     """Ingest worker for one slide: tile grid → tile batches → features → the bag's staging writer.
 
-    A slide whose tiles come from the level its thumbnail is read from (a single-level slide) is
-    read once (:func:`features_in_one_pass`); a pyramid's thumbnail comes from its lowest level and
-    its tiles from the tile level. Raises :class:`NoTissueError` when no tile is kept. Writes
+    A slide whose tiles come from the level its mask is read from (a single-level slide) is read
+    once (:func:`features_in_one_pass`); a pyramid's mask comes from :func:`mask_level` and its
+    tiles from the tile level. Raises :class:`NoTissueError` when no tile is kept. Writes
     ``<qc_dir>/<safe_filename(bag_id)>.png`` if asked.
     """
     with open_slide(item.source, params.reader) as slide:
