@@ -361,6 +361,22 @@ def test_the_mask_of_a_pyramid_down_to_one_tile_is_read_where_tiles_span_enough_
         assert grid.mask_downsample == downsamples[level]  # a 64-px tile spans 8 (16) mask pixels
 
 
+def test_where_mask_max_side_bounds_the_mask_its_coarsest_level_that_fine_is_read(tmp_path):
+    """Where no level lets a tile span 8 mask pixels within ``mask_max_side`` (a 100k-px slide's
+    2048-px mask), the mask level was the finest one the bound allows, subsampled down to the lowest
+    level's resolution: the same mask from up to 16x the pixels read. Levels of downsample 1, 3 and
+    9 with a 256-px bound all give 8-9 level-0 px per mask pixel: the lowest is read, whole."""
+    from tasks.ingest.synthetic import write_pyramid
+    from tasks.ingest.wsi import mask_level
+
+    path = write_pyramid(tmp_path / "bounded.tif", np.full((2048, 2048, 3), 242, np.uint8), mpp=0.5, levels=3, level_factor=3,
+                         tile=64)
+    with open_slide(path) as slide:
+        assert slide.downsamples == pytest.approx([1, 3, 9], rel=0.01)
+        assert mask_level(slide, TilingParams(tile_size=32, mask_max_side=256)) == 2
+        assert mask_level(slide, TilingParams(tile_size=32)) == 1  # unbounded: the coarsest level where a tile spans 8 px
+
+
 def test_a_blank_slide_is_named_blank_not_grayscale(tmp_path):
     """Blank glass (one grey level) was described as 'no colour (grayscale, or fluorescence ...)'."""
     tifffile.imwrite(tmp_path / "blank.tiff", np.full((512, 768, 3), 250, np.uint8), photometric="rgb", tile=(256, 256),
