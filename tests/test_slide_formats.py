@@ -13,6 +13,7 @@ import tifffile
 from tasks.ingest.errors import IngestError, UnreadableFileError
 from tasks.ingest.slide_io import find_slides, open_slide
 from tasks.ingest.wsi import TilingParams, plan_slides, tile_geometry
+from tests.test_ingest_wsi import _MeanColour
 
 pytest.importorskip("openslide")
 HEADER = "image_id,data_provider,isup_grade,gleason_score\n"
@@ -25,18 +26,6 @@ def tissue() -> np.ndarray:
     rgb = np.full((1024, 1536, 3), 242, dtype=np.uint8)
     rgb[256:768, 384:1152] = np.clip(rng.normal((200, 120, 170), 20, (512, 768, 3)), 0, 255).astype(np.uint8)
     return rgb
-
-
-class _MeanColour:
-    """Per-tile mean colour: an extractor that needs no fitting."""
-
-    name, version, n_features = "mean-colour", "1", 3
-
-    def params(self) -> dict:
-        return {}
-
-    def __call__(self, tiles: np.ndarray) -> np.ndarray:
-        return tiles.mean(axis=(1, 2)).astype(np.float32)
 
 
 def test_a_cmyk_tiff_is_read_by_openslide_and_refused_by_the_tifffile_reader(tissue, tmp_path):
