@@ -42,6 +42,10 @@ from tasks.store import CohortSpec, _open_root
 COORDS_MEANING = "tile_row,tile_col,x,y (x, y: level-0 pixels of the tile's top-left corner)"
 
 
+SET_BASE_MPP = "set ingest.base_mpp (a new cohort's in gpmil predict --source: --base-mpp)"
+"""How a slide's µm/px is given where its metadata has none, or a wrong one."""
+
+
 @dataclass(frozen=True)
 class TilingParams:
     """How slides are tiled; recorded in the store's ``tiling`` attribute.
@@ -120,15 +124,15 @@ def tile_geometry(slide: SlideReader, params: TilingParams) -> TileGeometry:
         return _resampled_geometry(slide, params, scale)
     mpp = params.base_mpp or slide.mpp
     if mpp is None:
-        raise IngestError(f"{slide.mpp_problem}: set base_mpp, or tile by level" if slide.mpp_problem else
-                          "slide metadata gives no µm/px (set base_mpp, or tile by level)", path=slide.path)
+        raise IngestError(f"{slide.mpp_problem}: {SET_BASE_MPP}, or tile by level" if slide.mpp_problem else
+                          f"slide metadata gives no µm/px ({SET_BASE_MPP}, or tile by level)", path=slide.path)
     if params.base_mpp is None and slide.mpp_y is not None and abs(slide.mpp_y / mpp - 1) > 0.01:
         raise IngestError(f"slide metadata gives non-square pixels, {mpp:g} µm/px across and {slide.mpp_y:g} µm/px "
-                          "down: a square tile would not be square on the slide; set ingest.base_mpp to override the "
+                          f"down: a square tile would not be square on the slide; {SET_BASE_MPP} to override the "
                           "metadata, or tile by level", path=slide.path)
     if params.base_mpp is None and not PLAUSIBLE_MPP[0] <= mpp <= PLAUSIBLE_MPP[1]:
         raise IngestError(f"slide metadata gives {mpp:g} µm/px, which no scanner gives (a default 72-dpi resolution "
-                          "tag?): set ingest.base_mpp to the scan's µm/px, or tile by level", path=slide.path)
+                          f"tag?): {SET_BASE_MPP} to the scan's µm/px, or tile by level", path=slide.path)
     return _resampled_geometry(slide, params, params.target_mpp / mpp)
 
 
@@ -189,18 +193,16 @@ tiles were lost)."""
 
 def mask_level(slide: SlideReader, params: TilingParams) -> int:
     """The level the tissue mask is read from, subsampled to at most ``mask_max_side`` px (every
-    ``step``-th pixel: its mask pixel spans ``downsample × step`` level-0 px). The coarsest level on
-    which a tile spans :data:`MASK_PX_PER_TILE` mask pixels; where ``mask_max_side`` allows that on
-    no level, the coarsest within 1.5× of the finest mask any level gives (a finer level subsampled
-    to the same size costs up to 16× the reads for no finer mask). So the lowest level wherever it
-    was fine enough, or where the bound decides anyway."""
+    ``step``-th pixel: its mask pixel spans ``downsample × step`` level-0 px): the coarsest on which
+    a tile spans :data:`MASK_PX_PER_TILE` mask pixels or whose mask is within 1.5× of the finest any
+    level gives. Where ``mask_max_side`` decides (a 100k-px slide), a finer level subsampled to about
+    the same mask would cost up to 256× the reads: the lowest level is read there, as before."""
     def mask_px(level: int) -> float:
         return slide.downsamples[level] * max(1, int(np.ceil(max(slide.level_shapes[level]) / params.mask_max_side)))
 
     levels = range(len(slide.downsamples))
-    wanted = tile_geometry(slide, params).side0 / MASK_PX_PER_TILE
-    fine = [i for i in levels if mask_px(i) <= wanted * 1.01] or [i for i in levels if mask_px(i) <= 1.5 * min(map(mask_px, levels))]
-    return max(fine, key=lambda i: slide.downsamples[i])
+    enough = max(tile_geometry(slide, params).side0 / MASK_PX_PER_TILE, 1.5 * min(map(mask_px, levels)))
+    return max((i for i in levels if mask_px(i) <= enough * 1.01), key=lambda i: slide.downsamples[i])
 
 
 def tile_grid(slide: SlideReader, params: TilingParams) -> TileGrid:
