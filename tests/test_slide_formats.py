@@ -51,6 +51,26 @@ def test_a_fourth_sample_that_is_no_alpha_is_ignored(tissue, tmp_path):
         np.testing.assert_array_equal(slide.read(0, slice(0, 1024), slice(0, 1536)), tissue)
 
 
+def test_rgb_written_without_its_photometric_or_marked_minisblack_is_still_read_as_rgb(tissue, tmp_path):
+    """Only other colour models (CMYK) leave the tifffile reader: a missing photometric tag (read as
+    an int, which failed the whole ingest with AttributeError) and three samples marked MINISBLACK
+    were read as RGB before and are read so still (OpenSlide would give grey)."""
+    import struct
+
+    bare, minisblack = tmp_path / "bare.tif", tmp_path / "minisblack.tif"
+    tifffile.imwrite(bare, tissue, photometric="rgb", tile=(256, 256), metadata=None)
+    with tifffile.TiffFile(bare) as tif:
+        offset = tif.pages[0].tags["PhotometricInterpretation"].offset
+    patched = bytearray(bare.read_bytes())
+    patched[offset:offset + 2] = struct.pack("<H", 65001)  # the tag renamed to an unknown one: no photometric
+    bare.write_bytes(bytes(patched))
+    tifffile.imwrite(minisblack, tissue, photometric="minisblack", planarconfig="contig", tile=(256, 256), metadata=None)
+    for path in (bare, minisblack):
+        with open_slide(path) as slide:
+            assert slide.reader == "tifffile"
+            np.testing.assert_array_equal(slide.read(0, slice(0, 1024), slice(0, 1536)), tissue)
+
+
 def test_planar_rgb_is_named_as_such_by_the_tifffile_reader_and_read_by_openslide(tissue, tmp_path):
     path = tmp_path / "planar.tif"
     tifffile.imwrite(path, np.moveaxis(tissue, -1, 0), photometric="rgb", planarconfig="separate", tile=(256, 256),
@@ -93,7 +113,8 @@ def test_um_per_px_of_ome_xml_and_imagej_descriptions_is_read_and_an_unknown_uni
         assert (slide.mpp, slide.mpp_y) == (pytest.approx(0.25), pytest.approx(0.25))
         assert tile_geometry(slide, TilingParams(tile_size=256, target_mpp=0.5)).side0 == pytest.approx(512)
     with open_slide(parsec) as slide, pytest.raises(IngestError, match="µm/px in OME PhysicalSizeXUnit 'pc', which is no "
-                                                                       "length unit gpmil converts .*: set base_mpp"):
+                                                                       "length unit gpmil converts .*: set ingest.base_mpp \\(a new cohort's in gpmil predict "
+                                                                       "--source: --base-mpp\\)"):
         tile_geometry(slide, TilingParams(tile_size=256, target_mpp=0.5))
 
 
@@ -135,20 +156,22 @@ def test_a_tiff_whose_first_image_is_an_overview_is_refused_and_an_svs_is_not(ti
             np.testing.assert_array_equal(slide.read(0, slice(0, 1024), slice(0, 1536)), tissue)
 
 
-def test_an_ome_tiff_is_the_slide_of_its_name_without_ome(tissue, tmp_path):
-    """``case7.ome.tif`` was bag ``case7.ome``: unlabelled, and its labels row reported as having no slide."""
+def test_an_ome_tiff_labelled_without_its_ome_is_named_not_reported_missing(tissue, tmp_path):
+    """``case7.ome.tif`` (bag ``case7.ome``, as stores and labels files hold it) with a labels row
+    ``case7`` was skipped with no hint, and the row reported as having no slide file ``case7.*``,
+    which was there."""
     folder = tmp_path / "slides"
     folder.mkdir()
     tifffile.imwrite(folder / "case7.ome.tif", tissue, ome=True, photometric="rgb", tile=(256, 256))
     tifffile.imwrite(folder / "case8.TIFF", tissue, photometric="rgb", tile=(256, 256), metadata=None)
     (folder / "labels.csv").write_text(f"{HEADER}case7,x,3,4+3\ncase8,x,0,0+0\n")
     plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", extractor=_MeanColour())
-    assert sorted((item.bag_id, item.label) for item in plan.items) == [("case7", 1), ("case8", 0)]
-    assert plan.skipped == []
-    tifffile.imwrite(folder / "case7.tif", tissue, photometric="rgb", tile=(256, 256), metadata=None)
+    assert [(item.bag_id, item.label) for item in plan.items] == [("case8", 0)]
+    assert [(s.bag_id, s.error) for s in plan.skipped] == [("case7.ome", "MissingLabelError")]
+    assert "(it has 'case7': ids must equal the file stem" in plan.skipped[0].reason
+    (folder / "labels.csv").write_text(f"{HEADER}case7.ome,x,3,4+3\ncase8,x,0,0+0\n")  # its id, as before
     plan = plan_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", extractor=_MeanColour())
-    assert [item.bag_id for item in plan.items] == ["case8"]
-    assert [(s.bag_id, s.error) for s in plan.skipped] == [("case7", "DuplicateIdError")]
+    assert sorted((item.bag_id, item.label) for item in plan.items) == [("case7.ome", 1), ("case8", 0)] and not plan.skipped
 
 
 def test_slides_behind_a_folder_link_are_found_and_a_broken_link_is_reported(tissue, tmp_path):

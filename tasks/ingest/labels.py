@@ -104,6 +104,8 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
         if label is None:
             near_ids = {Path(str(k).strip()).stem: k for k in labels} if near_ids is None else near_ids
             near = near_ids.get(bag_id)
+            if near is None and Path(bag_id).suffix and Path(bag_id).stem in labels:  # 'x.ome' (x.ome.tif), labels 'x'
+                near = Path(bag_id).stem
             if near is None and keep_unlabelled:  # a bag the labels do not list: predicted, unlabelled
                 items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
                 continue
@@ -120,8 +122,9 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
 def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[str]:
     """The labels' ids that name no input of ``present`` (a folder's slide or file ids), compared in
     Unicode NFC; an id that is a present one but for spaces or a suffix is said by
-    :func:`labelled_items` already (its near-id hint), not again."""
-    found = {unicodedata.normalize("NFC", i) for i in present}
+    :func:`labelled_items` already (its near-id hint), not again, nor is one that a present id is
+    but for a suffix (``x`` of ``x.ome.tif``'s id ``x.ome``)."""
+    found = {unicodedata.normalize("NFC", j) for i in present for j in (i, Path(i).stem)}
     return [bag_id for bag_id in labels
             if not {unicodedata.normalize("NFC", bag_id), unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & found]
 

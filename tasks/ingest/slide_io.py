@@ -42,7 +42,6 @@ STRIP_COLS = 4096
 SLIDE_PATTERNS = ("*.svs", "*.tif", "*.tiff", "*.ndpi", "*.mrxs", "*.scn", "*.bif", "*.vms", "*.btf", "*.svslide", "*.dcm")
 VL_WHOLE_SLIDE_MICROSCOPY = "1.2.840.10008.5.1.4.1.1.77.1.6"
 _NOT_SLIDES = {".csv", ".tsv", ".json", ".txt", ".md", ".yaml", ".yml", ".xml", ".geojson", ".png", ".jpg"}
-OME_TIFF_SUFFIXES = (".tif", ".tiff", ".btf")
 MICRONS_PER_UNIT = {"pm": 1e-6, "Å": 1e-4, "nm": 1e-3, "µm": 1.0, "μm": 1.0, "um": 1.0, "micron": 1.0, "microns": 1.0,
                     "\\u00B5m": 1.0, "mm": 1e3, "cm": 1e4, "m": 1e6, "in": 25400.0, "inch": 25400.0}
 """Length units of OME-XML ``PhysicalSize?Unit`` and ImageJ's ``unit`` (which writes µm as ``\\u00B5m``), in µm."""
@@ -117,7 +116,10 @@ class TiffSlide(SlideReader):
             self.level_shapes = [tuple(int(s) for s in level.shape[:2]) for level in series.levels]
         except Exception as error:  # tifffile raises many types for a bad file
             raise UnreadableFileError(f"tifffile cannot open it: {type(error).__name__}: {error}", path=self.path) from error
-        refusal = _overview_first(self._tiff, self.path) or _unread_layout(series, self.path)
+        try:
+            refusal = _overview_first(self._tiff, self.path) or _unread_layout(series, self.path)
+        except Exception as error:  # a tag tifffile gives in a form not foreseen: the file, not the ingest, fails
+            refusal = UnreadableFileError(f"tifffile cannot read its layout: {type(error).__name__}: {error}", path=self.path)
         if refusal is not None:
             self.close()
             raise refusal
@@ -225,21 +227,27 @@ def _overview_first(tiff, path: str) -> IngestError | None:
     if largest[0] * largest[1] <= sizes[0][0] * sizes[0][1]:
         return None
     return IngestError(f"the TIFF's first image ({sizes[0][0]} × {sizes[0][1]} px) is smaller than a later one "
-                       f"({largest[0]} × {largest[1]} px), an overview before the scan? Both readers would tile the "
-                       "first image; write the scan first", path=path)
+                       f"({largest[0]} × {largest[1]} px): an overview stored before the scan, or scenes of several "
+                       "sizes? Both readers would tile the first image; write the scan first, one scene per file",
+                       path=path)
 
 
 def _unread_layout(series, path: str) -> UnreadableFileError | None:
     """Why the tifffile reader does not read ``series`` (``auto`` then falls back to OpenSlide), or
-    None: it reads interleaved 8-bit RGB or YCbCr, a 4th sample being alpha or ignored."""
+    None: it reads interleaved 8-bit RGB or YCbCr, a 4th sample being alpha or ignored. Three
+    samples marked MINISBLACK, or without a photometric tag, are read as RGB, as they always were
+    (RGB written without its photometric); another colour model (CMYK: C, M, Y were read as R, G, B)
+    is not."""
     import tifffile
 
     page = series.keyframe
     if page.planarconfig == tifffile.PLANARCONFIG.SEPARATE:
         return UnreadableFileError("planar configuration (one plane per colour) is not read by the tifffile reader; "
                                    "use reader auto or openslide", path=path)
-    if page.photometric not in (tifffile.PHOTOMETRIC.RGB, tifffile.PHOTOMETRIC.YCBCR):
-        return UnreadableFileError(f"photometric {page.photometric.name} is not read by the tifffile reader (RGB or "
+    photometric = page.photometric  # a plain number where the tag is missing
+    if isinstance(photometric, tifffile.PHOTOMETRIC) and photometric not in (
+            tifffile.PHOTOMETRIC.RGB, tifffile.PHOTOMETRIC.YCBCR, tifffile.PHOTOMETRIC.MINISBLACK):
+        return UnreadableFileError(f"photometric {photometric.name} is not read by the tifffile reader (RGB or "
                                    "YCbCr only); use reader auto or openslide", path=path)
     samples = series.shape[2] if len(series.shape) == 3 else 1
     if samples not in (3, 4) or series.dtype != np.uint8:
@@ -309,13 +317,10 @@ def _resolution_mpp(page, unit_microns: float | None = None) -> tuple[float | No
 
 
 def slide_id(path: str | Path) -> str:
-    """The bag id of a slide: the file's stem less the ``.ome`` of an OME-TIFF (``x.ome.tif`` is
-    slide ``x``, its labels row's id), or the folder's name for a DICOM-WSI folder."""
+    """The bag id of a slide: the file's stem (``x.ome.tif`` is ``x.ome``: stores and labels files
+    hold it so), or the folder's name for a DICOM-WSI folder."""
     path = Path(path)
-    if path.is_dir():
-        return path.name
-    ome = path.suffix.lower() in OME_TIFF_SUFFIXES and path.stem.lower().endswith(".ome")
-    return path.stem[:-len(".ome")] if ome else path.stem
+    return path.name if path.is_dir() else path.stem
 
 
 def slide_files(path: str | Path) -> tuple[str, ...]:
