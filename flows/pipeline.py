@@ -146,7 +146,7 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
     edited since trained on 128-px tiles and predicted 256-px ones, or featurised with new weights
     and failed only after the whole ingest). Each new slide's µm/px is its own metadata's, or
     ``base_mpp`` where given: the training cohort's ``base_mpp`` described its scanner, and
-    overrode every new slide's own (0.5 µm/px slides tiled as 0.25, each tile twice the area)."""
+    overrode every new slide's own (0.5 µm/px slides tiled as 0.25, each tile four times the area)."""
     new_labels = new_cohort_labels(ingest.labels, labels)
     training_store = Path(trained["store"]) if trained.get("store") else None
     ingest = ingest.model_copy(update={"source": Path(source), "labels": new_labels, "unlabelled": "keep",
@@ -161,8 +161,10 @@ def new_cohort_ingest(ingest: IngestConfig, source: str | Path, labels: str | Pa
         if ingest.kind == "wsi" and "tile_size" in tiling:
             ingest = ingest.model_copy(update={
                 "tile_size": tiling["tile_size"], "level": tiling["level"], "magnification": tiling.get("magnification"),
-                "target_mpp": tiling.get("target_mpp"), "base_mpp": base_mpp,
+                "target_mpp": tiling.get("target_mpp"),
                 "min_tissue_fraction": tiling.get("min_tissue", ingest.min_tissue_fraction)})
+    if ingest.kind == "wsi":
+        ingest = ingest.model_copy(update={"base_mpp": base_mpp})  # the new slides' own, not the training scanner's
     if trained.get("feature_columns") and Path(source).suffix.lower() == ".parquet":
         columns = (ingest.columns or TableColumns()).model_copy(update={"features": list(trained["feature_columns"])})
         ingest = ingest.model_copy(update={"columns": columns})

@@ -269,6 +269,8 @@ def test_a_new_cohort_is_tiled_and_featurised_as_the_training_store_records(tmp_
     # slides' metadata decides, or the µm/px given for them
     assert new.base_mpp is None
     assert new_cohort_ingest(edited, tmp_path / "new", None, {"store": str(tmp_path / "train.zarr")}, base_mpp=0.5).base_mpp == 0.5
+    configured = edited.model_copy(update={"base_mpp": 0.25})  # no training store recorded: the config's was kept
+    assert new_cohort_ingest(configured, tmp_path / "new", None, {}).base_mpp is None
     assert (new.extractor, new.extractor_params, new.extractor_from) == (None, {}, tmp_path / "train.zarr")
     assert new.trusted_imports == []  # a registered extractor: no import path to trust
     own = edited.model_copy(update={"extractor": "torch", "extractor_params": {"model": "lab_models:TinyCNN"},
