@@ -472,9 +472,12 @@ class DaskConfig(_Strict):
     def _bounds(cls, adapt: dict[str, Any] | None) -> dict[str, Any] | None:
         if adapt is None:
             return None
-        for unit, default in (("", 1), ("_jobs", None)):  # workers; dask-jobqueue's jobs, which replace them
-            low, high = adapt.get(f"minimum{unit}", default), adapt.get(f"maximum{unit}", adapt.get(f"minimum{unit}", default))
-            if (low, high) != (None, None) and not (type(low) is int and type(high) is int and 1 <= low <= high):
+        for unit in ("", "_jobs"):  # workers; dask-jobqueue's jobs, which replace them where given
+            if unit and not {f"minimum{unit}", f"maximum{unit}"} & adapt.keys():
+                continue
+            low = adapt.get(f"minimum{unit}", 1)
+            high = adapt.get(f"maximum{unit}", low)
+            if not (type(low) is int and type(high) is int and 1 <= low <= high):
                 raise ValueError(f"needs integers 1 <= minimum{unit} <= maximum{unit} (got minimum{unit}={low!r}, "
                                  f"maximum{unit}={high!r}): a run waits for its first worker before training, which an "
                                  "adaptive cluster scaled to 0 would not start")
@@ -642,12 +645,22 @@ def load_config(path: str | Path, preflight: Callable[[PipelineConfig], None] | 
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in error.errors())
         raise ConfigError(f"{path}: {problems}") from None
-    return _resolve_paths(config, path.parent)
+    try:
+        return _resolve_paths(config, path.parent)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
 
 
 def _resolve_paths(config: PipelineConfig, base: Path) -> PipelineConfig:
+    """The config's paths relative to ``base`` (its file's folder), ``~`` as the home folder."""
     def resolve(p: Path | None) -> Path | None:  # ~ as a shell and the flows' parameters read it, not a folder named '~'
-        return None if p is None else p.expanduser() if p.expanduser().is_absolute() else (base / p).resolve()
+        if p is None:
+            return None
+        try:
+            expanded = p.expanduser()
+        except RuntimeError as error:  # ~nosuchuser, or no home folder at all
+            raise ConfigError(f"{str(p)!r}: cannot read its '~': {error}") from None
+        return expanded if expanded.is_absolute() else (base / p).resolve()
 
     labels = config.ingest.labels
     if isinstance(labels, LabelsConfig):

@@ -229,8 +229,9 @@ def wait_for_first_worker(client: Client, timeout_s: float, cluster: Cluster | N
                 error = start_errors.error
                 raise WorkersDidNotStartError(f"{type(cluster).__name__} could not start a worker: "
                                               f"{type(error).__name__}: {str(error).strip()}") from error
-            if time.monotonic() >= deadline:
-                raise
+            if time.monotonic() >= deadline:  # the last poll's error would name its own second, not the wait
+                raise TimeoutError(f"no Dask worker arrived within {timeout_s:g} s (dask.worker_timeout_s; a batch "
+                                   "queue may need longer)") from None
 
 
 def _quoted_setting(error: Exception, settings: Mapping[str, Any]) -> str | None:

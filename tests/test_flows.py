@@ -189,6 +189,9 @@ def test_relative_paths_are_read_from_the_config_folder_and_a_tilde_as_the_home_
     config = load_config(path)
     assert (config.store, config.output_dir, config.ingest.source) == (tmp_path / "home" / "c.zarr", tmp_path / "home" / "out",
                                                                        tmp_path / "home" / "slides")
+    path.write_text(yaml.safe_dump({"store": "~no-such-user-here/c.zarr", "output_dir": "out"}))  # was a bare RuntimeError
+    with pytest.raises(ConfigError, match=rf"^{path}: '~no-such-user-here/c.zarr': cannot read its '~'"):
+        load_config(path)
 
 
 def test_an_interrupted_training_resumes_when_the_flow_is_rerun(tmp_path, cohort):

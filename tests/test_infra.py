@@ -196,9 +196,9 @@ def test_a_scheduler_address_where_no_dask_scheduler_answers_fails_in_seconds():
     """A dashboard port (or any server that waits for a request) made Client() wait forever."""
     import socket
 
-    from distributed import LocalCluster
+    from distributed import Client, LocalCluster
 
-    from tasks.cluster import check_scheduler_answers
+    from tasks.cluster import check_scheduler_answers, wait_for_first_worker
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -212,6 +212,8 @@ def test_a_scheduler_address_where_no_dask_scheduler_answers_fails_in_seconds():
         check_scheduler_answers(f"tcp://127.0.0.1:{port}", 1.0)
     with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
         check_scheduler_answers(cluster.scheduler_address, 5.0)
+        with Client(cluster) as client, pytest.raises(TimeoutError, match=r"no Dask worker arrived within 1.5 s \(dask.worker_timeout_s"):
+            wait_for_first_worker(client, 1.5)  # polled a second at a time: the last poll's error said 'after 0.5'
 
 
 def test_a_tls_scheduler_answers_after_the_tls_handshake_with_the_configured_client_certificates(tmp_path):
@@ -293,6 +295,8 @@ def test_adapt_kwargs_the_clusters_adapt_does_not_take_or_job_bounds_that_start_
     with pytest.raises(ConfigError, match=r"1 <= minimum_jobs <= maximum_jobs \(got minimum_jobs=3, maximum_jobs=2\)"):
         load(slurm | {"adapt_kwargs": {"minimum_jobs": 3, "maximum_jobs": 2}})
     assert load(slurm | {"adapt_kwargs": {"minimum_jobs": 1, "maximum_jobs": 4, "interval": "5s"}}).dask.adapt_kwargs["maximum_jobs"] == 4
+    assert load(slurm | {"adapt_kwargs": {"maximum_jobs": 20}}).dask.adapt_kwargs["maximum_jobs"] == 20  # dask-jobqueue's usage
+    assert load(slurm | {"adapt_kwargs": {"minimum": 1, "maximum_jobs": 20}}).dask.adapt_kwargs["maximum_jobs"] == 20
     assert load({"adapt_kwargs": {"minimum": 1, "maximum": 3, "wait_count": 2, "target_duration": "10s",
                                   "maximum_memory": "8GB"}}).dask.adapt_kwargs["maximum"] == 3
 
