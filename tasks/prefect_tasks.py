@@ -67,7 +67,7 @@ def artifact_key(*parts: str) -> str:
     :data:`ARTIFACT_KEY_CHARS` keeps its readable start and ends with a digest of the whole key:
     cut at the length alone, two figures whose keys differed only at the end (the hash
     ``safe_filename`` gives two DICOM UIDs ``…637.1`` and ``…637.2``) got one key."""
-    text = "".join(c if c.isalnum() else "-" for c in "-".join(parts).lower()).strip("-")
+    text = "".join(c if c.isascii() and c.isalnum() else "-" for c in "-".join(parts).lower()).strip("-")  # 'é' is refused
     if len(text) <= ARTIFACT_KEY_CHARS:
         return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:ARTIFACT_KEY_DIGEST_CHARS]

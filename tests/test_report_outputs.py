@@ -71,6 +71,7 @@ def test_two_bags_whose_figure_names_differ_only_in_their_hash_get_two_artifact_
         assert len(key) <= ARTIFACT_KEY_CHARS and raise_on_name_alphanumeric_dashes_only(key) == key
         assert key.startswith("figure-brca-her2-uni-features-vgpmil-nightly-heatmaps-1-2-840-113619")
     assert artifact_key("report", "gpmil_v2.1") == "report-gpmil-v2-1"  # a short key is as it was
+    assert raise_on_name_alphanumeric_dashes_only(artifact_key("figure", "café-Straße")) == "figure-caf--stra-e"  # kept 'é': refused
 
 
 def test_the_summary_leaves_out_the_std_a_model_does_not_give():
