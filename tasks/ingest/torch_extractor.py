@@ -104,12 +104,18 @@ class TorchExtractor:
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(f"torch extractor model {self.model!r} built a {type(module).__name__}, not a torch.nn.Module")
             if self.weights is not None:
+                state = _matching_state(module, _read_state_dict(self.weights), self.weights)
                 try:
-                    module.load_state_dict(_matching_state(module, _read_state_dict(self.weights), self.weights),
-                                           strict=self.strict)
+                    missing = module.load_state_dict(state, strict=self.strict).missing_keys
                 except RuntimeError as error:  # torch's missing/unexpected keys, size mismatches: one line, naming the file
                     raise ValueError(f"torch extractor weights {self.weights} do not fit {self.model}: "
                                      f"{' '.join(str(error).split())}") from None
+                if missing and not _same_parameters(module, _loaded(factory(**self.model_kwargs), state)):
+                    raise ValueError(f"torch extractor weights {self.weights} leave {len(missing)} of {self.model}'s "
+                                     f"parameters ({', '.join(missing[:4])}{', …' if len(missing) > 4 else ''}) at a "
+                                     "random start: two builds differ, so every worker would compute other features. "
+                                     "strict: false tolerates names the module lacks, not weights the file lacks: give "
+                                     "them, or build the module without those layers (e.g. num_classes=0)")
             elif not _same_parameters(module, factory(**self.model_kwargs)):
                 raise ValueError(f"torch extractor model {self.model!r} without weights starts from random numbers: two "
                                  "builds differ, so every worker would compute other features. Give extractor_params."
@@ -154,6 +160,12 @@ class TorchExtractor:
         if _check and features.shape[1] != self.n_features:
             raise ValueError(f"torch extractor {self.model!r} gave {features.shape[1]} features, expected {self.n_features}")
         return features
+
+
+def _loaded(module: Any, state: dict[str, Any]) -> Any:
+    """``module`` with ``state`` loaded as far as its names go (``strict=False``)."""
+    module.load_state_dict(state, strict=False)
+    return module
 
 
 def _same_parameters(a: Any, b: Any) -> bool:
