@@ -66,6 +66,13 @@ _COMPATIBLE_ATTRS = ("n_features", "coords_dim", "coords_meaning", "feature_extr
 _WHERE_SETTINGS = ("slides_dir",)
 
 
+def non_integer_coords(coords: np.ndarray) -> np.ndarray:
+    """Mask of the coordinates the store cannot keep (it keeps int32): missing, fractional, or beyond
+    int32 (a NaN was stored as -2147483648, 255.9 as 255, 2**31 + 5 as -2147483643)."""
+    values = np.asarray(coords, dtype=np.float64)
+    return ~np.isfinite(values) | (values != np.round(values)) | (np.abs(values) > np.iinfo(COORD_DTYPE).max)
+
+
 def _what_tiling_makes(tiling: Any) -> Any:
     """``tiling`` without the settings that only say where pictures are (None when nothing is left)."""
     if not isinstance(tiling, dict):

@@ -272,6 +272,29 @@ def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_p
                          inst_labels_dir=tmp_path / "inst_labels")
 
 
+def test_coordinates_the_store_cannot_keep_as_integers_are_refused_not_cut_or_wrapped(tmp_path):
+    """torchmil coords [0.5, 1.7] were stored as [0, 1] (normalised coordinates all as 0) and NaN as
+    -2147483648; an .h5 corner at 2**31 + 5 as -2147483643."""
+    for folder in ("features", "labels", "coords"):
+        (tmp_path / folder).mkdir()
+    bad = {"frac": [[0.5, 1.7], [2.0, 3.0]], "nan": [[0.0, 1.0], [np.nan, 2.0]], "huge": [[0, 1], [2**31 + 5, 2]]}
+    for name, coords in {**bad, "good": [[0, 256], [256, 256]]}.items():
+        np.save(tmp_path / "features" / f"{name}.npy", np.ones((2, 3), np.float32))
+        np.save(tmp_path / "labels" / f"{name}.npy", np.array(1))
+        np.save(tmp_path / "coords" / f"{name}.npy", np.array(coords, dtype=np.int64 if name == "huge" else np.float64))
+    report = ingest_bag_files(tmp_path / "t.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                              coords_dir=tmp_path / "coords")
+    reasons = {s.bag_id: (Path(s.path).name, s.reason) for s in report.skipped}
+    assert report.added == ("good",) and set(reasons) == set(bad), reasons
+    assert reasons["frac"] == ("frac.npy", reasons["frac"][1]) and reasons["frac"][1].startswith("coords row 0 is [0.5, 1.7]: ")
+    assert reasons["nan"][1].startswith("coords row 1 is [nan, 2.0]") and reasons["huge"][1].startswith("coords row 1 is [2147483653, 2]")
+    (tmp_path / "slides").mkdir()
+    write_h5(tmp_path / "slides" / "far.h5", np.zeros((2, 6), np.float32), np.array([[0, 0], [2**31 + 5, 0]], np.int64))
+    pd.DataFrame({"slide_id": ["far"], "label": [1]}).to_csv(tmp_path / "labels.csv", index=False)
+    (skipped,) = ingest_h5_features(tmp_path / "h5.zarr", tmp_path / "slides", tmp_path / "labels.csv").skipped
+    assert skipped.reason.startswith("'coords' row 1 is [2147483653, 0]: patch corners are whole level-0 pixels within int32")
+
+
 def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_path):
     """TRIDENT writes (1, N, 2) coords beside (1, N, D) features: both lose the batch axis; a file
     with no patch is skipped saying so."""

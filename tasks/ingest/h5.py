@@ -19,7 +19,7 @@ import numpy as np
 from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, labelled_bags_without_file, labelled_items
-from tasks.store import CohortSpec, NonFinitePolicy
+from tasks.store import CohortSpec, NonFinitePolicy, non_integer_coords
 
 H5_SUFFIXES = (".h5", ".hdf5")
 """Feature files of a folder, in any case (``slide.H5``)."""
@@ -56,12 +56,12 @@ def _h5_features(handle, path: str):
 
 
 def _pixel_coords(xy: np.ndarray, first_row: int, path: str) -> np.ndarray:
-    """Patch corners as whole pixels: a NaN was stored as -2147483648 and 255.9 as 255."""
-    if xy.dtype.kind == "f":
-        bad = np.flatnonzero(~np.all(np.isfinite(xy) & (xy == np.round(xy)), axis=1))
-        if bad.size:
-            raise FeatureDimensionError(f"'coords' row {first_row + int(bad[0])} is {xy[bad[0]].tolist()}: patch corners "
-                                        f"are whole level-0 pixels ({bad.size} such row(s))", path=path)
+    """Patch corners as whole pixels within int32: a NaN was stored as -2147483648, 255.9 as 255 and
+    2**31 + 5 as -2147483643."""
+    bad = np.flatnonzero(non_integer_coords(xy).any(axis=1))
+    if bad.size:
+        raise FeatureDimensionError(f"'coords' row {first_row + int(bad[0])} is {xy[bad[0]].tolist()}: patch corners "
+                                    f"are whole level-0 pixels within int32 ({bad.size} such row(s))", path=path)
     return xy
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from tasks.ingest.driver import IngestReport, existing_n_features, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, binary, check_instance_labels, labelled_bags_without_file, labelled_items
-from tasks.store import CohortSpec, NonFinitePolicy
+from tasks.store import CohortSpec, NonFinitePolicy, non_integer_coords
 
 
 def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
@@ -41,6 +41,10 @@ def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
             raise FeatureDimensionError(f"{name} of shape {array.shape} for {n} instances", path=paths[name])
     if inst is not None:
         check_instance_labels(np.asarray(inst).reshape(n), paths["inst_labels"], "instance labels")
+    if coords is not None and (bad := np.flatnonzero(non_integer_coords(coords.reshape(n, -1)).any(axis=1))).size:
+        raise FeatureDimensionError(f"coords row {int(bad[0])} is {coords.reshape(n, -1)[bad[0]].tolist()}: coordinates are "
+                                    f"stored as integers within int32, e.g. level-0 pixels ({bad.size} such row(s); "
+                                    "fractional ones were cut, NaN stored as -2147483648)", path=paths["coords"])
     for start in range(0, n, batch_rows):
         rows = slice(start, min(n, start + batch_rows))
         count = rows.stop - rows.start

@@ -24,7 +24,7 @@ from tasks.ingest.errors import (BadValueError, DuplicateIdError, IngestError, L
 from tasks.ingest.labels import check_instance_labels
 from tasks.ingest.stamps import rows_change, rows_stamp
 from tasks.lease import ensure_still_held, writer_lease
-from tasks.store import (COORD_DTYPE, FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags,
+from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, non_integer_coords,
                          committed_bag_count, encode_original_label, finite_rows, label_unlabelled_bags,
                          open_or_create_cohort, repair)
 
@@ -303,7 +303,7 @@ def _integer_coords(columns: dict[str, np.ndarray], names: list[str], path: str)
     """The coordinate columns as an (N, k) int64 array; a missing or fractional value is refused
     naming its column and row (the store keeps integer coordinates, e.g. level-0 pixels)."""
     coords = np.column_stack([np.asarray(columns[name], dtype=np.float64) for name in names])
-    bad = ~np.isfinite(coords) | (coords != np.round(coords)) | (np.abs(coords) > np.iinfo(COORD_DTYPE).max)
+    bad = non_integer_coords(coords)
     if bad.any():
         row, j = np.argwhere(bad)[0]
         raise IngestError(f"coordinate column {names[j]!r} holds {coords[row, j]} at row {row}: coordinates must be "
