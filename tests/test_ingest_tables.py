@@ -579,16 +579,19 @@ def test_h5_files_without_coords_make_a_cohort_without_positions_and_one_cohort_
 
 
 def test_an_h5_files_patch_size_is_read_from_trident_and_clam_attributes(tmp_path):
+    """An attribute that is no number (TRIDENT writes a missing one as the text 'None') failed the
+    report of the whole run, after training and prediction: it says no side."""
     from tasks.ingest.h5 import h5_patch_side
 
     cases = {"trident": {"patch_size": 256, "patch_size_level0": 512}, "clam": {"patch_size": 256, "patch_level": 1, "downsample": [4.0, 4.0]},
-             "level0": {"patch_size": 224, "patch_level": 0}, "unknown_level": {"patch_size": 256}, "none": {}}
+             "level0": {"patch_size": 224, "patch_level": 0}, "unknown_level": {"patch_size": 256}, "none": {},
+             "text": {"patch_size": 256, "patch_size_level0": "None"}, "text_level": {"patch_size": b"256", "patch_level": "zero"}}
     for name, attrs in cases.items():
         write_h5(tmp_path / f"{name}.h5", np.zeros((2, 3), np.float32), np.zeros((2, 2)))
         with h5py.File(tmp_path / f"{name}.h5", "a") as handle:
             handle["coords"].attrs.update(attrs)
     assert {name: h5_patch_side(tmp_path / f"{name}.h5") for name in cases} == {
-        "trident": 512.0, "clam": 1024.0, "level0": 224.0, "unknown_level": None, "none": None}
+        "trident": 512.0, "clam": 1024.0, "level0": 224.0, "unknown_level": None, "none": None, "text": None, "text_level": None}
     assert h5_patch_side(tmp_path / "gone.h5") is None
 
 

@@ -86,7 +86,8 @@ def h5_layout(path: str | Path) -> tuple[int, bool]:
 def h5_patch_side(path: str | Path) -> float | None:
     """A file's patch side in level-0 pixels from its ``coords`` attributes, where they say it:
     TRIDENT's ``patch_size_level0``, or CLAM's ``patch_size`` times its level's ``downsample`` (or
-    at ``patch_level`` 0); None for a file without them, or no longer readable."""
+    at ``patch_level`` 0); None for a file without them, with one that is no number (TRIDENT
+    writes a missing value as the text ``'None'``), or no longer readable."""
     import h5py
 
     try:
@@ -94,15 +95,23 @@ def h5_patch_side(path: str | Path) -> float | None:
             attrs = dict(handle["coords"].attrs) if "coords" in handle else {}
     except Exception:  # moved or gone since the ingest: the report infers the side from the coordinates
         return None
+
+    def number(name: str, default: float | None = None) -> float | None:
+        try:
+            return float(np.ravel(attrs[name])[0]) if name in attrs else default
+        except (TypeError, ValueError, IndexError):  # 'None', b'', an empty array: said by no number
+            return None
+
+    size, downsample, level = number("patch_size"), number("downsample"), number("patch_level", -1.0)
     if "patch_size_level0" in attrs:
-        side = float(np.ravel(attrs["patch_size_level0"])[0])
-    elif "patch_size" in attrs and "downsample" in attrs:
-        side = float(np.ravel(attrs["patch_size"])[0]) * float(np.ravel(attrs["downsample"])[0])
-    elif "patch_size" in attrs and int(np.ravel(attrs.get("patch_level", [-1]))[0]) == 0:
-        side = float(np.ravel(attrs["patch_size"])[0])
+        side = number("patch_size_level0")
+    elif size is not None and downsample is not None:
+        side = size * downsample
+    elif size is not None and level == 0:
+        side = size
     else:
         return None
-    return side if np.isfinite(side) and side > 0 else None
+    return side if side is not None and np.isfinite(side) and side > 0 else None
 
 
 def h5_bag_writer(item, writer, *, batch_rows: int = 65536, with_coords: bool = True) -> None:
