@@ -164,6 +164,24 @@ def test_random_weights_are_refused_and_a_wrapped_checkpoint_loads_under_its_mod
                        device="cpu", strict=False)
 
 
+def test_checkpoints_as_training_code_saves_them_load_or_say_what_to_save(user_package):
+    """DeiT/MAE save {'model': state dict, 'epoch': …}: refused as 'none of its 2 tensor names'; DINO
+    {'teacher': …, 'student': …} the same; a whole pickled model got torch's advice to load it with
+    weights_only=False, which would run its code."""
+    folder, model = user_package
+    tiles = np.random.default_rng(2).integers(0, 256, size=(2, 32, 32, 3), dtype=np.uint8)
+    build = {"model": "lab_models:TinyCNN", "model_kwargs": {"width": 4}, "device": "cpu"}
+    reference = make_extractor("torch", weights=str(folder / "tiny.pt"), **build)(tiles)
+    torch.save({"model": model.state_dict(), "epoch": 3}, folder / "deit.pt")
+    np.testing.assert_array_equal(make_extractor("torch", weights=str(folder / "deit.pt"), **build)(tiles), reference)
+    torch.save({"teacher": model.state_dict(), "student": model.state_dict()}, folder / "dino.pt")
+    with pytest.raises(ValueError, match=r"dino.pt hold no tensors at the top, but dictionaries under 'teacher', 'student'"):
+        make_extractor("torch", weights=str(folder / "dino.pt"), **build)
+    torch.save(model, folder / "whole.pt")
+    with pytest.raises(ValueError, match=r"whole.pt hold pickled objects besides tensors .* never code. Save model.state_dict\(\)"):
+        make_extractor("torch", weights=str(folder / "whole.pt"), **build)
+
+
 def test_an_extractor_that_cannot_be_built_is_refused_before_the_run_starts(user_package):
     """A misspelt parameter, a missing module or weights of another shape failed inside the flow,
     after Prefect and the cluster started, with 50–75 lines of traceback."""

@@ -17,6 +17,7 @@ models) are in ``docs/STORE.md``.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -204,9 +205,21 @@ def _read_state_dict(path: str) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]  # Lightning-style checkpoints
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's advice (weights_only=False) would run the file's code
+        raise ValueError(f"torch extractor weights {path} hold pickled objects besides tensors (a whole model saved with "
+                         "torch.save(model), a checkpoint with its training state): gpmil loads tensors only, never code. "
+                         f"Save model.state_dict() (or a .safetensors file) ({type(error).__name__})") from None
+    for key in ("state_dict", "model"):  # Lightning's checkpoints; DeiT's and MAE's {"model": …, "epoch": …}
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
     if not isinstance(state, dict):
         raise TypeError(f"{path}: expected a state dict (name → tensor), found {type(state).__name__}")
+    nested = [key for key, value in state.items() if isinstance(value, dict)]
+    if nested and not any(hasattr(value, "shape") for value in state.values()):
+        raise ValueError(f"torch extractor weights {path} hold no tensors at the top, but dictionaries under "
+                         f"{', '.join(map(repr, nested[:5]))}: save the encoder's own state_dict() (e.g. a DINO "
+                         "checkpoint's 'teacher') to a file of its own")
     return state
