@@ -17,7 +17,6 @@ models) are in ``docs/STORE.md``.
 from __future__ import annotations
 
 import hashlib
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +206,9 @@ def _read_state_dict(path: str) -> dict[str, Any]:
         return load_file(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:  # torch's advice (weights_only=False) would run the file's code
+    except Exception as error:  # pickle's UnpicklingError (this module imports no pickle): torch's advice,
+        if type(error).__name__ != "UnpicklingError":  # weights_only=False, would run the file's code
+            raise
         raise ValueError(f"torch extractor weights {path} hold pickled objects besides tensors (a whole model saved with "
                          "torch.save(model), a checkpoint with its training state): gpmil loads tensors only, never code. "
                          f"Save model.state_dict() (or a .safetensors file) ({type(error).__name__})") from None
