@@ -295,6 +295,23 @@ def test_coordinates_the_store_cannot_keep_as_integers_are_refused_not_cut_or_wr
     assert skipped.reason.startswith("'coords' row 1 is [2147483653, 0]: patch corners are whole level-0 pixels within int32")
 
 
+def test_a_clam_or_trident_job_folder_given_in_place_of_its_feature_folder_is_named(tmp_path):
+    """A TRIDENT job folder (features_uni_v1/, patches/) or a CLAM one (h5_files/, pt_files/) as the
+    source: 'no .h5 feature file to ingest: 0 .h5 file(s) found', with no word of where they are."""
+    from tasks.ingest.errors import IngestError
+
+    job = tmp_path / "trident_job"
+    (job / "20x_256px_0px_overlap" / "features_uni_v1").mkdir(parents=True)
+    (job / "pt_files").mkdir()
+    for i in range(2):
+        write_h5(job / "20x_256px_0px_overlap" / "features_uni_v1" / f"s{i}.h5", np.zeros((2, 4), np.float32), np.zeros((2, 2)))
+        (job / "pt_files" / f"s{i}.pt").write_bytes(b"")
+    with pytest.raises(IngestError, match=r"0 .h5 file\(s\) found.*; .h5 files are in its sub-folder\(s\) "
+                                          r"20x_256px_0px_overlap/features_uni_v1 \(2 files\): give that folder .*; .pt feature "
+                                          r"files \(CLAM's pt_files\) are not read"):
+        ingest_h5_features(tmp_path / "s.zarr", job, None)
+
+
 def test_h5_files_with_batched_coords_are_read_and_an_empty_one_is_named(tmp_path):
     """TRIDENT writes (1, N, 2) coords beside (1, N, D) features: both lose the batch axis; a file
     with no patch is skipped saying so."""

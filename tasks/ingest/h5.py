@@ -147,6 +147,21 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536, with_coords: bool = 
         raise UnreadableFileError(f"cannot read h5: {type(error).__name__}: {error}", path=item.source) from error
 
 
+def _feature_folders_below(folder: Path) -> str:
+    """Where the ``.h5`` files are when ``folder`` holds none (a CLAM or TRIDENT job folder given in
+    place of its ``h5_files`` or ``features_<encoder>`` folder), and that ``.pt`` files are not read."""
+    holding = sorted({p.parent for p in folder.glob("*/*") if p.suffix.lower() in H5_SUFFIXES and p.is_file()}
+                     | {p.parent for p in folder.glob("*/*/*") if p.suffix.lower() in H5_SUFFIXES and p.is_file()})
+    hint = ""
+    if holding:
+        named = ", ".join(f"{p.relative_to(folder)} ({sum(1 for q in p.iterdir() if q.suffix.lower() in H5_SUFFIXES)} files)"
+                          for p in holding[:4])
+        hint += f"; .h5 files are in its sub-folder(s) {named}: give that folder (CLAM's h5_files, TRIDENT's features_<encoder>)"
+    if any(folder.glob("*.pt")) or any(folder.glob("*/*.pt")):
+        hint += "; .pt feature files (CLAM's pt_files) are not read: give the .h5 files written beside them"
+    return hint
+
+
 def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Path], labels_csv: str | Path | None,
                        *, id_column: str = "slide_id", label_column: str = "label",
                        positive: Sequence[Any] | None = None, target: str | None = None, name: str | None = None,
@@ -186,7 +201,8 @@ def ingest_h5_features(store: str | Path, files: str | Path | Sequence[str | Pat
             items.remove(item)
     if n_features is None:
         found = f"{len(paths)} .h5 file(s) found"
-        raise IngestError(f"no .h5 feature file to ingest: {summarise_left_out(found, skipped)}", path=str(files))
+        hint = _feature_folders_below(Path(files)) if listed and not paths else ""
+        raise IngestError(f"no .h5 feature file to ingest: {summarise_left_out(found, skipped)}{hint}", path=str(files))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features, coords_dim=2 if with_coords else 1,
                       coords_meaning=H5_COORDS_MEANING if with_coords else "instance_index",
                       tiling=None if slides is None else {"slides_dir": str(Path(slides).resolve())}, labels=described)
