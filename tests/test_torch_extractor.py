@@ -26,6 +26,16 @@ class TinyCNN(torch.nn.Module):
         return self.pool(torch.relu(self.conv(x))).flatten(1)
 
 
+class TupleCNN(TinyCNN):
+    def forward(self, x):
+        return super().forward(x), x.mean()
+
+
+class MapCNN(TinyCNN):
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
 class ColourMeans:
     name, version, n_features = "colour-means", "1", 3
 
@@ -180,6 +190,17 @@ def test_checkpoints_as_training_code_saves_them_load_or_say_what_to_save(user_p
     torch.save(model, folder / "whole.pt")
     with pytest.raises(ValueError, match=r"whole.pt hold pickled objects besides tensors .* never code. Save model.state_dict\(\)"):
         make_extractor("torch", weights=str(folder / "whole.pt"), **build)
+
+
+def test_an_encoder_that_returns_a_tuple_or_a_feature_map_is_named(user_package):
+    """A tuple failed with "'tuple' object has no attribute 'reshape'"; a feature map (N, C, H, W)
+    was flattened into C·H·W features of positions without a word (with input_size given)."""
+    folder, _ = user_package
+    build = {"model_kwargs": {"width": 4}, "weights": str(folder / "tiny.pt"), "device": "cpu", "input_size": 16}
+    with pytest.raises(TypeError, match=r"'lab_models:TupleCNN' returned a tuple, not one tensor of features per tile"):
+        make_extractor("torch", model="lab_models:TupleCNN", **build)
+    with pytest.raises(ValueError, match=r"'lab_models:MapCNN' returned a feature map of shape \(\d+, 4, 16, 16\): pool it"):
+        make_extractor("torch", model="lab_models:MapCNN", **build)
 
 
 def test_an_extractor_that_cannot_be_built_is_refused_before_the_run_starts(user_package):

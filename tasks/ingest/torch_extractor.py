@@ -154,12 +154,27 @@ class TorchExtractor:
                 if self.input_size is not None and x.shape[-1] != self.input_size:
                     x = torch.nn.functional.interpolate(x, size=(self.input_size, self.input_size), mode="bilinear",
                                                         antialias=True, align_corners=False)
-                features = module((x - mean) / std)
+                features = _per_tile(module((x - mean) / std), self.model)
                 out.append(features.reshape(features.shape[0], -1).float().cpu().numpy())
         features = np.concatenate(out).astype(np.float32, copy=False)
         if _check and features.shape[1] != self.n_features:
             raise ValueError(f"torch extractor {self.model!r} gave {features.shape[1]} features, expected {self.n_features}")
         return features
+
+
+def _per_tile(features: Any, model: str) -> Any:
+    """The module's output as one feature vector per tile: a tuple (a model returning its logits
+    beside the embedding) failed with "'tuple' object has no attribute 'reshape'", and a spatial
+    map (N, C, H, W) was flattened into C·H·W features of positions, without a word."""
+    import torch
+
+    if not isinstance(features, torch.Tensor):
+        raise TypeError(f"torch extractor {model!r} returned a {type(features).__name__}, not one tensor of features per "
+                        "tile: give a module whose forward returns the embedding alone")
+    if features.ndim == 4 and features.shape[-2:] != (1, 1):
+        raise ValueError(f"torch extractor {model!r} returned a feature map of shape {tuple(features.shape)}: pool it to "
+                         "one vector per tile (e.g. end the module with AdaptiveAvgPool2d(1) and flatten(1))")
+    return features
 
 
 def _loaded(module: Any, state: dict[str, Any]) -> Any:
