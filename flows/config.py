@@ -497,10 +497,11 @@ class DaskConfig(_Strict):
                      for name in unknown]
             raise ValueError(f"cluster_kwargs: {', '.join(hints)} is no parameter of a LocalCluster or its workers "
                              "(it failed only as the workers started: 'Nanny failed to start')")
-        if self.adapt_kwargs and (unknown := sorted(set(self.adapt_kwargs) - _adapt_parameters(self.cluster_class))):
+        accepted = _adapt_parameters(self.cluster_class) if self.adapt_kwargs else set()
+        if self.adapt_kwargs and (unknown := sorted(set(self.adapt_kwargs) - accepted)):
             from difflib import get_close_matches
 
-            hints = [f"{name} (did you mean {near[0]}?)" if (near := get_close_matches(name, _adapt_parameters(self.cluster_class), 1))
+            hints = [f"{name} (did you mean {near[0]}?)" if (near := get_close_matches(name, accepted, 1))
                      else name for name in unknown]
             raise ValueError(f"adapt_kwargs: {', '.join(hints)} is no parameter of {self.cluster_class or 'LocalCluster'}.adapt "
                              "(a misspelt maximum left the cluster free to grow without bound)")

@@ -435,6 +435,8 @@ def write_csv(table: pd.DataFrame, path: str | Path) -> None:
 def _as_text_cell(value: Any) -> Any:
     if not isinstance(value, str):
         return value
+    if "\r" not in value and "\n" not in value:  # nearly every cell: one line
+        return _as_text_line(value)
     return "".join(_as_text_line(line) for line in _LINE_STARTS.split(value))
 
 

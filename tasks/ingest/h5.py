@@ -9,6 +9,7 @@ the store ``batch_rows`` rows at a time through the parallel, resumable ingest d
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -150,12 +151,11 @@ def h5_bag_writer(item, writer, *, batch_rows: int = 65536, with_coords: bool = 
 def _feature_folders_below(folder: Path) -> str:
     """Where the ``.h5`` files are when ``folder`` holds none (a CLAM or TRIDENT job folder given in
     place of its ``h5_files`` or ``features_<encoder>`` folder), and that ``.pt`` files are not read."""
-    holding = sorted({p.parent for p in folder.glob("*/*") if p.suffix.lower() in H5_SUFFIXES and p.is_file()}
-                     | {p.parent for p in folder.glob("*/*/*") if p.suffix.lower() in H5_SUFFIXES and p.is_file()})
+    holding = Counter(p.parent for pattern in ("*/*", "*/*/*") for p in folder.glob(pattern)
+                      if p.suffix.lower() in H5_SUFFIXES and p.is_file())
     hint = ""
     if holding:
-        named = ", ".join(f"{p.relative_to(folder)} ({sum(1 for q in p.iterdir() if q.suffix.lower() in H5_SUFFIXES)} files)"
-                          for p in holding[:4])
+        named = ", ".join(f"{p.relative_to(folder)} ({holding[p]} files)" for p in sorted(holding)[:4])
         hint += f"; .h5 files are in its sub-folder(s) {named}: give that folder (CLAM's h5_files, TRIDENT's features_<encoder>)"
     if any(folder.glob("*.pt")) or any(folder.glob("*/*.pt")):
         hint += "; .pt feature files (CLAM's pt_files) are not read: give the .h5 files written beside them"
