@@ -238,15 +238,16 @@ def test_notes_and_dicomdir_beside_the_series_are_not_inputs_and_upper_case_subt
     assert read_rsna_labels(tmp_path / "labels.csv") == {s: int(k == 2) for k, s in enumerate(sops)}
 
 
-def test_a_series_of_two_spacings_is_refused_as_such_and_one_gap_as_a_missing_slice(tmp_path):
+def test_slices_missing_at_regular_intervals_are_refused_as_such_and_one_gap_as_a_missing_slice(tmp_path):
     _, _, paths = write_ct_series(tmp_path / "two" / "p1", np.zeros((10, 16, 16)), series_key="two", slice_thickness=2.5)
-    for k in range(7, 10):  # 2.5 mm up to slice 6, then 5 mm
-        ds = pydicom.dcmread(paths[k])
-        ds.ImagePositionPatient = [-125.0, -125.0, 15.0 + (k - 6) * 5.0]
-        ds.save_as(paths[k])
+    z = np.cumsum([0.0] + [5.0 if k % 3 == 2 else 2.5 for k in range(9)])  # every third step 5 mm: 2.5, 2.5, 5, 2.5 …
+    for path, position in zip(paths, z):
+        ds = pydicom.dcmread(path)
+        ds.ImagePositionPatient = [-125.0, -125.0, float(position)]
+        ds.save_as(path)
     (error,) = scan_dicom_dir(tmp_path / "two")[1]
-    assert (f"slices 2.50 mm apart (6 steps) and 5.00 mm apart (3 steps, the first between slices {paths[6].name} and "
-            f"{paths[7].name}): a series of two spacings") in error.reason
+    assert (f"slices 2.50 mm apart (6 steps) and 5.00 mm apart (3 steps, the first between slices {paths[2].name} and "
+            f"{paths[3].name}): slices missing at regular intervals, or spacings that alternate") in error.reason
 
     _, _, paths = write_ct_series(tmp_path / "gap" / "p1", np.zeros((8, 16, 16)), series_key="gap", slice_thickness=2.5)
     paths[4].unlink()
@@ -269,9 +270,11 @@ def test_a_scan_the_labels_do_not_give_is_kept_unlabelled_for_a_cohort_to_predic
     assert kept[scans[0].series_uid].payload["instance_labels"] == [0, -1, -1, -1]
 
 
-def test_rsna_uids_that_carry_id_prefixes_are_labelled_and_read_quietly(tmp_path):
+def test_rsna_uids_that_carry_id_prefixes_are_labelled_and_read_quietly(tmp_path, caplog):
     """In the RSNA data the headers' SOPInstanceUIDs are 'ID_00e680819' themselves and the rows
-    'ID_00e680819_any': every scan was skipped as unlabelled (and pydicom warned once per file)."""
+    'ID_00e680819_any': every scan was skipped as unlabelled (and pydicom warned once per file,
+    both as a warning and on its logger, which Prefect's logging prints)."""
+    import logging
     import warnings
 
     from tasks.ingest.ct import plan_ct
@@ -284,12 +287,19 @@ def test_rsna_uids_that_carry_id_prefixes_are_labelled_and_read_quietly(tmp_path
         ds.save_as(path)
     (tmp_path / "labels.csv").write_text("ID,Label\n" + "".join(f"{uid}_any,{int(k == 1)}\n{uid}_subdural,0\n"
                                                                 for k, uid in enumerate(rsna_uids)))
-    with warnings.catch_warnings(record=True) as caught:
+    caplog.clear()  # pydicom logged the UIDs written above
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="pydicom"):
         warnings.simplefilter("always")
         plan = plan_ct(tmp_path / "c.zarr", tmp_path / "stage_2_train", labels_csv=tmp_path / "labels.csv")
+        load_windowed_slices(plan.items[0].payload["files"])
     assert not plan.skipped and [i.label for i in plan.items] == [1]
     assert plan.items[0].payload["instance_labels"] == [0, 1, 0, 0]
     assert not [w for w in caught if "pydicom" in str(w.filename)], [str(w.message) for w in caught][:3]
+    assert not [r for r in caplog.records if r.name.startswith("pydicom")], caplog.records[:3]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pydicom"):
+        pydicom.dcmread(paths[0]).SOPInstanceUID  # outside gpmil's reads, pydicom's log is as it was
+    assert any("Invalid value for VR UI" in r.getMessage() for r in caplog.records if r.name == "pydicom")
 
 
 def test_conflicting_label_rows_and_subtypes_without_any_are_named(tmp_path):
@@ -439,3 +449,92 @@ def test_a_slice_written_without_file_meta_decodes(tmp_path):
     series, errors = scan_dicom_dir(tmp_path / "s")
     assert not errors
     np.testing.assert_allclose(load_windowed_slices(series[0].files), windowed_channels(hu), atol=1e-6)
+
+
+def test_several_scans_of_one_study_are_refused_in_any_layout_and_a_reformat_never_stands_in(tmp_path):
+    """A CQ500-style study (thin and thick soft-kernel and a bone-kernel series, all ORIGINAL) in one
+    folder per series became three bags of one patient, silently (flat in one folder all three were
+    refused); a coronal reformat became the bag where the axial series was refused (a missing
+    slice); series whose StudyInstanceUID was anonymised away, flat in one folder, were refused as
+    "one study"."""
+    thin_uid, _, thin = write_ct_series(tmp_path / "cq500" / "CT PLAIN THIN", np.zeros((8, 16, 16)), series_key="thin",
+                                        slice_thickness=0.625)
+    _, _, thick = write_ct_series(tmp_path / "cq500" / "CT 5mm", np.zeros((4, 16, 16)), series_key="thick")
+    thick_uid = _restudy(thick, "thick", thin, SeriesDescription="CT 5mm")
+    _, _, bone = write_ct_series(tmp_path / "cq500" / "CT BONE", np.zeros((4, 16, 16)), series_key="bone")
+    bone_uid = _restudy(bone, "bone", thin, SeriesDescription="CT BONE")
+    _, _, other = write_ct_series(tmp_path / "cq500" / "other patient", np.zeros((4, 16, 16)), series_key="other")
+    series, errors = scan_dicom_dir(tmp_path / "cq500")
+    assert [s.series_uid for s in series] == [pydicom.dcmread(other[0]).SeriesInstanceUID]
+    reasons = {e.bag_id: e.reason for e in errors}
+    assert set(reasons) == {thin_uid, thick_uid, bone_uid}
+    assert reasons[thin_uid].startswith(f"the study {pydicom.dcmread(thin[0]).StudyInstanceUID} has 3 CT scans: this one, "
+                                        "8 slices, and ")
+    assert f"{bone_uid} 'CT BONE' (4 slices in {tmp_path / 'cq500' / 'CT BONE'})" in reasons[thin_uid]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in thin + thick + bone:
+        (flat / path.name).write_bytes(path.read_bytes())
+    series, errors = scan_dicom_dir(flat)
+    assert not series and {e.bag_id for e in errors} == {thin_uid, thick_uid, bone_uid}
+
+    axial_uid, _, axial = write_ct_series(tmp_path / "study" / "AX", np.zeros((6, 16, 16)), series_key="axial")
+    axial[3].unlink()  # a slice missing: the axial scan is refused
+    _, _, coronal = write_ct_series(tmp_path / "study" / "COR_MPR", np.zeros((4, 16, 16)), series_key="coronal")
+    coronal_uid = _restudy(coronal, "coronal", axial[:1], ["DERIVED", "SECONDARY", "REFORMATTED"])
+    series, errors = scan_dicom_dir(tmp_path / "study")
+    reasons = {e.bag_id: e.reason for e in errors}
+    assert not series and set(reasons) == {axial_uid, coronal_uid}
+    assert f"of the study of the original series {axial_uid} (refused: see its entry)" in reasons[coronal_uid]
+
+    anonymised = tmp_path / "anonymised"
+    anonymised.mkdir()
+    for key in ("a", "b", "c"):  # three patients, flat, StudyInstanceUID removed by de-identification
+        for path in write_ct_series(tmp_path / "src" / key, np.zeros((3, 16, 16)), series_key=key)[2]:
+            ds = pydicom.dcmread(path)
+            del ds.StudyInstanceUID
+            ds.save_as(anonymised / path.name)
+    series, errors = scan_dicom_dir(anonymised)
+    assert len(series) == 3 and not errors
+
+
+def _restack(root: Path, key: str, positions: np.ndarray) -> Path:
+    """A series whose slices lie at ``positions`` (mm along the normal)."""
+    _, _, paths = write_ct_series(root / key, np.zeros((positions.size, 16, 16)), series_key=key)
+    for path, z in zip(paths, positions):
+        ds = pydicom.dcmread(path)
+        ds.ImagePositionPatient = [-125.0, -125.0, float(z)]
+        ds.save_as(path)
+    return root / key
+
+
+@pytest.mark.parametrize("thin, thin_mm, thick, thick_mm", [(8, 2.5, 14, 5.0), (12, 2.5, 10, 5.0), (10, 3.0, 9, 7.0)])
+def test_a_head_protocol_of_thin_then_thick_slices_is_one_scan_whichever_part_is_longer(tmp_path, thin, thin_mm, thick,
+                                                                                     thick_mm):
+    """Thin slices through the posterior fossa, thicker ones through the cerebrum: kept when the thick
+    part had most of the steps, refused as "a series of two spacings" when the thin part had."""
+    z = np.concatenate([np.arange(thin) * thin_mm, (thin - 1) * thin_mm + np.arange(1, thick + 1) * thick_mm])
+    series, errors = scan_dicom_dir(_restack(tmp_path, "protocol", z))
+    assert not errors and len(series[0].files) == thin + thick
+    missing = np.delete(z, thin + thick // 2)  # a slice missing inside the thick run: still refused
+    series, errors = scan_dicom_dir(_restack(tmp_path, "missing", missing))
+    assert not series and len(errors) == 1, [e.reason for e in errors]
+
+
+def test_a_series_exported_in_parts_is_sourced_from_their_folder_and_labels_naming_the_series_are_explained(tmp_path):
+    """A series in SE0001/part1 and SE0001/part2 was one bag whose source was part1 (the report's
+    strip found half its slices and was dropped unsaid); rows ID_<SeriesInstanceUID>_any skipped
+    the scan as "slices have no label … and none is positive"."""
+    from tasks.ingest.ct import plan_ct
+
+    uid, sops, paths = write_ct_series(tmp_path / "dicom" / "SE0001", np.zeros((6, 16, 16)), series_key="parts")
+    for k, path in enumerate(paths):
+        (tmp_path / "dicom" / "SE0001" / f"part{1 + k % 2}").mkdir(exist_ok=True)
+        path.rename(tmp_path / "dicom" / "SE0001" / f"part{1 + k % 2}" / path.name)
+    (tmp_path / "labels.csv").write_text(f"ID,Label\nID_{uid}_any,1\n")
+    plan = plan_ct(tmp_path / "a.zarr", tmp_path / "dicom", keep_unlabelled=True)
+    (item,) = plan.items
+    assert item.source == str(tmp_path / "dicom" / "SE0001")
+    assert [s.sop_uids for s in scan_dicom_dir(item.source)[0]] == [tuple(sops)]
+    (skip,) = plan_ct(tmp_path / "b.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv").skipped
+    assert f"(its rows name the scan's SeriesInstanceUID {uid}: ingest.kind ct reads slice labels" in skip.reason

@@ -201,7 +201,7 @@ def _break_mixed_folder(root, hu, write):
     first, _, first_paths = write(root / "bad", hu, series_key="bad-a")
     _, _, second_paths = write(root / "bad", hu[:4], series_key="bad-b")
     _edit(second_paths, StudyInstanceUID=pydicom.dcmread(first_paths[0]).StudyInstanceUID)
-    return "folder holds 2 series of one study"
+    return "the study .* has 2 CT scans: this one, .* slices, and .*; one scan per study is one bag per patient"
 
 
 @pytest.mark.parametrize("break_series", [_break_mr, _break_rescale, _break_missing_slice, _break_duplicate_position,

@@ -17,6 +17,9 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -35,7 +38,7 @@ WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood"
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
                 "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType",
-                "AcquisitionNumber"]
+                "AcquisitionNumber", "SeriesDescription"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -43,11 +46,12 @@ ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another pla
 
 @dataclass(frozen=True)
 class CTSeries:
-    """One series: its UID and its files/SOP UIDs in spatial order."""
+    """One series: its UID, its files/SOP UIDs in spatial order and its study's UID ('' if none)."""
 
     series_uid: str
     files: tuple[str, ...]
     sop_uids: tuple[str, ...]
+    study_uid: str = ""
 
 
 def to_hu(ds) -> np.ndarray:
@@ -110,7 +114,7 @@ def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[
 
     Returns the series (sorted by UID) and an error for every file that is not a readable DICOM
     image with a SeriesInstanceUID and for every series :func:`check_series` refuses (or that
-    shares its folder with another series of its study).
+    is one of several scans of its study).
     """
     with quiet_pydicom():  # values are converted, and warned about, when first read
         return _scan_dicom_files(paths)
@@ -137,8 +141,8 @@ def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list
         if problem is not None:
             errors.append(problem)
             continue
-        series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members)))
-    return _reject_mixed_folders(*_drop_derived_beside_original(series, groups, errors), groups)
+        series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members), _study(members[0][2])))
+    return _one_scan_per_study(*_drop_derived_beside_original(series, groups, errors), groups)
 
 
 def read_header(path: str):
@@ -157,13 +161,39 @@ def read_header(path: str):
         return header
 
 
+class _QuietThreads(logging.Filter):
+    """Drops the ``pydicom`` logger's records below ERROR logged by a thread inside
+    :func:`quiet_pydicom` (a logger level would quiet every thread, and threads restoring it out
+    of order would leave it changed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not getattr(self.inside, "depth", 0)
+
+
+_QUIET_THREADS = _QuietThreads()
+
+
 @contextmanager
 def quiet_pydicom():
     """pydicom's per-file warnings (e.g. 'Invalid value for VR UI' for the RSNA data's ``ID_…`` UIDs)
-    off the console: one line per file, millions at RSNA scale, about values gpmil reads as text."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module="pydicom")
-        yield
+    off the console: one line per file, millions at RSNA scale, about values gpmil reads as text.
+    pydicom both warns and logs each (its ``pydicom`` logger, which Prefect's logging prints):
+    both are held back in this thread; errors are still logged."""
+    logger = logging.getLogger("pydicom")
+    if _QUIET_THREADS not in logger.filters:
+        logger.addFilter(_QUIET_THREADS)
+    inside = _QUIET_THREADS.inside
+    inside.depth = getattr(inside, "depth", 0) + 1
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="pydicom")
+            yield
+    finally:
+        inside.depth -= 1
 
 
 def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSeriesError | None:
@@ -175,7 +205,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     scout kept in the series: its position along the others' normal means nothing), or without a
     position where the others have one (ordered by InstanceNumber with them, it became slice 0);
     two slices at the same position; a step along the slice normal of more than :data:`GAP_FACTOR`
-    × the median spacing (a missing or unreadable slice); slices of two AcquisitionNumbers whose
+    × the median spacing (a missing or unreadable slice), unless the steps are two runs of even
+    spacing one after the other (:func:`_two_even_spacings`); slices of two AcquisitionNumbers whose
     ranges along the normal overlap (a repeat acquisition interleaved: step-and-shoot scans number
     each rotation's adjacent slices apart, which is fine); without positions, InstanceNumbers that
     repeat or skip.
@@ -230,13 +261,14 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
             return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are at the same position "
                           f"({z[k]:.2f} mm along the slice normal)")
         median = float(np.median(steps))
-        if (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
+        if not _two_even_spacings(steps) and (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
             k = int(gaps[0])
             where = f"between slices {Path(files[k]).name} and {Path(files[k + 1]).name}"
             if gaps.size > 1 and np.ptp(steps[gaps]) <= 0.05 * median:  # one other spacing, several times
                 return refuse(f"slices {median:.2f} mm apart ({steps.size - gaps.size} steps) and {steps[k]:.2f} mm apart "
-                              f"({gaps.size} steps, the first {where}): a series of two spacings, or slices missing at "
-                              "regular intervals; evenly spaced slices are expected")
+                              f"({gaps.size} steps, the first {where}): slices missing at regular intervals, or spacings "
+                              "that alternate; evenly spaced slices are expected (or two evenly spaced runs, one after the "
+                              "other)")
             return refuse(f"gap of {steps[k]:.2f} mm {where} (median spacing {median:.2f} mm): a slice is missing or unreadable")
         if interleaved := _interleaved_acquisitions(headers, z):
             return refuse(f"the slices of acquisitions {interleaved[0]} and {interleaved[1]} lie between one another along "
@@ -249,24 +281,50 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     return None
 
 
+def _study(header) -> str:
+    """A slice's StudyInstanceUID ('' where anonymised away: no study to share with another series)."""
+    return str(header.get("StudyInstanceUID", "") or "").strip()
+
+
+def _is_original_scan(members: list) -> bool:
+    """A series (its ``(path, sop_uid, header)`` members) that is a patient's CT acquisition itself:
+    not derived (a reformat, a MIP), not a localizer, Modality CT (a dose report is not)."""
+    header = members[0][2]
+    modality = str(header.get("Modality", "CT") or "CT").upper()
+    return modality == "CT" and "DERIVED" not in _image_type(header)[:1] and not _is_localizer(header)
+
+
+def _two_even_spacings(steps: np.ndarray, *, tol: float = 0.05, min_steps: int = 3) -> bool:
+    """Steps along the slice normal that are two runs of even spacing, one after the other, each of
+    ``min_steps`` or more (a head protocol: thin slices through the posterior fossa, thicker ones
+    through the cerebrum); a missing slice inside either run breaks it into more than two."""
+    changes = np.flatnonzero(np.abs(np.diff(steps)) > tol * np.minimum(steps[:-1], steps[1:]))
+    if changes.size != 1:
+        return False
+    first, second = steps[:changes[0] + 1], steps[changes[0] + 1:]
+    return min(first.size, second.size) >= min_steps and all(np.ptp(run) <= tol * run.mean() for run in (first, second))
+
+
 def _drop_derived_beside_original(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
                                   ) -> tuple[list[CTSeries], list[IngestError]]:
-    """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study whose original
-    series is a scan too is refused naming that series: it is the same patient's scan again (as
-    its own bag, in training and test both), wherever it sits. A derived series alone is kept."""
-    study = {s.series_uid: str(groups[s.series_uid][0][2].get("StudyInstanceUID", "") or "").strip() for s in series}
-    derived = {s.series_uid for s in series if "DERIVED" in _image_type(groups[s.series_uid][0][2])[:1]}
+    """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study that has an
+    original CT series is refused naming that series: it is the same patient's scan again (as its
+    own bag, in training and test both), wherever it sits — also where the original was refused (a
+    missing slice): the reformat is no stand-in for the axial scan. A derived series alone is kept."""
     originals: dict[str, list[str]] = defaultdict(list)
-    for s in series:
-        if s.series_uid not in derived and study[s.series_uid]:  # no study UID (anonymised away): no study to share
-            originals[study[s.series_uid]].append(s.series_uid)
+    for uid, members in groups.items():
+        if _study(members[0][2]) and _is_original_scan(members):
+            originals[_study(members[0][2])].append(uid)
+    passed = {s.series_uid for s in series}
     kept = []
     for s in series:
-        if s.series_uid in derived and originals.get(study[s.series_uid]):
-            kind = "\\".join(_image_type(groups[s.series_uid][0][2]))
-            errors.append(InvalidSeriesError(f"a derived series (ImageType {kind}: a reformat or reconstruction) of the "
-                                             f"study of the original series {', '.join(originals[study[s.series_uid]])}: one "
-                                             "series per scan, the original", path=str(Path(s.files[0]).parent),
+        header = groups[s.series_uid][0][2]
+        if "DERIVED" in _image_type(header)[:1] and (uids := sorted(originals.get(_study(header), []))):
+            refused = "" if passed & set(uids) else f" (refused: see {'its entry' if len(uids) == 1 else 'their entries'})"
+            kind = "\\".join(_image_type(header))
+            errors.append(InvalidSeriesError(f"a derived series (ImageType {kind}: a reformat or "
+                                             f"reconstruction) of the study of the original series {', '.join(uids)}"
+                                             f"{refused}: one series per scan, the original", path=str(Path(s.files[0]).parent),
                                              bag_id=s.series_uid))
         else:
             kept.append(s)
@@ -287,27 +345,34 @@ def _interleaved_acquisitions(headers: list, z: np.ndarray) -> tuple[str, str] |
                 None)
 
 
-def _reject_mixed_folders(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]
-                          ) -> tuple[list[CTSeries], list[IngestError]]:
-    """Series of one study that share a folder are two reconstructions (or a copy mistake) of
-    one scan: refused, all of them, rather than ingested as separate bags of the same patient.
-    Folders holding series of different studies (the flat RSNA layout) are fine, and only CT series
-    that are scans count (a dose report or a refused series beside one is reported on its own)."""
-    scans = {s.series_uid for s in series}
-    by_folder_study: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for uid, members in ((uid, members) for uid, members in groups.items() if uid in scans):
-        for path, _, header in members:
-            key = (str(Path(path).parent), str(header.get("StudyInstanceUID", "")))
-            if uid not in by_folder_study[key]:
-                by_folder_study[key].append(uid)
-    mixed = {uid: (folder, uids) for (folder, study), uids in by_folder_study.items() if len(uids) > 1 for uid in uids}
+def _one_scan_per_study(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]
+                        ) -> tuple[list[CTSeries], list[IngestError]]:
+    """Scans of one study (by StudyInstanceUID), wherever their folders are, are several
+    reconstructions (thin and thick, soft and bone kernel), a repeat or a copy of one patient's
+    scan: all are refused, each naming the others, rather than ingested as bags of one patient in
+    training and test both (one folder per series, as CQ500 ships, or all flat in one folder). Series
+    without a StudyInstanceUID (anonymised away) share no study; a dose report or a refused series
+    beside a scan does not count."""
+    by_study: dict[str, list[CTSeries]] = defaultdict(list)
+    for s in series:
+        if study := _study(groups[s.series_uid][0][2]):
+            by_study[study].append(s)
+
+    def described(s: CTSeries) -> str:
+        description = str(groups[s.series_uid][0][2].get("SeriesDescription", "") or "").strip()
+        return (f"{s.series_uid}{f' {description!r}' if description else ''} ({len(s.files)} slices in "
+                f"{Path(s.files[0]).parent})")
+
     kept = []
     for s in series:
-        if s.series_uid in mixed:
-            folder, uids = mixed[s.series_uid]
-            errors.append(InvalidSeriesError(f"folder holds {len(uids)} series of one study ({', '.join(sorted(uids))}); "
-                                             "one series per scan expected: move or remove the extra series",
-                                             path=folder, bag_id=s.series_uid))
+        scans = by_study.get(_study(groups[s.series_uid][0][2]), [s])
+        if len(scans) > 1:
+            others = "; ".join(described(o) for o in scans if o is not s)
+            errors.append(InvalidSeriesError(
+                f"the study {_study(groups[s.series_uid][0][2])} has {len(scans)} CT scans: this one, {len(s.files)} slices, "
+                f"and {others}; one scan per study is one bag per patient: keep the series to use under the ingest "
+                "source and move the others (reconstructions, a repeat or a copy) out", path=str(Path(s.files[0]).parent),
+                bag_id=s.series_uid))
         else:
             kept.append(s)
     return kept, errors
@@ -457,7 +522,7 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
     subtypes = None if labels_csv is None else read_rsna_subtypes(labels_csv)
     items = []
     for s in series:
-        source = str(Path(s.files[0]).parent)
+        source = os.path.commonpath([str(Path(path).parent) for path in s.files])  # a series exported in parts: their folder
         payload = {"files": list(s.files), "sop_uids": list(s.sop_uids)}
         if subtypes is None:
             items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
@@ -477,6 +542,10 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
                 continue
             given = sorted({k for uid in s.sop_uids for k in subtypes.get(label_key(uid), {})})
             hint = f" (it gives them {', '.join(given)} only: a scan's label comes from its _any rows)" if given else ""
+            if named := [f"{kind} {uid}" for kind, uid in (("SeriesInstanceUID", s.series_uid), ("StudyInstanceUID", s.study_uid))
+                         if uid and label_key(uid) in subtypes]:
+                hint = (f" (its rows name the scan's {named[0]}: ingest.kind ct reads slice labels, rows "
+                        "ID_<SOPInstanceUID>_<subtype>; a label per scan is not read)")
             skipped.append(Skipped.from_error(MissingLabelError(
                 f"{int((instance == UNKNOWN_LABEL).sum())} of {len(instance)} slices have no label in "
                 f"{labels_csv}{hint} and none is positive", path=source, bag_id=s.series_uid)))
