@@ -582,10 +582,16 @@ def _ct_series_by_uid(sources: Any, logger: Any, moved_to: Path | None = None) -
     elif gone:
         logger.warning("CT folder %s not found: no slice images in the strips (findings by SOPInstanceUID come from the store)",
                        gone[0])
+    outermost: list[Path] = []
+    for folder in sorted(map(Path, folders), key=lambda path: path.parts):  # a folder's sub-folders follow it
+        if not (outermost and folder.is_relative_to(outermost[-1])):  # one under another is read with it
+            outermost.append(folder)
     found: dict[str, Any] = {}
-    for folder in folders:
-        if Path(folder).is_dir():
-            found |= {s.series_uid: s for s in scan_dicom_dir(folder)[0]}
+    for folder in outermost:
+        if folder.is_dir():
+            for s in scan_dicom_dir(folder, one_per_scan=False)[0]:  # every series, as ingested: the store chose
+                if s.series_uid not in found or len(s.files) > len(found[s.series_uid].files):
+                    found[s.series_uid] = s  # a series in parts is whole where a folder holds all of them
     return found
 
 

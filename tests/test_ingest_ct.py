@@ -353,15 +353,15 @@ def test_copied_multi_frame_mixed_size_and_preambleless_series(tmp_path):
 
 
 def _restudy(paths, key: str, study_of: list, image_type: list[str] | None = None, **tags) -> str:
-    """Rewrite a written series as another series (``key``) of the study of ``study_of[0]``, with
-    ``image_type`` and other header tags; returns its SeriesInstanceUID."""
+    """Rewrite a written series as another series (``key``) of the study (and patient) of
+    ``study_of[0]``, with ``image_type`` and other header tags; returns its SeriesInstanceUID."""
     from pydicom.uid import generate_uid
 
     series_uid = generate_uid(entropy_srcs=[key, "series"])
-    study = pydicom.dcmread(study_of[0]).StudyInstanceUID
+    first = pydicom.dcmread(study_of[0])
     for path in paths:
         ds = pydicom.dcmread(path)
-        ds.SeriesInstanceUID, ds.StudyInstanceUID = series_uid, study
+        ds.SeriesInstanceUID, ds.StudyInstanceUID, ds.PatientID = series_uid, first.StudyInstanceUID, first.PatientID
         if image_type is not None:
             ds.ImageType = image_type
         for tag, value in tags.items():
@@ -383,7 +383,7 @@ def test_a_studys_scout_and_reformat_series_are_named_not_bags_and_do_not_refuse
     series, errors = scan_dicom_dir(tmp_path / "study")
     assert [s.series_uid for s in series] == [axial_uid] and len(series[0].files) == 6
     reasons = {e.bag_id: e.reason for e in errors}
-    assert reasons[scout_uid] == "series of 1 slices: a localizer/scout (ImageType LOCALIZER), not a scan"
+    assert reasons[scout_uid] == "series of 1 slice: a localizer/scout (ImageType LOCALIZER), not a scan"
     assert reasons[coronal_uid] == ("a derived series (ImageType DERIVED\\SECONDARY\\REFORMATTED: a reformat or reconstruction) "
                                     f"of the study of the original series {axial_uid}: one series per scan, the original")
     flat = tmp_path / "flat"
@@ -451,41 +451,58 @@ def test_a_slice_written_without_file_meta_decodes(tmp_path):
     np.testing.assert_allclose(load_windowed_slices(series[0].files), windowed_channels(hu), atol=1e-6)
 
 
-def test_several_scans_of_one_study_are_refused_in_any_layout_and_a_reformat_never_stands_in(tmp_path):
+def test_one_series_per_scan_of_a_patient_is_kept_in_any_layout_and_a_reformat_never_stands_in(tmp_path):
     """A CQ500-style study (thin and thick soft-kernel and a bone-kernel series, all ORIGINAL) in one
-    folder per series became three bags of one patient, silently (flat in one folder all three were
-    refused); a coronal reformat became the bag where the axial series was refused (a missing
-    slice); series whose StudyInstanceUID was anonymised away, flat in one folder, were refused as
-    "one study"."""
+    folder per series became three bags of one patient, silently; flat in one folder all three were
+    refused. A coronal reformat became the bag where the axial series was refused (a missing slice);
+    series whose StudyInstanceUID was anonymised away, flat in one folder, were refused as "one study"."""
     thin_uid, _, thin = write_ct_series(tmp_path / "cq500" / "CT PLAIN THIN", np.zeros((8, 16, 16)), series_key="thin",
                                         slice_thickness=0.625)
     _, _, thick = write_ct_series(tmp_path / "cq500" / "CT 5mm", np.zeros((4, 16, 16)), series_key="thick")
     thick_uid = _restudy(thick, "thick", thin, SeriesDescription="CT 5mm")
     _, _, bone = write_ct_series(tmp_path / "cq500" / "CT BONE", np.zeros((4, 16, 16)), series_key="bone")
     bone_uid = _restudy(bone, "bone", thin, SeriesDescription="CT BONE")
-    _, _, other = write_ct_series(tmp_path / "cq500" / "other patient", np.zeros((4, 16, 16)), series_key="other")
+    _, _, key_image = write_ct_series(tmp_path / "cq500" / "KEY", np.zeros((1, 16, 16)), series_key="key")
+    key_uid = _restudy(key_image, "key", thin)
+    _, _, chest = write_ct_series(tmp_path / "cq500" / "CHEST", np.zeros((3, 16, 16)), series_key="chest")
+    chest_uid = _restudy(chest, "chest", thin)
+    for k, path in enumerate(chest):  # the same study's chest series: below the head, another scan
+        ds = pydicom.dcmread(path)
+        ds.ImagePositionPatient = [-125.0, -125.0, -400.0 + 5.0 * k]
+        ds.save_as(path)
+    other_uid, _, _ = write_ct_series(tmp_path / "cq500" / "other patient", np.zeros((4, 16, 16)), series_key="other")
     series, errors = scan_dicom_dir(tmp_path / "cq500")
-    assert [s.series_uid for s in series] == [pydicom.dcmread(other[0]).SeriesInstanceUID]
+    assert sorted(s.series_uid for s in series) == sorted([thin_uid, chest_uid, other_uid])
     reasons = {e.bag_id: e.reason for e in errors}
-    assert set(reasons) == {thin_uid, thick_uid, bone_uid}
-    assert reasons[thin_uid].startswith(f"the study {pydicom.dcmread(thin[0]).StudyInstanceUID} has 3 CT scans: this one, "
-                                        "8 slices, and ")
-    assert f"{bone_uid} 'CT BONE' (4 slices in {tmp_path / 'cq500' / 'CT BONE'})" in reasons[thin_uid]
+    assert set(reasons) == {thick_uid, bone_uid, key_uid}
+    assert reasons[bone_uid].startswith(f"another series of the scan of study {pydicom.dcmread(thin[0]).StudyInstanceUID} "
+                                        f"over the same slice positions as {thin_uid} (8 slices in "
+                                        f"{tmp_path / 'cq500' / 'CT PLAIN THIN'}), which is kept")
+    assert "the series with the most slices; to use this one, move the other out of the ingest source" in reasons[bone_uid]
     flat = tmp_path / "flat"
     flat.mkdir()
-    for path in thin + thick + bone:
+    for path in thick + bone + thin:
         (flat / path.name).write_bytes(path.read_bytes())
     series, errors = scan_dicom_dir(flat)
-    assert not series and {e.bag_id for e in errors} == {thin_uid, thick_uid, bone_uid}
+    assert [s.series_uid for s in series] == [thin_uid] and {e.bag_id for e in errors} == {thick_uid, bone_uid}
+    series, errors = scan_dicom_dir(flat, committed=[bone_uid])  # a store that holds the bone series keeps it
+    assert [s.series_uid for s in series] == [bone_uid] and "which is kept: one bag per scan of a patient (a reconstruction, " \
+        "a repeat, a key image or a copy would be the patient twice), the series already in the store" in errors[0].reason
 
     axial_uid, _, axial = write_ct_series(tmp_path / "study" / "AX", np.zeros((6, 16, 16)), series_key="axial")
     axial[3].unlink()  # a slice missing: the axial scan is refused
     _, _, coronal = write_ct_series(tmp_path / "study" / "COR_MPR", np.zeros((4, 16, 16)), series_key="coronal")
     coronal_uid = _restudy(coronal, "coronal", axial[:1], ["DERIVED", "SECONDARY", "REFORMATTED"])
+    _, _, dose = write_ct_series(tmp_path / "study" / "DOSE", np.zeros((1, 16, 16)), series_key="dose")
+    _restudy(dose, "dose", axial[:1], ["ORIGINAL", "SECONDARY", "SCREEN SAVE"])  # a dose page: no original scan
     series, errors = scan_dicom_dir(tmp_path / "study")
     reasons = {e.bag_id: e.reason for e in errors}
-    assert not series and set(reasons) == {axial_uid, coronal_uid}
+    assert not series and {axial_uid, coronal_uid} <= set(reasons)
     assert f"of the study of the original series {axial_uid} (refused: see its entry)" in reasons[coronal_uid]
+    axial[4].unlink(), axial[5].unlink()
+    for path in axial:  # the study's only original series gone: the derived series is its scan (TCIA exports)
+        path.unlink(missing_ok=True)
+    assert [s.series_uid for s in scan_dicom_dir(tmp_path / "study")[0]] == [coronal_uid]
 
     anonymised = tmp_path / "anonymised"
     anonymised.mkdir()
@@ -498,12 +515,27 @@ def test_several_scans_of_one_study_are_refused_in_any_layout_and_a_reformat_nev
     assert len(series) == 3 and not errors
 
 
-def _restack(root: Path, key: str, positions: np.ndarray) -> Path:
-    """A series whose slices lie at ``positions`` (mm along the normal)."""
+def test_a_study_uid_an_export_gave_every_patient_groups_no_patients(tmp_path):
+    """200 patients exported with one fixed StudyInstanceUID: all were refused, each naming the
+    others (messages of 4.4 M characters in all)."""
+    first = None
+    for k in range(5):
+        _, _, paths = write_ct_series(tmp_path / f"P{k}", np.zeros((3, 16, 16)), series_key=f"p{k}")
+        first = first or paths
+        for path in paths:
+            ds = pydicom.dcmread(path)
+            ds.StudyInstanceUID = pydicom.dcmread(first[0]).StudyInstanceUID
+            ds.save_as(path)
+    series, errors = scan_dicom_dir(tmp_path)
+    assert len(series) == 5 and not errors
+
+
+def _restack(root: Path, key: str, positions: np.ndarray, thickness: np.ndarray) -> Path:
+    """A series whose slices lie at ``positions`` (mm along the normal), each of its ``thickness``."""
     _, _, paths = write_ct_series(root / key, np.zeros((positions.size, 16, 16)), series_key=key)
-    for path, z in zip(paths, positions):
+    for path, z, mm in zip(paths, positions, thickness):
         ds = pydicom.dcmread(path)
-        ds.ImagePositionPatient = [-125.0, -125.0, float(z)]
+        ds.ImagePositionPatient, ds.SliceThickness = [-125.0, -125.0, float(z)], float(mm)
         ds.save_as(path)
     return root / key
 
@@ -512,13 +544,18 @@ def _restack(root: Path, key: str, positions: np.ndarray) -> Path:
 def test_a_head_protocol_of_thin_then_thick_slices_is_one_scan_whichever_part_is_longer(tmp_path, thin, thin_mm, thick,
                                                                                      thick_mm):
     """Thin slices through the posterior fossa, thicker ones through the cerebrum: kept when the thick
-    part had most of the steps, refused as "a series of two spacings" when the thin part had."""
+    part had most of the steps, refused as "a series of two spacings" when the thin part had. With
+    one SliceThickness throughout, longer steps that are most of them are still slices missing."""
     z = np.concatenate([np.arange(thin) * thin_mm, (thin - 1) * thin_mm + np.arange(1, thick + 1) * thick_mm])
-    series, errors = scan_dicom_dir(_restack(tmp_path, "protocol", z))
+    protocol = np.r_[np.full(thin, thin_mm), np.full(thick, thick_mm)]
+    series, errors = scan_dicom_dir(_restack(tmp_path, "protocol", z, protocol))
     assert not errors and len(series[0].files) == thin + thick
     missing = np.delete(z, thin + thick // 2)  # a slice missing inside the thick run: still refused
-    series, errors = scan_dicom_dir(_restack(tmp_path, "missing", missing))
+    series, errors = scan_dicom_dir(_restack(tmp_path, "missing", missing, np.delete(protocol, thin + thick // 2)))
     assert not series and len(errors) == 1, [e.reason for e in errors]
+    if thin - 1 > thick:  # one SliceThickness: every other slice lost where the median step is the thin one (refused before)
+        series, errors = scan_dicom_dir(_restack(tmp_path, "lost", z, np.full(z.size, thin_mm)))
+        assert not series and "slices missing at regular intervals" in errors[0].reason
 
 
 def test_a_series_exported_in_parts_is_sourced_from_their_folder_and_labels_naming_the_series_are_explained(tmp_path):
@@ -538,3 +575,22 @@ def test_a_series_exported_in_parts_is_sourced_from_their_folder_and_labels_nami
     assert [s.sop_uids for s in scan_dicom_dir(item.source)[0]] == [tuple(sops)]
     (skip,) = plan_ct(tmp_path / "b.zarr", tmp_path / "dicom", labels_csv=tmp_path / "labels.csv").skipped
     assert f"(its rows name the scan's SeriesInstanceUID {uid}: ingest.kind ct reads slice labels" in skip.reason
+
+
+def test_the_report_finds_a_series_whole_when_its_slices_sit_in_another_patients_folder(tmp_path):
+    """Two of P00's slices misfiled in P01's folder: P00's source is the cohort folder, and reading
+    P01's folder after it replaced P00's series with its two slices there (the strip showed half)."""
+    import logging
+
+    from tasks.prefect_tasks import _ct_series_by_uid
+
+    p00, sops, paths = write_ct_series(tmp_path / "P00", np.zeros((4, 16, 16)), series_key="p00")
+    p01, _, _ = write_ct_series(tmp_path / "P01", np.zeros((4, 16, 16)), series_key="p01")
+    for path in paths[2:]:
+        path.rename(tmp_path / "P01" / path.name)
+    from tasks.ingest.ct import plan_ct
+
+    sources = {item.bag_id: item.source for item in plan_ct(tmp_path / "a.zarr", tmp_path, keep_unlabelled=True).items}
+    assert sources == {p00: str(tmp_path), p01: str(tmp_path / "P01")}
+    found = _ct_series_by_uid(sources.values(), logging.getLogger("test"))
+    assert found[p00].sop_uids == tuple(sops) and len(found[p01].files) == 4

@@ -195,17 +195,14 @@ def _break_duplicate_position(root, hu, write):
     return "are at the same position \\(15.00 mm along the slice normal\\)"
 
 
-def _break_mixed_folder(root, hu, write):
-    import pydicom
-
-    first, _, first_paths = write(root / "bad", hu, series_key="bad-a")
-    _, _, second_paths = write(root / "bad", hu[:4], series_key="bad-b")
-    _edit(second_paths, StudyInstanceUID=pydicom.dcmread(first_paths[0]).StudyInstanceUID)
-    return "the study .* has 2 CT scans: this one, .* slices, and .*; one scan per study is one bag per patient"
+def _break_screen_capture(root, hu, write):
+    _, _, paths = write(root / "bad", hu[:1], series_key="bad")
+    _edit(paths, ImageType=["ORIGINAL", "SECONDARY", "SCREEN SAVE"])  # a dose page saved as a CT image
+    return "is a screen capture \\(ImageType SCREEN SAVE: a dose page, a saved view\\), not a slice"
 
 
 @pytest.mark.parametrize("break_series", [_break_mr, _break_rescale, _break_missing_slice, _break_duplicate_position,
-                                          _break_mixed_folder], ids=lambda f: f.__name__[7:])
+                                          _break_screen_capture], ids=lambda f: f.__name__[7:])
 def test_a_ct_series_that_is_not_one_complete_ct_scan_is_skipped_naming_series_and_reason(tmp_path, break_series):
     import re
 

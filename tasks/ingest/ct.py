@@ -32,13 +32,13 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, InvalidSeriesError, MissingLabelError, UnreadableFileError
-from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
+from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label, open_cohort
 
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
                 "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType",
-                "AcquisitionNumber", "SeriesDescription"]
+                "AcquisitionNumber", "SeriesDescription", "SliceThickness", "PatientID", "FrameOfReferenceUID"]
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -109,18 +109,21 @@ def order_slices(headers: list) -> list[int]:
     return sorted(range(len(headers)), key=lambda i: int(headers[i].get("InstanceNumber", 0) or 0))
 
 
-def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError]]:
+def scan_dicom_files(paths: Iterable[str | Path], *, committed: Iterable[str] = (), one_per_scan: bool = True
+                     ) -> tuple[list[CTSeries], list[IngestError]]:
     """Read the headers of ``paths``, group them into series and order each series.
 
     Returns the series (sorted by UID) and an error for every file that is not a readable DICOM
-    image with a SeriesInstanceUID and for every series :func:`check_series` refuses (or that
-    is one of several scans of its study).
+    image with a SeriesInstanceUID, for every series :func:`check_series` refuses and (with
+    ``one_per_scan``) for every other series of a patient's scan (:func:`_one_series_per_scan`;
+    ``committed``: series UIDs already in the store, kept first).
     """
     with quiet_pydicom():  # values are converted, and warned about, when first read
-        return _scan_dicom_files(paths)
+        series, errors, groups = _scan_dicom_files(paths)
+    return _one_series_per_scan(series, errors, groups, set(committed)) if one_per_scan else (series, errors)
 
 
-def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError]]:
+def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError], dict[str, list]]:
     groups: dict[str, list] = defaultdict(list)
     errors: list[IngestError] = []
     for path in sorted(str(p) for p in paths):
@@ -141,8 +144,9 @@ def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list
         if problem is not None:
             errors.append(problem)
             continue
-        series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members), _study(members[0][2])))
-    return _one_scan_per_study(*_drop_derived_beside_original(series, groups, errors), groups)
+        series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members),
+                               _tag(members[0][2], "StudyInstanceUID")))
+    return series, errors, groups
 
 
 def read_header(path: str):
@@ -181,8 +185,9 @@ _QUIET_THREADS = _QuietThreads()
 def quiet_pydicom():
     """pydicom's per-file warnings (e.g. 'Invalid value for VR UI' for the RSNA data's ``ID_…`` UIDs)
     off the console: one line per file, millions at RSNA scale, about values gpmil reads as text.
-    pydicom both warns and logs each (its ``pydicom`` logger, which Prefect's logging prints):
-    both are held back in this thread; errors are still logged."""
+    pydicom both warns and logs each (its ``pydicom`` logger, which Prefect's logging prints): its
+    log records below ERROR are dropped in this thread, its warnings ignored (``warnings`` filters
+    are process-wide: in every thread while one is inside)."""
     logger = logging.getLogger("pydicom")
     if _QUIET_THREADS not in logger.filters:
         logger.addFilter(_QUIET_THREADS)
@@ -200,8 +205,9 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     """Why a series (files and headers in spatial order) cannot be one CT bag, or None.
 
     Refused: a Modality other than CT; a slice without RescaleSlope/RescaleIntercept (HU would be
-    off by the intercept, typically 1024); a localizer (ImageType LOCALIZER: a scout series is no
-    scan, a scout in a series no slice); a slice in another plane than the first (a localizer or
+    off by the intercept, typically 1024); a screen capture (ImageType SCREEN SAVE: a dose page); a
+    localizer (ImageType LOCALIZER: a scout series is no scan, a scout in a series no slice); a
+    slice in another plane than the first (a localizer or
     scout kept in the series: its position along the others' normal means nothing), or without a
     position where the others have one (ordered by InstanceNumber with them, it became slice 0);
     two slices at the same position; a step along the slice normal of more than :data:`GAP_FACTOR`
@@ -214,7 +220,7 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     folder = str(Path(files[0]).parent)
 
     def refuse(reason: str) -> InvalidSeriesError:
-        return InvalidSeriesError(f"series of {len(files)} slices: {reason}", path=folder, bag_id=series_uid)
+        return InvalidSeriesError(f"series of {_slices(len(files))}: {reason}", path=folder, bag_id=series_uid)
 
     seen: dict[str, str] = {}
     for path, header in zip(files, headers):
@@ -238,6 +244,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
                 float(header[tag].value)
             except (KeyError, TypeError, ValueError):
                 return refuse(f"no usable {tag} in {Path(path).name}: Hounsfield units cannot be computed")
+    if captures := [Path(path).name for path, h in zip(files, headers) if "SCREEN SAVE" in _image_type(h)]:
+        return refuse(f"{captures[0]} is a screen capture (ImageType SCREEN SAVE: a dose page, a saved view), not a slice")
     if localizers := [Path(path).name for path, h in zip(files, headers) if _is_localizer(h)]:
         if len(localizers) == len(files):
             return refuse("a localizer/scout (ImageType LOCALIZER), not a scan")
@@ -261,7 +269,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
             return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are at the same position "
                           f"({z[k]:.2f} mm along the slice normal)")
         median = float(np.median(steps))
-        if not _two_even_spacings(steps) and (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
+        thickness = np.array([_slice_thickness(h) for h in headers])
+        if not _two_even_spacings(steps, thickness) and (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
             k = int(gaps[0])
             where = f"between slices {Path(files[k]).name} and {Path(files[k + 1]).name}"
             if gaps.size > 1 and np.ptp(steps[gaps]) <= 0.05 * median:  # one other spacing, several times
@@ -281,54 +290,127 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
     return None
 
 
-def _study(header) -> str:
-    """A slice's StudyInstanceUID ('' where anonymised away: no study to share with another series)."""
-    return str(header.get("StudyInstanceUID", "") or "").strip()
+def _tag(header, name: str) -> str:
+    """A header tag as stripped text ('' where absent or empty)."""
+    return str(header.get(name, "") or "").strip()
 
 
-def _is_original_scan(members: list) -> bool:
-    """A series (its ``(path, sop_uid, header)`` members) that is a patient's CT acquisition itself:
-    not derived (a reformat, a MIP), not a localizer, Modality CT (a dose report is not)."""
-    header = members[0][2]
-    modality = str(header.get("Modality", "CT") or "CT").upper()
-    return modality == "CT" and "DERIVED" not in _image_type(header)[:1] and not _is_localizer(header)
-
-
-def _two_even_spacings(steps: np.ndarray, *, tol: float = 0.05, min_steps: int = 3) -> bool:
+def _two_even_spacings(steps: np.ndarray, thickness: np.ndarray, *, tol: float = 0.05, min_steps: int = 3) -> bool:
     """Steps along the slice normal that are two runs of even spacing, one after the other, each of
-    ``min_steps`` or more (a head protocol: thin slices through the posterior fossa, thicker ones
-    through the cerebrum); a missing slice inside either run breaks it into more than two."""
+    ``min_steps`` or more, whose slices' SliceThickness changes with the step (a head protocol:
+    thin slices through the posterior fossa, thicker ones through the cerebrum). Without that
+    change the longer steps are slices missing at regular intervals (a transfer that lost every
+    other file of a stretch); a missing slice inside either run breaks it into more than two."""
     changes = np.flatnonzero(np.abs(np.diff(steps)) > tol * np.minimum(steps[:-1], steps[1:]))
     if changes.size != 1:
         return False
     first, second = steps[:changes[0] + 1], steps[changes[0] + 1:]
-    return min(first.size, second.size) >= min_steps and all(np.ptp(run) <= tol * run.mean() for run in (first, second))
+    if min(first.size, second.size) < min_steps or any(np.ptp(run) > tol * run.mean() for run in (first, second)):
+        return False
+    thin, thick = np.median(thickness[:first.size]), np.median(thickness[first.size + 1:])  # the slice between: either
+    return bool(np.isfinite(thin) and np.isfinite(thick) and abs(thick - thin) > tol * min(thin, thick))
 
 
-def _drop_derived_beside_original(series: list[CTSeries], groups: dict[str, list], errors: list[IngestError]
-                                  ) -> tuple[list[CTSeries], list[IngestError]]:
-    """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study that has an
-    original CT series is refused naming that series: it is the same patient's scan again (as its
-    own bag, in training and test both), wherever it sits — also where the original was refused (a
-    missing slice): the reformat is no stand-in for the axial scan. A derived series alone is kept."""
-    originals: dict[str, list[str]] = defaultdict(list)
-    for uid, members in groups.items():
-        if _study(members[0][2]) and _is_original_scan(members):
-            originals[_study(members[0][2])].append(uid)
-    passed = {s.series_uid for s in series}
-    kept = []
+def _slice_thickness(header) -> float:
+    try:
+        return float(header.SliceThickness)
+    except (AttributeError, TypeError, ValueError):
+        return float("nan")
+
+
+def _patient_scan_key(header) -> tuple[str, str] | None:
+    """What ties series to one patient's acquisition: the StudyInstanceUID (else the
+    FrameOfReferenceUID, which the reconstructions of one acquisition share) with the PatientID (a
+    study UID an export gave every patient is not one study); None where neither UID is left."""
+    uid = _tag(header, "StudyInstanceUID") or _tag(header, "FrameOfReferenceUID")
+    return (uid, _tag(header, "PatientID")) if uid else None
+
+
+def _is_derived(members: list) -> bool:
+    return "DERIVED" in _image_type(members[0][2])[:1]
+
+
+def _is_original_scan(members: list) -> bool:
+    """A series (its ``(path, sop_uid, header)`` members), whether refused or not, that is a
+    patient's CT acquisition itself: Modality CT, not derived (a reformat, a MIP), not a localizer,
+    not a secondary capture (a dose or screen-save page), in HU (rescale tags), of two slices or more."""
+    header = members[0][2]
+    kind = _image_type(header)
+    return (_tag(header, "Modality").upper() in ("", "CT") and not _is_derived(members) and not _is_localizer(header)
+            and "SECONDARY" not in kind[1:2] and len(members) >= 2
+            and all(tag in header for tag in ("RescaleSlope", "RescaleIntercept")))
+
+
+def _extent(members: list) -> tuple[float, float] | None:
+    """The range of a series' slices along the patient's feet–head axis (ImagePositionPatient z,
+    mm), or None without positions."""
+    try:
+        z = [float(header.ImagePositionPatient[2]) for _, _, header in members]
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return None
+    return min(z), max(z)
+
+
+def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    """Two series over the same part of the body (unknown extents are taken to be)."""
+    return a is None or b is None or (a[0] <= b[1] and b[0] <= a[1])
+
+
+def _described(s: CTSeries, groups: dict[str, list]) -> str:
+    description = _tag(groups[s.series_uid][0][2], "SeriesDescription")
+    return (f"{s.series_uid}{f' {description!r}' if description else ''} ({_slices(len(s.files))} in "
+            f"{Path(s.files[0]).parent})")
+
+
+def _slices(n: int) -> str:
+    return f"{n} slice{'' if n == 1 else 's'}"
+
+
+def _one_series_per_scan(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list],
+                         committed: set[str]) -> tuple[list[CTSeries], list[IngestError]]:
+    """One bag per scan of a patient, wherever its series sit (one folder per series, as CQ500
+    ships, or all flat in one folder): series of one study and patient (:func:`_patient_scan_key`)
+    over the same part of the body (their feet–head ranges overlap) are reconstructions (thin and
+    thick, soft and bone kernel), a repeat, a key image or a copy of one scan. One is kept — one
+    already in the store (``committed``), else the one with the most slices — and each other is
+    refused naming it; a head and a chest series of one study are two scans. A derived series
+    (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study with an original CT series, even a
+    refused one, is refused naming it: the reformat is no stand-in for the axial scan. Series without
+    study or frame-of-reference UIDs (anonymised away) share nothing."""
+    originals: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for uid, members in sorted(groups.items()):
+        if (key := _patient_scan_key(members[0][2])) and _is_original_scan(members):
+            originals[key].append(uid)
+    derived, by_patient = [], defaultdict(list)
     for s in series:
+        key = _patient_scan_key(groups[s.series_uid][0][2])
+        (derived if _is_derived(groups[s.series_uid]) and originals.get(key) else by_patient[key]).append(s)
+    kept: list[CTSeries] = list(by_patient.pop(None, []))
+    for candidates in by_patient.values():
+        rest = sorted(candidates, key=lambda s: (s.series_uid not in committed, -len(s.files), s.series_uid))
+        while rest:
+            chosen, extent = rest[0], _extent(groups[rest[0].series_uid])
+            kept.append(chosen)
+            same = [s for s in rest[1:] if _overlap(extent, _extent(groups[s.series_uid]))]
+            why = "already in the store" if chosen.series_uid in committed else "with the most slices"
+            for s in same:
+                errors.append(InvalidSeriesError(
+                    f"another series of the scan of study {s.study_uid or '(no StudyInstanceUID)'} over the same slice "
+                    f"positions as {_described(chosen, groups)}, which is kept: one bag per scan of a patient (a "
+                    f"reconstruction, a repeat, a key image or a copy would be the patient twice), the series {why}; to "
+                    "use this one, move the other out of the ingest source", path=str(Path(s.files[0]).parent),
+                    bag_id=s.series_uid))
+            rest = [s for s in rest[1:] if s not in same]
+    uids = {s.series_uid for s in kept}
+    for s in derived:
         header = groups[s.series_uid][0][2]
-        if "DERIVED" in _image_type(header)[:1] and (uids := sorted(originals.get(_study(header), []))):
-            refused = "" if passed & set(uids) else f" (refused: see {'its entry' if len(uids) == 1 else 'their entries'})"
-            kind = "\\".join(_image_type(header))
-            errors.append(InvalidSeriesError(f"a derived series (ImageType {kind}: a reformat or "
-                                             f"reconstruction) of the study of the original series {', '.join(uids)}"
-                                             f"{refused}: one series per scan, the original", path=str(Path(s.files[0]).parent),
-                                             bag_id=s.series_uid))
-        else:
-            kept.append(s)
-    return kept, errors
+        names = originals[_patient_scan_key(header)]
+        refused = "" if uids & set(names) else f" (refused: see {'its entry' if len(names) == 1 else 'their entries'})"
+        errors.append(InvalidSeriesError(
+            f"a derived series (ImageType {chr(92).join(_image_type(header))}: a reformat or reconstruction) of the study "
+            f"of the original series {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            f"{refused}: one series per scan, the original", path=str(Path(s.files[0]).parent), bag_id=s.series_uid))
+    return sorted(kept, key=lambda s: s.series_uid), errors
 
 
 def _interleaved_acquisitions(headers: list, z: np.ndarray) -> tuple[str, str] | None:
@@ -345,39 +427,6 @@ def _interleaved_acquisitions(headers: list, z: np.ndarray) -> tuple[str, str] |
                 None)
 
 
-def _one_scan_per_study(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]
-                        ) -> tuple[list[CTSeries], list[IngestError]]:
-    """Scans of one study (by StudyInstanceUID), wherever their folders are, are several
-    reconstructions (thin and thick, soft and bone kernel), a repeat or a copy of one patient's
-    scan: all are refused, each naming the others, rather than ingested as bags of one patient in
-    training and test both (one folder per series, as CQ500 ships, or all flat in one folder). Series
-    without a StudyInstanceUID (anonymised away) share no study; a dose report or a refused series
-    beside a scan does not count."""
-    by_study: dict[str, list[CTSeries]] = defaultdict(list)
-    for s in series:
-        if study := _study(groups[s.series_uid][0][2]):
-            by_study[study].append(s)
-
-    def described(s: CTSeries) -> str:
-        description = str(groups[s.series_uid][0][2].get("SeriesDescription", "") or "").strip()
-        return (f"{s.series_uid}{f' {description!r}' if description else ''} ({len(s.files)} slices in "
-                f"{Path(s.files[0]).parent})")
-
-    kept = []
-    for s in series:
-        scans = by_study.get(_study(groups[s.series_uid][0][2]), [s])
-        if len(scans) > 1:
-            others = "; ".join(described(o) for o in scans if o is not s)
-            errors.append(InvalidSeriesError(
-                f"the study {_study(groups[s.series_uid][0][2])} has {len(scans)} CT scans: this one, {len(s.files)} slices, "
-                f"and {others}; one scan per study is one bag per patient: keep the series to use under the ingest "
-                "source and move the others (reconstructions, a repeat or a copy) out", path=str(Path(s.files[0]).parent),
-                bag_id=s.series_uid))
-        else:
-            kept.append(s)
-    return kept, errors
-
-
 _NOT_IMAGES = frozenset({".csv", ".json", ".png", ".jpg", ".jpeg", ".txt", ".md", ".pdf", ".xml", ".html", ".yaml",
                          ".yml", ".xlsx", ".xls", ".log", ".zip", ".gz", ".db", ".ini"})
 """Suffixes of the files found beside DICOM series (labels, notes, previews, archives) that are not slices."""
@@ -388,7 +437,8 @@ def _not_an_image(path: Path) -> bool:
     return path.suffix.lower() in _NOT_IMAGES or path.name.upper() in ("DICOMDIR", "README", "LICENSE")
 
 
-def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]:
+def scan_dicom_dir(root: str | Path, *, committed: Iterable[str] = (), one_per_scan: bool = True
+                   ) -> tuple[list[CTSeries], list[IngestError]]:
     """:func:`scan_dicom_files` over every file under ``root`` (any extension; hidden files, DICOMDIR
     indexes, READMEs and files whose suffix says they are no slice — CSV, text, PDF, JPEG … — skipped)."""
     from tasks.ingest.labels import split_undecodable
@@ -396,7 +446,7 @@ def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]
     files, undecodable = split_undecodable(
         p for p in Path(root).rglob("*")
         if p.is_file() and not p.name.startswith(".") and not _not_an_image(p))
-    series, errors = scan_dicom_files(files)
+    series, errors = scan_dicom_files(files, committed=committed, one_per_scan=one_per_scan)
     return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
 
@@ -517,12 +567,13 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
     from tasks.ingest.features import HandcraftedCT, extractor_spec
 
     extractor = extractor or HandcraftedCT()
-    series, errors = scan_dicom_dir(dicom_root)
+    committed = open_cohort(store).bag_ids if (Path(store) / "zarr.json").is_file() else []
+    series, errors = scan_dicom_dir(dicom_root, committed=committed)
     skipped = [Skipped.from_error(error) for error in errors]
     subtypes = None if labels_csv is None else read_rsna_subtypes(labels_csv)
     items = []
     for s in series:
-        source = os.path.commonpath([str(Path(path).parent) for path in s.files])  # a series exported in parts: their folder
+        source = os.path.commonpath([str(Path(path).parent) for path in s.files]) or "."  # a series in parts: their folder
         payload = {"files": list(s.files), "sop_uids": list(s.sop_uids)}
         if subtypes is None:
             items.append(IngestItem(s.series_uid, source, UNKNOWN_LABEL,
