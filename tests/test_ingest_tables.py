@@ -229,7 +229,7 @@ def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(
 
 
 def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_hold(tmp_path):
-    """Ids that differ from the file stems by a suffix or spaces, or not at all alike: the error
+    """Ids that differ from the file stems by a suffix, spaces or letter case, or not at all alike: the error
     counts the files and names the first one left out with the labels file's near id."""
     from tasks.ingest.errors import IngestError
 
@@ -239,6 +239,7 @@ def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_
             handle["features"] = np.zeros((3, 4), np.float32)
     for rows, hint, left_out in [("slide0.svs,1\nslide1.svs,0\n", "it has 'slide0.svs': ids must equal the file stem", 2),
                                  (" slide0 ,1\n slide1 ,0\n", "it has ' slide0 '", 2),
+                                 ("Slide0,1\nSLIDE1,0\n", "it has 'Slide0': ids must equal the file stem, in its case", 2),
                                  ("other0,1\nother1,0\n", "its ids look like 'other0', 'other1'", 4)]:  # + 2 rows without a file
         (tmp_path / "clin.csv").write_text("slide_id,label\n" + rows)
         with pytest.raises(IngestError, match=rf"no .h5 feature file to ingest: 2 .h5 file\(s\) found, {left_out} left out; first left out: "
@@ -736,5 +737,5 @@ def test_a_new_cohorts_bag_whose_id_the_labels_give_with_a_suffix_is_named_not_k
     report = ingest_h5_features(tmp_path / "k.zarr", tmp_path / "h5", tmp_path / "labels.csv", keep_unlabelled=True)
     assert report.added == ("s2", "s3")  # s3: not in the labels, predicted unlabelled
     assert [(s.bag_id, s.reason) for s in report.skipped] == [
-        ("s1", f"no label in {tmp_path / 'labels.csv'} (it has 's1.svs': ids must equal the file stem, without spaces or suffixes)")]
+        ("s1", f"no label in {tmp_path / 'labels.csv'} (it has 's1.svs': ids must equal the file stem, in its case, without spaces or suffixes)")]
     assert list(open_cohort(tmp_path / "k.zarr").bag_labels) == [0, -1]

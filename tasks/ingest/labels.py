@@ -86,11 +86,11 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     """Attach bag labels (-1 without a labels table) and original labels (``originals``: bag id →
     the labels file's value); badly labelled bags are skipped, and so are bags the labels do not
     list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled). A bag
-    whose id the labels give but for spaces or a suffix (``s1.svs`` for ``s1``) is skipped naming
-    it either way: kept unlabelled, its label was lost without a word."""
+    whose id the labels give but for spaces, a suffix or letter case (``s1.svs`` or ``S1`` for
+    ``s1``) is skipped naming it either way: kept unlabelled, its label was lost without a word."""
     originals = originals or {}
     items, skipped = [], []
-    near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, built at the first miss
+    near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, case folded, built at the first miss
     composed: dict[str, Any] | None = None  # labels' ids in Unicode NFC, built at the first miss
     for bag_id, source, payload in candidates:
         if labels is None:
@@ -102,14 +102,15 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
             key = composed.get(unicodedata.normalize("NFC", bag_id), bag_id)
         label = labels.get(key)
         if label is None:
-            near_ids = {Path(str(k).strip()).stem: k for k in labels} if near_ids is None else near_ids
-            near = near_ids.get(bag_id)
+            near_ids = {Path(str(k).strip()).stem.casefold(): k for k in labels} if near_ids is None else near_ids
+            near = near_ids.get(bag_id.casefold())
             if near is None and Path(bag_id).suffix and Path(bag_id).stem in labels:  # 'x.ome' (x.ome.tif), labels 'x'
                 near = Path(bag_id).stem
             if near is None and keep_unlabelled:  # a bag the labels do not list: predicted, unlabelled
                 items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
                 continue
-            hint = (f" (it has {near!r}: ids must equal the file stem, without spaces or suffixes)" if near is not None else
+            hint = (f" (it has {near!r}: ids must equal the file stem, in its case, without spaces or suffixes)"
+                    if near is not None else
                     f" (its ids look like {', '.join(repr(k) for k in list(labels)[:2])})" if labels else "")
             label = MissingLabelError(f"no label in {labels_path}{hint}", path=source, bag_id=bag_id)
         if isinstance(label, Exception):
@@ -121,12 +122,14 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
 
 def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[str]:
     """The labels' ids that name no input of ``present`` (a folder's slide or file ids), compared in
-    Unicode NFC; an id that is a present one but for spaces or a suffix is said by
+    Unicode NFC; an id that is a present one but for spaces, a suffix or letter case is said by
     :func:`labelled_items` already (its near-id hint), not again, nor is one that a present id is
     but for a suffix (``x`` of ``x.ome.tif``'s id ``x.ome``)."""
-    found = {unicodedata.normalize("NFC", j) for i in present for j in (i, Path(i).stem)}
-    return [bag_id for bag_id in labels
-            if not {unicodedata.normalize("NFC", bag_id), unicodedata.normalize("NFC", Path(bag_id.strip()).stem)} & found]
+    def same(text: str) -> str:
+        return unicodedata.normalize("NFC", text).casefold()
+
+    found = {same(j) for i in present for j in (i, Path(i).stem)}
+    return [bag_id for bag_id in labels if not {same(bag_id), same(Path(bag_id.strip()).stem)} & found]
 
 
 def labelled_bags_without_file(labels: dict[str, Any], present: Iterable[str], labels_from: Any, folder: str | Path,
