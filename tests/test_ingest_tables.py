@@ -247,6 +247,26 @@ def test_an_h5_folder_none_of_whose_files_has_a_label_says_which_ids_the_labels_
             ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", labels_csv=tmp_path / "clin.csv")
 
 
+def test_a_torchmil_folder_whose_coords_cover_some_bags_skips_the_others_naming_their_missing_file(tmp_path):
+    """coords/ held files for b1 and b3 only: the store took its positions from b0 (none: instance
+    indices), kept the bags without coordinates and skipped the ones with them ('the store has 1
+    coordinate columns')."""
+    for folder in ("features", "labels", "coords"):
+        (tmp_path / folder).mkdir()
+    for i in range(4):
+        np.save(tmp_path / "features" / f"b{i}.npy", np.ones((3, 2), np.float32))
+        np.save(tmp_path / "labels" / f"b{i}.npy", np.array(i % 2))
+        if i % 2:
+            np.save(tmp_path / "coords" / f"b{i}.npy", np.arange(6).reshape(3, 2) * 224)
+    report = ingest_bag_files(tmp_path / "t.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                              coords_dir=tmp_path / "coords")
+    assert report.added == ("b1", "b3")
+    assert {s.bag_id: s.reason for s in report.skipped} == {
+        b: f"no coordinates file {b}.npy in {tmp_path / 'coords'}, where 2 other bag(s) have one: a cohort's positions are "
+           "given for every bag or for none" for b in ("b0", "b2")}
+    np.testing.assert_array_equal(open_cohort(tmp_path / "t.zarr").read_bags(0, 1).coords, np.arange(6).reshape(3, 2) * 224)
+
+
 def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_path):
     """A pickled inst_labels file is named (not the features file it sits beside); instance labels
     outside 0/1/-1 and an empty features file are refused per bag; the other bags are ingested."""

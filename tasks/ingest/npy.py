@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestReport, existing_n_features, ingested_from_elsewhere, run_ingest, summarise_left_out
+from tasks.ingest.driver import (IngestReport, Skipped, existing_n_features, ingested_from_elsewhere, run_ingest,
+                                 summarise_left_out)
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, binary, check_instance_labels, labelled_bags_without_file, labelled_items
 from tasks.store import CohortSpec, NonFinitePolicy, non_integer_coords
@@ -91,6 +92,12 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     if labels is not None:
         present = [p.stem for p in feature_files] + ingested_from_elsewhere(store, features_dir)
         skipped += labelled_bags_without_file(labels, present, labels_from, features_dir, ".npy")
+    if with_coords := sum(bool(item.payload["coords"]) for item in items):  # one cohort's positions: all given or none
+        skipped += [Skipped(path=str(Path(coords_dir) / f"{item.bag_id}.npy"), bag_id=item.bag_id, error="UnreadableFileError",
+                            reason=f"no coordinates file {item.bag_id}.npy in {coords_dir}, where {with_coords} other bag(s) "
+                                   "have one: a cohort's positions are given for every bag or for none")
+                    for item in items if not item.payload["coords"]]
+        items = [item for item in items if item.payload["coords"]]
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     n_features, coords_dim = existing_n_features(store), None
     for item in items:
