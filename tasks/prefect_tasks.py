@@ -589,7 +589,7 @@ def _ct_series_by_uid(sources: Any, logger: Any, moved_to: Path | None = None) -
     found: dict[str, Any] = {}
     for folder in outermost:
         if folder.is_dir():
-            for s in scan_dicom_dir(folder, one_per_scan=False)[0]:  # every series, as ingested: the store chose
+            for s in scan_dicom_dir(folder)[0]:
                 if s.series_uid not in found or len(s.files) > len(found[s.series_uid].files):
                     found[s.series_uid] = s  # a series in parts is whole where a folder holds all of them
     return found

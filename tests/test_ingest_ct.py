@@ -13,7 +13,8 @@ import pytest
 from pydicom.data import get_testdata_file
 
 from tasks.ingest.errors import IngestError
-from tasks.ingest.ct import ingest_ct, load_windowed_slices, order_slices, scan_dicom_dir, to_hu, windowed_channels
+from tasks.ingest.ct import (ingest_ct, load_windowed_slices, order_slices, scan_dicom_dir, studies_of_several_bags, to_hu,
+                             windowed_channels)
 from tasks.ingest.features import HandcraftedCT, extractor_spec, make_extractor, register_extractor
 from tasks.ingest.synthetic import make_ct_cohort, write_ct_series
 from tasks.store import open_cohort
@@ -451,55 +452,52 @@ def test_a_slice_written_without_file_meta_decodes(tmp_path):
     np.testing.assert_allclose(load_windowed_slices(series[0].files), windowed_channels(hu), atol=1e-6)
 
 
-def test_one_series_per_scan_of_a_patient_is_kept_in_any_layout_and_a_reformat_never_stands_in(tmp_path):
+def test_several_series_of_one_study_are_bags_named_in_a_warning_in_any_layout_and_a_reformat_never_stands_in(
+        tmp_path, caplog):
     """A CQ500-style study (thin and thick soft-kernel and a bone-kernel series, all ORIGINAL) in one
-    folder per series became three bags of one patient, silently; flat in one folder all three were
-    refused. A coronal reformat became the bag where the axial series was refused (a missing slice);
-    series whose StudyInstanceUID was anonymised away, flat in one folder, were refused as "one study"."""
+    folder per series became three bags of one patient without a word, and flat in one folder all
+    three were refused (the patient lost). Both layouts now keep each series and the ingest warns
+    naming the study's series. A coronal reformat became the bag where the axial series was refused
+    (a missing slice), and a dose page must not count as an original scan."""
+    import logging
+
+    from tasks.ingest.ct import plan_ct
+
     thin_uid, _, thin = write_ct_series(tmp_path / "cq500" / "CT PLAIN THIN", np.zeros((8, 16, 16)), series_key="thin",
                                         slice_thickness=0.625)
     _, _, thick = write_ct_series(tmp_path / "cq500" / "CT 5mm", np.zeros((4, 16, 16)), series_key="thick")
     thick_uid = _restudy(thick, "thick", thin, SeriesDescription="CT 5mm")
     _, _, bone = write_ct_series(tmp_path / "cq500" / "CT BONE", np.zeros((4, 16, 16)), series_key="bone")
     bone_uid = _restudy(bone, "bone", thin, SeriesDescription="CT BONE")
-    _, _, key_image = write_ct_series(tmp_path / "cq500" / "KEY", np.zeros((1, 16, 16)), series_key="key")
-    key_uid = _restudy(key_image, "key", thin)
-    _, _, chest = write_ct_series(tmp_path / "cq500" / "CHEST", np.zeros((3, 16, 16)), series_key="chest")
-    chest_uid = _restudy(chest, "chest", thin)
-    for k, path in enumerate(chest):  # the same study's chest series: below the head, another scan
-        ds = pydicom.dcmread(path)
-        ds.ImagePositionPatient = [-125.0, -125.0, -400.0 + 5.0 * k]
-        ds.save_as(path)
     other_uid, _, _ = write_ct_series(tmp_path / "cq500" / "other patient", np.zeros((4, 16, 16)), series_key="other")
-    series, errors = scan_dicom_dir(tmp_path / "cq500")
-    assert sorted(s.series_uid for s in series) == sorted([thin_uid, chest_uid, other_uid])
-    reasons = {e.bag_id: e.reason for e in errors}
-    assert set(reasons) == {thick_uid, bone_uid, key_uid}
-    assert reasons[bone_uid].startswith(f"another series of the scan of study {pydicom.dcmread(thin[0]).StudyInstanceUID} "
-                                        f"over the same slice positions as {thin_uid} (8 slices in "
-                                        f"{tmp_path / 'cq500' / 'CT PLAIN THIN'}), which is kept")
-    assert "the series with the most slices; to use this one, move the other out of the ingest source" in reasons[bone_uid]
     flat = tmp_path / "flat"
     flat.mkdir()
     for path in thick + bone + thin:
         (flat / path.name).write_bytes(path.read_bytes())
-    series, errors = scan_dicom_dir(flat)
-    assert [s.series_uid for s in series] == [thin_uid] and {e.bag_id for e in errors} == {thick_uid, bone_uid}
-    series, errors = scan_dicom_dir(flat, committed=[bone_uid])  # a store that holds the bone series keeps it
-    assert [s.series_uid for s in series] == [bone_uid] and "which is kept: one bag per scan of a patient (a reconstruction, " \
-        "a repeat, a key image or a copy would be the patient twice), the series already in the store" in errors[0].reason
+    study = pydicom.dcmread(thin[0]).StudyInstanceUID
+    patient = pydicom.dcmread(thin[0]).PatientID
+    for root, uids in ((tmp_path / "cq500", {thin_uid, thick_uid, bone_uid, other_uid}), (flat, {thin_uid, thick_uid, bone_uid})):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpmil.ingest"):
+            plan = plan_ct(tmp_path / "a.zarr", root, keep_unlabelled=True)
+        assert {item.bag_id for item in plan.items} == uids and not plan.skipped
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "gpmil.ingest"]
+        assert warning.startswith(f"1 CT study gives more than one bag (study {study} of patient {patient}: ")
+        assert f"{bone_uid} 'CT BONE' (4 slices in {Path(bone[0]).parent if root != flat else flat})" in warning
+        assert warning.endswith("the patient counts once per series in training and evaluation; keep the one series to "
+                                "use per scan under the ingest source")
 
     axial_uid, _, axial = write_ct_series(tmp_path / "study" / "AX", np.zeros((6, 16, 16)), series_key="axial")
     axial[3].unlink()  # a slice missing: the axial scan is refused
     _, _, coronal = write_ct_series(tmp_path / "study" / "COR_MPR", np.zeros((4, 16, 16)), series_key="coronal")
     coronal_uid = _restudy(coronal, "coronal", axial[:1], ["DERIVED", "SECONDARY", "REFORMATTED"])
     _, _, dose = write_ct_series(tmp_path / "study" / "DOSE", np.zeros((1, 16, 16)), series_key="dose")
-    _restudy(dose, "dose", axial[:1], ["ORIGINAL", "SECONDARY", "SCREEN SAVE"])  # a dose page: no original scan
+    dose_uid = _restudy(dose, "dose", axial[:1], ["ORIGINAL", "SECONDARY", "SCREEN SAVE"])  # a dose page saved as CT
     series, errors = scan_dicom_dir(tmp_path / "study")
     reasons = {e.bag_id: e.reason for e in errors}
-    assert not series and {axial_uid, coronal_uid} <= set(reasons)
-    assert f"of the study of the original series {axial_uid} (refused: see its entry)" in reasons[coronal_uid]
-    axial[4].unlink(), axial[5].unlink()
+    assert not series and set(reasons) == {axial_uid, coronal_uid, dose_uid}
+    assert f"of the study of the original series {axial_uid} (refused: see its entry): one series" in reasons[coronal_uid]
+    assert "is a screen capture (ImageType SCREEN SAVE: a dose page, a saved view), not a slice" in reasons[dose_uid]
     for path in axial:  # the study's only original series gone: the derived series is its scan (TCIA exports)
         path.unlink(missing_ok=True)
     assert [s.series_uid for s in scan_dicom_dir(tmp_path / "study")[0]] == [coronal_uid]
@@ -512,12 +510,11 @@ def test_one_series_per_scan_of_a_patient_is_kept_in_any_layout_and_a_reformat_n
             del ds.StudyInstanceUID
             ds.save_as(anonymised / path.name)
     series, errors = scan_dicom_dir(anonymised)
-    assert len(series) == 3 and not errors
+    assert len(series) == 3 and not errors and not studies_of_several_bags(series)
 
 
-def test_a_study_uid_an_export_gave_every_patient_groups_no_patients(tmp_path):
-    """200 patients exported with one fixed StudyInstanceUID: all were refused, each naming the
-    others (messages of 4.4 M characters in all)."""
+def test_a_study_uid_an_export_gave_every_patient_is_no_study_of_several_bags(tmp_path):
+    """Five patients (their own PatientIDs) exported with one fixed StudyInstanceUID are five scans."""
     first = None
     for k in range(5):
         _, _, paths = write_ct_series(tmp_path / f"P{k}", np.zeros((3, 16, 16)), series_key=f"p{k}")
@@ -527,15 +524,18 @@ def test_a_study_uid_an_export_gave_every_patient_groups_no_patients(tmp_path):
             ds.StudyInstanceUID = pydicom.dcmread(first[0]).StudyInstanceUID
             ds.save_as(path)
     series, errors = scan_dicom_dir(tmp_path)
-    assert len(series) == 5 and not errors
+    assert len(series) == 5 and not errors and not studies_of_several_bags(series)
 
 
 def _restack(root: Path, key: str, positions: np.ndarray, thickness: np.ndarray) -> Path:
-    """A series whose slices lie at ``positions`` (mm along the normal), each of its ``thickness``."""
+    """A series whose slices lie at ``positions`` (mm along the normal), each of its ``thickness``
+    (None: no SliceThickness)."""
     _, _, paths = write_ct_series(root / key, np.zeros((positions.size, 16, 16)), series_key=key)
     for path, z, mm in zip(paths, positions, thickness):
         ds = pydicom.dcmread(path)
-        ds.ImagePositionPatient, ds.SliceThickness = [-125.0, -125.0, float(z)], float(mm)
+        ds.ImagePositionPatient, ds.SliceThickness = [-125.0, -125.0, float(z)], mm
+        if mm is None:
+            del ds.SliceThickness
         ds.save_as(path)
     return root / key
 
@@ -553,6 +553,10 @@ def test_a_head_protocol_of_thin_then_thick_slices_is_one_scan_whichever_part_is
     missing = np.delete(z, thin + thick // 2)  # a slice missing inside the thick run: still refused
     series, errors = scan_dicom_dir(_restack(tmp_path, "missing", missing, np.delete(protocol, thin + thick // 2)))
     assert not series and len(errors) == 1, [e.reason for e in errors]
+    unreadable = protocol.astype(object)
+    unreadable[1] = None  # one slice without SliceThickness: the others decide
+    series, errors = scan_dicom_dir(_restack(tmp_path, "one without", z, unreadable))
+    assert not errors and len(series[0].files) == thin + thick
     if thin - 1 > thick:  # one SliceThickness: every other slice lost where the median step is the thin one (refused before)
         series, errors = scan_dicom_dir(_restack(tmp_path, "lost", z, np.full(z.size, thin_mm)))
         assert not series and "slices missing at regular intervals" in errors[0].reason

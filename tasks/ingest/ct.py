@@ -32,13 +32,14 @@ import numpy as np
 
 from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, run_ingest
 from tasks.ingest.errors import IngestError, InvalidSeriesError, MissingLabelError, UnreadableFileError
-from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label, open_cohort
+from tasks.store import UNKNOWN_LABEL, CohortSpec, encode_original_label
 
 WINDOWS: tuple[tuple[str, float, float], ...] = (("brain", 40.0, 80.0), ("blood", 80.0, 200.0),
                                                   ("soft_tissue", 40.0, 380.0))
 _HEADER_TAGS = ["SeriesInstanceUID", "SOPInstanceUID", "StudyInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
                 "InstanceNumber", "Modality", "RescaleSlope", "RescaleIntercept", "Rows", "Columns", "NumberOfFrames", "ImageType",
-                "AcquisitionNumber", "SeriesDescription", "SliceThickness", "PatientID", "FrameOfReferenceUID"]
+                "AcquisitionNumber", "SeriesDescription", "SliceThickness", "PatientID"]
+log = logging.getLogger("gpmil.ingest")
 GAP_FACTOR = 1.5  # a spacing this many times the series' median spacing means a missing slice
 POSITION_TOL_MM = 1e-3
 ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another plane (a scout, a second stack)
@@ -46,12 +47,15 @@ ORIENTATION_TOL = 1e-3  # direction cosines further apart than this: another pla
 
 @dataclass(frozen=True)
 class CTSeries:
-    """One series: its UID, its files/SOP UIDs in spatial order and its study's UID ('' if none)."""
+    """One series: its UID, its files/SOP UIDs in spatial order, its study's UID, PatientID and
+    SeriesDescription ('' where the header has none)."""
 
     series_uid: str
     files: tuple[str, ...]
     sop_uids: tuple[str, ...]
     study_uid: str = ""
+    patient_id: str = ""
+    description: str = ""
 
 
 def to_hu(ds) -> np.ndarray:
@@ -109,21 +113,18 @@ def order_slices(headers: list) -> list[int]:
     return sorted(range(len(headers)), key=lambda i: int(headers[i].get("InstanceNumber", 0) or 0))
 
 
-def scan_dicom_files(paths: Iterable[str | Path], *, committed: Iterable[str] = (), one_per_scan: bool = True
-                     ) -> tuple[list[CTSeries], list[IngestError]]:
+def scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError]]:
     """Read the headers of ``paths``, group them into series and order each series.
 
     Returns the series (sorted by UID) and an error for every file that is not a readable DICOM
-    image with a SeriesInstanceUID, for every series :func:`check_series` refuses and (with
-    ``one_per_scan``) for every other series of a patient's scan (:func:`_one_series_per_scan`;
-    ``committed``: series UIDs already in the store, kept first).
+    image with a SeriesInstanceUID, for every series :func:`check_series` refuses and for every
+    derived series of a study with an original scan (:func:`_drop_derived_beside_original`).
     """
     with quiet_pydicom():  # values are converted, and warned about, when first read
-        series, errors, groups = _scan_dicom_files(paths)
-    return _one_series_per_scan(series, errors, groups, set(committed)) if one_per_scan else (series, errors)
+        return _scan_dicom_files(paths)
 
 
-def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError], dict[str, list]]:
+def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list[IngestError]]:
     groups: dict[str, list] = defaultdict(list)
     errors: list[IngestError] = []
     for path in sorted(str(p) for p in paths):
@@ -144,9 +145,10 @@ def _scan_dicom_files(paths: Iterable[str | Path]) -> tuple[list[CTSeries], list
         if problem is not None:
             errors.append(problem)
             continue
+        header = members[0][2]
         series.append(CTSeries(series_uid, tuple(m[0] for m in members), tuple(m[1] for m in members),
-                               _tag(members[0][2], "StudyInstanceUID")))
-    return series, errors, groups
+                               _tag(header, "StudyInstanceUID"), _tag(header, "PatientID"), _tag(header, "SeriesDescription")))
+    return _drop_derived_beside_original(series, errors, groups)
 
 
 def read_header(path: str):
@@ -276,8 +278,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
             if gaps.size > 1 and np.ptp(steps[gaps]) <= 0.05 * median:  # one other spacing, several times
                 return refuse(f"slices {median:.2f} mm apart ({steps.size - gaps.size} steps) and {steps[k]:.2f} mm apart "
                               f"({gaps.size} steps, the first {where}): slices missing at regular intervals, or spacings "
-                              "that alternate; evenly spaced slices are expected (or two evenly spaced runs, one after the "
-                              "other)")
+                              "that alternate; evenly spaced slices are expected (or two evenly spaced runs one after the "
+                              "other, each of its own SliceThickness)")
             return refuse(f"gap of {steps[k]:.2f} mm {where} (median spacing {median:.2f} mm): a slice is missing or unreadable")
         if interleaved := _interleaved_acquisitions(headers, z):
             return refuse(f"the slices of acquisitions {interleaved[0]} and {interleaved[1]} lie between one another along "
@@ -307,7 +309,11 @@ def _two_even_spacings(steps: np.ndarray, thickness: np.ndarray, *, tol: float =
     first, second = steps[:changes[0] + 1], steps[changes[0] + 1:]
     if min(first.size, second.size) < min_steps or any(np.ptp(run) > tol * run.mean() for run in (first, second)):
         return False
-    thin, thick = np.median(thickness[:first.size]), np.median(thickness[first.size + 1:])  # the slice between: either
+    def typical(values: np.ndarray) -> float:  # a slice without a readable SliceThickness does not decide
+        given = values[np.isfinite(values)]
+        return float(np.median(given)) if 2 * given.size > values.size else float("nan")
+
+    thin, thick = typical(thickness[:first.size]), typical(thickness[first.size + 1:])  # the slice between: either
     return bool(np.isfinite(thin) and np.isfinite(thick) and abs(thick - thin) > tol * min(thin, thick))
 
 
@@ -316,14 +322,6 @@ def _slice_thickness(header) -> float:
         return float(header.SliceThickness)
     except (AttributeError, TypeError, ValueError):
         return float("nan")
-
-
-def _patient_scan_key(header) -> tuple[str, str] | None:
-    """What ties series to one patient's acquisition: the StudyInstanceUID (else the
-    FrameOfReferenceUID, which the reconstructions of one acquisition share) with the PatientID (a
-    study UID an export gave every patient is not one study); None where neither UID is left."""
-    uid = _tag(header, "StudyInstanceUID") or _tag(header, "FrameOfReferenceUID")
-    return (uid, _tag(header, "PatientID")) if uid else None
 
 
 def _is_derived(members: list) -> bool:
@@ -341,76 +339,63 @@ def _is_original_scan(members: list) -> bool:
             and all(tag in header for tag in ("RescaleSlope", "RescaleIntercept")))
 
 
-def _extent(members: list) -> tuple[float, float] | None:
-    """The range of a series' slices along the patient's feet–head axis (ImagePositionPatient z,
-    mm), or None without positions."""
-    try:
-        z = [float(header.ImagePositionPatient[2]) for _, _, header in members]
-    except (AttributeError, TypeError, ValueError, IndexError):
-        return None
-    return min(z), max(z)
-
-
-def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
-    """Two series over the same part of the body (unknown extents are taken to be)."""
-    return a is None or b is None or (a[0] <= b[1] and b[0] <= a[1])
-
-
-def _described(s: CTSeries, groups: dict[str, list]) -> str:
-    description = _tag(groups[s.series_uid][0][2], "SeriesDescription")
-    return (f"{s.series_uid}{f' {description!r}' if description else ''} ({_slices(len(s.files))} in "
-            f"{Path(s.files[0]).parent})")
+def _study_of(header) -> tuple[str, str] | None:
+    """A series' study and patient (StudyInstanceUID, PatientID); None without a study UID."""
+    return (study, _tag(header, "PatientID")) if (study := _tag(header, "StudyInstanceUID")) else None
 
 
 def _slices(n: int) -> str:
     return f"{n} slice{'' if n == 1 else 's'}"
 
 
-def _one_series_per_scan(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list],
-                         committed: set[str]) -> tuple[list[CTSeries], list[IngestError]]:
-    """One bag per scan of a patient, wherever its series sit (one folder per series, as CQ500
-    ships, or all flat in one folder): series of one study and patient (:func:`_patient_scan_key`)
-    over the same part of the body (their feet–head ranges overlap) are reconstructions (thin and
-    thick, soft and bone kernel), a repeat, a key image or a copy of one scan. One is kept — one
-    already in the store (``committed``), else the one with the most slices — and each other is
-    refused naming it; a head and a chest series of one study are two scans. A derived series
-    (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study with an original CT series, even a
-    refused one, is refused naming it: the reformat is no stand-in for the axial scan. Series without
-    study or frame-of-reference UIDs (anonymised away) share nothing."""
+def _drop_derived_beside_original(series: list[CTSeries], errors: list[IngestError], groups: dict[str, list]
+                                  ) -> tuple[list[CTSeries], list[IngestError]]:
+    """A derived series (ImageType ``DERIVED``: a coronal reformat, a MIP) of a study (and patient)
+    that has an original CT series is refused naming it: it is the same patient's scan again (as
+    its own bag, in training and test both), wherever it sits — also where the original was refused
+    (a missing slice): a reformat is no stand-in for the axial scan. A derived series alone is kept."""
     originals: dict[tuple[str, str], list[str]] = defaultdict(list)
     for uid, members in sorted(groups.items()):
-        if (key := _patient_scan_key(members[0][2])) and _is_original_scan(members):
-            originals[key].append(uid)
-    derived, by_patient = [], defaultdict(list)
+        if (study := _study_of(members[0][2])) and _is_original_scan(members):
+            originals[study].append(uid)
+    passed = {s.series_uid for s in series}
+    kept = []
     for s in series:
-        key = _patient_scan_key(groups[s.series_uid][0][2])
-        (derived if _is_derived(groups[s.series_uid]) and originals.get(key) else by_patient[key]).append(s)
-    kept: list[CTSeries] = list(by_patient.pop(None, []))
-    for candidates in by_patient.values():
-        rest = sorted(candidates, key=lambda s: (s.series_uid not in committed, -len(s.files), s.series_uid))
-        while rest:
-            chosen, extent = rest[0], _extent(groups[rest[0].series_uid])
-            kept.append(chosen)
-            same = [s for s in rest[1:] if _overlap(extent, _extent(groups[s.series_uid]))]
-            why = "already in the store" if chosen.series_uid in committed else "with the most slices"
-            for s in same:
-                errors.append(InvalidSeriesError(
-                    f"another series of the scan of study {s.study_uid or '(no StudyInstanceUID)'} over the same slice "
-                    f"positions as {_described(chosen, groups)}, which is kept: one bag per scan of a patient (a "
-                    f"reconstruction, a repeat, a key image or a copy would be the patient twice), the series {why}; to "
-                    "use this one, move the other out of the ingest source", path=str(Path(s.files[0]).parent),
-                    bag_id=s.series_uid))
-            rest = [s for s in rest[1:] if s not in same]
-    uids = {s.series_uid for s in kept}
-    for s in derived:
         header = groups[s.series_uid][0][2]
-        names = originals[_patient_scan_key(header)]
-        refused = "" if uids & set(names) else f" (refused: see {'its entry' if len(names) == 1 else 'their entries'})"
+        if not (_is_derived(groups[s.series_uid]) and (names := originals.get(_study_of(header)))):
+            kept.append(s)
+            continue
+        named = ", ".join(f"{uid}{'' if uid in passed else ' (refused: see its entry)'}" for uid in names[:3])
         errors.append(InvalidSeriesError(
             f"a derived series (ImageType {chr(92).join(_image_type(header))}: a reformat or reconstruction) of the study "
-            f"of the original series {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-            f"{refused}: one series per scan, the original", path=str(Path(s.files[0]).parent), bag_id=s.series_uid))
-    return sorted(kept, key=lambda s: s.series_uid), errors
+            f"of the original series {named}{f' and {len(names) - 3} more' if len(names) > 3 else ''}: one series per "
+            "scan, the original", path=str(Path(s.files[0]).parent), bag_id=s.series_uid))
+    return kept, errors
+
+
+def studies_of_several_bags(series: Iterable[CTSeries]) -> dict[tuple[str, str], list[CTSeries]]:
+    """The studies (StudyInstanceUID and PatientID) that give more than one series a bag: thin and
+    thick or soft and bone reconstructions, a repeat or a copy of one scan count the patient as
+    often in training and evaluation; a head and a chest scan of one study are fine. Which series
+    is a patient's scan is the user's choice (none is dropped for it)."""
+    by_study: dict[tuple[str, str], list[CTSeries]] = defaultdict(list)
+    for s in series:
+        if s.study_uid:
+            by_study[(s.study_uid, s.patient_id)].append(s)
+    return {study: members for study, members in by_study.items() if len(members) > 1}
+
+
+def several_bags_warning(several: dict[tuple[str, str], list[CTSeries]], shown: int = 3) -> str:
+    """One line on :func:`studies_of_several_bags`: the first ``shown`` studies with their series."""
+    def described(s: CTSeries) -> str:
+        return f"{s.series_uid}{f' {s.description!r}' if s.description else ''} ({_slices(len(s.files))} in {Path(s.files[0]).parent})"
+
+    first = "; ".join(f"study {study} of patient {patient or '(no PatientID)'}: {', '.join(map(described, members))}"
+                      for (study, patient), members in list(several.items())[:shown])
+    more = f"; and {len(several) - shown} more" if len(several) > shown else ""
+    return (f"{len(several)} CT stud{'y gives' if len(several) == 1 else 'ies give'} more than one bag ({first}{more}): "
+            "where these are reconstructions, a repeat or a copy of one scan, the patient counts once per series in "
+            "training and evaluation; keep the one series to use per scan under the ingest source")
 
 
 def _interleaved_acquisitions(headers: list, z: np.ndarray) -> tuple[str, str] | None:
@@ -437,8 +422,7 @@ def _not_an_image(path: Path) -> bool:
     return path.suffix.lower() in _NOT_IMAGES or path.name.upper() in ("DICOMDIR", "README", "LICENSE")
 
 
-def scan_dicom_dir(root: str | Path, *, committed: Iterable[str] = (), one_per_scan: bool = True
-                   ) -> tuple[list[CTSeries], list[IngestError]]:
+def scan_dicom_dir(root: str | Path) -> tuple[list[CTSeries], list[IngestError]]:
     """:func:`scan_dicom_files` over every file under ``root`` (any extension; hidden files, DICOMDIR
     indexes, READMEs and files whose suffix says they are no slice — CSV, text, PDF, JPEG … — skipped)."""
     from tasks.ingest.labels import split_undecodable
@@ -446,7 +430,7 @@ def scan_dicom_dir(root: str | Path, *, committed: Iterable[str] = (), one_per_s
     files, undecodable = split_undecodable(
         p for p in Path(root).rglob("*")
         if p.is_file() and not p.name.startswith(".") and not _not_an_image(p))
-    series, errors = scan_dicom_files(files, committed=committed, one_per_scan=one_per_scan)
+    series, errors = scan_dicom_files(files)
     return series, errors + [UnreadableFileError(s.reason, path=s.path) for s in undecodable]
 
 
@@ -567,8 +551,9 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
     from tasks.ingest.features import HandcraftedCT, extractor_spec
 
     extractor = extractor or HandcraftedCT()
-    committed = open_cohort(store).bag_ids if (Path(store) / "zarr.json").is_file() else []
-    series, errors = scan_dicom_dir(dicom_root, committed=committed)
+    series, errors = scan_dicom_dir(dicom_root)
+    if several := studies_of_several_bags(series):
+        log.warning("%s", several_bags_warning(several))
     skipped = [Skipped.from_error(error) for error in errors]
     subtypes = None if labels_csv is None else read_rsna_subtypes(labels_csv)
     items = []
