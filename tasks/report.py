@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -163,27 +164,32 @@ def instance_table(store: str | Path, run: str) -> pd.DataFrame:
 
 
 def tile_geojson(xy: np.ndarray, side: float, scores: np.ndarray, std: np.ndarray, *,
-                 kind: ScoreKind = "probability", bag_id: str | None = None) -> dict[str, Any]:
-    """A GeoJSON FeatureCollection QuPath imports: one square tile per instance in level-0 pixels,
-    with its score and std as measurements (a value a model does not give — AbSMIL's std — is left
-    out: JSON has no NaN). ``bag_id`` is kept as the collection's ``bag_id`` member (RFC 7946 §6.1),
-    since the file name is a filesystem-safe form of it."""
-    features = []
-    for (x, y), score, sd in zip(np.asarray(xy, dtype=float), scores, std):
-        ring = [[x, y], [x + side, y], [x + side, y + side], [x, y + side], [x, y]]
-        measurements = {name: float(v) for name, v in ((kind, score), ("std", sd)) if np.isfinite(v)}
-        features.append({"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [ring]},
-                         "properties": {"objectType": "tile", "isLocked": True,
-                                        "classification": {"name": "gpmil tile"}, "measurements": measurements}})
-    return {"type": "FeatureCollection", **({} if bag_id is None else {"bag_id": str(bag_id)}), "features": features}
+                 kind: ScoreKind = "probability", bag_id: str | None = None) -> str:
+    """A GeoJSON FeatureCollection QuPath imports, as compact JSON text: one square tile per
+    instance in level-0 pixels, with its score and std as measurements (a value a model does not
+    give — AbSMIL's std — is left out: JSON has no NaN). ``bag_id`` is kept as the collection's
+    ``bag_id`` member (RFC 7946 §6.1), since the file name is a filesystem-safe form of it. Written
+    as text, tile by tile (a slide of 10⁵ tiles built as dicts and dumped took 45 µs a tile)."""
+    xy, side = np.asarray(xy, dtype=float), float(side)
+    if not (np.isfinite(xy).all() and math.isfinite(side)):
+        raise ValueError("tile corners and side must be finite numbers (JSON has no NaN or infinity)")
+    names = (json.dumps(kind), '"std"')
+    lines = []
+    for (x, y), score, sd in zip(xy.tolist(), np.asarray(scores, dtype=float).tolist(), np.asarray(std, dtype=float).tolist()):
+        right, bottom = x + side, y + side
+        measurements = ",".join(f"{name}:{value!r}" for name, value in zip(names, (score, sd)) if math.isfinite(value))
+        lines.append(f'{{"type":"Feature","geometry":{{"type":"Polygon","coordinates":[[[{x!r},{y!r}],[{right!r},{y!r}],'
+                     f'[{right!r},{bottom!r}],[{x!r},{bottom!r}],[{x!r},{y!r}]]]}},"properties":{{"objectType":"tile",'
+                     f'"isLocked":true,"classification":{{"name":"gpmil tile"}},"measurements":{{{measurements}}}}}}}')
+    named = "" if bag_id is None else f',"bag_id":{json.dumps(str(bag_id))}'
+    return f'{{"type":"FeatureCollection"{named},"features":[{",".join(lines)}]}}'
 
 
-def write_geojson(collection: dict[str, Any], path: str | Path) -> Path:
-    """Write ``collection`` as strict JSON (a NaN is refused, not written as the bare ``NaN`` that
-    JSON parsers reject)."""
+def write_geojson(text: str, path: str | Path) -> Path:
+    """Write :func:`tile_geojson`'s text (its parent folders made as needed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(collection, separators=(",", ":"), allow_nan=False))
+    path.write_text(text)
     return path
 
 

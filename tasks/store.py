@@ -246,7 +246,7 @@ def _build_empty_cohort(root: zarr.Group, spec: CohortSpec) -> None:
                       fill_value=UNKNOWN_LABEL, **numeric)
     bags.create_array("done", shape=(0,), chunks=(BAG_CHUNK,), dtype=bool, fill_value=False)
     root.create_group("staging")
-    root.attrs.update({
+    root.update_attributes({
         "schema_version": SCHEMA_VERSION,
         "cohort_name": spec.name,
         "n_features": spec.n_features,
@@ -726,7 +726,7 @@ class StagingWriter:
         self._n_features, self._coords_dim = root.attrs["n_features"], root.attrs["coords_dim"]
         self._chunk_rows = root.attrs["chunk_rows"]
         self._group = root["staging"].create_group(staging_key(bag_id), overwrite=True)
-        self._group.attrs.update({"bag_id": bag_id, "label": int(label), "source": source,
+        self._group.update_attributes({"bag_id": bag_id, "label": int(label), "source": source,
                                   "original_label": original_label, "input_stamp": input_stamp, "complete": False})
         self._arrays = {
             "features": self._create("features", (0, self._n_features), FEATURE_DTYPE),
@@ -782,7 +782,7 @@ class StagingWriter:
         if self.n_instances == 0 and self.n_dropped:
             raise NonFiniteFeaturesError(f"all {self.n_dropped} instances have NaN or infinite features",
                                          path=self.source, bag_id=self.bag_id)
-        self._group.attrs.update({"n_instances": self.n_instances, "n_dropped_nonfinite": self.n_dropped, "complete": True})
+        self._group.update_attributes({"n_instances": self.n_instances, "n_dropped_nonfinite": self.n_dropped, "complete": True})
         return self.n_instances
 
 

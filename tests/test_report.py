@@ -191,18 +191,26 @@ def test_geojson_is_strict_json_without_the_values_a_model_does_not_give_and_nam
     reject; nor did a file say which bag it was (its name is a filesystem-safe form of the id)."""
     import json
 
-    collection = report.tile_geojson(np.array([[0, 0], [256, 0]]), 256.0, np.array([0.2, 0.9]), np.array([np.nan, 0.1]),
-                                     bag_id="ünï|ß 007")
-    path = report.write_geojson(collection, tmp_path / "g.geojson")
+    text = report.tile_geojson(np.array([[0, 0], [256, 0]]), np.float64(256.0), np.array([0.2, 0.9]),
+                               np.array([np.nan, 0.1]), bag_id='ünï|ß "007"')
+    path = report.write_geojson(text, tmp_path / "g.geojson")
 
     def no_constants(name):
         raise AssertionError(f"{name} in the GeoJSON")
 
     read = json.loads(path.read_text(), parse_constant=no_constants)
-    assert read["bag_id"] == "ünï|ß 007"
-    assert [f["properties"]["measurements"] for f in read["features"]] == [{"probability": 0.2}, {"probability": 0.9, "std": 0.1}]
-    with pytest.raises(ValueError):
-        report.write_geojson({"type": "FeatureCollection", "features": [], "x": float("nan")}, tmp_path / "nan.geojson")
+    assert read == {"type": "FeatureCollection", "bag_id": 'ünï|ß "007"', "features": [
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[x, 0.0], [x + 256, 0.0], [x + 256, 256.0],
+                                                                            [x, 256.0], [x, 0.0]]]},
+         "properties": {"objectType": "tile", "isLocked": True, "classification": {"name": "gpmil tile"},
+                        "measurements": measurements}}
+        for x, measurements in ((0.0, {"probability": 0.2}), (256.0, {"probability": 0.9, "std": 0.1}))]}
+    scores = np.random.default_rng(0).uniform(size=50)  # values written exactly (Python's shortest repr, as json's)
+    written = json.loads(report.tile_geojson(np.zeros((50, 2)), 1.0, scores, scores / 3, kind="evidence"))
+    assert [f["properties"]["measurements"] for f in written["features"]] == [
+        {"evidence": a, "std": b} for a, b in zip(scores.tolist(), (scores / 3).tolist())]
+    with pytest.raises(ValueError, match="finite"):
+        report.tile_geojson(np.array([[np.nan, 0.0]]), 256.0, np.array([0.5]), np.array([0.1]))
 
 
 def test_a_bag_not_predicted_is_neither_positive_nor_negative_and_is_not_evaluated():

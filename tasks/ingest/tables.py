@@ -398,8 +398,8 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
         def bags() -> Iterator[BagData]:
             nonlocal rows_added
             for b, bag_id in enumerate(map(str, ids)):
-                rows = order[offsets[b]:offsets[b + 1]]
-                rows = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else rows
+                file_rows = order[offsets[b]:offsets[b + 1]]  # the bag's rows in the file
+                rows = slice(file_rows[0], file_rows[-1] + 1) if file_rows[-1] - file_rows[0] == len(file_rows) - 1 else file_rows
                 labels = _distinct_labels(np.asarray(table.labels[rows]))
                 shown = [int(v) if isinstance(v, float) and v.is_integer() else v for v in labels if v is not None]
                 if None in labels:
@@ -450,14 +450,14 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                     continue
                 with np.errstate(over="ignore"):  # float32 overflow is reported as infinite
                     stored = features.astype(FEATURE_DTYPE)
-                bad_cells = [table.row_problems[r] for r in np.arange(n)[rows] if r in table.row_problems]
+                bad_cells = [table.row_problems[r] for r in file_rows.tolist() if r in table.row_problems] if table.row_problems else []
                 if bad_cells and nonfinite == "reject":
                     skipped.append(Skipped.from_error(BadValueError(
                         bad_cells[0] + (f" (and {len(bad_cells) - 1} more rows)" if len(bad_cells) > 1 else ""),
                         path=table.source, bag_id=bag_id)))
                     continue
                 try:
-                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=np.arange(n)[rows],
+                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=file_rows,
                                        column_names=table.feature_names)
                 except NonFiniteFeaturesError as error:
                     skipped.append(Skipped.from_error(error))

@@ -46,7 +46,7 @@ class Checkpoint:
     def save_model(self, model: SparseGPMILBase, partitions: Sequence[Partition], scaling: FeatureScaling | None) -> None:
         group = self._group()
         _write_bytes(group, "model", persist.dumps((model, scaling)))
-        group.attrs.update({"partitions": [[p.bag_start, p.bag_stop] for p in partitions], "latest": None})
+        group.update_attributes({"partitions": [[p.bag_start, p.bag_stop] for p in partitions], "latest": None})
 
     def load_model(self, partitions: Sequence[Partition]) -> tuple[SparseGPMILBase, FeatureScaling | None]:
         group = self._group()
