@@ -3,7 +3,7 @@
     gpmil run CONFIG              ingest → train → predict → evaluate (reruns skip done work)
     gpmil ingest|train CONFIG     one stage
     gpmil predict CONFIG MODEL_DIR [--store STORE] [--source NEW_FOLDER [--labels FILE]]
-    gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY
+    gpmil evaluate CONFIG MODEL_DIR PREDICTION_KEY [--store STORE]   STORE: the predicted cohort (default: the config's)
     gpmil serve CONFIG [--cron "0 2 * * *" [--timezone Europe/Berlin]]   a long-running served deployment (Prefect UI)
     gpmil demo [DIR]              synthetic WSI and CT cohorts: train, then evaluate on held-out cohorts
     gpmil cv CSV                  5-fold bag cross-validation on a MIL feature table
