@@ -463,8 +463,8 @@ def test_several_series_of_one_study_are_bags_named_in_a_warning_in_any_layout_a
 
     from tasks.ingest.ct import plan_ct
 
-    thin_uid, _, thin = write_ct_series(tmp_path / "cq500" / "CT PLAIN THIN", np.zeros((8, 16, 16)), series_key="thin",
-                                        slice_thickness=0.625)
+    thin_uid, thin_sops, thin = write_ct_series(tmp_path / "cq500" / "CT PLAIN THIN", np.zeros((8, 16, 16)),
+                                                series_key="thin", slice_thickness=0.625)
     _, _, thick = write_ct_series(tmp_path / "cq500" / "CT 5mm", np.zeros((4, 16, 16)), series_key="thick")
     thick_uid = _restudy(thick, "thick", thin, SeriesDescription="CT 5mm")
     _, _, bone = write_ct_series(tmp_path / "cq500" / "CT BONE", np.zeros((4, 16, 16)), series_key="bone")
@@ -486,6 +486,11 @@ def test_several_series_of_one_study_are_bags_named_in_a_warning_in_any_layout_a
         assert f"{bone_uid} 'CT BONE' (4 slices in {Path(bone[0]).parent if root != flat else flat})" in warning
         assert warning.endswith("the patient counts once per series in training and evaluation; keep the one series to "
                                 "use per scan under the ingest source")
+    (tmp_path / "labels.csv").write_text("ID,Label\n" + "".join(f"ID_{sop}_any,0\n" for sop in thin_sops))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpmil.ingest"):  # only the thin series is labelled: one bag, no warning
+        plan = plan_ct(tmp_path / "b.zarr", flat, labels_csv=tmp_path / "labels.csv")
+    assert [item.bag_id for item in plan.items] == [thin_uid] and not caplog.records
 
     axial_uid, _, axial = write_ct_series(tmp_path / "study" / "AX", np.zeros((6, 16, 16)), series_key="axial")
     axial[3].unlink()  # a slice missing: the axial scan is refused

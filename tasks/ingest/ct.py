@@ -552,8 +552,6 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
 
     extractor = extractor or HandcraftedCT()
     series, errors = scan_dicom_dir(dicom_root)
-    if several := studies_of_several_bags(series):
-        log.warning("%s", several_bags_warning(several))
     skipped = [Skipped.from_error(error) for error in errors]
     subtypes = None if labels_csv is None else read_rsna_subtypes(labels_csv)
     items = []
@@ -594,4 +592,7 @@ def plan_ct(store: str | Path, dicom_root: str | Path, *, labels_csv: str | Path
                       tiling={"instance": "slice", "windows": [list(w) for w in WINDOWS]}, instance_ids="SOPInstanceUID",
                       labels=None if labels_csv is None else {"file": str(labels_csv), "column": "RSNA subtypes of the slices",
                                                               "target": "any", "positive": None})
+    planned = {item.bag_id for item in items}  # a series the labels leave out is no second bag
+    if several := studies_of_several_bags(s for s in series if s.series_uid in planned):
+        log.warning("%s", several_bags_warning(several))
     return IngestPlan(spec, items, skipped, functools.partial(ct_bag_writer, extractor=extractor, batch_size=batch_size))
