@@ -603,3 +603,14 @@ def test_the_report_finds_a_series_whole_when_its_slices_sit_in_another_patients
     assert sources == {p00: str(tmp_path), p01: str(tmp_path / "P01")}
     found = _ct_series_by_uid(sources.values(), logging.getLogger("test"))
     assert found[p00].sop_uids == tuple(sops) and len(found[p01].files) == 4
+
+
+def test_the_several_bags_warning_names_a_few_series_of_a_study_of_thousands():
+    """An anonymiser that gave 20,000 series one study UID and PatientID made one warning line of
+    869,153 characters."""
+    from tasks.ingest.ct import CTSeries, several_bags_warning
+
+    series = [CTSeries(f"1.2.{k}", (f"/d/{k}/a.dcm",), (f"1.3.{k}",), "ANON.STUDY", "ANONYMOUS") for k in range(20_000)]
+    warning = several_bags_warning(studies_of_several_bags(series))
+    assert "1.2.0 (1 slice in /d/0), 1.2.1 (1 slice in /d/1), 1.2.2 (1 slice in /d/2) and 19997 more series" in warning
+    assert len(warning) < 600

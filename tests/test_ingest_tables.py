@@ -265,6 +265,21 @@ def test_a_torchmil_folder_whose_coords_cover_some_bags_skips_the_others_naming_
         b: f"no coordinates file {b}.npy in {tmp_path / 'coords'}, where 2 other bag(s) have one: a cohort's positions are "
            "given for every bag or for none" for b in ("b0", "b2")}
     np.testing.assert_array_equal(open_cohort(tmp_path / "t.zarr").read_bags(0, 1).coords, np.arange(6).reshape(3, 2) * 224)
+    night = tmp_path / "night2"  # the next night's folder beside the store's: its kind is the store's
+    for folder in ("features", "labels", "coords"):
+        (night / folder).mkdir(parents=True)
+    for i in range(2):
+        np.save(night / "features" / f"n{i}.npy", np.ones((3, 2), np.float32))
+        np.save(night / "labels" / f"n{i}.npy", np.array(i))
+    np.save(night / "coords" / "n1.npy", np.arange(6).reshape(3, 2))
+    report = ingest_bag_files(tmp_path / "t.zarr", night / "features", labels_dir=night / "labels", coords_dir=night / "coords")
+    assert report.added == ("n1",) and [s.bag_id for s in report.skipped] == ["n0"]
+    assert "the store " in report.skipped[0].reason and "holds positions for its bags" in report.skipped[0].reason
+    plain = ingest_bag_files(tmp_path / "plain.zarr", tmp_path / "features", labels_dir=tmp_path / "labels")  # no coords/
+    assert plain.added == ("b0", "b1", "b2", "b3")
+    report = ingest_bag_files(tmp_path / "plain.zarr", night / "features", labels_dir=night / "labels", coords_dir=night / "coords")
+    assert report.added == ("n0",) and [s.bag_id for s in report.skipped] == ["n1"]  # was: StoreMismatchError, nothing added
+    assert "holds instance indices for its bags" in report.skipped[0].reason
 
 
 def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_path):
@@ -759,3 +774,18 @@ def test_a_new_cohorts_bag_whose_id_the_labels_give_with_a_suffix_is_named_not_k
     assert [(s.bag_id, s.reason) for s in report.skipped] == [
         ("s1", f"no label in {tmp_path / 'labels.csv'} (it has 's1.svs': ids must equal the file stem, in its case, without spaces or suffixes)")]
     assert list(open_cohort(tmp_path / "k.zarr").bag_labels) == [0, -1]
+
+
+def test_a_file_whose_id_differs_from_another_present_file_only_by_case_is_its_own_bag(tmp_path):
+    """Case7.h5 and case7.h5 side by side, the labels naming Case7: case7 was skipped as a near miss
+    of 'Case7' (and with the labels' case8 row, a labels row of a missing file went unreported)."""
+    from tasks.ingest.labels import ids_without_input
+
+    (tmp_path / "h5").mkdir()
+    for stem in ("Case7", "case7", "case8"):
+        write_h5(tmp_path / "h5" / f"{stem}.h5", np.zeros((2, 3), np.float32), np.zeros((2, 2)))
+    (tmp_path / "labels.csv").write_text("slide_id,label\nCase7,1\ncase8,0\n")
+    report = ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", tmp_path / "labels.csv", keep_unlabelled=True)
+    assert report.added == ("Case7", "case7", "case8") and not report.skipped
+    assert ids_without_input({"A1": 1, "a1": 0}, ["a1"]) == ["A1"]  # a1.h5 is a1's: A1's file is missing
+    assert ids_without_input({"A1": 1}, ["a1"]) == []  # said by a1's near-id hint instead

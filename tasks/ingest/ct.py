@@ -386,11 +386,17 @@ def studies_of_several_bags(series: Iterable[CTSeries]) -> dict[tuple[str, str],
 
 
 def several_bags_warning(several: dict[tuple[str, str], list[CTSeries]], shown: int = 3) -> str:
-    """One line on :func:`studies_of_several_bags`: the first ``shown`` studies with their series."""
+    """One line on :func:`studies_of_several_bags`: the first ``shown`` studies with their first
+    ``shown`` series each (an anonymiser that gave every patient one study UID and PatientID makes
+    one study of thousands)."""
     def described(s: CTSeries) -> str:
         return f"{s.series_uid}{f' {s.description!r}' if s.description else ''} ({_slices(len(s.files))} in {Path(s.files[0]).parent})"
 
-    first = "; ".join(f"study {study} of patient {patient or '(no PatientID)'}: {', '.join(map(described, members))}"
+    def listed(members: list[CTSeries]) -> str:
+        more = f" and {len(members) - shown} more series" if len(members) > shown else ""
+        return ", ".join(map(described, members[:shown])) + more
+
+    first = "; ".join(f"study {study} of patient {patient or '(no PatientID)'}: {listed(members)}"
                       for (study, patient), members in list(several.items())[:shown])
     more = f"; and {len(several) - shown} more" if len(several) > shown else ""
     return (f"{len(several)} CT stud{'y gives' if len(several) == 1 else 'ies give'} more than one bag ({first}{more}): "

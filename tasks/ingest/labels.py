@@ -90,6 +90,8 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     ``s1``) is skipped naming it either way: kept unlabelled, its label was lost without a word."""
     originals = originals or {}
     items, skipped = [], []
+    candidates = list(candidates)
+    present = {bag_id for bag_id, _, _ in candidates}  # a labels id that is a present bag's own is no near miss of another
     near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, case folded, built at the first miss
     composed: dict[str, Any] | None = None  # labels' ids in Unicode NFC, built at the first miss
     for bag_id, source, payload in candidates:
@@ -106,6 +108,8 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
             near = near_ids.get(bag_id.casefold())
             if near is None and Path(bag_id).suffix and Path(bag_id).stem in labels:  # 'x.ome' (x.ome.tif), labels 'x'
                 near = Path(bag_id).stem
+            if near in present:  # 'Case7' labels Case7.h5, not case7.h5 beside it
+                near = None
             if near is None and keep_unlabelled:  # a bag the labels do not list: predicted, unlabelled
                 items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
                 continue
@@ -125,11 +129,20 @@ def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[st
     Unicode NFC; an id that is a present one but for spaces, a suffix or letter case is said by
     :func:`labelled_items` already (its near-id hint), not again, nor is one that a present id is
     but for a suffix (``x`` of ``x.ome.tif``'s id ``x.ome``)."""
-    def same(text: str) -> str:
-        return unicodedata.normalize("NFC", text).casefold()
+    def nfc(text: str) -> str:
+        return unicodedata.normalize("NFC", text)
 
-    found = {same(j) for i in present for j in (i, Path(i).stem)}
-    return [bag_id for bag_id in labels if not {same(bag_id), same(Path(bag_id.strip()).stem)} & found]
+    found = {nfc(j) for i in present for j in (i, Path(i).stem)}
+    twins: dict[str, set[str]] = {}  # case-folded → the present ids of that spelling
+    for name in found:
+        twins.setdefault(name.casefold(), set()).add(name)
+    labelled = {nfc(k) for k in labels}
+
+    def named(bag_id: str) -> bool:  # a present input, or one but for letter case whose own id has no label row
+        keys = {nfc(bag_id), nfc(Path(bag_id.strip()).stem)}
+        return bool(keys & found) or any(twins.get(key.casefold(), set()) - labelled for key in keys)
+
+    return [bag_id for bag_id in labels if not named(bag_id)]
 
 
 def labelled_bags_without_file(labels: dict[str, Any], present: Iterable[str], labels_from: Any, folder: str | Path,

@@ -13,11 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import (IngestReport, Skipped, existing_n_features, ingested_from_elsewhere, run_ingest,
-                                 summarise_left_out)
+from tasks.ingest.driver import IngestReport, Skipped, existing_attrs, ingested_from_elsewhere, run_ingest, summarise_left_out
 from tasks.ingest.errors import FeatureDimensionError, IngestError, MissingLabelError, UnreadableFileError
 from tasks.ingest.labels import LabelSpec, binary, check_instance_labels, labelled_bags_without_file, labelled_items
-from tasks.store import CohortSpec, NonFinitePolicy, non_integer_coords
+from tasks.store import CohortSpec, NonFinitePolicy, non_integer_coords, open_cohort
 
 
 def npy_bag_writer(item, writer, *, batch_rows: int = 65536) -> None:
@@ -92,17 +91,15 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     if labels is not None:
         present = [p.stem for p in feature_files] + ingested_from_elsewhere(store, features_dir)
         skipped += labelled_bags_without_file(labels, present, labels_from, features_dir, ".npy")
-    if with_coords := sum(bool(item.payload["coords"]) for item in items):  # one cohort's positions: all given or none
-        skipped += [Skipped(path=str(Path(coords_dir) / f"{item.bag_id}.npy"), bag_id=item.bag_id, error="UnreadableFileError",
-                            reason=f"no coordinates file {item.bag_id}.npy in {coords_dir}, where {with_coords} other bag(s) "
-                                   "have one: a cohort's positions are given for every bag or for none")
-                    for item in items if not item.payload["coords"]]
-        items = [item for item in items if item.payload["coords"]]
+    items, mismatched = _one_kind_of_positions(store, items, coords_dir or Path(features_dir).parent / "coords")
+    skipped += mismatched
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
-    n_features, coords_dim = existing_n_features(store), None
-    for item in items:
+    stored = existing_attrs(store)  # a store's own dimensions, else the first readable bag's
+    n_features = None if stored is None else int(stored["n_features"])
+    coords_dim = None if stored is None or stored.get("coords_meaning") == "instance_index" else int(stored["coords_dim"])
+    for item in items if stored is None else ():
         try:
-            n_features = n_features or int(np.load(item.source, mmap_mode="r").shape[1])
+            n_features = int(np.load(item.source, mmap_mode="r").shape[1])
             if item.payload["coords"]:
                 coords_dim = int(np.prod(np.load(item.payload["coords"], mmap_mode="r").shape[1:]))
             break
@@ -117,3 +114,32 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                           "file": str(labels_dir), "column": "labels/<bag>.npy", "target": None, "positive": None})
     return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
                       max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)
+
+
+def _one_kind_of_positions(store: str | Path, items: list, coords_dir: str | Path) -> tuple[list, list[Skipped]]:
+    """The items whose positions are of the cohort's one kind — given (``coords/<bag>.npy``) or
+    instance indices — and a skipped entry for each other new bag. The kind is the store's where it
+    exists (a nightly folder that gains or lacks ``coords/``), else the folder's: given if any new
+    bag has a coordinates file. Bags already in the store are left to the ingest (done)."""
+    stored = existing_attrs(store)
+    committed = set(open_cohort(store).bag_ids) if stored is not None else set()
+    new = [item for item in items if item.bag_id not in committed]
+    with_coords = sum(bool(item.payload["coords"]) for item in new)
+    given = with_coords > 0 if stored is None else stored.get("coords_meaning") != "instance_index"
+    skipped = []
+    for item in new:
+        if bool(item.payload["coords"]) == given:
+            continue
+        if not given:
+            reason = (f"has a coordinates file {item.payload['coords']}, but the store {store} holds instance indices for "
+                      "its bags (its first ingest had no coords/): ingest the folder into a new store to keep positions")
+        elif stored is None:
+            reason = (f"no coordinates file {item.bag_id}.npy in {coords_dir}, where {with_coords} other bag(s) have one: a "
+                      "cohort's positions are given for every bag or for none")
+        else:
+            reason = (f"no coordinates file {item.bag_id}.npy in {coords_dir}: the store {store} holds positions for its "
+                      "bags (a cohort's positions are given for every bag or for none)")
+        skipped.append(Skipped(path=str(Path(coords_dir) / f"{item.bag_id}.npy"), bag_id=item.bag_id,
+                               error="UnreadableFileError", reason=reason))
+    refused = {entry.bag_id for entry in skipped}
+    return [item for item in items if item.bag_id not in refused], skipped
