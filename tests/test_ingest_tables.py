@@ -280,6 +280,10 @@ def test_a_torchmil_folder_whose_coords_cover_some_bags_skips_the_others_naming_
     report = ingest_bag_files(tmp_path / "plain.zarr", night / "features", labels_dir=night / "labels", coords_dir=night / "coords")
     assert report.added == ("n0",) and [s.bag_id for s in report.skipped] == ["n1"]  # was: StoreMismatchError, nothing added
     assert "holds instance indices for its bags" in report.skipped[0].reason
+    (tmp_path / "coords" / "b0.npy").write_bytes((tmp_path / "coords" / "b1.npy").read_bytes())  # coords/ for stored bags
+    report = ingest_bag_files(tmp_path / "plain.zarr", tmp_path / "features", labels_dir=tmp_path / "labels",
+                              coords_dir=tmp_path / "coords")
+    assert report.already_done == ("b0", "b1", "b2", "b3") and not report.skipped  # were: 'its input changed since'
 
 
 def test_a_torchmil_bag_whose_side_file_is_bad_is_skipped_naming_that_file(tmp_path):
@@ -788,4 +792,8 @@ def test_a_file_whose_id_differs_from_another_present_file_only_by_case_is_its_o
     report = ingest_h5_features(tmp_path / "s.zarr", tmp_path / "h5", tmp_path / "labels.csv", keep_unlabelled=True)
     assert report.added == ("Case7", "case7", "case8") and not report.skipped
     assert ids_without_input({"A1": 1, "a1": 0}, ["a1"]) == ["A1"]  # a1.h5 is a1's: A1's file is missing
+    for rows in ("CASE7,1\nCase7,0\n", "Case7,0\nCASE7,1\n"):  # whichever row comes first: case7 is told of CASE7
+        (tmp_path / "labels.csv").write_text("slide_id,label\n" + rows)
+        report = ingest_h5_features(tmp_path / "t.zarr", tmp_path / "h5", tmp_path / "labels.csv", keep_unlabelled=True)
+        assert [(s.bag_id, "it has 'CASE7'" in s.reason) for s in report.skipped] == [("case7", True)]
     assert ids_without_input({"A1": 1}, ["a1"]) == []  # said by a1's near-id hint instead

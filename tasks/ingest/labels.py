@@ -91,8 +91,7 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     originals = originals or {}
     items, skipped = [], []
     candidates = list(candidates)
-    present = {bag_id for bag_id, _, _ in candidates}  # a labels id that is a present bag's own is no near miss of another
-    near_ids: dict[str, Any] | None = None  # labels' ids by their stem without spaces, case folded, built at the first miss
+    near_ids: dict[str, Any] | None = None  # near_rows of the labels, built at the first miss
     composed: dict[str, Any] | None = None  # labels' ids in Unicode NFC, built at the first miss
     for bag_id, source, payload in candidates:
         if labels is None:
@@ -104,12 +103,11 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
             key = composed.get(unicodedata.normalize("NFC", bag_id), bag_id)
         label = labels.get(key)
         if label is None:
-            near_ids = {Path(str(k).strip()).stem.casefold(): k for k in labels} if near_ids is None else near_ids
-            near = near_ids.get(bag_id.casefold())
+            if near_ids is None:
+                near_ids = near_rows(labels, {_nfc(bag) for bag, _, _ in candidates})
+            near = near_ids.get(_nfc(bag_id).casefold())
             if near is None and Path(bag_id).suffix and Path(bag_id).stem in labels:  # 'x.ome' (x.ome.tif), labels 'x'
                 near = Path(bag_id).stem
-            if near in present:  # 'Case7' labels Case7.h5, not case7.h5 beside it
-                near = None
             if near is None and keep_unlabelled:  # a bag the labels do not list: predicted, unlabelled
                 items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
                 continue
@@ -124,25 +122,35 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
     return items, skipped
 
 
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", str(text))
+
+
+def near_rows(labels: dict[str, Any], present: set[str]) -> dict[str, Any]:
+    """The labels id a bag is told it has when its own id has no row (:func:`labelled_items`' hint):
+    by the bag id case folded (NFC), the first row in file order whose stem without spaces is that
+    id but for case, a suffix or spaces, and which names no ``present`` bag (NFC) itself — 'Case7'
+    labels Case7.h5, not case7.h5 beside it."""
+    near: dict[str, Any] = {}
+    for k in labels:
+        if _nfc(k) not in present:
+            near.setdefault(_nfc(Path(str(k).strip()).stem).casefold(), k)
+    return near
+
+
 def ids_without_input(labels: dict[str, Any], present: Iterable[str]) -> list[str]:
     """The labels' ids that name no input of ``present`` (a folder's slide or file ids), compared in
-    Unicode NFC; an id that is a present one but for spaces, a suffix or letter case is said by
-    :func:`labelled_items` already (its near-id hint), not again, nor is one that a present id is
-    but for a suffix (``x`` of ``x.ome.tif``'s id ``x.ome``)."""
-    def nfc(text: str) -> str:
-        return unicodedata.normalize("NFC", text)
-
-    found = {nfc(j) for i in present for j in (i, Path(i).stem)}
-    twins: dict[str, set[str]] = {}  # case-folded → the present ids of that spelling
-    for name in found:
-        twins.setdefault(name.casefold(), set()).add(name)
-    labelled = {nfc(k) for k in labels}
-
-    def named(bag_id: str) -> bool:  # a present input, or one but for letter case whose own id has no label row
-        keys = {nfc(bag_id), nfc(Path(bag_id.strip()).stem)}
-        return bool(keys & found) or any(twins.get(key.casefold(), set()) - labelled for key in keys)
-
-    return [bag_id for bag_id in labels if not named(bag_id)]
+    Unicode NFC; an id that is a present one but for spaces or a suffix, or the near id
+    (:func:`near_rows`) of a present bag without a row of its own, is said by :func:`labelled_items`
+    already (its near-id hint), not again, nor is one that a present id is but for a suffix (``x``
+    of ``x.ome.tif``'s id ``x.ome``)."""
+    present = list(present)
+    found = {_nfc(j) for i in present for j in (i, Path(i).stem)}
+    labelled = {_nfc(k) for k in labels}
+    near = near_rows(labels, {_nfc(i) for i in present})
+    hinted = {near[key] for name in found if name not in labelled and (key := name.casefold()) in near}
+    return [bag_id for bag_id in labels
+            if not {_nfc(bag_id), _nfc(Path(bag_id.strip()).stem)} & found and bag_id not in hinted]
 
 
 def labelled_bags_without_file(labels: dict[str, Any], present: Iterable[str], labels_from: Any, folder: str | Path,

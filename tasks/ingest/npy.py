@@ -96,7 +96,11 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
     stored = existing_attrs(store)  # a store's own dimensions, else the first readable bag's
     n_features = None if stored is None else int(stored["n_features"])
-    coords_dim = None if stored is None or stored.get("coords_meaning") == "instance_index" else int(stored["coords_dim"])
+    if stored is not None and stored.get("coords_meaning") in ("given", "instance_index"):  # a torchmil store's kind
+        given = stored["coords_meaning"] == "given"
+    else:  # the folder's (CohortSpec checks it against another kind of store, naming both)
+        given = any(item.payload["coords"] for item in items)
+    coords_dim = int(stored["coords_dim"]) if stored is not None and given else None
     for item in items if stored is None else ():
         try:
             n_features = int(np.load(item.source, mmap_mode="r").shape[1])
@@ -109,7 +113,7 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
         raise IngestError(f"no readable feature file to ingest: {summarise_left_out(f'{len(feature_files)} .npy file(s) found', skipped)}",
                           path=str(features_dir))
     spec = CohortSpec(name=name or Path(str(store)).stem, n_features=n_features,
-                      coords_dim=coords_dim or 1, coords_meaning="given" if coords_dim else "instance_index",
+                      coords_dim=coords_dim or 1, coords_meaning="given" if given else "instance_index",
                       labels=labels_file.describe() if labels_file is not None else None if labels_dir is None else {
                           "file": str(labels_dir), "column": "labels/<bag>.npy", "target": None, "positive": None})
     return run_ingest(store, spec, items, npy_bag_writer, skipped=skipped, client=client,
@@ -142,4 +146,7 @@ def _one_kind_of_positions(store: str | Path, items: list, coords_dir: str | Pat
         skipped.append(Skipped(path=str(Path(coords_dir) / f"{item.bag_id}.npy"), bag_id=item.bag_id,
                                error="UnreadableFileError", reason=reason))
     refused = {entry.bag_id for entry in skipped}
-    return [item for item in items if item.bag_id not in refused], skipped
+    kept = [item for item in items if item.bag_id not in refused]
+    if not given:  # a stored bag's coords/ file that appeared since is no input of it (else: 'its input changed')
+        kept = [replace(item, payload=item.payload | {"coords": None}) if item.bag_id in committed else item for item in kept]
+    return kept, skipped
