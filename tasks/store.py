@@ -200,6 +200,15 @@ class StoredBags:
     def n_bags(self) -> int:
         return self.bag_stop - self.bag_start
 
+    def select(self, start: int, stop: int) -> StoredBags:
+        """Bags ``[start, stop)`` (store positions, within this block) as a block of their own."""
+        a, b = start - self.bag_start, stop - self.bag_start
+        rows = slice(int(self.offsets[a]), int(self.offsets[b]))
+        return StoredBags(bag_start=start, bag_stop=stop, features=self.features[rows], bag=self.bag[rows],
+                          coords=self.coords[rows], instance_labels=self.instance_labels[rows],
+                          bag_ids=self.bag_ids[a:b], bag_labels=self.bag_labels[a:b],
+                          offsets=self.offsets[a:b + 1] - self.offsets[a])
+
 
 # -------------------------------------------------------------------------------------- create
 def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False) -> zarr.Group:
@@ -727,7 +736,7 @@ class StagingWriter:
         self._chunk_rows = root.attrs["chunk_rows"]
         self._group = root["staging"].create_group(staging_key(bag_id), overwrite=True)
         self._group.update_attributes({"bag_id": bag_id, "label": int(label), "source": source,
-                                  "original_label": original_label, "input_stamp": input_stamp, "complete": False})
+                                       "original_label": original_label, "input_stamp": input_stamp, "complete": False})
         self._arrays = {
             "features": self._create("features", (0, self._n_features), FEATURE_DTYPE),
             "coords": self._create("coords", (0, self._coords_dim), COORD_DTYPE),

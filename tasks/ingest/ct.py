@@ -271,8 +271,8 @@ def check_series(series_uid: str, files: list[str], headers: list) -> InvalidSer
             return refuse(f"slices {Path(files[k]).name} and {Path(files[k + 1]).name} are at the same position "
                           f"({z[k]:.2f} mm along the slice normal)")
         median = float(np.median(steps))
-        thickness = np.array([_slice_thickness(h) for h in headers])
-        if not _two_even_spacings(steps, thickness) and (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size:
+        if (gaps := np.flatnonzero(steps > GAP_FACTOR * median)).size and not _two_even_spacings(
+                steps, np.array([_slice_thickness(h) for h in headers])):
             k = int(gaps[0])
             where = f"between slices {Path(files[k]).name} and {Path(files[k + 1]).name}"
             if gaps.size > 1 and np.ptp(steps[gaps]) <= 0.05 * median:  # one other spacing, several times
@@ -309,6 +309,7 @@ def _two_even_spacings(steps: np.ndarray, thickness: np.ndarray, *, tol: float =
     first, second = steps[:changes[0] + 1], steps[changes[0] + 1:]
     if min(first.size, second.size) < min_steps or any(np.ptp(run) > tol * run.mean() for run in (first, second)):
         return False
+
     def typical(values: np.ndarray) -> float:  # a slice without a readable SliceThickness does not decide
         given = values[np.isfinite(values)]
         return float(np.median(given)) if 2 * given.size > values.size else float("nan")

@@ -91,10 +91,10 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
     if labels is not None:
         present = [p.stem for p in feature_files] + ingested_from_elsewhere(store, features_dir)
         skipped += labelled_bags_without_file(labels, present, labels_from, features_dir, ".npy")
-    items, mismatched = _one_kind_of_positions(store, items, coords_dir or Path(features_dir).parent / "coords")
+    stored = existing_attrs(store)  # a store's own kind and dimensions, else the folder's and its first readable bag's
+    items, mismatched = _one_kind_of_positions(store, stored, items, coords_dir or Path(features_dir).parent / "coords")
     skipped += mismatched
     items = [replace(item, inputs=tuple(path for path in item.payload.values() if path)) for item in items]
-    stored = existing_attrs(store)  # a store's own dimensions, else the first readable bag's
     n_features = None if stored is None else int(stored["n_features"])
     if stored is not None and stored.get("coords_meaning") in ("given", "instance_index"):  # a torchmil store's kind
         given = stored["coords_meaning"] == "given"
@@ -120,12 +120,13 @@ def ingest_bag_files(store: str | Path, features_dir: str | Path, *, labels_dir:
                       max_workers=max_workers, report_path=report_path, nonfinite=nonfinite)
 
 
-def _one_kind_of_positions(store: str | Path, items: list, coords_dir: str | Path) -> tuple[list, list[Skipped]]:
+def _one_kind_of_positions(store: str | Path, stored: dict[str, Any] | None, items: list, coords_dir: str | Path
+                           ) -> tuple[list, list[Skipped]]:
     """The items whose positions are of the cohort's one kind — given (``coords/<bag>.npy``) or
     instance indices — and a skipped entry for each other new bag. The kind is the store's where it
     exists (a nightly folder that gains or lacks ``coords/``), else the folder's: given if any new
-    bag has a coordinates file. Bags already in the store are left to the ingest (done)."""
-    stored = existing_attrs(store)
+    bag has a coordinates file (``stored``: the store's attributes, None before its first ingest).
+    Bags already in the store are left to the ingest (done)."""
     committed = set(open_cohort(store).bag_ids) if stored is not None else set()
     new = [item for item in items if item.bag_id not in committed]
     with_coords = sum(bool(item.payload["coords"]) for item in new)

@@ -144,9 +144,9 @@ def predict_cohort(
     if name in root:
         del root[name]
     group = root.require_group(name)
-    group.update_attributes({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params()), **(provenance or {})})
     instance_name = "instances/proba" if hasattr(model, "predict_instance_proba") else "instances/evidence"
-    group.attrs["instance_scores"] = instance_name.split("/")[1]
+    group.update_attributes({"complete": False, "model": type(model).__name__, "params": _jsonable(model.get_params()),
+                             "instance_scores": instance_name.split("/")[1], **(provenance or {})})
     arrays = {
         instance_name: cohort.n_instances,
         "instances/std": cohort.n_instances,

@@ -9,7 +9,7 @@ import numpy as np
 from distributed import Client
 
 from mil_core.validation import constant_columns
-from tasks.store import FEATURE_DTYPE, Partition, StoredBags, open_cohort
+from tasks.store import FEATURE_DTYPE, Partition, open_cohort
 from tasks.training.blocks import FeatureScaling, float64_rows, grid_coords, load_block, read_features
 from tasks.training.executor import sum_statistics
 from tasks.training.placement import ArrayPlacement
@@ -71,7 +71,7 @@ def read_bags(cohort, labels: np.ndarray, chosen: np.ndarray, scaling: FeatureSc
     for span in _spans(cohort, chosen):  # read only the chunks holding the chosen bags (a 10⁷ store is ~5 GB; the sample ~0.1 GB)
         around = cohort.read_bags(int(span[0][0]), int(span[-1][-1]) + 1)
         for run in span:
-            stored = _bags_of(around, int(run[0]), int(run[-1]) + 1)
+            stored = around.select(int(run[0]), int(run[-1]) + 1)
             X.append(read_features(stored, scaling))
             y.append(np.repeat(labels[run], np.diff(stored.offsets)))
             sizes_taken.append(np.diff(stored.offsets))
@@ -101,13 +101,3 @@ def _spans(cohort, chosen: np.ndarray) -> list[list[np.ndarray]]:
         else:
             spans.append([run])
     return spans
-
-
-def _bags_of(around: StoredBags, start: int, stop: int) -> StoredBags:
-    """Bags ``[start, stop)`` (store positions) of a block read around them."""
-    a, b = start - around.bag_start, stop - around.bag_start
-    rows = slice(int(around.offsets[a]), int(around.offsets[b]))
-    return StoredBags(bag_start=start, bag_stop=stop, features=around.features[rows], bag=around.bag[rows],
-                      coords=around.coords[rows], instance_labels=around.instance_labels[rows],
-                      bag_ids=around.bag_ids[a:b], bag_labels=around.bag_labels[a:b],
-                      offsets=around.offsets[a:b + 1] - around.offsets[a])
