@@ -176,6 +176,29 @@ def _training_store_problem(store: Path | str | None, model_dir: Path | str | No
     return None
 
 
+def _other_cohort_problem(store: Path | str | None, source: str) -> str | None:
+    """A new cohort (``predict --source``) would be ingested into a ``--store`` that holds bags of
+    another folder: it would join that cohort (its predictions, metrics and report) rather than go
+    into a store of its own. The same folder's store (a nightly rerun as slides arrive) is fine."""
+    if store is None or not (Path(store) / "zarr.json").is_file():
+        return None
+    from tasks.store import open_cohort
+
+    try:
+        cohort = open_cohort(store)
+    except Exception as error:  # not a cohort store: nothing could be ingested into it
+        return f"--store: cannot open {store} as a cohort store: {type(error).__name__}: {error}"
+    inside = Path(source).resolve()
+    others = [(bag_id, bag_source) for bag_id, bag_source in zip(cohort.bag_ids, cohort.sources)
+              if not Path(bag_source).resolve().is_relative_to(inside)]
+    if not others:
+        return None
+    bag_id, bag_source = others[0]
+    return (f"--store: {store} already holds {len(others)} bag(s) not from --source {source} (e.g. {bag_id!r} from {bag_source}): "
+            "the new cohort would be predicted and reported together with them; give --store a new path (or leave it out), "
+            f"or predict that store as it is with --store alone")
+
+
 def _unwritable(field: str, path: str | Path) -> str | None:
     """Why nothing can be written at ``path`` (or in the folder it would be made in), found by writing
     a temporary file there: a read-only mount, a system folder, no permission — at once rather than
@@ -213,10 +236,13 @@ def _stores_with_prediction(output_dir: Path | str, key: str) -> list[str]:
     return sorted(str(store) for store in Path(output_dir, "stores").glob("*.zarr") if (store / "predictions" / key).is_dir())
 
 
-def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None, output_dir: Path | str | None = None) -> str | None:
+def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | None, output_dir: Path | str | None = None,
+                        settings: dict[str, Any] | None = None) -> str | None:
     """``evaluate``'s PREDICTION_KEY: a complete ``predictions/<key>`` of ``store``, made with
-    ``model_dir`` where the prediction recorded its model (``model_key``; an older prediction
-    without it is not checked for its model)."""
+    ``model_dir`` and the configuration's prediction ``settings`` (its rule and method) where the
+    prediction recorded them (``model_key``, ``prediction``; an older prediction without them is not
+    checked for them): a report names its configuration, whose settings must be those its numbers
+    were made with."""
     import zarr
 
     if key in ("", ".", "..") or "/" in key or "\\" in key:
@@ -244,6 +270,13 @@ def _prediction_problem(store: Path | str, key: str, model_dir: Path | str | Non
     if model_dir is not None and made_by is not None and made_by != Path(model_dir).name:
         return (f"PREDICTION_KEY: {key} was predicted with the model {attrs.get('model_dir', made_by)}, not MODEL_DIR "
                 f"{model_dir}; evaluate it with that model")
+    made_with = attrs.get("prediction")
+    if settings is not None and made_with is not None and made_with != settings:
+        def shown(fields: dict[str, Any]) -> str:
+            return ", ".join(f"prediction.{name}: {'null' if value is None else value}" for name, value in sorted(fields.items()))
+
+        return (f"PREDICTION_KEY: {key} was predicted with {shown(made_with)}; this configuration has {shown(settings)}: "
+                "evaluate it with the configuration that predicted it (or predict again with this one)")
     return None
 
 
@@ -314,7 +347,8 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         checks += [("--source", source, "file" if ing.kind == "features" else "dir"), ("MODEL_DIR", model_dir, "dir")]
         if model_dir is not None and Path(model_dir).is_dir():
             checks.append(("MODEL_DIR", Path(model_dir) / "model.json", "file"))
-        new_cohort_problems = [_training_store_problem(config.prediction.store, model_dir), _new_cohort_problem(ing, source, model_dir)]
+        new_cohort_problems = [_training_store_problem(config.prediction.store, model_dir) or _other_cohort_problem(config.prediction.store, source),
+                               _new_cohort_problem(ing, source, model_dir)]
         if ing.kind != "features":
             checks.append(("--labels", getattr(ing.labels, "file", ing.labels), "file"))
         if ing.kind == "features" and ing.labels is not None:
@@ -339,7 +373,7 @@ def check_inputs(config: PipelineConfig, stage: Stage, *, store: str | None = No
         problems.append(_model_dir_problem(model_dir))
     if stage == "evaluate" and prediction_key is not None and not any(problems):
         problems.append(_prediction_problem(store or config.prediction.store or config.store, prediction_key, model_dir,
-                                            config.output_dir))
+                                            config.output_dir, config.prediction_settings()))
     if ing.kind == "features" and (ingests or (stage == "predict" and source is not None)):
         problems.append(_table_columns_problem(source if stage == "predict" else ing.source, ing))
     if (ingests or stage == "predict" and source is not None) and not any(problems):

@@ -563,9 +563,12 @@ class PipelineConfig(_Strict):
         return _digest({"cohort": cohort_fingerprint, "model": self.model.model_dump(mode="json"),
                         "standardize": self.training.standardize})
 
+    def prediction_settings(self) -> dict[str, Any]:
+        """The ``prediction`` fields that change a prediction's numbers (the rest change its report)."""
+        return self.prediction.model_dump(mode="json", include={"method", "rule"})
+
     def prediction_key(self, model_key: str, cohort_fingerprint: str) -> str:
-        settings = self.prediction.model_dump(mode="json", include={"method", "rule"})
-        return _digest({"model": model_key, "cohort": cohort_fingerprint, "prediction": settings})
+        return _digest({"model": model_key, "cohort": cohort_fingerprint, "prediction": self.prediction_settings()})
 
 
 def _digest(payload: dict[str, Any]) -> str:

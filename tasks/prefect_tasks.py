@@ -41,7 +41,7 @@ from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
 from tasks.lease import ensure_still_held, writer_lease
 from tasks.paths import bag_file
-from tasks.store import column_difference, open_cohort
+from tasks.store import Cohort, column_difference, open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 from tasks.training.embedded import fit_cohort_embedded
 from tasks.training.predict import prediction_kwargs
@@ -490,7 +490,9 @@ def predict(config: PipelineConfig, store: str, model_dir: str, prediction_key: 
                               device=config.training.device, gpu_namespace=config.training.gpu_namespace,
                               compute_dtype=config.training.compute_dtype,
                               scaling=trained.scaling, instance_kwargs=instance_kwargs,
-                              bag_kwargs=bag_kwargs, provenance={"model_key": Path(model_dir).name, "model_dir": str(model_dir)})
+                              bag_kwargs=bag_kwargs, provenance={"model_key": Path(model_dir).name, "model_dir": str(model_dir),
+                                                                 "prediction": config.prediction_settings(),
+                                                                 "bag_kwargs": bag_kwargs, "instance_kwargs": instance_kwargs})
     return StageResult(prediction_key, path, False, {"n_bags": open_cohort(store).n_bags})
 
 
@@ -652,6 +654,14 @@ _REPORT_OUTPUTS = ("report.md", "bag_predictions.csv", "bag_predictions.parquet"
                    "objective.png", "geojson", "heatmaps", "slices", "strips")
 
 
+def _labels_digest(cohort: Cohort) -> str:
+    """What the report reads of the store's labels (bag labels, original labels): a store relabelled
+    since a report was written gets a new one."""
+    digest = hashlib.sha256(np.asarray(cohort.bag_labels).tobytes())
+    digest.update("\0".join(map(str, cohort.original_labels)).encode())
+    return digest.hexdigest()[:16]
+
+
 def _report_complete(out: Path, settings: str) -> bool:
     """Whether ``out`` holds a report written with ``settings`` and still every file it wrote (a
     deleted table or figure is written again, not reported as there)."""
@@ -751,9 +761,12 @@ def _model_figure(path: Path, logger: Any) -> bytes | None:
 def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction_key: str, out: Path,
                   staging: Path) -> StageResult:
     logger = get_run_logger()
-    settings = json.dumps({**config.prediction.model_dump(mode="json"), "model_dir": str(model_dir), "store": str(Path(store).resolve()),
-                           "unconfirmed_bags": open_cohort(store).attrs.get("unconfirmed_bags") or {}},  # its warnings follow the last ingest
-                          sort_keys=True)  # the store predicted, not the configured prediction.store (often unset)
+    cohort = open_cohort(store)
+    settings = json.dumps({**config.prediction.model_dump(mode="json"), "name": config.name, "model_dir": str(model_dir),
+                           "store": str(Path(store).resolve()),  # the store predicted, not the configured prediction.store (often unset)
+                           "labels": _labels_digest(cohort),  # labels that arrived since: metrics now
+                           "unconfirmed_bags": cohort.attrs.get("unconfirmed_bags") or {}},  # its warnings follow the last ingest
+                          sort_keys=True)
     if _report_complete(out, settings):
         logger.info("report for %s already written with these settings: reusing %s", prediction_key, out / "report.md")
         create_link_artifact(output_url(config, out / "report.md"), link_text=str(out / "report.md"),
@@ -765,7 +778,6 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
-    cohort = open_cohort(store)
     instance_labels = zarr.open_group(store, mode="r", zarr_format=3)["instances/label"][: cohort.n_instances].astype(int)
     coords = zarr.open_group(store, mode="r", zarr_format=3)["instances/coords"][: cohort.n_instances]
 
@@ -779,6 +791,9 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
                 f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
     if chosen := report.choices_text(trained_on_info.get("choices", {}), trained_on_info.get("chosen_sweeps")):
         sections += [chosen, ""]
+    made = dict(zarr.open_group(store, mode="r", zarr_format=3)[f"predictions/{prediction_key}"].attrs)
+    if scored := report.scoring_text(made.get("bag_kwargs"), made.get("instance_kwargs"), trained_on_info.get("choices", {})):
+        sections += [scored, ""]
     shared = [] if in_sample else _training_bags_in(cohort, trained_on)
     if in_sample:
         sections += ["**These predictions are on the cohort the model was trained on: the metrics are in-sample "
@@ -812,7 +827,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
         write_whole(out / OBJECTIVE_FIGURE, figure)
         figures.insert(0, out / OBJECTIVE_FIGURE)
 
-    not_predicted = dict(zarr.open_group(store, mode="r", zarr_format=3)[f"predictions/{prediction_key}"].attrs.get("not_predicted", {}))
+    not_predicted = dict(made.get("not_predicted", {}))
     spread = diagnostics.constant_predictions(table["probability"]) or diagnostics.one_sided_predictions(
         table["probability"], table["label"], config.prediction.threshold)
     warnings = trained_on_info.get("warnings", []) + [m for m in [spread] if m]

@@ -313,6 +313,24 @@ def choices_text(choices: dict[str, Any], chosen_sweeps: int | None = None) -> s
     return ("Fitted with " + "; ".join(parts) + ".") if parts else ""
 
 
+def scoring_text(bag_kwargs: dict[str, Any] | None, instance_kwargs: dict[str, Any] | None, choices: dict[str, Any]) -> str:
+    """How a prediction scored its bags, as its group recorded it (``bag_kwargs``: ``prediction.rule``
+    where the configuration set one, else the model's own rule; ``prediction.method``); empty for a
+    prediction written before it recorded them."""
+    if bag_kwargs is None:
+        return ""
+    parts = []
+    own = choices.get("bag_rule")
+    if "rule" in bag_kwargs:
+        instead = f", not the model's own `{own}`" if own and own != bag_kwargs["rule"] else ""
+        parts.append(f"rule `{bag_kwargs['rule']}` (`prediction.rule`{instead})")
+    elif own:
+        parts.append(f"the model's bag rule `{own}`")
+    if method := bag_kwargs.get("method") or (instance_kwargs or {}).get("method"):
+        parts.append(f"method `{method}` (`prediction.method`)")
+    return ("Bag probabilities of this prediction: " + "; ".join(parts) + ".") if parts else ""
+
+
 def summary_text(table: pd.DataFrame, *, threshold: float = 0.5, top: int = 5, metrics: dict[str, Any] | None = None,
                  where: dict[str, str] | None = None) -> str:
     """A few lines for a terminal: counts, the most likely positive bags, the least certain ones,

@@ -859,9 +859,33 @@ def test_evaluate_refuses_a_key_that_is_not_a_complete_prediction_of_its_store_b
     assert main(["evaluate", wsi, str(models["wsi"]), key, "--store", str(grown)]) == 2
     err = capsys.readouterr().err
     assert f"PREDICTION_KEY: {key} predicted {cohort.n_bags} bags and {grown} now holds {cohort.n_bags + 1}" in err, err
+    other_rule = Path(wsi).with_name("wsi-max-rule.yaml")  # the report would name it and show the other rule's numbers
+    settings = yaml.safe_load(Path(wsi).read_text())
+    other_rule.write_text(yaml.safe_dump({**settings, "prediction": {**(settings.get("prediction") or {}), "rule": "max"}}))
+    assert main(["evaluate", str(other_rule), str(models["wsi"]), key]) == 2
+    err = capsys.readouterr().err
+    assert f"PREDICTION_KEY: {key} was predicted with prediction.method: probit, prediction.rule: null; this configuration has " \
+           "prediction.method: probit, prediction.rule: max" in err and err.count("\n") == 1, err
+    assert report.read_text() == before
+
+    from tasks.store import label_unlabelled_bags
+
+    unlabelled = tmp_path / "unlabelled.zarr"  # ingested for prediction before its labels arrived
+    shutil.copytree(workdir / "stores" / "wsi-heldout.zarr", unlabelled)
+    root = zarr.open_group(str(unlabelled), mode="r+")
+    labels, originals = root["bags/label"][:], root["bags/original_label"][:]
+    root["bags/label"][:] = -1
+    assert main(["evaluate", wsi, str(models["wsi"]), key, "--store", str(unlabelled)]) == 0
+    assert not report.with_name("metrics.json").exists() and "No labelled bags" in report.read_text()
+    label_unlabelled_bags(root, {bag_id: (int(label), str(original))
+                                 for bag_id, label, original in zip(root["bags/id"][:], labels, originals)})
+    assert main(["evaluate", wsi, str(models["wsi"]), key, "--store", str(unlabelled)]) == 0  # was the unlabelled report, reused
+    assert "report reused" not in capsys.readouterr().out
+    assert json.loads(report.with_name("metrics.json").read_text())["n_bags"] == cohort.n_bags
     assert main(["evaluate", wsi, str(models["wsi"]), key]) == 0  # its own model and store: the report
     assert str(report) in capsys.readouterr().out
     assert f"Cohort `{workdir / 'stores' / 'wsi-heldout.zarr'}`" in report.read_text()
+    assert "Bag probabilities of this prediction: the model's bag rule `" in report.read_text()
 
 
 def test_predict_refuses_labels_or_a_base_mpp_without_a_source_folder(demo_run, capsys):
@@ -1012,6 +1036,14 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
     err = capsys.readouterr().err
     assert f"--store: {training_store} is the store the model was trained on" in err
     assert err.count("\n") == 1, err  # refused before Prefect starts
+    held_out = workdir / "stores" / "wsi-heldout.zarr"  # another cohort's store: the new one would be reported with it
+    held_out_before = predictions_in(held_out), open_cohort(held_out).n_bags
+    assert main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir / "raw" / "wsi"),
+                 "--store", str(held_out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--store: {held_out} already holds 6 bag(s) not from --source {workdir / 'raw' / 'wsi'} (e.g. "
+            f"'{open_cohort(held_out).bag_ids[0]}' from {workdir / 'raw' / 'wsi-heldout'}") in err, err
+    assert (predictions_in(held_out), open_cohort(held_out).n_bags) == held_out_before
     moved = tmp_path / "moved-model"
     shutil.copytree(model_dir, moved)
     meta = json.loads((moved / "model.json").read_text())
