@@ -161,7 +161,7 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
 
 class _WithoutInputTracebacks(logging.Formatter):
     """A console formatter that prints an input error (a bad slide, table or labels file, a store
-    another run holds) as its one line: the traceback of Prefect's 'Encountered exception' is of
+    another run holds, a cohort the model cannot train on or predict) as its one line: the traceback of Prefect's 'Encountered exception' is of
     the pipeline's own frames and says nothing the message does not. Other errors keep theirs; the
     Prefect UI keeps every traceback."""
 
@@ -173,8 +173,9 @@ class _WithoutInputTracebacks(logging.Formatter):
         from tasks.cluster import ClusterSettingError
         from tasks.ingest.errors import IngestError
         from tasks.lease import StoreLockedError
+        from tasks.training.errors import CohortError
 
-        if not (record.exc_info and isinstance(record.exc_info[1], (IngestError, StoreLockedError, ClusterSettingError))):
+        if not (record.exc_info and isinstance(record.exc_info[1], (IngestError, StoreLockedError, ClusterSettingError, CohortError))):
             return self.inner.format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

@@ -311,7 +311,10 @@ class ModelConfig(_Strict):
             gp = self.params["gp"]
             if not isinstance(gp, dict):
                 raise ValueError(f"EmbeddedGPMIL's gp must be a model section {{name: ..., params: {{...}}}}, got {gp!r}")
-            ModelConfig.model_validate(gp)
+            from mil_core.models.embedded import check_member_gp
+
+            member = ModelConfig.model_validate(gp)
+            check_member_gp(MODEL_CLASSES[member.name]())
         return self
 
 

@@ -44,6 +44,7 @@ from tasks.paths import bag_file
 from tasks.store import Cohort, column_difference, open_cohort
 from tasks.training import FeatureScaling, fit_cohort, predict_cohort, read_predictions
 from tasks.training.embedded import fit_cohort_embedded
+from tasks.training.errors import CohortError
 from tasks.training.predict import prediction_kwargs
 
 
@@ -505,7 +506,7 @@ def _check_same_features(store: str, model_dir: str) -> None:
     attrs = open_cohort(store).attrs
     columns, given = trained_on.get("feature_columns"), attrs.get("feature_columns")
     if columns and given and columns != given:  # tables of the same width whose columns differ: features that do not compare
-        raise ValueError(f"{store}'s features are other table columns than those the model {model_dir} was trained on "
+        raise CohortError(f"{store}'s features are other table columns than those the model {model_dir} was trained on "
                          f"({column_difference(given, columns, 'here', 'in ' + trained_on['store'])}): read the table "
                          "with the training table's feature columns (ingest.columns.features)")
     expected, actual = trained_on["feature_extractor"], attrs.get("feature_extractor")
@@ -514,7 +515,7 @@ def _check_same_features(store: str, model_dir: str) -> None:
             return "no recorded extractor" if spec is None else f"{spec['name']} v{spec['version']}"
 
         detail = "fitted with other parameters" if describe(actual) == describe(expected) else f"not {describe(expected)}"
-        raise ValueError(f"{store} was featurised with {describe(actual)} ({detail}) but the model {model_dir} was trained on "
+        raise CohortError(f"{store} was featurised with {describe(actual)} ({detail}) but the model {model_dir} was trained on "
                          f"features of {trained_on['store']}: ingest the cohort with ingest.extractor_from: {trained_on['store']}")
 
 

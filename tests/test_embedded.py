@@ -14,7 +14,7 @@ from scipy.special import expit, logit
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
-from mil_core import ABMIL, RBF, VGPMIL, EmbeddedGPMIL
+from mil_core import ABMIL, RBF, VGPMIL, VWSGP, EmbeddedGPMIL
 from mil_core.attention import (
     FITTED_LOSS_FRACTION,
     _single_bag_logit,
@@ -266,6 +266,16 @@ def test_without_calibration_the_score_is_the_plain_average(data):
     np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1], expit(score), rtol=1e-10)
     with pytest.raises(ValueError, match="calibration must be 'platt' or None"):
         small_model(calibration="isotonic").fit(X, bags, y)
+
+
+def test_without_early_stopping_and_calibration_one_network_and_its_gp_train_on_every_bag(data):
+    """The documented setting that holds no bag out (its empty held-out embedding failed in scikit-learn's check)."""
+    (X, bags, y, _), (X_test, bags_test, _, _) = data
+    model = fixed_gp_model(early_stopping=False, calibration=None, max_epochs=3).fit(X, bags, y)
+    assert len(model.network_states_) == len(model.gps_) == 1 and model.validation_bags_[0].size == 0
+    assert model.gp_training_bags(0, np.unique(bags).size).size == np.unique(bags).size
+    score = _member_score(model, 0, X_test, bags_test)
+    np.testing.assert_allclose(model.predict_bag_proba(X_test, bags_test)[1], expit(score), rtol=1e-10)
 
 
 def test_deterministic_with_random_state(data):
@@ -556,6 +566,12 @@ def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
         ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": "NoSuchGP"}})
     with pytest.raises(ValueError, match="gp must be a model section"):
         ModelConfig(name="EmbeddedGPMIL", params={"gp": "VGPMIL"})
+    for unusable in ("VWSGP", "AbSMIL", "EmbeddedGPMIL"):  # no instance probabilities with a std: failed after the networks trained
+        with pytest.raises(ValueError, match=f"gp must be a GP-MIL model with instance probabilities and their std .*not {unusable}"):
+            ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": unusable}})
+    X, bags, y, _ = make_toy_bags(8, seed=0)
+    with pytest.raises(ValueError, match="not VWSGP"):  # the estimator, before its networks train
+        EmbeddedGPMIL(VWSGP(), max_epochs=1).fit(X, bags, y)
 
 
 # ------------------------------------------------ the representation: the embedding or the input features
@@ -750,6 +766,12 @@ def test_pipeline_fit_on_a_store_keeps_the_gps_on_the_input_features_as_fit_does
     assert serial.representation_ == "features"
     model = small_model(n_networks=2, **BLIND)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        from tasks.training import fit_cohort
+
+        # an interrupted earlier run's member GP (another seed: random_state=None draws one a run): no start for
+        # this run's, and resuming from it failed every rerun ("written by another model configuration")
+        leftover = VGPMIL(kernel=RBF(variance=4.0, length_scale=1.0), n_inducing=10, max_iter=1, random_state=7)
+        fit_cohort(leftover, path, client, run="emb-features0", partition_bytes=2_000)
         summary = fit_cohort_embedded(model, path, client, run="emb", partition_bytes=2_000)
         assert model.representation_ == "features" and len(model.gps_) == 2
         assert model.representation_auc_ == pytest.approx(serial.representation_auc_, rel=1e-6)

@@ -979,6 +979,7 @@ def test_an_input_error_is_one_line_on_the_console_and_a_bug_keeps_its_traceback
 
     from flows.cli import _WithoutInputTracebacks
     from tasks.ingest.errors import NothingIngestedError
+    from tasks.training.errors import CohortError
 
     (tmp_path / "t.csv").write_text("".join(f"2,bag{b},{b}.0\n" for b in range(6)))
     table = write_config(tmp_path, tmp_path / "t.zarr", ingest={"kind": "features", "source": str(tmp_path / "t.csv")})
@@ -988,7 +989,8 @@ def test_an_input_error_is_one_line_on_the_console_and_a_bug_keeps_its_traceback
     assert "Encountered exception during execution: NothingIngestedError" in run.stderr and "Traceback" not in run.stderr
 
     formatter = _WithoutInputTracebacks(logging.Formatter("%(message)s"))
-    for error, traceback in ((NothingIngestedError("nothing", path="t.csv"), False), (KeyError("bug"), True)):
+    for error, traceback in ((NothingIngestedError("nothing", path="t.csv"), False), (KeyError("bug"), True),
+                             (CohortError("cohort t.zarr needs labelled bags of both classes"), False)):
         try:
             raise error
         except Exception:

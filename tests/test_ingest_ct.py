@@ -304,7 +304,7 @@ def test_rsna_uids_that_carry_id_prefixes_are_labelled_and_read_quietly(tmp_path
 
 
 def test_conflicting_label_rows_and_subtypes_without_any_are_named(tmp_path):
-    scans = make_ct_cohort(tmp_path / "dicom", 2, n_slices=4, size=16, positive_fraction=0.5, seed=6)
+    make_ct_cohort(tmp_path / "dicom", 2, n_slices=4, size=16, positive_fraction=0.5, seed=6)
     labels = pd.read_csv(tmp_path / "dicom" / "labels.csv")
     row = labels[labels["ID"].str.endswith("_any")].iloc[0]
     pd.concat([labels, pd.DataFrame([{"ID": row["ID"], "Label": 1 - row["Label"]}])]).to_csv(tmp_path / "dup.csv", index=False)

@@ -12,6 +12,7 @@ cross-fitted ensemble of GPs on the input features instead (``representation="au
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .attention_mil import AttentionNetworkParams
 from .base import FeatureStandardisation, forget_fit, store_params, take_bags
 from .vgpmil import VGPMIL
 
-__all__ = ["EmbeddedGPMIL", "REPRESENTATIONS", "default_gp"]
+__all__ = ["EmbeddedGPMIL", "REPRESENTATIONS", "check_member_gp", "default_gp"]
 
 REPRESENTATIONS = ("auto", "embedding")
 """``EmbeddedGPMIL(representation=…)``: choose between the embedding and the input features per
@@ -68,6 +69,19 @@ def _features_score(gp: BaseEstimator, X: np.ndarray, offsets: np.ndarray) -> np
     """A member GP on the input features: its bag evidence ``logit p_b`` (its own bag rule, its
     default, closed-form probabilities) of bags in CSR form."""
     return _logit(gp.predict_bag_proba(X, _bag_ids(offsets))[1])
+
+
+def check_member_gp(gp: Any) -> None:
+    """Raise ``ValueError`` unless ``gp`` can be an :class:`EmbeddedGPMIL`'s member GP: a GP-MIL
+    estimator (not itself an ensemble) whose ``predict_instance_proba`` and ``predict_bag_proba``
+    give a std (``return_std``), which the ensemble pools (seed 000 §6.3)."""
+    def gives_std(name: str) -> bool:
+        method = getattr(gp, name, None)
+        return callable(method) and "return_std" in inspect.signature(method).parameters
+
+    if isinstance(gp, EmbeddedGPMIL) or not (gives_std("predict_instance_proba") and gives_std("predict_bag_proba")):
+        raise ValueError(f"EmbeddedGPMIL's gp must be a GP-MIL model with instance probabilities and their std "
+                         f"(predict_instance_proba(X, return_std=True): VGPMIL, GVGPMIL, VGPMILPR, …), not {type(gp).__name__}")
 
 
 class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimator):
@@ -211,7 +225,7 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
         the calibration on the out-of-fold scores; with ``representation="auto"`` also each
         member's GP on the input features of its training bags, kept instead (with their own
         calibration) when they score higher out of fold."""
-        self._check_representation()
+        self._check_params()
         names = feature_names(X)
         X, bags, labels = check_mil_data(X, bag_ids, y)
         forget_fit(self, names)
@@ -258,8 +272,9 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
     def held_out_embeddings(self, X_sorted: np.ndarray, offsets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each member's embedding of its held-out bags, ``(H, offsets)`` in CSR form, for
         :meth:`fit_calibration` (``n_components`` numbers per instance, so the executor need not
-        keep the input rows while the GPs train)."""
-        return [(self._embed(rows, member), local) for member, (rows, local) in enumerate(self.held_out_inputs(X_sorted, offsets))]
+        keep the input rows while the GPs train); none without early stopping and calibration."""
+        return [(self._embed(rows, member) if rows.shape[0] else np.empty((0, self.n_components)), local)
+                for member, (rows, local) in enumerate(self.held_out_inputs(X_sorted, offsets))]
 
     def _member_training_data(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
                               member: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,9 +360,11 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
             self._fit_calibration(lambda: scores, truth)
         return self.representation_
 
-    def _check_representation(self) -> None:
+    def _check_params(self) -> None:
+        """``representation`` and ``gp``, before the networks train (a GP that cannot serve failed after them)."""
         if self.representation not in REPRESENTATIONS:
             raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {self.representation!r}")
+        check_member_gp(self._gp_template())
 
     def _on_features(self) -> bool:
         """Whether the member GPs are on the input features (a model saved before

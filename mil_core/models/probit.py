@@ -5,7 +5,7 @@ learning the Ising strength λ is in :mod:`mil_core.models.ising_hyper`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np

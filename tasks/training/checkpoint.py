@@ -19,6 +19,7 @@ from mil_core.engine import FitTrace
 from mil_core.models.base import SparseGPMILBase
 from tasks.lease import ensure_still_held
 from tasks.store import Partition
+from tasks.training.errors import CohortError
 from tasks.training.blocks import FeatureScaling
 
 
@@ -52,7 +53,7 @@ class Checkpoint:
         group = self._group()
         saved = [tuple(b) for b in group.attrs["partitions"]]
         if saved != [(p.bag_start, p.bag_stop) for p in partitions]:
-            raise ValueError(
+            raise CohortError(
                 f"checkpoint {self.store}/training/{self.run} was written with other partitions ({len(saved)} of them, "
                 f"{len(partitions)} now): resume with the partition size it was written with (training.partition_mib, "
                 f"fit_cohort's partition_bytes), or delete {self.store}/training/{self.run} to train this model afresh"

@@ -73,12 +73,13 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     each member's clone on the input features (run ``{run}-features{k}``), kept with their own
     calibration when they score higher out of fold
     (:meth:`~mil_core.EmbeddedGPMIL.choose_representation`, on the client). ``fit_kwargs`` go to
-    every :func:`fit_cohort`. ``standardize`` (None: the model's own) standardises the cohort's
+    every :func:`fit_cohort`. Nothing resumes: the networks train again, and a member GP of an
+    interrupted run (its own seed, its held-out bags) is no start for this one's. ``standardize`` (None: the model's own) standardises the cohort's
     features on the labelled bags first, as ``model.fit`` does, and leaves the scaling on the model
     (``feature_mean_`` / ``feature_scale_``). Sets the fitted attributes of ``model.fit``;
     predictions go through :func:`~tasks.training.predict.predict_cohort`, like any model. The
     summary is the last member GP's of the representation kept."""
-    model._check_representation()
+    model._check_params()
     standardize = model.standardize if standardize is None else standardize
     store = str(store)
     cohort = open_cohort(store)
@@ -95,7 +96,7 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     for member, validation in enumerate(model.validation_bags_):
         gp = model.gp_clone(member, gp_seed)
         summaries["embedding"] = fit_cohort(gp, store, client, run=f"{run}-member{member}",
-                                            transform=EmbeddedFeatures(model, scaling, member),
+                                            transform=EmbeddedFeatures(model, scaling, member), resume=False,
                                             exclude_bags=labelled[validation], **fit_kwargs)
         gps.append(gp)
     model.gps_ = gps
@@ -103,7 +104,7 @@ def fit_cohort_embedded(model: EmbeddedGPMIL, store: str | Path, client: Client,
     embedding_auc = model.out_of_fold_auc(held_out, bag_labels)
     features_gps = model.features_gp_candidates(gp_seed, embedding_auc, bag_labels)
     for member, gp in enumerate(features_gps or []):
-        summaries["features"] = fit_cohort(gp, store, client, run=f"{run}-features{member}", transform=scaling,
+        summaries["features"] = fit_cohort(gp, store, client, run=f"{run}-features{member}", transform=scaling, resume=False,
                                            exclude_bags=labelled[model.validation_bags_[member]], **fit_kwargs)
     kept = model.choose_representation(features_gps, held_out_inputs, embedding_auc, bag_labels)
     if scaling is not None:  # in model.fit's units: its predict_* standardise as after model.fit

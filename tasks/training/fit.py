@@ -20,11 +20,16 @@ from tasks.store import open_cohort
 from tasks.training.blocks import DEFAULT_PARTITION_BYTES, FeatureScaling
 from tasks.training.checkpoint import Checkpoint
 from tasks.training.early_stopping import DistributedEarlyStopping
+from tasks.training.errors import CohortError
 from tasks.training.executor import DaskExecutor
 from tasks.training.placement import Device, Mode, resolve_mode, resolve_placement
 from tasks.training.preprocess import feature_scaling, kmeans_sample, read_bags
 
 log = logging.getLogger("gpmil.training")
+
+
+def _afresh(checkpoint: str) -> str:
+    return f"use a new run name, or delete {checkpoint} to train this model afresh"
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def fit_cohort(
     store = str(store)
     cohort = open_cohort(store)
     if uses_coords(model) and cohort.attrs.get("coords_meaning") == "instance_index":
-        raise ValueError(f"{type(model).__name__} couples neighbouring instances, and the instances of {store} have no "
+        raise CohortError(f"{type(model).__name__} couples neighbouring instances, and the instances of {store} have no "
                          "positions (a table or .h5 files without coordinates: their order in a bag is no neighbourhood); use "
                          "VGPMILPR, or ingest them with their coordinates (a table's ingest.columns.coords, the .h5 'coords')")
     if standardize is None:
@@ -112,7 +117,7 @@ def fit_cohort(
     if np.unique(labels[labelled]).size < 2:
         found = np.unique(labels).tolist()
         hint = " (-1 marks an unlabelled bag in a store: a table labelled -1/+1 needs 0 for its negative bags)" if found == [-1, 1] else ""
-        raise ValueError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {found}{hint}")
+        raise CohortError(f"cohort {store} needs labelled bags of both classes to train; bag labels found: {found}{hint}")
     sizes = np.diff(cohort.offsets)
     validation = np.empty(0, dtype=np.int64)
     if getattr(model, "early_stopping", False):  # AbSMIL has no validation hold-out
@@ -130,14 +135,14 @@ def fit_cohort(
         restore_fitted_state(model, fitted, f"{store}/training/{run}")
         check_feature_dimension(model, cohort)
         if (scaling is not None) != standardize:
-            raise ValueError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; use a new run name")
+            raise CohortError(f"checkpoint {store}/training/{run} was written with standardize={not standardize}; {_afresh(f'{store}/training/{run}')}")
         try:
             updates = model._make_updates(getattr(model, "gp_", None))
         except AttributeError as error:  # a fitted attribute added since the checkpoint was written
             if error.obj is not model:
                 raise
-            raise ValueError(f"checkpoint {store}/training/{run} was written by an older gpmil: its {type(model).__name__} "
-                             f"has no {error.name!r}, which this version needs to resume; use a new run name") from None
+            raise CohortError(f"checkpoint {store}/training/{run} was written by an older gpmil: its {type(model).__name__} "
+                              f"has no {error.name!r}, which this version needs to resume; {_afresh(f'{store}/training/{run}')}") from None
         log.info("resuming run %r of %s from iteration %d", run, store, latest)
     else:
         model._check_common_params(int(sizes[training].sum()))
@@ -200,7 +205,7 @@ def training_scaling(client: Client, cohort, bags: np.ndarray, partition_bytes: 
 
 def check_feature_dimension(model: SparseGPMILBase, cohort) -> None:
     if cohort.n_features != model.n_features_in_:
-        raise ValueError(
+        raise CohortError(
             f"cohort {cohort.path} has {cohort.n_features} features per instance, but the model was trained on "
             f"{model.n_features_in_}; use a store made with the same feature extractor"
         )
@@ -214,7 +219,7 @@ def restore_fitted_state(model: SparseGPMILBase, fitted: SparseGPMILBase, where:
     theirs = {k: repr(v) for k, v in fitted.get_params().items() if k not in ignore}
     if type(model) is not type(fitted) or mine != theirs:
         changed = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)) or ["model class"]
-        raise ValueError(f"checkpoint {where} was written by another model configuration ({', '.join(changed)} differ); use a new run name")
+        raise CohortError(f"checkpoint {where} was written by another model configuration ({', '.join(changed)} differ); {_afresh(where)}")
     for name, value in vars(fitted).items():  # saved right after _start_fit: its fitted attributes are the start state
         if name.endswith("_") and not name.startswith("_"):
             setattr(model, name, value)
