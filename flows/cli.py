@@ -374,11 +374,25 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
     table = read_mil_csv(path, dtype=np.float64)  # an unreadable, empty or featureless file: an IngestError naming it
     if table.row_problems:
         first = min(table.row_problems)
-        raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such row(s))")
+        raise ValueError(f"{path}: {table.row_problems[first]} ({len(table.row_problems)} such line(s))")
     nonfinite = np.flatnonzero(~np.isfinite(table.X).all(axis=1))
     if nonfinite.size:
-        raise ValueError(f"{path}: row {nonfinite[0]} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "
-                         f"infinite features ({nonfinite.size} such row(s))")
+        raise ValueError(f"{path}: {table.where(nonfinite[0])} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "
+                         f"infinite features ({nonfinite.size} such line(s))")
+    labels = np.asarray(table.labels, dtype=object)
+    numbers = np.array([isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v) for v in labels])
+    bad = np.flatnonzero(~numbers | ~np.isin(np.where(numbers, labels, 0).astype(float), (-1, 0, 1)))
+    if bad.size:
+        first = labels[bad[0]]
+        blank = first is None or (isinstance(first, float) and np.isnan(first))
+        cell = "no bag label (an empty cell)" if blank else f"bag label {first:g}" if numbers[bad[0]] else f"bag label {first!r}"
+        raise ValueError(f"{path}: {table.where(bad[0])} (bag {table.bag_ids[bad[0]]!r}) has {cell}: bag labels are 0 or 1 "
+                         f"(or -1 and 1; 1 is positive) ({bad.size} such line(s))")
+    values = np.asarray(labels, dtype=float)
+    if (values == -1).any() and (values == 0).any():  # two conventions in one table: which is the negative label?
+        minus, zero = np.flatnonzero(values == -1)[0], np.flatnonzero(values == 0)[0]
+        raise ValueError(f"{path}: bag labels mix -1 ({table.where(minus)}, bag {table.bag_ids[minus]!r}) and 0 "
+                         f"({table.where(zero)}, bag {table.bag_ids[zero]!r}): a table's negative bags are all 0 or all -1")
     try:
         _, _, bag_labels = check_mil_data(table.X, table.bag_ids, table.labels)
     except ValueError as error:

@@ -163,8 +163,16 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *, n_features: in
     found = np.unique(y)
     if y.dtype.kind not in "biuf" or not (np.all(np.isin(found, (0, 1))) or np.all(np.isin(found, (-1, 1)))):
         bad = found[~np.isin(found, (-1, 0, 1))] if y.dtype.kind in "biuf" else found
+        def bag(row: int) -> str:
+            key = bag_ids[row]
+            return f"bag {key.item() if isinstance(key, np.generic) else key!r}, row {row}"
+
+        if y.dtype.kind in "biuf" and not bad.size:  # -1 beside 0: two conventions, so which is negative?
+            raise ValueError(f"bag labels mix -1 ({bag(np.flatnonzero(y == -1)[0])}) and 0 ({bag(np.flatnonzero(y == 0)[0])}): "
+                             "give the negative bags 0, or all of them -1")
+        first = int(np.flatnonzero(~np.isin(y, (-1, 0, 1)))[0]) if y.dtype.kind in "biuf" else 0
         raise ValueError(f"bag labels must be 0 or 1 (or -1 and 1; 1 is positive), found "
-                         f"{(bad if bad.size else found)[:5].tolist()}")
+                         f"{(bad if bad.size else found)[:5].tolist()} (the first: {bag(first)})")
     y_sorted = (y[bags.order] == 1).astype(np.int8)
     lo = np.minimum.reduceat(y_sorted, bags.offsets[:-1])
     hi = np.maximum.reduceat(y_sorted, bags.offsets[:-1])

@@ -48,19 +48,25 @@ def _cell(row: int, column: int, value: str):
     return corrupt
 
 
-BAD_TABLES = {
-    "a cell that is not a number": (_cell(7, 3, "abc"), "row 7, column 3: 'abc' is not a number"),
-    "a header line": (lambda rows: [["label", "bag", "f1", "f2", "f3"], *rows], "row 0 (label, bag, f1, f2, …) looks like a header"),
-    "a NaN feature": (_cell(12, 4, "nan"), "row 12 (bag 'slide-02') has empty, NaN or infinite features"),
-    "a short row": (lambda rows: [*rows[:3], rows[3][:-1], *rows[4:]], "row 3 (bag 'slide-00') has empty, NaN or infinite features"),
+BAD_TABLES = {  # the file's lines, 1-based (a blank line counts: row 12 of 'a NaN feature after a blank line' is line 14)
+    "a cell that is not a number": (_cell(7, 3, "abc"), "line 8, column 3: 'abc' is not a number"),
+    "a header line": (lambda rows: [["label", "bag", "f1", "f2", "f3"], *rows], "line 1 (label, bag, f1, f2, …) looks like a header"),
+    "a NaN feature": (_cell(12, 4, "nan"), "line 13 (bag 'slide-02') has empty, NaN or infinite features"),
+    "a NaN feature after a blank line": (lambda rows: [*rows[:5], [], *_cell(12, 4, "nan")(rows)[5:]],
+                                         "line 14 (bag 'slide-02') has empty, NaN or infinite features"),
+    "a short row": (lambda rows: [*rows[:3], rows[3][:-1], *rows[4:]], "line 4 (bag 'slide-00') has empty, NaN or infinite features"),
     "labels that differ within a bag": (_cell(1, 0, "1"), "bag 'slide-00' has instances with different bag labels"),
-    "a label that is not 0/1": (lambda rows: [["2" if r[0] == "1" else "0", *r[1:]] for r in rows], "found [2]"),
+    "a label that is not 0/1": (lambda rows: [["2" if r[0] == "1" else "0", *r[1:]] for r in rows],
+                                "line 6 (bag 'slide-01') has bag label 2:"),
+    "an empty label": (_cell(9, 0, ""), "line 10 (bag 'slide-01') has no bag label (an empty cell)"),
+    "labels -1 beside 0": (lambda rows: [["-1" if i >= 90 else r[0], *r[1:]] for i, r in enumerate(rows)],
+                           "bag labels mix -1 (line 91, bag 'slide-18') and 0 (line 1, bag 'slide-00')"),
     "one class": (lambda rows: [["0", *r[1:]] for r in rows], "need bags of both classes"),
     "too few bags of a class": (lambda rows: rows[:40] + [r for r in rows[40:] if r[0] == "0"],
                                 "5-fold CV needs at least 5 bags of each class; the table has 10 negative and 4 positive bags"),
     "no feature columns": (lambda rows: [r[:2] for r in rows], "at least one feature column"),
     "one column": (lambda rows: [r[:1] for r in rows], "a MIL CSV is bag label, bag id, features"),
-    "an empty bag id": (_cell(4, 1, ""), "no bag id at row(s) [4]"),
+    "an empty bag id": (_cell(4, 1, ""), "no bag id at line(s) [5]"),
     "an empty file": (lambda rows: [], "cannot read CSV"),
 }
 

@@ -46,8 +46,11 @@ BAD_FIT_INPUT = {
                           r"bag_ids has no bag id at row\(s\) \[5\] \(<NA>\)"),
     "label-not-constant-in-a-bag": (_mixed_labels, "bag 3 has instances with different bag labels"),
     "label-not-constant-in-a-bag-with-text-ids": (_mixed_labels_text_ids, "bag 'slide-3' has instances with different bag labels"),
-    "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1 \(or -1 and 1; 1 is positive\), found \[2\]"),
-    "label-mixes-conventions": (lambda X, b, y: (X, b, np.where(b == 0, -1, y)), r"found \[-1, 0, 1\]"),
+    "label-not-binary": (lambda X, b, y: (X, b, 2 * y), r"bag labels must be 0 or 1 \(or -1 and 1; 1 is positive\), found \[2\] "
+                         rf"\(the first: bag {BAGS[np.flatnonzero(Y)[0]].item()}, row {np.flatnonzero(Y)[0]}\)"),
+    "label-mixes-conventions": (lambda X, b, y: (X, b, np.where(b == 0, -1, y)),
+                                rf"bag labels mix -1 \(bag 0, row 0\) and 0 \(bag {BAGS[np.flatnonzero((BAGS != 0) & (Y == 0))[0]].item()}, "
+                                rf"row {np.flatnonzero((BAGS != 0) & (Y == 0))[0]}\)"),
     "label-strings": (lambda X, b, y: (X, b, np.where(y == 1, "tumour", "normal")), r"found \['normal', 'tumour'\]"),
     "single-class": (lambda X, b, y: (X, b, np.zeros_like(y)), "need bags of both classes"),
     "labels-length": (lambda X, b, y: (X, b, y[:-1]), "y must be 1-D with one bag label per instance"),

@@ -195,10 +195,10 @@ def test_table_readers_refuse_what_would_merge_cut_or_drop_rows_naming_the_file(
     csv.write_text("0,00123,1.0\n0,0123,2.0\n1,07,3.0\n1,07,4.0\n")
     assert list(read_mil_csv(csv).bag_ids) == ["00123", "0123", "07", "07"]
     csv.write_text("label,bag,f1\n0,a,1.0\n")
-    with pytest.raises(IngestError, match=r"row 0 \(label, bag, f1, …\) looks like a header: a MIL CSV has none"):
+    with pytest.raises(IngestError, match=r"line 1 \(label, bag, f1, …\) looks like a header: a MIL CSV has none"):
         read_mil_csv(csv)
-    csv.write_text("0,a,1.0\n0,,2.0\n")
-    with pytest.raises(IngestError, match=r"no bag id at row\(s\) \[1\].*ids.csv"):
+    csv.write_text("0,a,1.0\n\n0,,2.0\n")  # the file's line, a blank one counted
+    with pytest.raises(IngestError, match=r"no bag id at line\(s\) \[3\].*ids.csv"):
         read_mil_csv(csv)
 
     X, ids, labels = np.zeros((20, 3)), np.repeat(np.arange(4), 5).astype(str), np.repeat([0, 1, 0, 1], 5)
@@ -734,7 +734,7 @@ def test_a_mil_csv_saved_with_pandas_column_numbers_as_its_header_is_refused(tmp
 
     rows = np.array([[b % 2, b, *np.random.default_rng(b).normal(size=3)] for b in range(6) for _ in range(3)])
     pd.DataFrame(rows).to_csv(tmp_path / "numbered.csv", index=False)
-    with pytest.raises(IngestError, match=r"row 0 \(0, 1, 2, 3, …, 4\) looks like the header pandas writes.*numbered.csv"):
+    with pytest.raises(IngestError, match=r"line 1 \(0, 1, 2, 3, …, 4\) looks like the header pandas writes.*numbered.csv"):
         read_mil_csv(tmp_path / "numbered.csv")
     pd.DataFrame(rows).to_csv(tmp_path / "plain.csv", index=False, header=False)
     assert read_mil_csv(tmp_path / "plain.csv").X.shape == (18, 3)

@@ -285,7 +285,7 @@ def test_a_text_cell_in_a_feature_table_skips_its_bag_naming_row_column_and_valu
     report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, rows)))
     assert report.added == ("a", "c")
     (skip,) = report.skipped
-    assert skip.error == "BadValueError" and skip.reason == "row 1, column 2: 'n/a?' is not a number"
+    assert skip.error == "BadValueError" and skip.reason == "line 2, column 2: 'n/a?' is not a number"
     dropped = ingest_table(tmp_path / "d.zarr", read_mil_csv(_csv(tmp_path, rows)), nonfinite="drop")
     assert dropped.added == ("a", "b", "c") and dropped.dropped_nonfinite == {"b": 1}
 

@@ -37,7 +37,9 @@ class FeatureTable:
     ``original_labels`` (N,), optional, constant within a bag: the label the bag's target was
     derived from (an ISUP grade, a class name), kept as the bag's original label; without it the
     original label is the bag label itself (none for -1).
-    ``row_problems``: file row → why its features are NaN (a cell that is not a number).
+    ``row_problems``: row → why its features are NaN (a cell that is not a number).
+    ``lines``: each row's 1-based line in the file (a CSV's: blank lines are dropped, so row ``r``
+    need not be line ``r + 1``), for messages that point into it; ``None``: the rows are the file's.
     ``feature_names`` / ``coords_names``: the columns the features / coordinates came from, where
     the file names them (Parquet); the store keeps the feature names and refuses other ones.
     """
@@ -52,6 +54,11 @@ class FeatureTable:
     original_labels: np.ndarray | None = None
     feature_names: tuple[str, ...] | None = None
     coords_names: tuple[str, ...] | None = None
+    lines: np.ndarray | None = None
+
+    def where(self, row: int) -> str:
+        """Where row ``row`` is in the file, for a message: ``line 8`` of a CSV, else ``row 7``."""
+        return f"row {row}" if self.lines is None else f"line {self.lines[row]}"
 
     def __post_init__(self) -> None:
         """The shapes every reader must deliver, checked once here: a table whose arrays disagree
@@ -80,12 +87,13 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     import pandas as pd
 
     try:
-        table = pd.read_csv(path, header=None, dtype={bag_column: str})  # '00123' and '0123' are two bags
+        table = pd.read_csv(path, header=None, dtype={bag_column: str}, skip_blank_lines=False)  # '00123' and '0123' are two bags
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
     table = table[~table.isna().all(axis=1)]  # a spreadsheet's export ends with rows of empty cells: no instance
     while len(table.columns) > 2 and table[table.columns[-1]].isna().all():  # and with columns of them: no feature
         table = table.drop(columns=[table.columns[-1]])
+    lines = table.index.to_numpy() + 1  # every line read (blank ones too): row r of the file is its line r + 1
     table = table.reset_index(drop=True)
     if bag_column not in table.columns or label_column not in table.columns:
         raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
@@ -95,11 +103,11 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
                           "commas): save it comma-separated with decimal points", path=str(path))
     labels = pd.to_numeric(table[label_column], errors="coerce")
     if len(table) > 1 and np.isnan(labels.iloc[0]) and labels.iloc[1:].notna().all():
-        raise IngestError(f"row 0 ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
+        raise IngestError(f"line {lines[0]} ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
                           "(bag label, bag id, features…); remove the first line", path=str(path))
     first = pd.to_numeric(table.iloc[0], errors="coerce").to_numpy(dtype=float)
     if len(table) > 1 and first.size >= 5 and np.array_equal(first, np.arange(first.size)):  # DataFrame(array).to_csv()
-        raise IngestError(f"row 0 ({', '.join(str(i) for i in range(4))}, …, {first.size - 1}) looks like the header pandas "
+        raise IngestError(f"line {lines[0]} ({', '.join(str(i) for i in range(4))}, …, {first.size - 1}) looks like the header pandas "
                           "writes for an array's columns: a MIL CSV has none (bag label, bag id, features…); remove the "
                           "first line, or save with to_csv(header=False, index=False)", path=str(path))
     if original_label_column is not None and original_label_column not in table.columns:
@@ -110,12 +118,12 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     if not all(pd.api.types.is_numeric_dtype(dtype) for dtype in features.dtypes):  # a cell that is not a number
         numeric = features.apply(pd.to_numeric, errors="coerce")
         for r, c in zip(*np.nonzero(numeric.isna().to_numpy() & features.notna().to_numpy())):
-            problems.setdefault(int(r), f"row {r}, column {feature_columns[c]}: {features.iat[r, c]!r} is not a number")
+            problems.setdefault(int(r), f"line {lines[r]}, column {feature_columns[c]}: {features.iat[r, c]!r} is not a number")
         features = numeric
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
         X = features.to_numpy(dtype=dtype)
-    return FeatureTable(X=X, bag_ids=_bag_id_text(table[bag_column].to_numpy(dtype=object), path),
-                        labels=_label_cells(table[label_column]), source=str(path), row_problems=problems,
+    return FeatureTable(X=X, bag_ids=_bag_id_text(table[bag_column].to_numpy(dtype=object), path, lines),
+                        labels=_label_cells(table[label_column]), source=str(path), row_problems=problems, lines=lines,
                         original_labels=None if original_label_column is None else table[original_label_column].to_numpy(dtype=object))
 
 
@@ -329,15 +337,16 @@ def read_npz_table(path: str | Path) -> FeatureTable:
                         instance_labels=arrays.get("instance_labels"), original_labels=arrays.get("original_labels"))
 
 
-def _bag_id_text(values: np.ndarray, path: str | Path) -> np.ndarray:
+def _bag_id_text(values: np.ndarray, path: str | Path, lines: np.ndarray | None = None) -> np.ndarray:
     """Bag ids as text (object array); a missing one (an empty cell, a null) is an error naming its
-    row, not a bag called 'nan' or 'None'."""
+    row (a CSV's ``lines``: its line), not a bag called 'nan' or 'None'."""
     import pandas as pd
 
     values = np.asarray(values)
     missing = np.flatnonzero(pd.isna(values))  # None or NaN: a null or an empty cell
     if missing.size:
-        raise IngestError(f"no bag id at row(s) {missing[:5].tolist()}"
+        raise IngestError(f"no bag id at {'row(s)' if lines is None else 'line(s)'} "
+                          f"{(missing if lines is None else lines[missing])[:5].tolist()}"
                           + (f" (and {missing.size - 5} more)" if missing.size > 5 else ""), path=str(path))
     return values.astype(str).astype(object)
 
