@@ -154,6 +154,28 @@ def test_a_blank_in_a_nullable_parquet_column_is_a_blank_to_the_whole_column_che
     assert (labels["a"], labels["b"], labels["d"]) == (1, 0, 1) and isinstance(labels["c"], MissingLabelError)
 
 
+def test_a_row_whose_label_is_blank_is_an_unlabelled_bag_to_predict_and_a_skipped_one_to_train(tmp_path):
+    """A labels export that lists every slide, the pending ones with an empty grade: a cohort to
+    predict kept them out of the prediction ('unusable label …: cannot convert float NaN to integer')."""
+    from tasks.ingest.errors import BlankLabelError
+    from tasks.ingest.labels import labelled_items, read_panda_labels
+
+    path = tmp_path / "labels.csv"
+    path.write_text("image_id,data_provider,isup_grade,gleason_score\ns1,radboud,3,4+3\ns2,radboud,,\ns3,radboud,x,0+0\n")
+    labels, _ = read_panda_labels(path)
+    assert labels["s1"] == 1 and isinstance(labels["s2"], BlankLabelError) and not isinstance(labels["s3"], BlankLabelError)
+    assert labels["s2"].reason == "no label yet: empty isup_grade (row 2 after the header)"
+    candidates = [(bag, f"/slides/{bag}.tiff", None) for bag in ("s1", "s2", "s3")]
+    items, skipped = labelled_items(candidates, labels, str(path), keep_unlabelled=True)
+    assert [(i.bag_id, i.label) for i in items] == [("s1", 1), ("s2", -1)] and [s.bag_id for s in skipped] == ["s3"]
+    items, skipped = labelled_items(candidates, labels, str(path))
+    assert [i.bag_id for i in items] == ["s1"] and [(s.bag_id, s.error) for s in skipped] == [("s2", "BlankLabelError"),
+                                                                                             ("s3", "MissingLabelError")]
+    spec = tmp_path / "spec.csv"
+    spec.write_text("slide_id,label\na,1\nb, \nc,0\n")  # a section's label column: a cell of spaces is blank too
+    assert isinstance(LabelSpec(str(spec)).read()[0]["b"], BlankLabelError)
+
+
 def test_codes_that_spell_numbers_and_booleans_match_positive_and_targets_by_value(tmp_path):
     """The labels reader takes a cell that spells a number as that number (TCGA's sample type ``01``
     is 1), and ``positive: ["01"]`` and ``target: "sample_type == '01'"`` then matched no row: every

@@ -30,6 +30,11 @@ class MissingLabelError(IngestError):
     """A bag (or slice) absent from the labels table, or a label that is not 0/1."""
 
 
+class BlankLabelError(MissingLabelError):
+    """A labels row whose label cells are all empty: a bag without a label yet (an unlabelled bag
+    where the ingest keeps them, as for a cohort to predict)."""
+
+
 class DuplicateIdError(IngestError):
     """A bag id given twice, or already present in the store for another source."""
 

@@ -31,12 +31,15 @@ from typing import Any
 import numpy as np
 
 from tasks.ingest.driver import IngestItem, Skipped
-from tasks.ingest.errors import DuplicateIdError, IngestError, MissingLabelError
+from tasks.ingest.errors import BlankLabelError, DuplicateIdError, IngestError, MissingLabelError
 from tasks.store import UNKNOWN_LABEL, encode_original_label
 
 
-def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: str) -> dict[str, int | Exception]:
-    """bag id → ``label_of(row)`` for each row of a labels table, or the error that row gives."""
+def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: str,
+                 label_columns: Sequence[str] = ()) -> dict[str, int | Exception]:
+    """bag id → ``label_of(row)`` for each row of a labels table, or the error that row gives (a
+    :class:`BlankLabelError` where every one of ``label_columns``, the cells the label is read from, is
+    empty: a bag listed before its label is known)."""
     if id_column not in table.columns:
         raise IngestError(f"labels file has no column {id_column!r} (columns: {list(table.columns)})", path=path)
     labels: dict[str, int | Exception] = {}
@@ -50,6 +53,11 @@ def label_lookup(table, id_column: str, label_of: Callable[[Any], int], path: st
                                               f"and {row} after the header: {first[bag_id][1]} and {value})", path=path, bag_id=bag_id)
             continue
         first[bag_id] = (row, value)
+        if label_columns and all(_is_missing(value.get(c)) or isinstance(value.get(c), str) and not value[c].strip()
+                                 for c in label_columns):
+            labels[bag_id] = BlankLabelError(f"no label yet: empty {', '.join(label_columns)} (row {row} after the header)",
+                                             path=path, bag_id=bag_id)
+            continue
         try:
             labels[bag_id] = label_of(value)
         except (KeyError, ValueError, TypeError) as error:
@@ -85,7 +93,8 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
                     keep_unlabelled: bool = False) -> tuple[list[IngestItem], list[Skipped]]:
     """Attach bag labels (-1 without a labels table) and original labels (``originals``: bag id →
     the labels file's value); badly labelled bags are skipped, and so are bags the labels do not
-    list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled). A bag
+    list unless ``keep_unlabelled`` (a cohort to predict: they are predicted, unlabelled, as are bags
+    whose row leaves the label empty). A bag
     whose id the labels give but for spaces, a suffix or letter case (``s1.svs`` or ``S1`` for
     ``s1``) is skipped naming it either way: kept unlabelled, its label was lost without a word."""
     originals = originals or {}
@@ -115,7 +124,9 @@ def labelled_items(candidates: Iterable[tuple[str, str, Any]], labels: dict[str,
                     if near is not None else
                     f" (its ids look like {', '.join(repr(k) for k in list(labels)[:2])})" if labels else "")
             label = MissingLabelError(f"no label in {labels_path}{hint}", path=source, bag_id=bag_id)
-        if isinstance(label, Exception):
+        if isinstance(label, BlankLabelError) and keep_unlabelled:  # listed before its label is known: predicted, unlabelled
+            items.append(IngestItem(bag_id, source, UNKNOWN_LABEL, payload))
+        elif isinstance(label, Exception):
             skipped.append(Skipped.from_error(label, IngestItem(bag_id, source, UNKNOWN_LABEL)))
         else:
             items.append(IngestItem(bag_id, source, int(label), payload, encode_original_label(originals.get(key))))
@@ -272,7 +283,8 @@ def read_panda_labels(path: str | Path) -> tuple[dict[str, int | Exception], dic
             raise ValueError("isup_grade must be an integer 0..5")
         return int(grade > 0)
 
-    return label_lookup(table, "image_id", label_of, str(path)), dict(zip(table["image_id"].astype(str), table["isup_grade"]))
+    return (label_lookup(table, "image_id", label_of, str(path), ["isup_grade"]),
+            dict(zip(table["image_id"].astype(str), table["isup_grade"])))
 
 
 # ------------------------------------------------------------------------------ label specs
@@ -571,7 +583,7 @@ class LabelSpec:
             self._check_binary(table[self.label_column], path)
         if self.target is not None:
             self._check_truth_columns(table, label_of.truth_columns, path)
-        labels = label_lookup(table, self.id_column, label_of, path)
+        labels = label_lookup(table, self.id_column, label_of, path, needed)
         original = (dict(zip(table[self.id_column].astype(str), table[self.label_column]))
                     if self.label_column in table.columns else {})
         return labels, original
