@@ -315,6 +315,7 @@ class ModelConfig(_Strict):
 
             member = ModelConfig.model_validate(gp)
             check_member_gp(MODEL_CLASSES[member.name]())
+        make_model(self)._check_params()  # values too (n_components: 0, hidden: "16"), not after the ingest
         return self
 
 

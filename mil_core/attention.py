@@ -41,6 +41,7 @@ __all__ = [
     "instance_logits",
     "network_arrays",
     "training_loss",
+    "validate_training_params",
     "validation_splits",
 ]
 
@@ -192,7 +193,7 @@ def _single_thread(torch: Any) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _validate_training_params(hidden: tuple[int, ...], n_components: int, attention_dim: int, learning_rate: float,
+def validate_training_params(hidden: tuple[int, ...], n_components: int, attention_dim: int, learning_rate: float,
                               weight_decay: float, max_epochs: int, validation_fraction: float, patience: int,
                               n_networks: int, negative_instances: bool) -> None:
     for name, value in (("n_components", n_components), ("attention_dim", attention_dim), ("max_epochs", max_epochs),
@@ -286,7 +287,7 @@ def fit_attention_network(
     """
     torch = _import_torch()
     hidden = tuple(hidden)
-    _validate_training_params(hidden, n_components, attention_dim, learning_rate, weight_decay, max_epochs,
+    validate_training_params(hidden, n_components, attention_dim, learning_rate, weight_decay, max_epochs,
                               validation_fraction, n_epochs_no_change, n_networks, negative_instances)
     rng = np.random.default_rng(seed)
     bags = np.arange(labels.shape[0])

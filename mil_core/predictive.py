@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bag_generators", "prediction_seed", "probit_link_scale", "probit_scale", "sample_latent", "sample_latent_bags"]
+__all__ = ["bag_generators", "prediction_seed", "probit_link_scale", "probit_scale", "sample_latent", "sample_latent_bags",
+           "shared_normal_draws"]
 
 
 def probit_scale(mean: np.ndarray, var: np.ndarray) -> np.ndarray:
@@ -31,6 +32,14 @@ def sample_latent(mean: np.ndarray, var: np.ndarray, n_draws: int, rng: Any) -> 
     array row by row, so drawing a block of rows at a time continues the same stream.
     """
     return mean[:, None] + np.sqrt(var)[:, None] * rng.standard_normal((mean.shape[0], n_draws))
+
+
+def shared_normal_draws(random_state: Any, n_draws: int) -> np.ndarray:
+    """The ``n_draws`` standard normals ``z`` (seeded by :func:`prediction_seed`) that every row's
+    latent draws ``f*ₙ = meanₙ + sqrt(varₙ) z`` share in an instance prediction: a row's Monte Carlo
+    probability and std (Eq. 32–33) then depend on its own moments only, not on the other rows of
+    the call (its partition of a cohort, the bags predicted with it)."""
+    return np.random.RandomState(prediction_seed(random_state)).standard_normal(n_draws)
 
 
 def sample_latent_bags(mean: np.ndarray, var: np.ndarray, offsets: np.ndarray, n_draws: int,

@@ -290,6 +290,23 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
     return root
 
 
+def open_or_start_afresh(path: str | Path, spec: CohortSpec) -> tuple[zarr.Group, bool]:
+    """:func:`open_or_create_cohort`, and whether it created the store; a store that holds no
+    committed bag — an ingest killed before its first commit, which only removes its empty store
+    when it finishes — is made again where ``spec`` differs from it: its settings (tiling,
+    extractor, dimension) are no cohort's, and a corrected configuration must not meet them as a
+    mismatch. Its staged bags, of the other settings, go with it. The caller holds the writer lease."""
+    created = not (Path(path) / "zarr.json").exists()
+    try:
+        return open_or_create_cohort(path, spec), created
+    except StoreMismatchError:
+        root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
+        if "bags" not in root or committed_bag_count(root):
+            raise
+    shutil.rmtree(path)
+    return create_cohort(path, spec), True
+
+
 def _half_created(path: str | Path) -> bool:
     """A root ``zarr.json`` without the store's attributes and no bag offsets: nothing was ever committed."""
     root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
@@ -815,6 +832,22 @@ def drop_staged(root: zarr.Group, bag_ids: Iterable[str]) -> None:
         key = staging_key(bag_id)
         if key in staging:
             del staging[key]
+
+
+def drop_staged_of_gone_inputs(root: zarr.Group, keep: Iterable[str]) -> list[str]:
+    """Delete the staging groups, but those of the bag ids ``keep``, whose input no longer exists (a
+    slide staged by a killed run, then removed from its folder): no later ingest lists them, and
+    they would stay for good. A group of an input still there (another folder's, fed on another
+    night) stays for its rerun. Returns the bag ids dropped."""
+    keep, dropped = set(keep), []
+    staging = root["staging"]
+    for key, group in list(staging.groups()):
+        attrs = dict(group.attrs)
+        source = attrs.get("source")
+        if attrs.get("bag_id") not in keep and source and not Path(source).exists():
+            del staging[key]
+            dropped.append(str(attrs.get("bag_id")))
+    return dropped
 
 
 # ---------------------------------------------------------------------------------------- read

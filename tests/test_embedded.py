@@ -64,6 +64,18 @@ def fitted(data):
     return small_model().fit(X, bags, y)
 
 
+def test_a_bags_std_does_not_depend_on_the_bags_predicted_with_it(fitted, data):
+    """The pooled std came from the member GPs' instance stds, drawn from one stream over the call:
+    the same bag alone, in another cohort or partition of the pipeline, got another std (up to 5 %)."""
+    _, (X, bags, _, _) = data
+    keys, p, sd = fitted.predict_bag_proba(X, bags, return_std=True)
+    for part in (keys[:1], keys[4:9], keys[-2:]):
+        rows = np.isin(bags, part)
+        _, p_part, sd_part = fitted.predict_bag_proba(X[rows], bags[rows], return_std=True)
+        np.testing.assert_allclose(p_part, p[np.isin(keys, part)], rtol=1e-10)
+        np.testing.assert_allclose(sd_part, sd[np.isin(keys, part)], rtol=1e-10)
+
+
 def test_shapes_and_ranges(fitted, data):
     _, (X, bags, _, _) = data
     keys, p, sd = fitted.predict_bag_proba(X, bags, return_std=True)
@@ -569,6 +581,12 @@ def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
     for unusable in ("VWSGP", "AbSMIL", "EmbeddedGPMIL"):  # no instance probabilities with a std: failed after the networks trained
         with pytest.raises(ValueError, match=f"gp must be a GP-MIL model with instance probabilities and their std .*not {unusable}"):
             ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": unusable}})
+    for params, message in (({"n_components": 0}, "n_components must be a positive integer, got 0"),  # read, not trained
+                            ({"hidden": "16"}, r"hidden must be a list of layer widths \(positive integers\), e.g. \[128\], got '16'"),
+                            ({"representation": "features"}, "representation must be one of"),
+                            ({"gp": {"name": "VGPMIL", "params": {"n_inducing": 1}}}, "n_inducing must be an integer >= 2, got 1")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(name="EmbeddedGPMIL", params=params)
     X, bags, y, _ = make_toy_bags(8, seed=0)
     with pytest.raises(ValueError, match="not VWSGP"):  # the estimator, before its networks train
         EmbeddedGPMIL(VWSGP(), max_epochs=1).fit(X, bags, y)

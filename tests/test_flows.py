@@ -266,6 +266,10 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     bad = write_config(tmp_path, cohort, training={"mode": "sometimes"})
     assert main(["train", bad]) == 2
     assert "training.mode" in capsys.readouterr().err
+    for params, message in (({"max_iter": 0}, "max_iter must be an integer >= 1, got 0"),  # was found by the fit, after the ingest
+                            ({"n_inducing": 1.5}, "n_inducing must be an integer >= 2, got 1.5")):
+        assert main(["train", write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": params})]) == 2
+        assert f"model: Value error, {message}" in capsys.readouterr().err
 
 
 def task_runs_of(flow_run_id, n_expected: int) -> list:

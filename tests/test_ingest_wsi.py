@@ -123,6 +123,18 @@ def test_an_ingest_that_commits_nothing_leaves_no_store_to_fix_the_next_runs_set
     nothing = ingest_slides(tmp_path / "s.zarr", blank, labels_csv=blank / "labels.csv", params=TilingParams(tile_size=128),
                             extractor=_MeanColour())
     assert nothing.added == () and open_cohort(tmp_path / "s.zarr").n_bags == 4  # a store with bags stays
+    with pytest.raises(IngestError, match="tiling.tile_size: store 128, this ingest 64"):
+        ingest_slides(tmp_path / "s.zarr", folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=64),
+                      extractor=_MeanColour())
+
+    killed = tmp_path / "killed.zarr"  # killed before its first commit: its empty store stays, the rerun must not meet it
+    plan = plan_slides(killed, folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=128), extractor=_MeanColour())
+    with pytest.raises(Crash):
+        run_ingest(killed, plan.spec, plan.items, crash_on("slide_00000", plan.bag_writer), commit_every=2)
+    assert open_cohort(killed).n_bags == 0 and open_cohort(killed).attrs["tiling"]["tile_size"] == 128
+    corrected = ingest_slides(killed, folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=64),
+                              extractor=_MeanColour())
+    assert len(corrected.added) == 4 and open_cohort(killed).attrs["tiling"]["tile_size"] == 64
 
 
 class Crash(BaseException):
@@ -173,6 +185,22 @@ def test_an_interrupted_ingest_resumes_to_the_same_store_and_a_rerun_adds_only_n
     extended = ingest_slides(crashed, folder, labels_csv=folder / "labels.csv")
     assert extended.added == ("late_arrival",) and len(extended.already_done) == 4
     assert open_cohort(crashed).bag_labels[-1] == 1
+
+
+def test_a_slide_staged_by_a_killed_run_and_removed_since_leaves_no_staging_behind(slides, tmp_path):
+    """Its staged features stayed in ``staging/`` through every later complete run (no run lists it
+    again); the staged slide of an input still there is committed by the rerun, as before."""
+    folder = tmp_path / "slides"
+    shutil.copytree(slides[0], folder)
+    store = tmp_path / "s.zarr"
+    plan = plan_slides(store, folder, labels_csv=folder / "labels.csv", batch_size=2)
+    with pytest.raises(Crash):
+        run_ingest(store, plan.spec, plan.items, crash_on("slide_00003", plan.bag_writer), commit_every=2)
+    assert len(list((store / "staging").glob("*/zarr.json"))) == 2  # slide 2 staged, slide 3 half-written
+    (folder / "slide_00002.tiff").unlink()  # a bad scan, removed
+    resumed = ingest_slides(store, folder, labels_csv=folder / "labels.csv", batch_size=2)
+    assert resumed.added == ("slide_00003",) and list(open_cohort(store).bag_ids) == ["slide_00000", "slide_00001", "slide_00003"]
+    assert not list((store / "staging").glob("*/zarr.json"))
 
 
 def test_a_dask_client_gives_the_same_store_as_the_serial_ingest(slides, tmp_path):

@@ -166,10 +166,12 @@ def test_a_store_rewritten_as_zarr_v2_with_a_pickled_array_is_refused_without_ru
 def _store_naming(path: Path, spec: dict) -> Path:
     """A cohort store's root whose recorded ``feature_extractor`` is ``spec`` (what anyone who can
     write the shared store can set)."""
-    from tasks.store import CohortSpec, create_cohort
+    from tasks.store import BagData, CohortSpec, append_bags, create_cohort
 
     create_cohort(path, CohortSpec(name="shared", n_features=3, coords_dim=1, coords_meaning="slice_index",
                                    feature_extractor=spec))
+    append_bags(path, [BagData("b0", 0, "memory", np.zeros((2, 3), np.float32), np.zeros((2, 1), np.int32),
+                               np.full(2, -1, np.int8))])  # a cohort's bag: its extractor is the one an ingest resumes with
     return path
 
 

@@ -77,6 +77,24 @@ def test_a_bags_monte_carlo_spread_is_its_own_and_a_prediction_draws_without_adv
         model.set_params(random_state="seed").predict_bag_proba(X, bags, return_std=True)
 
 
+@pytest.mark.parametrize("name", ["VGPMIL", "GVGPMIL"])
+def test_an_instances_monte_carlo_std_and_probability_are_its_own(toy_bags, name):
+    """The logistic family's instance std (and ``method="mc"`` probability) came from one stream over
+    the call's rows: predicted partition by partition (the pipeline), alone or reordered, a row got
+    other draws, and EmbeddedGPMIL's bag std, pooled from its GP's instance stds, followed."""
+    import mil_core
+
+    X, bags, y, _ = toy_bags
+    model = getattr(mil_core, name)(kernel=RBF(4.0), n_inducing=10, max_iter=10, n_mc_samples=50, random_state=0).fit(X, bags, y)
+    p, sd = model.predict_instance_proba(X, return_std=True, method="mc")
+    order = np.random.default_rng(1).permutation(X.shape[0])
+    for rows in (np.arange(5), np.arange(X.shape[0] - 7, X.shape[0]), order):
+        p_rows, sd_rows = model.predict_instance_proba(X[rows], return_std=True, method="mc")
+        np.testing.assert_allclose(p_rows, p[rows], rtol=1e-12)  # the moments' last bits only (BLAS blocks rows)
+        np.testing.assert_allclose(sd_rows, sd[rows], rtol=1e-12)
+    assert np.all(sd > 0) and not np.allclose(p, model.predict_instance_proba(X))  # Monte Carlo, not the closed form
+
+
 def test_clone_and_get_params_follow_scikit_learn(toy_bags):
     model = GVGPMIL(n_inducing=7, alpha=0.5, beta=4.0, random_state=3)
     copy = clone(model)

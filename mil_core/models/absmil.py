@@ -522,7 +522,7 @@ class AbSMIL(FeatureStandardisation, BaseEstimator):
         return self
 
     # ---- executors that train outside fit (tasks.training.fit_cohort) ---------------------------
-    def _check_common_params(self, n_instances: int) -> None:
+    def _check_common_params(self, n_instances: int | None) -> None:
         """The checks of a fit outside :meth:`fit`, which runs the batch solver from one start
         (restarts and Pegasos' bag-by-bag steps are serial)."""
         self._check_params()

@@ -19,6 +19,7 @@ from ..attention import (
     instance_embedding,
     instance_logits,
     network_arrays,
+    validate_training_params,
 )
 from .._backend import to_numpy
 from ..calibration import fit_platt, platt_proba
@@ -33,10 +34,19 @@ class AttentionNetworkParams:
     parameters are documented there). ``_states()`` lists the fitted networks: ABMIL's one, an
     ensemble's members."""
 
-    def _network_fit(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, seed: int,
-                     n_networks: int = 1) -> NetworkFit:
+    def _check_network_params(self, n_networks: int = 1) -> None:
+        """The network's and its training's parameters, before any data."""
         if self.calibration not in ("platt", None):
             raise ValueError(f"calibration must be 'platt' or None, got {self.calibration!r}")
+        if isinstance(self.hidden, (str, bytes)) or not np.iterable(self.hidden):  # "16" read as layers 1 and 6
+            raise ValueError(f"hidden must be a list of layer widths (positive integers), e.g. [128], got {self.hidden!r}")
+        validate_training_params(tuple(self.hidden), self.n_components, self.attention_dim, self.learning_rate,
+                                 self.weight_decay, self.max_epochs, self.validation_fraction, self.n_epochs_no_change,
+                                 n_networks, self.negative_instances)
+
+    def _network_fit(self, X_sorted: np.ndarray, offsets: np.ndarray, labels: np.ndarray, seed: int,
+                     n_networks: int = 1) -> NetworkFit:
+        self._check_network_params(n_networks)
         return fit_attention_network(
             X_sorted, offsets, labels, hidden=tuple(self.hidden), n_components=self.n_components,
             attention_dim=self.attention_dim, learning_rate=self.learning_rate, weight_decay=self.weight_decay,
@@ -165,6 +175,10 @@ class ABMIL(AttentionNetworkParams, BaseEstimator):
         random_state: Any = None,
     ):
         store_params(self, locals())
+
+    def _check_params(self) -> None:
+        """The parameters' values, before any data."""
+        self._check_network_params()
 
     def fit(self, X: Any, bag_ids: Any, y: Any) -> ABMIL:
         """Train on instances ``X`` (N, D), their ``bag_ids`` and ``y`` (each instance's bag label)."""

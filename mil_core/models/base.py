@@ -286,10 +286,16 @@ class SparseGPMILBase(FeatureStandardisation, BaseEstimator):
     def _bag_proba_from_state(self, gp: SparseGP, glob: Any, X_sorted: Any, offsets: np.ndarray) -> np.ndarray: ...
 
     # ---- fit ---------------------------------------------------------------------------------
-    def _check_common_params(self, n_instances: int) -> None:
+    def _check_params(self) -> None:
+        """The parameters' values, before any data: what a pipeline configuration is checked with."""
+        self._check_common_params(None)
+
+    def _check_common_params(self, n_instances: int | None) -> None:
+        """The parameters as a fit checks them (``n_instances``: its training instances, None when
+        not known yet)."""
         if not (isinstance(self.n_inducing, (int, np.integer)) and self.n_inducing >= 2):
             raise ValueError(f"n_inducing must be an integer >= 2, got {self.n_inducing!r}")
-        if self.n_inducing > n_instances and self.n_inducing != _constructor_default(self, "n_inducing"):
+        if n_instances is not None and self.n_inducing > n_instances and self.n_inducing != _constructor_default(self, "n_inducing"):
             # the user's own n_inducing is worth a word; the default on a small cohort is the documented exact GP
             warnings.warn(f"n_inducing={self.n_inducing} exceeds the number of training instances ({n_instances}): "
                           f"every training instance is an inducing point (the exact GP)", UserWarning, stacklevel=2)

@@ -361,10 +361,13 @@ class EmbeddedGPMIL(FeatureStandardisation, AttentionNetworkParams, BaseEstimato
         return self.representation_
 
     def _check_params(self) -> None:
-        """``representation`` and ``gp``, before the networks train (a GP that cannot serve failed after them)."""
+        """The parameters' values, ``representation`` and ``gp`` before the networks train (a GP that
+        cannot serve failed after them)."""
         if self.representation not in REPRESENTATIONS:
             raise ValueError(f"representation must be one of {REPRESENTATIONS}, got {self.representation!r}")
+        self._check_network_params(self.n_networks)
         check_member_gp(self._gp_template())
+        self._gp_template()._check_params()
 
     def _on_features(self) -> bool:
         """Whether the member GPs are on the input features (a model saved before

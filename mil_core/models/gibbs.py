@@ -379,7 +379,7 @@ class VGPMILPRGibbs(VGPMILPRI):
         """The sweeps the chain runs: ``burn_in + n_samples · thin``."""
         return int(self.burn_in) + int(self.n_samples) * int(self.thin)
 
-    def _check_common_params(self, n_instances: int) -> None:
+    def _check_common_params(self, n_instances: int | None) -> None:
         for name, low in (("n_samples", 1), ("burn_in", 0), ("thin", 1)):
             value = getattr(self, name)
             if not (isinstance(value, (int, np.integer)) and value >= low):

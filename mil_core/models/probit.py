@@ -443,7 +443,7 @@ class VGPMILPRI(_ProbitGPMIL):
         super()._finish_fit(trace, monitor)
         unwrap_lam_state(self)
 
-    def _check_common_params(self, n_instances: int) -> None:
+    def _check_common_params(self, n_instances: int | None) -> None:
         for name in ("exact_diag_max", "exact_orthant_max"):
             value = getattr(self, name)
             if not (isinstance(value, (int, np.integer)) and value >= 0):

@@ -28,7 +28,7 @@ from ..bags import BAG_RULES, TOP_FRACTION, BagRule, EmaxRule, bag_score, expect
 from ..engine import BagBlock, FitTrace, GaussianQ, SparseGP, Summable, WhitenedBags, gaussian_update
 from ..kernels import RBF
 from ..likelihoods import GammaMixture, HyperbolicSecant, Psi, as_psi, log_add_exp, log_sigmoids
-from ..predictive import bag_generators, prediction_seed, probit_scale, sample_latent
+from ..predictive import bag_generators, probit_scale, sample_latent, shared_normal_draws
 from ..relevance import RELEVANCE_FORMS
 from .base import AUTO_VARIANCES, BagRuleChoice, SparseGPMILBase, store_params
 from .hyper import HyperMILUpdates, HyperState, LogNormaliserName, hyper_updates, learnt_hyper_parameters, unwrap_hyper_state
@@ -257,7 +257,8 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         ``method="probit"`` (default): the closed form ``σ(μ / sqrt(1 + πσ²/8))``, deterministic and
         the score the kernel choice ranks and the pipeline writes; its std, when asked for, comes from
         Monte Carlo. ``method="mc"``: ``n_mc_samples`` draws, seeded by ``random_state`` (Eq. 32; std
-        by Eq. 33).
+        by Eq. 33). Every row's draws are ``f*ₙ = μₙ + σₙ z`` with the same standard normals ``z``, so
+        a row's numbers do not depend on the other rows predicted with it.
         """
         X, _ = self._check_predict_input(X)
         return self._instance_proba(X, return_std=return_std, method=method)
@@ -271,9 +272,11 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         p = expit(probit_scale(mean, var))
         sd = np.zeros_like(p)
         if need_mc:
-            rng = np.random.RandomState(prediction_seed(self.random_state))
-            for rows, f in self._sample_latent(mean, var, rng):
-                s = expit(f)
+            z = shared_normal_draws(self.random_state, self.n_mc_samples)  # each row's draws its own moments' only
+            chunk = max(1, (1 << 22) // z.size)
+            for start in range(0, mean.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                s = expit(mean[rows, None] + np.sqrt(var[rows])[:, None] * z)
                 if method == "mc":
                     p[rows] = s.mean(axis=1)
                 sd[rows] = s.std(axis=1)

@@ -49,9 +49,10 @@ from tasks.store import (
     append_bags,
     committed_bag_count,
     drop_staged,
+    drop_staged_of_gone_inputs,
     label_unlabelled_bags,
     open_cohort,
-    open_or_create_cohort,
+    open_or_start_afresh,
     read_staged,
     repair,
     staged_dropped,
@@ -218,8 +219,7 @@ class IngestRun:
         self.started = time.perf_counter()
         self.store = str(store)
         self.commit_every = commit_every
-        self.created = not (Path(self.store) / "zarr.json").exists()  # removed again if nothing is committed
-        self.root = open_or_create_cohort(self.store, spec)
+        self.root, self.created = open_or_start_afresh(self.store, spec)  # created: removed again if nothing is committed
         repair(self.root)
         n_committed = committed_bag_count(self.root)
         bags = self.root["bags"]
@@ -308,6 +308,7 @@ class IngestRun:
         ensure_still_held(self.store)
         label_unlabelled_bags(self.root, self.labelled)
         drop_staged(self.root, self.already_done)  # left by a run killed between its commit and this clean-up
+        drop_staged_of_gone_inputs(self.root, keep=(item.bag_id for item in self.pending))
         report = IngestReport(store=self.store, added=tuple(self.added), already_done=tuple(self.already_done),
                               labelled=tuple(self.labelled), skipped=tuple(self.skipped), n_instances_added=self.n_rows,
                               seconds=time.perf_counter() - self.started,

@@ -26,7 +26,7 @@ from tasks.ingest.stamps import rows_change, rows_stamp
 from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (FEATURE_DTYPE, UNKNOWN_LABEL, BagData, CohortSpec, NonFinitePolicy, append_bags, non_integer_coords,
                          committed_bag_count, encode_original_label, finite_rows, label_unlabelled_bags,
-                         open_or_create_cohort, repair)
+                         open_or_start_afresh, repair)
 
 
 @dataclass(frozen=True)
@@ -387,7 +387,7 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                           coords_meaning=_coords_meaning(coords, table.coords_names), chunk_rows=chunk_rows,
                           feature_columns=table.feature_names)
         try:
-            root = open_or_create_cohort(store, spec)
+            root, _ = open_or_start_afresh(store, spec)
         except IngestError as error:
             raise type(error)(f"{error.reason}; store {store}", path=table.source) from error
         repair(root)

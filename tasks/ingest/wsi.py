@@ -37,7 +37,7 @@ from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_files, slide_id
 from tasks.paths import bag_file
-from tasks.store import CohortSpec, _open_root
+from tasks.store import CohortSpec, _open_root, committed_bag_count
 
 COORDS_MEANING = "tile_row,tile_col,x,y (x, y: level-0 pixels of the tile's top-left corner)"
 
@@ -543,10 +543,11 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
 
 
 def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> tuple[dict[str, Any] | None, str]:
-    """The extractor spec recorded in ``store`` if it exists, else in ``extractor_from`` if given,
-    and the store it was read from."""
-    if (Path(store) / "zarr.json").exists():
-        return _open_root(store, "r").attrs["feature_extractor"], str(store)
+    """The extractor spec recorded in ``store`` if it holds a bag, else in ``extractor_from`` if given,
+    and the store it was read from (a store without a committed bag, left by an ingest killed before
+    its first commit, is no cohort's: :func:`~tasks.store.open_or_start_afresh`)."""
+    if (Path(store) / "zarr.json").exists() and "bags" in (root := _open_root(store, "r")) and committed_bag_count(root):
+        return root.attrs["feature_extractor"], str(store)
     if extractor_from is None:
         return None, ""
     if not (Path(extractor_from) / "zarr.json").exists():
