@@ -257,7 +257,7 @@ def _predict(args: argparse.Namespace) -> int:
     config = _checked(args, "predict", store=None if args.source else _abs(args.store), model_dir=_model_arg(args.model_dir))
     from flows.pipeline import predict_cohort
     from tasks import report
-    from tasks.ingest.driver import Skipped
+    from tasks.ingest.driver import Skipped, left_out_lines
 
     result = predict_cohort(str(args.config), _model_arg(args.model_dir), store=_abs(args.store), source=_abs(args.source),
                             labels=_abs(args.labels), base_mpp=args.base_mpp)
@@ -271,8 +271,8 @@ def _predict(args: argparse.Namespace) -> int:
             where["QuPath GeoJSON"] = str(folder / "geojson")
     table = report.bag_table(store, result.key, threshold=config.prediction.threshold)
     print(report.summary_text(table, threshold=config.prediction.threshold, metrics=result.info.get("metrics"), where=where))
-    for skipped in result.info.get("skipped", []):
-        print(f"skipped {Skipped(**skipped).line()}")
+    for line in left_out_lines([Skipped(**skipped) for skipped in result.info.get("skipped", [])], result.info.get("ingest_report")):
+        print(line)
     return 0
 
 

@@ -201,7 +201,8 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
             predicted = t.predict(cfg, target, model_dir, key, address)
         reported = t.write_report(cfg, target, model_dir, key)
     info = {"store": target, "report": reported.path, "metrics": reported.info,
-            "skipped": [] if ingested is None else ingested.info.get("skipped", [])}
+            "skipped": [] if ingested is None else ingested.info.get("skipped", []),
+            "ingest_report": None if ingested is None else ingested.info.get("report_path")}
     return t.StageResult(key, predicted.path, predicted.reused and reported.reused, info)
 
 

@@ -35,7 +35,8 @@ from mil_core.persist import write_whole
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report, retention
-from tasks.ingest.driver import BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, stage_item, summarise_left_out
+from tasks.ingest.driver import (BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, left_out_lines, stage_item,
+                                 summarise_left_out)
 from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
@@ -304,8 +305,8 @@ def _report_left_out(config: PipelineConfig, info: dict[str, Any]) -> None:
     if info["skipped"]:
         create_table_artifact(info["skipped"], key=artifact_key("skipped-inputs", config.name),
                               description="Inputs left out of the cohort, and why")
-        for skipped in info["skipped"]:
-            logger.warning("skipped %s", Skipped(**skipped).line())
+        for line in left_out_lines([Skipped(**skipped) for skipped in info["skipped"]], info.get("report_path")):
+            logger.warning("%s", line)
     logger.info("ingest: %d bags added (%d instances), %d already done, %d skipped", len(info["added"]),
                 info["n_instances_added"], len(info["already_done"]), len(info["skipped"]))
 

@@ -430,6 +430,18 @@ def test_a_skipped_input_names_its_bag_where_the_path_does_not():
     assert file.line() == "/data/slides/slide_8.svs: UnreadableFileError: truncated"
 
 
+def test_a_long_list_of_inputs_left_out_is_named_up_to_a_bound_and_counted():
+    """A labels file of the whole cohort beside one night's folder printed a line per slide not there."""
+    from tasks.ingest.driver import LEFT_OUT_SHOWN, Skipped, left_out_lines
+
+    skipped = [Skipped(path=f"/slides/s{i}", bag_id=f"s{i}", error="UnreadableFileError", reason="listed but no slide file")
+               for i in range(LEFT_OUT_SHOWN + 5)]
+    lines = left_out_lines(skipped, "/stores/c.zarr.ingest_report.json")
+    assert lines[:LEFT_OUT_SHOWN] == [f"skipped {s.line()}" for s in skipped[:LEFT_OUT_SHOWN]]
+    assert lines[LEFT_OUT_SHOWN:] == ["… and 5 more left out: every one in /stores/c.zarr.ingest_report.json"]
+    assert left_out_lines(skipped[:3], None) == [f"skipped {s.line()}" for s in skipped[:3]]
+
+
 def _slide_table(rng: np.random.Generator) -> pd.DataFrame:
     """A Parquet table as teams export it: a slide id, a label, tile coordinates, metadata, features."""
     from decimal import Decimal
