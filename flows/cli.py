@@ -134,7 +134,7 @@ def _model_arg(model_dir: str) -> str:
 def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
     """The configuration, validated, and the stage's inputs checked: before Prefect is imported."""
     from flows.checks import check_inputs
-    from flows.config import load_config, new_cohort_labels
+    from flows.config import load_config, new_cohort_labels, new_cohort_store
 
     def with_source(config):
         if not getattr(args, "source", None):
@@ -150,7 +150,8 @@ def _checked(args: argparse.Namespace, stage: str, **paths: str | None):
         if not new_cohort:
             return config
         ingest = config.ingest.model_copy(update={"labels": new_cohort_labels(config.ingest.labels, _abs(args.labels))})
-        prediction = config.prediction.model_copy(update={"store": Path(_abs(args.store))}) if args.store else config.prediction
+        new_store = Path(_abs(args.store)) if args.store else new_cohort_store(config.output_dir, _abs(args.source))
+        prediction = config.prediction.model_copy(update={"store": new_store})  # not the config's prediction.store
         return config.model_copy(update={"ingest": ingest, "prediction": prediction})
 
     config = load_config(args.config, preflight=lambda config: check_inputs(as_the_flow_sees_it(config), stage, **paths),
@@ -380,7 +381,7 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
         raise ValueError(f"{path}: {table.where(nonfinite[0])} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "
                          f"infinite features ({nonfinite.size} such line(s))")
     labels = np.asarray(table.labels, dtype=object)
-    numbers = np.array([isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and np.isfinite(v) for v in labels])
+    numbers = np.array([isinstance(v, (bool, np.bool_)) or isinstance(v, (int, float, np.number)) and np.isfinite(v) for v in labels])
     bad = np.flatnonzero(~numbers | ~np.isin(np.where(numbers, labels, 0).astype(float), (-1, 0, 1)))
     if bad.size:
         first = labels[bad[0]]

@@ -156,6 +156,14 @@ class TableColumns(_Strict):
         return [self.bag, self.label, *features, *(self.coords or []), *([self.instance_label] if self.instance_label else [])]
 
 
+def new_cohort_store(output_dir: str | Path, source: str | Path) -> Path:
+    """Where ``gpmil predict --source`` ingests a new cohort without ``--store``: a store of its own,
+    ``<output_dir>/stores/<folder's slug>-<hash>.zarr``."""
+    from tasks.paths import safe_filename
+
+    return Path(output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
+
+
 def new_cohort_labels(labels: Path | LabelsConfig | None, file: str | Path | None) -> Path | LabelsConfig | None:
     """The labels of a new cohort (``predict --source --labels``): ``file`` read as ``labels`` reads
     its own (a section's columns, target or positive), or by the kind's convention."""
@@ -315,7 +323,14 @@ class ModelConfig(_Strict):
 
             member = ModelConfig.model_validate(gp)
             check_member_gp(MODEL_CLASSES[member.name]())
-        make_model(self)._check_params()  # values too (n_components: 0, hidden: "16"), not after the ingest
+        defaults = MODEL_CLASSES[self.name]().get_params()
+        for name, value in self.params.items():  # tol: "0.001" met a comparison with a TypeError that names nothing
+            if isinstance(defaults.get(name), (int, float)) and not isinstance(defaults[name], bool) and isinstance(value, str):
+                raise ValueError(f"{self.name}'s {name} must be a number, got the text {value!r}")
+        try:
+            make_model(self)._check_params()  # values too (n_components: 0, hidden: "16"), not after the ingest
+        except TypeError as error:
+            raise ValueError(f"{self.name}: a parameter of the wrong type ({error}); given {self.params}") from None
         return self
 
 

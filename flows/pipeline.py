@@ -24,10 +24,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact
 
 from flows.checks import check_inputs, resolved_model_dir
-from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config, new_cohort_labels
+from flows.config import IngestConfig, PipelineConfig, TableColumns, load_config, new_cohort_labels, new_cohort_store
 from tasks import prefect_tasks as t
 from tasks.cluster import check_scheduler_answers, dotted, start_cluster, wait_for_first_worker, worker_start_errors
-from tasks.paths import safe_filename
 from tasks.lease import reader_lease
 from tasks.retention import LATEST_MODEL, record_run
 from tasks.store import open_cohort
@@ -188,7 +187,7 @@ def predict_cohort(config: str, model_dir: str, store: str | None = None, source
     with _reading_model(config, cfg, model_dir, "predict") as model_dir:
         trained = json.loads((Path(model_dir) / "model.json").read_text()) if Path(model_dir, "model.json").is_file() else {}
         if source is not None:
-            new_store = Path(store) if store else Path(cfg.output_dir) / "stores" / f"{safe_filename(str(Path(source).resolve()))}.zarr"
+            new_store = Path(store) if store else new_cohort_store(cfg.output_dir, source)
             cfg = cfg.model_copy(update={"ingest": new_cohort_ingest(cfg.ingest, source, labels, trained, base_mpp),
                                          "prediction": cfg.prediction.model_copy(update={"store": new_store})})
             check_inputs(cfg, "predict", model_dir=model_dir, source=source)

@@ -35,8 +35,8 @@ from mil_core.persist import write_whole
 from mil_core.models.base import sweep_budget
 from mil_core.models.embedded import default_gp
 from tasks import diagnostics, report, retention
-from tasks.ingest.driver import (BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, left_out_lines, stage_item,
-                                 summarise_left_out)
+from tasks.ingest.driver import (BagWriter, IngestItem, IngestRun, Skipped, ingested_from_elsewhere, left_out_lines, recorded_extractor,
+                                 stage_item, summarise_left_out)
 from tasks.ingest.h5 import H5_COORDS_MEANING, h5_patch_side
 from tasks.ingest.errors import NothingIngestedError
 from tasks.ingest.stamps import file_change, stamp_content
@@ -261,9 +261,9 @@ def list_inputs(config: PipelineConfig) -> IngestWork:
                            patterns=ing.patterns or SLIDE_PATTERNS, recursive=ing.recursive,
                            keep_unlabelled=ing.unlabelled == "keep", trusted=trusted)
     elif ing.kind == "ct":
-        if extractor is None and ing.extractor_from is not None and not (Path(store) / "zarr.json").exists():
-            extractor = extractor_from_spec(open_cohort(ing.extractor_from).attrs["feature_extractor"],  # a cohort to predict
-                                            source=ing.extractor_from, trusted=trusted)
+        recorded, recorded_in = recorded_extractor(store, ing.extractor_from) if extractor is None else (None, "")
+        if recorded is not None:  # the store's own, else a cohort to predict's training store's (also on a rerun)
+            extractor = extractor_from_spec(recorded, source=recorded_in, trusted=trusted)
         plan = plan_ct(store, ing.source, labels_csv=getattr(ing.labels, "file", ing.labels), extractor=extractor, name=config.name,
                        keep_unlabelled=ing.unlabelled == "keep")
     else:

@@ -293,18 +293,25 @@ def open_or_create_cohort(path: str | Path, spec: CohortSpec) -> zarr.Group:
 def open_or_start_afresh(path: str | Path, spec: CohortSpec) -> tuple[zarr.Group, bool]:
     """:func:`open_or_create_cohort`, and whether it created the store; a store that holds no
     committed bag — an ingest killed before its first commit, which only removes its empty store
-    when it finishes — is made again where ``spec`` differs from it: its settings (tiling,
-    extractor, dimension) are no cohort's, and a corrected configuration must not meet them as a
-    mismatch. Its staged bags, of the other settings, go with it. The caller holds the writer lease."""
+    when it finishes — is made again where ``spec`` differs from it (settings, feature width): its
+    settings are no cohort's, and a corrected configuration must not meet them as a mismatch. Its
+    staged bags, of the other settings, go with it. The caller holds the writer lease."""
     created = not (Path(path) / "zarr.json").exists()
     try:
         return open_or_create_cohort(path, spec), created
-    except StoreMismatchError:
-        root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
-        if "bags" not in root or committed_bag_count(root):
+    except (StoreMismatchError, FeatureDimensionError):
+        if created or not _holds_no_bag(path):  # a folder that is no store, or a cohort: refused as it was
             raise
-    shutil.rmtree(path)
-    return create_cohort(path, spec), True
+    real = Path(path).resolve()  # a store reached through a link: the folder it names is made again
+    shutil.rmtree(real)
+    create_cohort(real, spec)
+    return zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+", zarr_format=3), True
+
+
+def _holds_no_bag(path: str | Path) -> bool:
+    """Whether the cohort store at ``path`` has its bag arrays and not one committed bag."""
+    root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
+    return "bags" in root and committed_bag_count(root) == 0
 
 
 def _half_created(path: str | Path) -> bool:
@@ -489,13 +496,13 @@ def check_text(bag_id: str, source: str) -> None:
 
 
 def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | None, bag_id: str,
-                first_row: int = 0, file_rows: np.ndarray | None = None,
+                first_row: int = 0, file_rows: np.ndarray | None = None, file_unit: str = "row",
                 column_names: Sequence[str] | None = None) -> np.ndarray | None:
     """Rows of ``features`` (already in the store's dtype) to keep, or None when all are finite.
 
     ``policy="reject"`` raises :class:`NonFiniteFeaturesError` naming the bag, the file, the first
     offending rows (numbered within the bag from ``first_row``, or the rows of the input file
-    ``file_rows`` when given) and columns (by ``column_names`` where the file names them, else
+    ``file_rows`` when given: its ``file_unit`` "line" for a CSV's 1-based lines) and columns (by ``column_names`` where the file names them, else
     0-based among the features); ``"drop"`` returns the mask of finite rows (the caller counts what
     it dropped and reports it). A table's missing cells (nulls) are NaN here.
     """
@@ -512,7 +519,7 @@ def finite_rows(features: np.ndarray, policy: NonFinitePolicy, *, path: str | No
     named = (f"columns {[column_names[j] for j in columns[:5]]}" if column_names is not None
              else f"feature columns {columns[:5].tolist()} (0-based among the features)")
     raise NonFiniteFeaturesError(
-        f"{bad.size} instance row(s) with missing, NaN or infinite features (rows {where}"
+        f"{bad.size} instance row(s) with missing, NaN or infinite features ({'row' if file_rows is None else file_unit}s {where}"
         f"{'…' if bad.size > 5 else ''} of the {'bag' if file_rows is None else 'file'}, {named}{'…' if columns.size > 5 else ''}; "
         "float32 overflow counts as infinite). Fix the features, or set ingest.nonfinite: drop to leave those "
         "instances out (counted in the ingest report)", path=path, bag_id=bag_id)
@@ -843,11 +850,22 @@ def drop_staged_of_gone_inputs(root: zarr.Group, keep: Iterable[str]) -> list[st
     staging = root["staging"]
     for key, group in list(staging.groups()):
         attrs = dict(group.attrs)
-        source = attrs.get("source")
-        if attrs.get("bag_id") not in keep and source and not Path(source).exists():
+        if attrs.get("bag_id") not in keep and attrs.get("source") and _gone(attrs["source"]):
             del staging[key]
             dropped.append(str(attrs.get("bag_id")))
     return dropped
+
+
+def _gone(path: str) -> bool:
+    """Whether nothing is at ``path`` (not: whether it cannot be read now, a folder without
+    permission or a stale network mount, which a later run may read again)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 # ---------------------------------------------------------------------------------------- read

@@ -49,7 +49,7 @@ def _cell(row: int, column: int, value: str):
 
 
 BAD_TABLES = {  # the file's lines, 1-based (a blank line counts: row 12 of 'a NaN feature after a blank line' is line 14)
-    "a cell that is not a number": (_cell(7, 3, "abc"), "line 8, column 3: 'abc' is not a number"),
+    "a cell that is not a number": (_cell(7, 3, "abc"), "line 8, column 4: 'abc' is not a number"),
     "a header line": (lambda rows: [["label", "bag", "f1", "f2", "f3"], *rows], "line 1 (label, bag, f1, f2, …) looks like a header"),
     "a NaN feature": (_cell(12, 4, "nan"), "line 13 (bag 'slide-02') has empty, NaN or infinite features"),
     "a NaN feature after a blank line": (lambda rows: [*rows[:5], [], *_cell(12, 4, "nan")(rows)[5:]],
@@ -69,6 +69,16 @@ BAD_TABLES = {  # the file's lines, 1-based (a blank line counts: row 12 of 'a N
     "an empty bag id": (_cell(4, 1, ""), "no bag id at line(s) [5]"),
     "an empty file": (lambda rows: [], "cannot read CSV"),
 }
+
+
+def test_cv_reads_true_false_labels_and_blank_lines_as_the_ingest_does(tmp_path):
+    from flows.cli import _mil_table
+
+    rows = [["True" if r[0] == "1" else "False", *r[1:]] for r in _rows()]
+    path = tmp_path / "bools.csv"
+    path.write_text("\n" + "".join(",".join(row) + "\n" + ("   \n" if i == 10 else "") for i, row in enumerate(rows)))
+    X, bags, y = _mil_table(path, 5)
+    assert X.shape == (100, 3) and np.unique(bags).size == 20 and np.asarray(y, dtype=float).sum() == 50
 
 
 @pytest.mark.parametrize("problem", sorted(BAD_TABLES))

@@ -124,9 +124,11 @@ def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path, cohort):
         load_config(write_config(tmp_path, cohort, model={"name": "SVM"}))
     with pytest.raises(ConfigError, match=r"model: .*use training.standardize, not model.params.standardize"):
         load_config(write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": {"standardize": False}}))
-    for model in ({"name": "VWSGP"}, {"name": "EmbeddedGPMIL", "params": {"gp": {"name": "VWSGP"}}}):
-        with pytest.raises(ConfigError, match=r"prediction.rule='max': VWSGP scores bags by its own rule"):
-            load_config(write_config(tmp_path, cohort, model=model, prediction={"rule": "max"}))
+    with pytest.raises(ConfigError, match=r"prediction.rule='max': VWSGP scores bags by its own rule"):
+        load_config(write_config(tmp_path, cohort, model={"name": "VWSGP"}, prediction={"rule": "max"}))
+    with pytest.raises(ConfigError, match=r"model: .*EmbeddedGPMIL's gp must be a GP-MIL model .* not VWSGP"):  # whatever the rule
+        load_config(write_config(tmp_path, cohort, model={"name": "EmbeddedGPMIL", "params": {"gp": {"name": "VWSGP"}}},
+                                 prediction={"rule": "max"}))
     assert load_config(write_config(tmp_path, cohort, model={"name": "VGPMILPR"}, prediction={"rule": "max"})).prediction.rule == "max"
     for kernel, problem in (({"varience": 4}, r"params.kernel has no field\(s\) varience"), ("rbf", r"params.kernel must be a mapping"),
                             ({"length_scale": "ARD"}, r"params.kernel: length_scale must be .* got 'ARD'"),
@@ -267,7 +269,8 @@ def test_the_cli_runs_the_pipeline_and_reports_a_bad_config_without_a_traceback(
     assert main(["train", bad]) == 2
     assert "training.mode" in capsys.readouterr().err
     for params, message in (({"max_iter": 0}, "max_iter must be an integer >= 1, got 0"),  # was found by the fit, after the ingest
-                            ({"n_inducing": 1.5}, "n_inducing must be an integer >= 2, got 1.5")):
+                            ({"n_inducing": 1.5}, "n_inducing must be an integer >= 2, got 1.5"),
+                            ({"tol": "0.001"}, "VGPMIL's tol must be a number, got the text '0.001'")):  # was a bare TypeError
         assert main(["train", write_config(tmp_path, cohort, model={"name": "VGPMIL", "params": params})]) == 2
         assert f"model: Value error, {message}" in capsys.readouterr().err
 
@@ -1055,6 +1058,9 @@ def test_an_ingest_that_gives_the_store_no_bag_fails_saying_why(tmp_path, demo_r
     assert (f"--store: {held_out} already holds 6 bag(s) not from --source {workdir / 'raw' / 'wsi'} (e.g. "
             f"'{open_cohort(held_out).bag_ids[0]}' from {workdir / 'raw' / 'wsi-heldout'}") in err, err
     assert (predictions_in(held_out), open_cohort(held_out).n_bags) == held_out_before
+    # no --store: a store of its own, not the config's prediction.store (refused as another cohort's): past the checks
+    assert main(["predict", str(configs["wsi"]), str(model_dir), "--source", str(workdir / "raw" / "wsi")]) == 1
+    assert "AssertionError: Prefect was set up" in capsys.readouterr().err
     moved = tmp_path / "moved-model"
     shutil.copytree(model_dir, moved)
     meta = json.loads((moved / "model.json").read_text())

@@ -614,3 +614,33 @@ def test_the_several_bags_warning_names_a_few_series_of_a_study_of_thousands():
     warning = several_bags_warning(studies_of_several_bags(series))
     assert "1.2.0 (1 slice in /d/0), 1.2.1 (1 slice in /d/1), 1.2.2 (1 slice in /d/2) and 19997 more series" in warning
     assert len(warning) < 600
+
+
+def test_a_cohort_to_predict_killed_before_its_first_commit_resumes_with_its_training_stores_extractor(tmp_path, monkeypatch):
+    """``predict --source`` of scans takes the training store's extractor (``extractor_from``) while
+    the new store holds no bag: the rerun of a run killed before its first commit planned the default
+    extractor instead, and its store was refused (or made again with features the model cannot use)."""
+    import logging
+
+    import tasks.prefect_tasks as prefect_tasks
+    from flows.config import PipelineConfig
+    from tasks.ingest.ct import plan_ct
+    from tasks.ingest.driver import run_ingest
+    from tests.test_ingest_wsi import Crash, crash_on
+
+    make_ct_cohort(tmp_path / "train", 2, n_slices=4, size=32, seed=1)
+    make_ct_cohort(tmp_path / "new", 2, n_slices=4, size=32, seed=2)
+    trained = HandcraftedCT(work_size=32)  # not the default: the new cohort must be featurised as this
+    ingest_ct(tmp_path / "train.zarr", tmp_path / "train", labels_csv=tmp_path / "train" / "labels.csv", extractor=trained)
+    new = tmp_path / "new.zarr"
+    plan = plan_ct(new, tmp_path / "new", extractor=trained, keep_unlabelled=True)
+    with pytest.raises(Crash):
+        run_ingest(new, plan.spec, plan.items, crash_on(plan.items[1].bag_id, plan.bag_writer), commit_every=16)
+    assert open_cohort(new).n_bags == 0 and len(list((new / "staging").glob("*/zarr.json"))) == 2
+    config = PipelineConfig.model_validate({"name": "new", "store": str(new), "output_dir": str(tmp_path / "out"),
+                                            "ingest": {"kind": "ct", "source": str(tmp_path / "new"), "unlabelled": "keep",
+                                                       "extractor_from": str(tmp_path / "train.zarr")}})
+    monkeypatch.setattr(prefect_tasks, "get_run_logger", lambda: logging.getLogger("test"))
+    work = prefect_tasks.list_inputs.fn(config)
+    assert not work.run.created and len(work.run.to_run) == 1  # the staged scan is kept, the half-written one staged again
+    assert open_cohort(new).attrs["feature_extractor"] == open_cohort(tmp_path / "train.zarr").attrs["feature_extractor"]

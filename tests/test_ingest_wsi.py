@@ -136,6 +136,18 @@ def test_an_ingest_that_commits_nothing_leaves_no_store_to_fix_the_next_runs_set
                               extractor=_MeanColour())
     assert len(corrected.added) == 4 and open_cohort(killed).attrs["tiling"]["tile_size"] == 64
 
+    class _Mean(_MeanColour):  # another extractor, another width
+        name, n_features = "mean", 3
+
+        def __call__(self, tiles: np.ndarray) -> np.ndarray:
+            return super().__call__(tiles)[:, :3]
+
+    narrower = tmp_path / "narrower.zarr"
+    with pytest.raises(Crash):
+        run_ingest(narrower, plan.spec, plan.items, crash_on("slide_00000", plan.bag_writer), commit_every=2)
+    assert len(ingest_slides(narrower, folder, labels_csv=folder / "labels.csv", params=TilingParams(tile_size=128),
+                             extractor=_Mean()).added) == 4 and open_cohort(narrower).n_features == 3
+
 
 class Crash(BaseException):
     """Stands for a killed worker process (not an Exception, so nothing catches it)."""

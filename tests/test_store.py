@@ -256,6 +256,46 @@ def test_a_store_is_renamed_into_place_whole_and_a_half_created_one_is_made_agai
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+def test_only_a_store_without_a_bag_is_made_again_for_other_settings_and_nothing_else_is_removed(tmp_path, monkeypatch):
+    """``open_or_start_afresh`` (an ingest killed before its first commit, rerun corrected): another
+    extractor or width makes an empty store again, through a link too; a store with a bag, a folder
+    that is no store and a staged bag whose input cannot be read now (not: is gone) are kept."""
+    import os
+
+    from tasks.ingest.errors import StoreMismatchError
+    from tasks.store import drop_staged_of_gone_inputs, open_or_start_afresh
+
+    old = CohortSpec(name="c", n_features=4, coords_dim=1, coords_meaning="given", feature_extractor={"name": "a", "version": "1"})
+    wider = CohortSpec(name="c", n_features=8, coords_dim=1, coords_meaning="given", feature_extractor={"name": "b", "version": "1"})
+    create_cohort(tmp_path / "real.zarr", old)
+    os.symlink(tmp_path / "real.zarr", tmp_path / "link.zarr")
+    root, created = open_or_start_afresh(tmp_path / "link.zarr", wider)
+    assert created and root.attrs["n_features"] == 8 and (tmp_path / "link.zarr").is_symlink()
+    append_bags(tmp_path / "link.zarr", [BagData("b", 0, "memory", np.zeros((2, 8), np.float32), np.zeros((2, 1), np.int32),
+                                                 np.full(2, -1, np.int8))])
+    with pytest.raises(FeatureDimensionError):  # a cohort: refused as before
+        open_or_start_afresh(tmp_path / "link.zarr", old)
+    assert open_cohort(tmp_path / "link.zarr").n_bags == 1
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(StoreMismatchError, match="the folder exists and is not a cohort store"):
+        open_or_start_afresh(tmp_path / "mine", old)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+    root = zarr.open_group(str(tmp_path / "real.zarr"), mode="r+")
+    for bag_id, source in (("gone", tmp_path / "gone.tiff"), ("locked", tmp_path / "locked" / "s.tiff")):
+        root["staging"].create_group(bag_id).update_attributes({"bag_id": bag_id, "source": str(source)})
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):  # a folder this user may not enter (running as root, chmod would not stop it)
+        if "locked" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert drop_staged_of_gone_inputs(root, keep=()) == ["gone"] and list(root["staging"].group_keys()) == ["locked"]
+
+
 def test_the_kmeans_sample_reads_the_chunks_its_small_bags_share_once_and_returns_each_chosen_bag(tmp_path, monkeypatch):
     """A sample of small bags read each run of consecutive chosen bags on its own: the chunk that
     ten of them share was read ten times (21 of 33 s before the fit on 10,000 bags of 100 rows)."""

@@ -90,8 +90,12 @@ def test_a_feature_table_bag_with_nan_is_skipped_naming_the_file_row_and_the_oth
     report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, TABLE_ROWS)))
     assert report.added == ("a", "c")
     (skip,) = report.skipped
-    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "rows [2] of the file, feature columns [1] (0-based among the features)" in skip.reason
+    assert skip.bag_id == "b" and skip.error == "NonFiniteFeaturesError" and "lines [3] of the file, feature columns [1] (0-based among the features)" in skip.reason
     assert skip.path.endswith("table.csv")
+    padded = tmp_path / "padded.csv"  # a blank first line and a line of spaces: read as before, counted as lines
+    padded.write_text("\n  \n" + _csv(tmp_path, TABLE_ROWS).read_text())
+    report = ingest_table(tmp_path / "p.zarr", read_mil_csv(padded))
+    assert report.added == ("a", "c") and "lines [5] of the file" in report.skipped[0].reason
 
 
 def test_with_nonfinite_drop_the_instance_is_left_out_and_counted(tmp_path):
@@ -285,7 +289,7 @@ def test_a_text_cell_in_a_feature_table_skips_its_bag_naming_row_column_and_valu
     report = ingest_table(tmp_path / "c.zarr", read_mil_csv(_csv(tmp_path, rows)))
     assert report.added == ("a", "c")
     (skip,) = report.skipped
-    assert skip.error == "BadValueError" and skip.reason == "line 2, column 2: 'n/a?' is not a number"
+    assert skip.error == "BadValueError" and skip.reason == "line 2, column 3: 'n/a?' is not a number"
     dropped = ingest_table(tmp_path / "d.zarr", read_mil_csv(_csv(tmp_path, rows)), nonfinite="drop")
     assert dropped.added == ("a", "b", "c") and dropped.dropped_nonfinite == {"b": 1}
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 
-from tasks.ingest.errors import DuplicateIdError, LabelChangedError, NoTissueError, SourceChangedError
+from tasks.ingest.errors import DuplicateIdError, IngestError, LabelChangedError, NoTissueError, SourceChangedError
 from tasks.ingest.stamps import file_change, file_stamp
 from tasks.lease import ensure_still_held, writer_lease
 from tasks.store import (
@@ -397,9 +397,31 @@ def ingested_from_elsewhere(store: str | Path, folder: str | Path) -> list[str]:
     return [bag_id for bag_id, source in zip(cohort.bag_ids, cohort.sources) if not Path(source).resolve().is_relative_to(inside)]
 
 
-def existing_attrs(store: str | Path) -> dict[str, Any] | None:
-    """The cohort attributes of the store at ``store``, or None if there is no store yet."""
+def _cohort_root(store: str | Path) -> Any:
+    """The root of the store at ``store`` if it holds a committed bag, else None: a store left by an
+    ingest killed before its first commit is no cohort's (its settings are made again by the next
+    ingest, :func:`~tasks.store.open_or_start_afresh`)."""
     if not (Path(store) / "zarr.json").exists():
         return None
-    return dict(_open_root(store, "r").attrs)
+    root = _open_root(store, "r")
+    return root if "bags" in root and committed_bag_count(root) else None
+
+
+def existing_attrs(store: str | Path) -> dict[str, Any] | None:
+    """The cohort attributes of the store at ``store``, or None if there is no store yet (or none
+    with a bag)."""
+    root = _cohort_root(store)
+    return None if root is None else dict(root.attrs)
+
+
+def recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> tuple[dict[str, Any] | None, str]:
+    """The extractor spec recorded in ``store`` if it holds a bag, else in ``extractor_from`` if
+    given (a new cohort featurised as its training store), and the store it was read from."""
+    if (root := _cohort_root(store)) is not None:
+        return root.attrs["feature_extractor"], str(store)
+    if extractor_from is None:
+        return None, ""
+    if not (Path(extractor_from) / "zarr.json").exists():
+        raise IngestError("no cohort store to take the feature extractor from", path=str(extractor_from))
+    return _open_root(extractor_from, "r").attrs["feature_extractor"], str(extractor_from)
 

@@ -58,7 +58,7 @@ class FeatureTable:
 
     def where(self, row: int) -> str:
         """Where row ``row`` is in the file, for a message: ``line 8`` of a CSV, else ``row 7``."""
-        return f"row {row}" if self.lines is None else f"line {self.lines[row]}"
+        return _where(self.lines, row)
 
     def __post_init__(self) -> None:
         """The shapes every reader must deliver, checked once here: a table whose arrays disagree
@@ -87,14 +87,16 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     import pandas as pd
 
     try:
-        table = pd.read_csv(path, header=None, dtype={bag_column: str}, skip_blank_lines=False)  # '00123' and '0123' are two bags
+        table = pd.read_csv(path, header=None, dtype={bag_column: str})  # '00123' and '0123' are two bags
     except Exception as error:
         raise UnreadableFileError(f"cannot read CSV: {type(error).__name__}: {error}", path=str(path)) from error
+    n_records = len(table)
     table = table[~table.isna().all(axis=1)]  # a spreadsheet's export ends with rows of empty cells: no instance
     while len(table.columns) > 2 and table[table.columns[-1]].isna().all():  # and with columns of them: no feature
         table = table.drop(columns=[table.columns[-1]])
-    lines = table.index.to_numpy() + 1  # every line read (blank ones too): row r of the file is its line r + 1
+    lines = _record_lines(path, table.index.to_numpy(), n_records)
     table = table.reset_index(drop=True)
+
     if bag_column not in table.columns or label_column not in table.columns:
         raise IngestError(f"CSV table has {len(table.columns)} column(s); a MIL CSV is bag label, bag id, features… "
                           "(comma-separated, no header)", path=str(path))
@@ -103,11 +105,11 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
                           "commas): save it comma-separated with decimal points", path=str(path))
     labels = pd.to_numeric(table[label_column], errors="coerce")
     if len(table) > 1 and np.isnan(labels.iloc[0]) and labels.iloc[1:].notna().all():
-        raise IngestError(f"line {lines[0]} ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
+        raise IngestError(f"{_where(lines, 0)} ({', '.join(map(str, table.iloc[0, :4]))}, …) looks like a header: a MIL CSV has none "
                           "(bag label, bag id, features…); remove the first line", path=str(path))
     first = pd.to_numeric(table.iloc[0], errors="coerce").to_numpy(dtype=float)
     if len(table) > 1 and first.size >= 5 and np.array_equal(first, np.arange(first.size)):  # DataFrame(array).to_csv()
-        raise IngestError(f"line {lines[0]} ({', '.join(str(i) for i in range(4))}, …, {first.size - 1}) looks like the header pandas "
+        raise IngestError(f"{_where(lines, 0)} ({', '.join(str(i) for i in range(4))}, …, {first.size - 1}) looks like the header pandas "
                           "writes for an array's columns: a MIL CSV has none (bag label, bag id, features…); remove the "
                           "first line, or save with to_csv(header=False, index=False)", path=str(path))
     if original_label_column is not None and original_label_column not in table.columns:
@@ -118,7 +120,7 @@ def read_mil_csv(path: str | Path, *, label_column: int = 0, bag_column: int = 1
     if not all(pd.api.types.is_numeric_dtype(dtype) for dtype in features.dtypes):  # a cell that is not a number
         numeric = features.apply(pd.to_numeric, errors="coerce")
         for r, c in zip(*np.nonzero(numeric.isna().to_numpy() & features.notna().to_numpy())):
-            problems.setdefault(int(r), f"line {lines[r]}, column {feature_columns[c]}: {features.iat[r, c]!r} is not a number")
+            problems.setdefault(int(r), f"{_where(lines, r)}, column {feature_columns[c] + 1}: {features.iat[r, c]!r} is not a number")
         features = numeric
     with np.errstate(over="ignore"):  # float32 overflow becomes inf, reported per bag at ingest
         X = features.to_numpy(dtype=dtype)
@@ -337,6 +339,19 @@ def read_npz_table(path: str | Path) -> FeatureTable:
                         instance_labels=arrays.get("instance_labels"), original_labels=arrays.get("original_labels"))
 
 
+def _where(lines: np.ndarray | None, row: int) -> str:
+    return f"row {row}" if lines is None else f"line {lines[row]}"
+
+
+def _record_lines(path: str | Path, records: np.ndarray, n_records: int) -> np.ndarray | None:
+    """The 1-based file line of each of the ``records`` (indices among the ``n_records`` records
+    pandas read from a header-less CSV, which skips empty and blank lines), for messages; None where
+    lines and records do not pair up (a quoted cell holding a line break)."""
+    with open(path, "rb") as handle:
+        lines = np.array([n for n, line in enumerate(handle, 1) if line.strip(b" \t\r\n\xef\xbb\xbf")], dtype=np.int64)
+    return lines[records] if lines.size == n_records else None
+
+
 def _bag_id_text(values: np.ndarray, path: str | Path, lines: np.ndarray | None = None) -> np.ndarray:
     """Bag ids as text (object array); a missing one (an empty cell, a null) is an error naming its
     row (a CSV's ``lines``: its line), not a bag called 'nan' or 'None'."""
@@ -466,8 +481,9 @@ def ingest_table(store: str | Path, table, *, name: str | None = None, chunk_row
                         path=table.source, bag_id=bag_id)))
                     continue
                 try:
-                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id, file_rows=file_rows,
-                                       column_names=table.feature_names)
+                    keep = finite_rows(stored, nonfinite, path=table.source, bag_id=bag_id,
+                                       file_rows=file_rows if table.lines is None else table.lines[file_rows],
+                                       file_unit="row" if table.lines is None else "line", column_names=table.feature_names)
                 except NonFiniteFeaturesError as error:
                     skipped.append(Skipped.from_error(error))
                     continue

@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from tasks.ingest.driver import IngestItem, IngestPlan, IngestReport, Skipped, ingested_from_elsewhere, run_ingest, summarise_left_out
+from tasks.ingest.driver import (IngestItem, IngestPlan, IngestReport, Skipped, ingested_from_elsewhere, recorded_extractor, run_ingest,
+                                 summarise_left_out)
 from tasks.ingest.errors import IngestError, NoTissueError
 from tasks.ingest.labels import LabelSpec, ids_without_input, labelled_items, read_panda_labels, split_undecodable
 from tasks.ingest.slide_io import SLIDE_PATTERNS, STRIP_ROWS, SlideReader, find_slides, open_slide, slide_files, slide_id
 from tasks.paths import bag_file
-from tasks.store import CohortSpec, _open_root, committed_bag_count
+from tasks.store import CohortSpec
 
 COORDS_MEANING = "tile_row,tile_col,x,y (x, y: level-0 pixels of the tile's top-left corner)"
 
@@ -492,7 +493,7 @@ def plan_slides(store: str | Path, slides: str | Path | Sequence[str | Path], *,
     from tasks.ingest.features import HandcraftedHE, extractor_from_spec, extractor_spec, needs_fit, trusted_imports
 
     params = params or TilingParams()
-    recorded, recorded_in = _recorded_extractor(store, extractor_from)
+    recorded, recorded_in = recorded_extractor(store, extractor_from)
     if extractor is None and recorded is not None:  # the store's (or the training store's) extractor
         extractor = extractor_from_spec(recorded, source=recorded_in, trusted=trusted)
     extractor = extractor or HandcraftedHE()
@@ -540,19 +541,6 @@ def _unique_stems(paths: Sequence[Path]) -> tuple[list[Path], list[Skipped]]:
                          reason=f"{len(group)} files for one slide id: {', '.join(str(p) for p in group)}; keep one")
                  for stem, group in by_stem.items() if len(group) > 1]
     return unique, ambiguous
-
-
-def _recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> tuple[dict[str, Any] | None, str]:
-    """The extractor spec recorded in ``store`` if it holds a bag, else in ``extractor_from`` if given,
-    and the store it was read from (a store without a committed bag, left by an ingest killed before
-    its first commit, is no cohort's: :func:`~tasks.store.open_or_start_afresh`)."""
-    if (Path(store) / "zarr.json").exists() and "bags" in (root := _open_root(store, "r")) and committed_bag_count(root):
-        return root.attrs["feature_extractor"], str(store)
-    if extractor_from is None:
-        return None, ""
-    if not (Path(extractor_from) / "zarr.json").exists():
-        raise IngestError("no cohort store to take the feature extractor from", path=str(extractor_from))
-    return _open_root(extractor_from, "r").attrs["feature_extractor"], str(extractor_from)
 
 
 def _fit_sample(items: Sequence[IngestItem], params: TilingParams, n_tiles: int, seed: int) -> np.ndarray:
