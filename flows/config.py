@@ -324,9 +324,12 @@ class ModelConfig(_Strict):
             member = ModelConfig.model_validate(gp)
             check_member_gp(MODEL_CLASSES[member.name]())
         defaults = MODEL_CLASSES[self.name]().get_params()
-        for name, value in self.params.items():  # tol: "0.001" met a comparison with a TypeError that names nothing
-            if isinstance(defaults.get(name), (int, float)) and not isinstance(defaults[name], bool) and isinstance(value, str):
-                raise ValueError(f"{self.name}'s {name} must be a number, got the text {value!r}")
+        for name, value in self.params.items():
+            if isinstance(defaults.get(name), bool) and not isinstance(value, bool):  # "false" is a true value
+                raise ValueError(f"{self.name}'s {name} must be true or false, got {value!r}")
+            if isinstance(value, str) and (defaults.get(name) is None or isinstance(defaults[name], (int, float))) and _spells_number(value):
+                # tol: "0.001" met a comparison with a TypeError that named nothing; random_state: "0" failed at fit
+                raise ValueError(f"{self.name}'s {name} must be a number, got the text {value!r} (remove the quotes)")
         try:
             make_model(self)._check_params()  # values too (n_components: 0, hidden: "16"), not after the ingest
         except TypeError as error:
@@ -588,6 +591,14 @@ class PipelineConfig(_Strict):
 
     def prediction_key(self, model_key: str, cohort_fingerprint: str) -> str:
         return _digest({"model": model_key, "cohort": cohort_fingerprint, "prediction": self.prediction_settings()})
+
+
+def _spells_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _digest(payload: dict[str, Any]) -> str:

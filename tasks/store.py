@@ -215,13 +215,13 @@ def create_cohort(path: str | Path, spec: CohortSpec, *, overwrite: bool = False
     """Create an empty cohort store at ``path`` (``overwrite`` replaces an existing one). It is built
     in a hidden folder beside ``path`` and renamed into place: a run killed while creating it left
     a ``zarr.json`` without attributes, which every later run refused as schema version None."""
-    target = Path(path)
+    target = Path(path).resolve()  # a store reached through a link is made in the folder the link names
     for leftover in target.parent.glob(f".{target.name}.creating-*"):  # of a creator killed before its rename
         shutil.rmtree(leftover, ignore_errors=True)
     if target.exists() and (overwrite or not any(target.iterdir())):
         shutil.rmtree(target)
     elif target.exists():
-        raise StoreMismatchError("the folder exists and is not a cohort store: give a new or empty folder", path=str(target))
+        raise StoreMismatchError("the folder exists and is not a cohort store: give a new or empty folder", path=str(path))
     building = target.parent / f".{target.name}.creating-{uuid.uuid4().hex[:12]}"
     target.parent.mkdir(parents=True, exist_ok=True)
     _build_empty_cohort(zarr.open_group(zarr.storage.LocalStore(str(building)), mode="w-", zarr_format=3), spec)
@@ -302,9 +302,7 @@ def open_or_start_afresh(path: str | Path, spec: CohortSpec) -> tuple[zarr.Group
     except (StoreMismatchError, FeatureDimensionError):
         if created or not _holds_no_bag(path):  # a folder that is no store, or a cohort: refused as it was
             raise
-    real = Path(path).resolve()  # a store reached through a link: the folder it names is made again
-    shutil.rmtree(real)
-    create_cohort(real, spec)
+    create_cohort(path, spec, overwrite=True)  # through a link: the folder it names
     return zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+", zarr_format=3), True
 
 

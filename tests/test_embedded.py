@@ -584,9 +584,12 @@ def test_pipeline_config_builds_the_nested_gp_and_names_a_bad_one():
     for params, message in (({"n_components": 0}, "n_components must be a positive integer, got 0"),  # read, not trained
                             ({"hidden": "16"}, r"hidden must be a list of layer widths \(positive integers\), e.g. \[128\], got '16'"),
                             ({"representation": "features"}, "representation must be one of"),
-                            ({"gp": {"name": "VGPMIL", "params": {"n_inducing": 1}}}, "n_inducing must be an integer >= 2, got 1")):
+                            ({"gp": {"name": "VGPMIL", "params": {"n_inducing": 1}}}, "n_inducing must be an integer >= 2, got 1"),
+                            ({"early_stopping": "false"}, "early_stopping must be true or false, got 'false'"),  # read as true
+                            ({"random_state": "0"}, r"random_state must be a number, got the text '0' \(remove the quotes\)")):
         with pytest.raises(ValueError, match=message):
             ModelConfig(name="EmbeddedGPMIL", params=params)
+    ModelConfig(name="EmbeddedGPMIL", params={"gp": {"name": "GVGPMIL", "params": {"H": "auto"}}})  # text a parameter takes
     X, bags, y, _ = make_toy_bags(8, seed=0)
     with pytest.raises(ValueError, match="not VWSGP"):  # the estimator, before its networks train
         EmbeddedGPMIL(VWSGP(), max_epochs=1).fit(X, bags, y)

@@ -282,6 +282,15 @@ def test_only_a_store_without_a_bag_is_made_again_for_other_settings_and_nothing
         open_or_start_afresh(tmp_path / "mine", old)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
+    from tasks.ingest.driver import run_ingest
+
+    (tmp_path / "empty").mkdir()  # a first run through a link to an empty folder, which commits nothing
+    os.symlink(tmp_path / "empty", tmp_path / "empty-link.zarr")
+    run_ingest(tmp_path / "empty-link.zarr", old, [], bag_writer=None)
+    assert (tmp_path / "empty-link.zarr").is_symlink() and not (tmp_path / "empty").exists()  # removed again, the link kept
+    create_cohort(tmp_path / "empty-link.zarr", old)
+    assert open_cohort(tmp_path / "empty-link.zarr").n_bags == 0 and (tmp_path / "empty" / "zarr.json").is_file()
+
     root = zarr.open_group(str(tmp_path / "real.zarr"), mode="r+")
     for bag_id, source in (("gone", tmp_path / "gone.tiff"), ("locked", tmp_path / "locked" / "s.tiff")):
         root["staging"].create_group(bag_id).update_attributes({"bag_id": bag_id, "source": str(source)})

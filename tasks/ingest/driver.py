@@ -335,7 +335,7 @@ class IngestRun:
         if self.created and not committed_bag_count(self.root):
             # a store this run created and filled with nothing would fix its settings (tiling, extractor, feature
             # dimension) for the next run, which a corrected config could then not use
-            shutil.rmtree(self.store)
+            shutil.rmtree(Path(self.store).resolve())  # through a link: the folder it names
             return report
         self.root.attrs["last_ingest"] = {"added": len(self.added), "already_done": len(self.already_done),
                                           "skipped": len(self.skipped), "report": report.report_path,
