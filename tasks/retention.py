@@ -138,9 +138,12 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
     older = [r for r in own if not (r.result in kept_results and r is newest[r.result])]
     ours = {_resolved(s): str(s) for s in stores}
     removed: list[str] = []
+    others = [r for r in records if r.config != config or r.result in kept_results]
+    shared = _uses(others)["reports"]  # report folders that stay: not leased, so that their own runs write them meanwhile
     with ExitStack() as leases:
-        held = [r for r in older if not _report_lease(leases, output_dir / "predictions" / r.prediction_key)]
-        in_use = _uses([r for r in records if r.config != config or r.result in kept_results or r in held])
+        held = [r for r in older if r.prediction_key not in shared
+                and not _report_lease(leases, output_dir / "predictions" / r.prediction_key)]
+        in_use = _uses(others + held)
         for record in older:
             if record in held:
                 continue

@@ -207,6 +207,39 @@ def test_only_this_configurations_older_results_go_and_nothing_a_record_names_ou
         prune_runs(out, "nightly", [ours], keep=0, current=current)
 
 
+def test_the_pruning_leaves_the_report_folders_it_keeps_free_for_their_own_runs(tmp_path, monkeypatch):
+    """Two configurations on one output_dir sharing a result: the nightly one's pruning held the
+    writer lease of every older report folder, the weekly one's too, which it keeps; the weekly run
+    writing its report meanwhile failed (``StoreLockedError: … gpmil keep_runs: removing …``)."""
+    import tasks.retention as retention
+
+    X, bags, y, _ = make_toy_bags(n_bags=8, seed=2)
+    store = write_store(tmp_path / "ours.zarr", X, bags, y)
+    out = tmp_path / "out"
+    for n in (1, 2, 3):
+        (out / "models" / _key(n)).mkdir(parents=True)
+    for n in (101, 102, 103):
+        (out / "predictions" / _key(n)).mkdir(parents=True)
+    runs = out / RUNS
+    _write_record(runs, "01", "nightly", 1, 101, store)  # older, and the weekly configuration's newest result
+    _write_record(runs, "02", "weekly", 1, 101, store)
+    _write_record(runs, "03", "nightly", 2, 102, store)  # older, only nightly's: goes
+    current = _write_record(runs, "04", "nightly", 3, 103, store)
+    attempts = []
+    remove = retention._remove_unused
+
+    def weekly_writes_its_report(*args, **kwargs):  # the weekly run, in another process, while the pruning goes
+        attempts.append(subprocess.run([sys.executable, "-c", "import sys; from tasks.lease import writer_lease\n"
+                                        "with writer_lease(sys.argv[1], 'report 101'): print('written')", str(out / "predictions" / _key(101))],
+                                       capture_output=True, text=True, cwd=Path(__file__).parents[1]))
+        return remove(*args, **kwargs)
+
+    monkeypatch.setattr(retention, "_remove_unused", weekly_writes_its_report)
+    removed = prune_runs(out, "nightly", [store], keep=1, current=current)
+    assert [a.stdout.strip() for a in attempts] == ["written", "written"], [a.stderr[-300:] for a in attempts]
+    assert str(out / "models" / _key(2)) in removed and (out / "predictions" / _key(101)).is_dir()
+
+
 def test_a_prediction_that_comes_while_its_model_is_removed_waits_and_finds_it_gone(tmp_path, monkeypatch):
     """The remover reads the model's readers under the model's writer lease; a prediction whose
     reader lease comes just after that look waits for the lease and meets a folder that is gone
