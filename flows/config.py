@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -594,11 +595,11 @@ class PipelineConfig(_Strict):
 
 
 def _spells_number(text: str) -> bool:
+    """A finite number written as text (YAML's quoted ``"0.001"``; its ``inf`` is text unquoted)."""
     try:
-        float(text)
+        return math.isfinite(float(text))
     except ValueError:
         return False
-    return True
 
 
 def _digest(payload: dict[str, Any]) -> str:

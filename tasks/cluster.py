@@ -163,9 +163,9 @@ def start_cluster(
             raise ClusterSettingError(f"dask.cluster_kwargs.{key}: {cluster_kwargs[key]!r}: {cls.__name__} did not start: "
                                       f"{str(error).strip(chr(39))}") from error
         except RuntimeError as error:  # "Cluster failed to start: …" around what the settings asked for
-            if not cluster_kwargs:
-                raise  # the defaults: not the configuration's to name
-            raise ClusterSettingError(_start_failure(cls.__name__, error, cluster_kwargs)) from error
+            if (failure := _start_failure(cls.__name__, error, cluster_kwargs or {})) is None:
+                raise  # no setting of the configuration's is named (a bug, a dask config file's value): its traceback
+            raise ClusterSettingError(failure) from error
         try:
             if adapt_kwargs:
                 cluster.adapt(**adapt_kwargs)
@@ -238,18 +238,18 @@ def wait_for_first_worker(client: Client, timeout_s: float, cluster: Cluster | N
                                    "queue may need longer)") from None
 
 
-def _start_failure(cluster: str, error: BaseException, settings: Mapping[str, Any]) -> str:
-    """One line for a cluster that did not start with the configuration's ``settings``: the setting
-    the chain of errors quotes (an interface ``ib0``), else all of them, and the innermost reason
-    (Dask wraps it in "Cluster failed to start", "Nanny failed to start")."""
+def _start_failure(cluster: str, error: BaseException, settings: Mapping[str, Any]) -> str | None:
+    """One line for a cluster that did not start because of a setting of the configuration's: the
+    setting an error of the chain names or quotes (an interface ``ib0``, which Dask wraps in
+    "Cluster failed to start") and that error; None when none does."""
     chain = [error]
     while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain and len(chain) < 20:
         chain.append(cause)
-    key = next((k for e in chain if (k := _quoted_setting(e, settings)) is not None), None)
-    reasons = [f"{type(e).__name__}: {e}" for e in chain if str(e).strip()]
-    where = f"dask.cluster_kwargs.{key}: {settings[key]!r}" if key else f"dask.cluster_kwargs {dict(settings)}"
-    hint = "" if key else " (a port in use, an interface, host or memory_limit this machine does not have?)"
-    return f"{where}: {cluster} did not start: {reasons[-1] if reasons else type(error).__name__}{hint}"
+    named = next(((key, e) for e in reversed(chain) if (key := _quoted_setting(e, settings)) is not None), None)  # innermost
+    if named is None:
+        return None
+    key, reason = named
+    return f"dask.cluster_kwargs.{key}: {settings[key]!r}: {cluster} did not start: {type(reason).__name__}: {reason}"
 
 
 def _quoted_setting(error: Exception, settings: Mapping[str, Any]) -> str | None:

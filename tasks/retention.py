@@ -11,9 +11,10 @@ newer prediction).
 
 Only what a record names by its keys is removed, at paths built from the keys (a record is a file
 others can write: an id that is no 16-digit hexadecimal key, a path that does not resolve, or a
-store that is not one of this configuration's, is never followed). Report folders' leases are all
-taken first: a result whose report another process writes stays whole, and so does everything it
-shares with other older results. A result whose model a process is reading (its reader lease,
+store that is not one of this configuration's, is never followed). The leases of the report
+folders that may go (none another configuration's record or a kept result names: those stay, and
+their own runs write them meanwhile) are all taken first: a result whose report another process
+writes stays whole, and so does everything it shares with other older results. A result whose model a process is reading (its reader lease,
 :func:`tasks.lease.reader_lease`) stays whole. Store groups go under the store's writer lease. Any error
 removing (a permission, a damaged store) leaves that result, logged, with its record, for the next
 run; a record is deleted last, so a run killed while removing is finished by the next. The run that
@@ -124,7 +125,7 @@ def prune_runs(output_dir: str | Path, config: str, stores: Iterable[str | Path]
     its older records use: their models, report folders and, in ``stores`` (the configuration's
     store and prediction store; groups in another store stay, and the record with them), their
     training checkpoints and predictions. What any other configuration's record uses stays, and
-    so does everything of a result whose report folder another process holds. Returns what was
+    so does everything of a result whose report folder (one that may go) another process holds. Returns what was
     removed."""
     if keep < 1:
         raise ValueError(f"keep_runs={keep}: keep at least the newest run")
