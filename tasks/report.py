@@ -326,6 +326,8 @@ def scoring_text(bag_kwargs: dict[str, Any] | None, instance_kwargs: dict[str, A
         parts.append(f"rule `{bag_kwargs['rule']}` (`prediction.rule`{instead})")
     elif own:
         parts.append(f"the model's bag rule `{own}`")
+    elif "members" in choices:  # EmbeddedGPMIL: its calibrated ensemble score, not a rule on instance probabilities
+        parts.append("the ensemble's calibrated score (`rule=\"ensemble\"`)")
     if method := bag_kwargs.get("method") or (instance_kwargs or {}).get("method"):
         parts.append(f"method `{method}` (`prediction.method`)")
     return ("Bag probabilities of this prediction: " + "; ".join(parts) + ".") if parts else ""

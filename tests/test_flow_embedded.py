@@ -63,6 +63,7 @@ def test_embedded_gp_mil_trains_saves_as_arrays_and_predicts_from_the_config(tmp
     assert [m["bag_rule"] for m in members] == [gp.bag_rule_ for gp in serial.gps_]
     variances = ", ".join(f"{gp.kernel_.variance:g}" for gp in serial.gps_)
     assert f"Its 2 member GPs chose from their training bags: kernel variances {variances}" in Path(result["report"].path).read_text()
+    assert "Bag probabilities of this prediction: the ensemble's calibrated score" in Path(result["report"].path).read_text()
     for state, serial_state in zip(trained.network_states_, serial.network_states_, strict=True):
         for name, weights in serial_state.items():  # the embeddings fitted on the training cohort, as weights
             np.testing.assert_array_equal(state[name], weights, err_msg=name)
