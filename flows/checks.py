@@ -182,18 +182,17 @@ def _other_cohort_problem(store: Path | str | None, source: str) -> str | None:
     into a store of its own. The same folder's store (a nightly rerun as slides arrive) is fine."""
     if store is None or not (Path(store) / "zarr.json").is_file():
         return None
+    from tasks.ingest.driver import ingested_from_elsewhere
     from tasks.store import open_cohort
 
     try:
-        cohort = open_cohort(store)
+        others = ingested_from_elsewhere(store, source)
     except Exception as error:  # not a cohort store: nothing could be ingested into it
         return f"--store: cannot open {store} as a cohort store: {type(error).__name__}: {error}"
-    inside = Path(source).resolve()
-    others = [(bag_id, bag_source) for bag_id, bag_source in zip(cohort.bag_ids, cohort.sources)
-              if not Path(bag_source).resolve().is_relative_to(inside)]
     if not others:
         return None
-    bag_id, bag_source = others[0]
+    cohort = open_cohort(store)
+    bag_id, bag_source = others[0], dict(zip(cohort.bag_ids, cohort.sources))[others[0]]
     return (f"--store: {store} already holds {len(others)} bag(s) not from --source {source} (e.g. {bag_id!r} from {bag_source}): "
             "the new cohort would be predicted and reported together with them; give --store a new path (or leave it out), "
             f"or predict that store as it is with --store alone")

@@ -369,7 +369,7 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
     constant within a bag, fewer than ``n_splits`` bags of a class."""
     import numpy as np
 
-    from mil_core.validation import check_mil_data
+    from mil_core.validation import check_mil_data, label_problem
     from tasks.ingest.tables import read_mil_csv
 
     table = read_mil_csv(path, dtype=np.float64)  # an unreadable, empty or featureless file: an IngestError naming it
@@ -380,18 +380,18 @@ def _mil_table(path: Path, n_splits: int) -> tuple[Any, Any, Any]:
     if nonfinite.size:
         raise ValueError(f"{path}: {table.where(nonfinite[0])} (bag {table.bag_ids[nonfinite[0]]!r}) has empty, NaN or "
                          f"infinite features ({nonfinite.size} such line(s))")
-    labels = np.asarray(table.labels, dtype=object)
-    numbers = np.array([isinstance(v, (bool, np.bool_)) or isinstance(v, (int, float, np.number)) and np.isfinite(v) for v in labels])
-    bad = np.flatnonzero(~numbers | ~np.isin(np.where(numbers, labels, 0).astype(float), (-1, 0, 1)))
-    if bad.size:
-        first = labels[bad[0]]
+    problem = label_problem(table.labels)
+    if problem is not None and len(problem) == 1:
+        row = problem[0]
+        first = table.labels[row]
         blank = first is None or (isinstance(first, float) and np.isnan(first))
-        cell = "no bag label (an empty cell)" if blank else f"bag label {first:g}" if numbers[bad[0]] else f"bag label {first!r}"
-        raise ValueError(f"{path}: {table.where(bad[0])} (bag {table.bag_ids[bad[0]]!r}) has {cell}: bag labels are 0 or 1 "
-                         f"(or -1 and 1; 1 is positive) ({bad.size} such line(s))")
-    values = np.asarray(labels, dtype=float)
-    if (values == -1).any() and (values == 0).any():  # two conventions in one table: which is the negative label?
-        minus, zero = np.flatnonzero(values == -1)[0], np.flatnonzero(values == 0)[0]
+        cell = "no bag label (an empty cell)" if blank else f"bag label {first:g}" if isinstance(first, (int, float, np.number)) else (
+            f"bag label {first!r}")
+        bad = sum(label_problem([v]) is not None for v in table.labels)
+        raise ValueError(f"{path}: {table.where(row)} (bag {table.bag_ids[row]!r}) has {cell}: bag labels are 0 or 1 "
+                         f"(or -1 and 1; 1 is positive) ({bad} such line(s))")
+    if problem is not None:  # two conventions in one table: which is the negative label?
+        minus, zero = problem
         raise ValueError(f"{path}: bag labels mix -1 ({table.where(minus)}, bag {table.bag_ids[minus]!r}) and 0 "
                          f"({table.where(zero)}, bag {table.bag_ids[zero]!r}): a table's negative bags are all 0 or all -1")
     try:

@@ -310,7 +310,8 @@ class ModelConfig(_Strict):
         if "standardize" in self.params:  # one switch: the pipeline sets the model's from training.standardize
             raise ValueError("standardize is set for the whole cohort in the pipeline: use training.standardize, "
                              "not model.params.standardize")
-        accepted = set(MODEL_CLASSES[self.name]().get_params()) - {"standardize"}
+        defaults = MODEL_CLASSES[self.name]().get_params()
+        accepted = set(defaults) - {"standardize"}
         unknown = sorted(set(self.params) - accepted)
         if unknown:
             raise ValueError(f"{self.name} has no parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(accepted))}")
@@ -320,11 +321,7 @@ class ModelConfig(_Strict):
             gp = self.params["gp"]
             if not isinstance(gp, dict):
                 raise ValueError(f"EmbeddedGPMIL's gp must be a model section {{name: ..., params: {{...}}}}, got {gp!r}")
-            from mil_core.models.embedded import check_member_gp
-
-            member = ModelConfig.model_validate(gp)
-            check_member_gp(MODEL_CLASSES[member.name]())
-        defaults = MODEL_CLASSES[self.name]().get_params()
+            ModelConfig.model_validate(gp)  # its own fields named; whether it can be a member: _check_params below
         for name, value in self.params.items():
             if isinstance(defaults.get(name), bool) and not isinstance(value, bool):  # "false" is a true value
                 raise ValueError(f"{self.name}'s {name} must be true or false, got {value!r}")

@@ -10,8 +10,8 @@ from sklearn.utils.validation import check_array
 from ._backend import array_namespace, is_host_array, like, to_numpy
 from .bags import BagIndex
 
-__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "constant_columns", "feature_names", "standardise",
-           "standardisation"]
+__all__ = ["CONSTANT_STD", "check_features", "check_mil_data", "constant_columns", "feature_names", "label_problem",
+           "standardise", "standardisation"]
 
 CONSTANT_STD = 1e-12
 """A column whose std is below this is constant (public MIL tables hold columns with std ≈ 1e-17),
@@ -129,6 +129,23 @@ def _id_kind(value: Any) -> str:
     return type(value).__name__
 
 
+def label_problem(labels: Any) -> tuple[int] | tuple[int, int] | None:
+    """Where bag labels break the 0/1 (or −1/+1) convention: ``(row,)`` of the first that is no
+    such number (2, text, an empty cell: NaN or None), ``(row of −1, row of 0)`` where both
+    conventions meet; None where they keep one. Booleans are 0 and 1."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind in "biuf":
+        values = labels.astype(np.float64)
+    else:  # a table's cells: numbers, booleans, text, None
+        values = np.array([float(v) if isinstance(v, (bool, np.bool_, int, float, np.number)) else np.nan
+                           for v in labels.ravel()])
+    bad = np.flatnonzero(~np.isin(values, (-1, 0, 1)))
+    if bad.size:
+        return (int(bad[0]),)
+    minus, zero = np.flatnonzero(values == -1), np.flatnonzero(values == 0)
+    return (int(minus[0]), int(zero[0])) if minus.size and zero.size else None
+
+
 def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *, n_features: int | None = None,
                    names: np.ndarray | None = None) -> tuple[Any, BagIndex, np.ndarray | None]:
     """Validate instances, bag ids and (optionally) per-instance bag labels.
@@ -160,19 +177,18 @@ def check_mil_data(X: Any, bag_ids: Any, y: Any | None = None, *, n_features: in
         y = y.astype(np.float64)  # numbers in an object array (a mixed DataFrame's .values column)
     if y.ndim != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"y must be 1-D with one bag label per instance ({X.shape[0]}), got shape {y.shape}")
-    found = np.unique(y)
-    if y.dtype.kind not in "biuf" or not (np.all(np.isin(found, (0, 1))) or np.all(np.isin(found, (-1, 1)))):
-        bad = found[~np.isin(found, (-1, 0, 1))] if y.dtype.kind in "biuf" else found
+    if (problem := label_problem(y)) is not None:
         def bag(row: int) -> str:
             key = bag_ids[row]
             return f"bag {key.item() if isinstance(key, np.generic) else key!r}, row {row}"
 
-        if y.dtype.kind in "biuf" and not bad.size:  # -1 beside 0: two conventions, so which is negative?
-            raise ValueError(f"bag labels mix -1 ({bag(np.flatnonzero(y == -1)[0])}) and 0 ({bag(np.flatnonzero(y == 0)[0])}): "
+        if len(problem) == 2:  # -1 beside 0: two conventions, so which is negative?
+            raise ValueError(f"bag labels mix -1 ({bag(problem[0])}) and 0 ({bag(problem[1])}): "
                              "give the negative bags 0, or all of them -1")
-        first = int(np.flatnonzero(~np.isin(y, (-1, 0, 1)))[0]) if y.dtype.kind in "biuf" else 0
+        found = np.unique(y)
+        bad = found[~np.isin(found, (-1, 0, 1))] if y.dtype.kind in "biuf" else found
         raise ValueError(f"bag labels must be 0 or 1 (or -1 and 1; 1 is positive), found "
-                         f"{(bad if bad.size else found)[:5].tolist()} (the first: {bag(first)})")
+                         f"{bad[:5].tolist()} (the first: {bag(problem[0])})")
     y_sorted = (y[bags.order] == 1).astype(np.int8)
     lo = np.minimum.reduceat(y_sorted, bags.offsets[:-1])
     hi = np.maximum.reduceat(y_sorted, bags.offsets[:-1])

@@ -780,8 +780,9 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
     table = report.bag_table(store, prediction_key, threshold=config.prediction.threshold, top_k=config.prediction.top_k)
     report.write_tables(table, out)
     predictions = read_predictions(store, prediction_key)
-    instance_labels = zarr.open_group(store, mode="r", zarr_format=3)["instances/label"][: cohort.n_instances].astype(int)
-    coords = zarr.open_group(store, mode="r", zarr_format=3)["instances/coords"][: cohort.n_instances]
+    root = zarr.open_group(store, mode="r", zarr_format=3)
+    instance_labels = root["instances/label"][: cohort.n_instances].astype(int)
+    coords = root["instances/coords"][: cohort.n_instances]
 
     trained_on_info = json.loads((Path(model_dir) / "model.json").read_text())
     trained_on = trained_on_info["store"]
@@ -793,7 +794,7 @@ def _write_report(config: PipelineConfig, store: str, model_dir: str, prediction
                 f"{objective}, `{OBJECTIVE_FIGURE}`).", ""]
     if chosen := report.choices_text(trained_on_info.get("choices", {}), trained_on_info.get("chosen_sweeps")):
         sections += [chosen, ""]
-    made = dict(zarr.open_group(store, mode="r", zarr_format=3)[f"predictions/{prediction_key}"].attrs)
+    made = dict(root[f"predictions/{prediction_key}"].attrs)
     if scored := report.scoring_text(made.get("bag_kwargs"), made.get("instance_kwargs"), trained_on_info.get("choices", {})):
         sections += [scored, ""]
     shared = [] if in_sample else _training_bags_in(cohort, trained_on)

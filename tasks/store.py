@@ -300,16 +300,20 @@ def open_or_start_afresh(path: str | Path, spec: CohortSpec) -> tuple[zarr.Group
     try:
         return open_or_create_cohort(path, spec), created
     except (StoreMismatchError, FeatureDimensionError):
-        if created or not _holds_no_bag(path):  # a folder that is no store, or a cohort: refused as it was
+        if created or stored_bag_count(path) != 0:  # a folder that is no store, or a cohort: refused as it was
             raise
     create_cohort(path, spec, overwrite=True)  # through a link: the folder it names
     return zarr.open_group(zarr.storage.LocalStore(str(path)), mode="r+", zarr_format=3), True
 
 
-def _holds_no_bag(path: str | Path) -> bool:
-    """Whether the cohort store at ``path`` has its bag arrays and not one committed bag."""
+def stored_bag_count(path: str | Path) -> int | None:
+    """The committed bags of the cohort store at ``path``; None where there is none (no
+    ``zarr.json``, or a group without the bag arrays). A store of 0 bags is one an ingest killed
+    before its first commit left: no cohort's (:func:`open_or_start_afresh`)."""
+    if not (Path(path) / "zarr.json").exists():
+        return None
     root = zarr.open_group(zarr.storage.LocalStore(str(path), read_only=True), mode="r", zarr_format=3)
-    return "bags" in root and committed_bag_count(root) == 0
+    return committed_bag_count(root) if "bags" in root else None
 
 
 def _half_created(path: str | Path) -> bool:

@@ -241,13 +241,15 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
     def _instance_moments(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.gp_.whiten(X).latent_moments(self.q_)
 
+    def _row_chunks(self, n_rows: int) -> Iterator[slice]:
+        """Row slices of at most 2²² Monte Carlo draws each."""
+        chunk = max(1, (1 << 22) // self.n_mc_samples)
+        return (slice(start, start + chunk) for start in range(0, n_rows, chunk))
+
     def _sample_latent(self, mean: np.ndarray, var: np.ndarray, rng: Any) -> Iterator[tuple[slice, np.ndarray]]:
-        """Yield (row slice, samples (rows, L)) of f* ~ N(mean, var), in chunks of ≤ 2²² draws."""
-        L = self.n_mc_samples
-        chunk = max(1, (1 << 22) // L)
-        for start in range(0, mean.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            yield rows, sample_latent(mean[rows], var[rows], L, rng)
+        """Yield (row slice, samples (rows, L)) of f* ~ N(mean, var), chunk by chunk."""
+        for rows in self._row_chunks(mean.shape[0]):
+            yield rows, sample_latent(mean[rows], var[rows], self.n_mc_samples, rng)
 
     def predict_instance_proba(
         self, X: Any, *, return_std: bool = False, method: Literal["mc", "probit"] = "probit"
@@ -273,9 +275,7 @@ class _LogisticGPMIL(BagRuleChoice, SparseGPMILBase):
         sd = np.zeros_like(p)
         if need_mc:
             z = shared_normal_draws(self.random_state, self.n_mc_samples)  # each row's draws its own moments' only
-            chunk = max(1, (1 << 22) // z.size)
-            for start in range(0, mean.shape[0], chunk):
-                rows = slice(start, start + chunk)
+            for rows in self._row_chunks(mean.shape[0]):
                 s = expit(mean[rows, None] + np.sqrt(var[rows])[:, None] * z)
                 if method == "mc":
                     p[rows] = s.mean(axis=1)

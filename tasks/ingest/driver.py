@@ -58,6 +58,7 @@ from tasks.store import (
     staged_dropped,
     staged_input_stamp,
     staged_status,
+    stored_bag_count,
 )
 
 BagWriter = Callable[["IngestItem", StagingWriter], None]
@@ -397,28 +398,17 @@ def ingested_from_elsewhere(store: str | Path, folder: str | Path) -> list[str]:
     return [bag_id for bag_id, source in zip(cohort.bag_ids, cohort.sources) if not Path(source).resolve().is_relative_to(inside)]
 
 
-def _cohort_root(store: str | Path) -> Any:
-    """The root of the store at ``store`` if it holds a committed bag, else None: a store left by an
-    ingest killed before its first commit is no cohort's (its settings are made again by the next
-    ingest, :func:`~tasks.store.open_or_start_afresh`)."""
-    if not (Path(store) / "zarr.json").exists():
-        return None
-    root = _open_root(store, "r")
-    return root if "bags" in root and committed_bag_count(root) else None
-
-
 def existing_attrs(store: str | Path) -> dict[str, Any] | None:
     """The cohort attributes of the store at ``store``, or None if there is no store yet (or none
-    with a bag)."""
-    root = _cohort_root(store)
-    return None if root is None else dict(root.attrs)
+    with a bag: :func:`~tasks.store.stored_bag_count`)."""
+    return dict(_open_root(store, "r").attrs) if stored_bag_count(store) else None
 
 
 def recorded_extractor(store: str | Path, extractor_from: str | Path | None) -> tuple[dict[str, Any] | None, str]:
     """The extractor spec recorded in ``store`` if it holds a bag, else in ``extractor_from`` if
     given (a new cohort featurised as its training store), and the store it was read from."""
-    if (root := _cohort_root(store)) is not None:
-        return root.attrs["feature_extractor"], str(store)
+    if stored_bag_count(store):
+        return _open_root(store, "r").attrs["feature_extractor"], str(store)
     if extractor_from is None:
         return None, ""
     if not (Path(extractor_from) / "zarr.json").exists():
